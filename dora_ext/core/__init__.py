@@ -1,0 +1,20 @@
+"""The sans-I/O scheduler: events in, actions out. See `scheduler.py`."""
+
+from .actions import (
+    Action, DeliverGroup, Dispatch, LoadVersion, Migrate, ReportError, ReportGroupFailed,
+    RequestGroups, StartStep,
+)
+from .events import (
+    DataExhausted, Event, GroupAdmitted, GroupsDeclined, InstanceFailed, InstanceLoaded,
+    InstanceReady, RewardReady, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
+    TrajectoryFinished, TrajectoryProgressed, VersionPublished,
+)
+from .scheduler import ProtocolError, Scheduler
+
+__all__ = [
+    "Action", "DataExhausted", "DeliverGroup", "Dispatch", "Event", "GroupAdmitted",
+    "GroupsDeclined", "InstanceFailed", "InstanceLoaded", "InstanceReady", "LoadVersion",
+    "Migrate", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
+    "RewardReady", "Scheduler", "StartStep", "TrainerStepFinished", "TrainerStepStarted",
+    "TrajectoryFailed", "TrajectoryFinished", "TrajectoryProgressed", "VersionPublished",
+]

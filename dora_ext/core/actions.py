@@ -1,0 +1,110 @@
+"""Actions: what the scheduler asks a runtime to do. Small, immutable records.
+
+A runtime executes each action and reports back with events (see `events.py`):
+
+| action          | the runtime answers with                                            |
+|-----------------|---------------------------------------------------------------------|
+| RequestGroups   | `GroupAdmitted` per prompt bound (or `GroupsDeclined`/`DataExhausted`) |
+| Dispatch        | `TrajectoryProgressed`*, then `TrajectoryFinished` or `TrajectoryFailed` |
+| LoadVersion     | `InstanceLoaded` (preempted trajectories then continue under the new version) |
+| Migrate         | nothing: the trajectory continues on `dst` and reports as before      |
+| DeliverGroup    | nothing: the trainer may start forward/backward on the group (R7)     |
+| StartStep       | `TrainerStepFinished`, then `VersionPublished(step + 1)`              |
+| ReportGroupFailed / ReportError | nothing: surface it to the user                       |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from .events import GroupId
+
+
+@dataclass(frozen=True, slots=True)
+class RequestGroups:
+    """Admit up to `count` new prompts; their groups get `version` (the newest published)."""
+
+    count: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Generate trajectory `(group_id, index)` on `instance_id`, which holds `version`."""
+
+    group_id: GroupId
+    index: int
+    instance_id: int
+    version: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadVersion:
+    """Load `version` on `instance_id`.
+
+    `preempt` (mode `partial` only) lists trajectories running there: the runtime pauses them,
+    loads the weights and resumes them under the new version (their tokens span versions).
+    In every other mode `preempt` is empty: the instance has drained first (R4).
+    """
+
+    instance_id: int
+    version: int
+    preempt: tuple[tuple[GroupId, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Migrate:
+    """Move running trajectory `(group_id, index)` from `src` to `dst`; both hold `version` (R5)."""
+
+    group_id: GroupId
+    index: int
+    src: int
+    dst: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverGroup:
+    """Group `group_id` is complete and belongs to trainer step `step` (streamed, R7)."""
+
+    group_id: GroupId
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartStep:
+    """Run trainer step `step` over `group_ids` (groups not yet delivered are delivered now)."""
+
+    step: int
+    group_ids: tuple[GroupId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportGroupFailed:
+    """A group exhausted its retries: it is not trained, and the user must hear of it (C2)."""
+
+    group_id: GroupId
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportError:
+    """A trajectory produced an invalid result (e.g. a NaN reward); it is being retried."""
+
+    group_id: GroupId
+    index: int
+    message: str
+
+
+Action = Union[
+    RequestGroups,
+    Dispatch,
+    LoadVersion,
+    Migrate,
+    DeliverGroup,
+    StartStep,
+    ReportGroupFailed,
+    ReportError,
+]

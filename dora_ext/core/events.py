@@ -1,0 +1,145 @@
+"""Events: what a runtime tells the scheduler. Small, immutable records.
+
+Group ids are JSON scalars (int or str) chosen by the runtime (verl's `uid`, slime's group index,
+a counter in the simulator). A trajectory is named by `(group_id, index)` with `0 <= index < n`.
+`attempt` on trajectory events lets the scheduler ignore reports from an earlier attempt (an
+instance that was declared failed but still answers); leave it `None` when the runtime has none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+GroupId = Union[int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReady:
+    """A rollout instance exists (or came back after a failure) with no version loaded."""
+
+    instance_id: int
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoaded:
+    """The instance finished loading `version` (answer to `LoadVersion`)."""
+
+    instance_id: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceFailed:
+    """The instance is gone; its running trajectories are re-dispatched to the same version."""
+
+    instance_id: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAdmitted:
+    """The runtime bound a prompt to a new group (answer to `RequestGroups`).
+
+    `meta` is an optional JSON-able mapping handed to admission hooks (e.g. prompt length).
+    """
+
+    group_id: GroupId
+    meta: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupsDeclined:
+    """The runtime cannot admit `count` of the requested groups now (no prompts ready)."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class DataExhausted:
+    """No prompts will ever come again: train what is admitted (a last short batch if needed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryProgressed:
+    """`tokens` response tokens generated so far (cumulative)."""
+
+    group_id: GroupId
+    index: int
+    tokens: int
+    attempt: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryFinished:
+    """Generation ended (stop token or max length). `reward` may come here or in `RewardReady`.
+
+    `truncated_early` marks a trajectory the runtime cut before its stop token or max length
+    (a C2 violation that is counted, never hidden).
+    """
+
+    group_id: GroupId
+    index: int
+    tokens: int
+    reward: float | None = None
+    attempt: int | None = None
+    truncated_early: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryFailed:
+    """Generation (or its reward) failed; retried up to `max_retries`, then the group fails."""
+
+    group_id: GroupId
+    index: int
+    reason: str = ""
+    attempt: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RewardReady:
+    """The reward of a finished trajectory. None or NaN is an error naming the trajectory."""
+
+    group_id: GroupId
+    index: int
+    reward: float | None
+    attempt: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStepStarted:
+    """The trainer began the optimizer work of `step` (informational)."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStepFinished:
+    """The optimizer step `step` is done; the trainer holds version `step + 1`."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class VersionPublished:
+    """Version `version` may now be loaded by instances (its weights are broadcast)."""
+
+    version: int
+
+
+Event = Union[
+    InstanceReady,
+    InstanceLoaded,
+    InstanceFailed,
+    GroupAdmitted,
+    GroupsDeclined,
+    DataExhausted,
+    TrajectoryProgressed,
+    TrajectoryFinished,
+    TrajectoryFailed,
+    RewardReady,
+    TrainerStepStarted,
+    TrainerStepFinished,
+    VersionPublished,
+]

@@ -136,6 +136,7 @@ class Scheduler:
         self._occupied: dict[int, int] = {}  # bucket -> running on instances targeting it
         self._pool: list = []  # heap of (batch key, complete_seq, gid)
         self._by_version: dict[int, dict[int, None]] = {}  # version -> loaded instances (pinned modes)
+        self._targets: dict[int, int] = {}  # version -> instances loaded with or loading it
         self._pool_fifo = self.mode != "dora"
         self.step_log: list[tuple[int, tuple]] = []
         self.m = {
@@ -202,7 +203,7 @@ class Scheduler:
 
     def live_versions(self) -> list[int]:
         """Versions loaded (or loading) on at least one instance."""
-        return sorted({i.target for i in self.instances.values() if i.target is not None})
+        return sorted(v for v, c in self._targets.items() if c > 0)
 
     def metrics(self) -> dict[str, Any]:
         m = dict(self.m)
@@ -256,7 +257,7 @@ class Scheduler:
         self._dispatch(b)
         if not inst.running:
             self._plan_instance(inst)
-        live = len(self.live_versions())
+        live = sum(1 for c in self._targets.values() if c > 0)
         if live > self.m["live_versions_max"]:
             self.m["live_versions_max"] = live
 
@@ -269,6 +270,8 @@ class Scheduler:
             self._free.get(b, {}).pop(inst.id, None)
         if inst.version is not None:
             self._by_version.get(inst.version, {}).pop(inst.id, None)
+        if inst.target is not None:
+            self._targets[inst.target] -= 1
         del self.instances[inst.id]
         touched = set()
         for gid, idx in inst.running:
@@ -447,6 +450,11 @@ class Scheduler:
             self._by_version.get(inst.version, {}).pop(inst.id, None)
         old = inst.target
         if old is not None:
+            c = self._targets[old] - 1
+            if c:
+                self._targets[old] = c
+            else:
+                del self._targets[old]
             ob = self._bucket(old)
             self._cap[ob] -= inst.capacity
             self._occupied[ob] -= len(inst.running)
@@ -454,6 +462,7 @@ class Scheduler:
         nb = self._bucket(version)
         self._cap[nb] = self._cap.get(nb, 0) + inst.capacity
         self._occupied[nb] = self._occupied.get(nb, 0) + len(inst.running)
+        self._targets[version] = self._targets.get(version, 0) + 1
         inst.loading = version
         self._out.append(A.LoadVersion(inst.id, version, preempt))
 
@@ -473,7 +482,7 @@ class Scheduler:
             return
         out = self.groups
         while heap and free:
-            key, seq, gid = heap[0]
+            seq, gid = heap[0][1], heap[0][2]
             g = out[gid]
             if not g.pending:
                 heapq.heappop(heap)
@@ -493,6 +502,8 @@ class Scheduler:
             if len(inst.running) < inst.capacity:
                 free[iid] = None
             self._out.append(A.Dispatch(gid, idx, iid, inst.version, t.attempt))
+        if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
+            del self._queue[b], self._queued[b]  # keep per-version dicts as short as the live set
 
     def _release(self, g: _Group, idx: int, t: _Traj) -> None:
         """A running trajectory left its instance (finished or failed)."""
@@ -787,6 +798,7 @@ class Scheduler:
             "cap": [[b, c] for b, c in self._cap.items()],
             "occupied": [[b, c] for b, c in self._occupied.items()],
             "by_version": [[b, list(d)] for b, d in self._by_version.items()],
+            "targets": [[b, c] for b, c in self._targets.items()],
             "pool": heap(self._pool),
             "step_log": [[k, list(g)] for k, g in self.step_log],
             "metrics": {**self.m, "staleness_hist": [[k, v] for k, v in self.m["staleness_hist"].items()]},
@@ -825,6 +837,7 @@ class Scheduler:
         self._cap = {b: c for b, c in snap["cap"]}
         self._occupied = {b: c for b, c in snap["occupied"]}
         self._by_version = {b: dict.fromkeys(d) for b, d in snap["by_version"]}
+        self._targets = {b: c for b, c in snap["targets"]}
         self._pool = [(tuple(k), s, gid) for k, s, gid in snap["pool"]]
         self.step_log = [(k, tuple(g)) for k, g in snap["step_log"]]
         m = dict(snap["metrics"])

@@ -1,0 +1,556 @@
+"""A small streaming RL trainer: complete groups in, one optimizer step per batch, weights out.
+
+    trainer = Trainer(policy, TrainerConfig(algorithm="grpo"))
+    for group in groups_of_step_k:            # as the core delivers them (DeliverGroup, R7)
+        trainer.add_group(group)              # forward + backward now, gradients accumulate
+    metrics = trainer.finish_step(k)          # AdamW step on the batch-mean gradient -> version k+1
+    weights = trainer.publish()               # a copy of the new weights for the engines
+
+Why streaming is exact: every loss here is a sum over tokens (or sequences) divided by the
+batch's token (or sequence) count. `add_group` back-propagates the *sum* over its own tokens and
+remembers how many there were; `finish_step` divides the accumulated gradient by the batch total
+before clipping and stepping. Gradients are linear, so this equals the gradient of the batch
+mean, however the batch was split (tested against `batch_loss`, the all-at-once path). GRPO's
+advantages only need the group itself, and SAO's GAE only the trajectory, so nothing else in a
+step depends on the whole batch (which is also why batch-level advantage whitening is not done).
+
+pi_old (the PPO anchor). The trainer takes exactly one optimizer step per batch and computes
+every group's forward with the weights of the current version, i.e. the weights "before the
+update". So:
+  * on-policy data (group version == trainer version): pi_old = pi_rollout, the log-probs the
+    engine reported;
+  * stale data (group version < trainer version): pi_old = the trainer's current weights, which
+    are exactly the weights of this forward pass, so pi_old = logp.detach() without a second
+    forward. The gap pi_old / pi_rollout is then corrected with truncated importance sampling
+    (`correction="tis"`) or decoupled PPO (`correction="decoupled"`); `correction="none"` keeps
+    pi_old = pi_rollout for every group (the naive baseline that clips stale tokens away).
+SAO always measures its ratio against pi_rollout: staleness is what its mask guards against.
+
+Rollout log-probs must come from the same temperature-scaled distribution the engine sampled
+from; `TrainerConfig.temperature` applies the same scaling to the trainer's logits. The policy's
+train/eval mode is left as the caller set it (dropout would make pi_theta differ from pi_rollout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dora_ext.algo.advantages import gae, grpo_advantages, token_rewards, value_loss
+from dora_ext.algo.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    decoupled_ppo_loss,
+    entropy_from_logits,
+    ppo_policy_loss,
+    sao_policy_loss,
+    tis_ppo_loss,
+)
+from dora_ext.config import ConfigError
+
+__all__ = ["ALGORITHMS", "CORRECTIONS", "Trajectory", "TrainerConfig", "Trainer", "default_logits_fn"]
+
+ALGORITHMS = ("grpo", "sao")
+CORRECTIONS = ("none", "tis", "decoupled")
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One generated response, as the rollout engine reports it.
+
+    `rollout_logprobs[i]` is log pi_rollout(response_ids[i] | prompt, response[:i]) under the
+    version that generated it (`version`), after temperature scaling.
+    """
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    rollout_logprobs: Sequence[float]
+    reward: float
+    version: int
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Trainer settings (plain values, nanoGPT style). Invalid values raise `ConfigError`.
+
+    algorithm: "grpo" (group-normalised advantages, PPO clip) or "sao" (single rollout with a
+      value head, GAE, double-side mask). SAO is meant for n = 1 but accepts any n, since each
+      trajectory is its own baseline problem.
+    lr, value_lr (default lr), weight_decay, betas: AdamW; policy and value head get one group each.
+    grad_clip: max global L2 norm, applied separately to the policy and the value head; None = off.
+    clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high] (clip_high None = clip_low).
+    loss_agg_mode: "token-mean" or "seq-mean-token-mean".
+    norm_adv_by_std: GRPO divides by the group std; False gives Dr.GRPO. adv_eps: the std's epsilon.
+    correction: off-policy correction for stale GRPO groups: "none", "tis", "decoupled".
+    is_cap: C of the importance weight. is_cap_mode: "truncate" or "mask" (decoupled only).
+    sao_eps_low, sao_eps_high: SAO's band [1 - eps_low, 1 + eps_high] on pi_theta / pi_rollout.
+    gamma, lam: GAE. value_coef: weight of the value loss. value_clip: value clip range (None = off).
+    entropy_coef: entropy bonus (0 = only reported). temperature: the engine's sampling temperature.
+    pad_id: the token used to pad batches (any valid id; padded positions are masked).
+    """
+
+    algorithm: str = "grpo"
+    lr: float = 1e-4
+    value_lr: float | None = None
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = 1.0
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    loss_agg_mode: str = "token-mean"
+    norm_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+    correction: str = "tis"
+    is_cap: float = 2.0
+    is_cap_mode: str = "truncate"
+    sao_eps_low: float = 0.2
+    sao_eps_high: float = 0.2
+    gamma: float = 1.0
+    lam: float = 1.0
+    value_coef: float = 0.5
+    value_clip: float | None = 0.2
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        def choice(name: str, accepted: Sequence[str]) -> None:
+            if getattr(self, name) not in accepted:
+                raise ConfigError(name, f"unknown value {getattr(self, name)!r}; accepted: {', '.join(accepted)}")
+
+        def number(
+            name: str, lo: float, hi: float = math.inf, *, optional: bool = False, open_lo: bool = False
+        ) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = ok and (v > lo if open_lo else v >= lo) and v <= hi
+            if not ok:
+                left = "(" if open_lo else "["
+                right = "]" if math.isfinite(hi) else ")"
+                none = " or null" if optional else ""
+                raise ConfigError(name, f"expected a number in {left}{lo}, {hi}{right}{none}, got {v!r}")
+
+        choice("algorithm", ALGORITHMS)
+        choice("loss_agg_mode", LOSS_AGG_MODES)
+        choice("correction", CORRECTIONS)
+        choice("is_cap_mode", ("truncate", "mask"))
+        number("lr", 0.0, open_lo=True)
+        number("value_lr", 0.0, open_lo=True, optional=True)
+        number("weight_decay", 0.0)
+        number("grad_clip", 0.0, open_lo=True, optional=True)
+        number("clip_low", 0.0, 1.0)
+        number("clip_high", 0.0, optional=True)
+        number("adv_eps", 0.0, open_lo=True)
+        number("is_cap", 0.0, open_lo=True)
+        number("sao_eps_low", 0.0, 1.0)
+        number("sao_eps_high", 0.0)
+        number("gamma", 0.0, 1.0)
+        number("lam", 0.0, 1.0)
+        number("value_coef", 0.0)
+        number("value_clip", 0.0, open_lo=True, optional=True)
+        number("entropy_coef", 0.0)
+        number("temperature", 0.0, open_lo=True)
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise ConfigError("betas", f"expected two numbers in [0, 1), got {self.betas!r}")
+        if not isinstance(self.norm_adv_by_std, bool):
+            raise ConfigError("norm_adv_by_std", f"expected true or false, got {self.norm_adv_by_std!r}")
+        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or self.pad_id < 0:
+            raise ConfigError("pad_id", f"expected an integer >= 0, got {self.pad_id!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "") -> "TrainerConfig":
+        """Build from a mapping (a recipe's `trainer:` section). Unknown keys are errors."""
+        pre = f"{where}." if where else ""
+        if not isinstance(data, Mapping):
+            raise ConfigError(where or "trainer", f"expected a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"{pre}{key}", f"unknown key; accepted keys are {', '.join(sorted(known))}")
+        values = dict(data)
+        if "betas" in values and isinstance(values["betas"], list):
+            values["betas"] = tuple(values["betas"])
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{pre}{e.field}", str(e).split(": ", 1)[1]) from None
+
+
+def default_logits_fn(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """`model(input_ids)` -> logits `[B, L, V]`; accepts a bare tensor, `(logits, past)` or an
+    object with `.logits` (a transformers `CausalLMOutput`)."""
+    out = model(input_ids)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if hasattr(out, "logits"):
+        out = out.logits
+    return out
+
+
+def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        if name not in obj:
+            raise ValueError(f"trajectory.{name}: missing")
+        return obj[name]
+    if not hasattr(obj, name):
+        raise ValueError(f"trajectory.{name}: missing on {type(obj).__name__}")
+    return getattr(obj, name)
+
+
+def _as_trajectories(group: Any) -> list[Trajectory]:
+    """A group is a sequence of trajectories (dataclass, any object with the fields, or mapping),
+    or an object whose `.trajectories` is one."""
+    items = getattr(group, "trajectories", group)
+    if isinstance(items, Mapping) or not isinstance(items, Iterable):
+        raise ValueError(f"group: expected a sequence of trajectories, got {type(group).__name__}")
+    out = []
+    for i, t in enumerate(items):
+        if isinstance(t, Trajectory):
+            out.append(t)
+            continue
+        try:
+            out.append(Trajectory(**{f.name: _get(t, f.name) for f in dataclasses.fields(Trajectory)}))
+        except ValueError as e:
+            raise ValueError(f"group[{i}].{str(e).split('.', 1)[1]}") from None
+    if not out:
+        raise ValueError("group: expected at least one trajectory, got none")
+    return out
+
+
+@dataclass
+class _Batch:
+    """Right-padded tensors for a list of trajectories."""
+
+    input_ids: Tensor  # [N, L] prompt + response, padded
+    positions: Tensor  # [N, T] index into L of the logits that predict response token t
+    response: Tensor  # [N, T] response ids (pad where mask = 0)
+    mask: Tensor  # [N, T] float 0/1
+    rollout_logp: Tensor  # [N, T]
+    rewards: Tensor  # [N]
+    versions: Tensor  # [N] long
+
+
+class Trainer:
+    """Streaming GRPO / SAO trainer for a causal LM `policy` (see the module docstring).
+
+    Args:
+      policy: the model to train. Its forward is adapted by `logits_fn(policy, input_ids)`.
+      config: `TrainerConfig`.
+      value_head: for SAO, a callable `value_head(input_ids) -> [B, L]` (or `[B, L, 1]`) giving
+        V of the state ending at each position. If it is an `nn.Module`, its parameters that are
+        not also the policy's are trained by their own AdamW group.
+      logits_fn: `(model, input_ids) -> logits [B, L, V]`; default `default_logits_fn`.
+      version: the version the policy's current weights are (0 at the start of training).
+    """
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        config: TrainerConfig | None = None,
+        *,
+        value_head: Callable[[Tensor], Tensor] | None = None,
+        logits_fn: Callable[[nn.Module, Tensor], Tensor] | None = None,
+        version: int = 0,
+    ) -> None:
+        self.config = config or TrainerConfig()
+        if self.config.algorithm == "sao" and value_head is None:
+            raise ConfigError(
+                "value_head", "algorithm 'sao' needs a value head (a callable input_ids -> [B, L] values)"
+            )
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: expected an integer >= 0, got {version!r}")
+        self.policy = policy
+        self.value_head = value_head
+        self.logits_fn = logits_fn or default_logits_fn
+        self.version = version
+        self.policy_params = [p for p in policy.parameters() if p.requires_grad]
+        if not self.policy_params:
+            raise ValueError("policy: has no trainable parameters")
+        seen = {id(p) for p in self.policy_params}
+        self.value_params = []
+        if isinstance(value_head, nn.Module):
+            self.value_params = [p for p in value_head.parameters() if p.requires_grad and id(p) not in seen]
+        c = self.config
+        groups = [{"params": self.policy_params, "lr": c.lr}]
+        if self.value_params:
+            groups.append({"params": self.value_params, "lr": c.value_lr or c.lr})
+        self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
+        self.device = self.policy_params[0].device
+        self._reset_step()
+
+    # ------------------------------------------------------------------ streaming API
+    @property
+    def pending_groups(self) -> int:
+        """Groups added since the last `finish_step`."""
+        return self._groups
+
+    def add_group(self, group: Any) -> dict[str, float]:
+        """Forward and backward one complete group now; gradients accumulate until `finish_step`.
+
+        Returns the group's own metrics (its per-token means), for logging.
+        """
+        trajectories = _as_trajectories(group)
+        batch = self._collate(trajectories)
+        seq_adv = self._group_advantages(batch)
+        units = self._units(batch.mask)
+        loss, metrics = self._loss(batch, seq_adv, denom=1.0)
+        loss.backward()
+        # Bookkeeping in "sum" form so that the step's metrics are batch means.
+        tokens = float(batch.mask.sum())
+        self._groups += 1
+        self._units_total += units
+        self._tokens += tokens
+        self._rewards.extend(float(r) for r in batch.rewards)
+        self._staleness.extend(self.version - int(v) for v in batch.versions)
+        for k, v in metrics.items():
+            if k in _SUM_METRICS:
+                self._sums[k] = self._sums.get(k, 0.0) + v
+            else:  # a per-token fraction or mean over this group's tokens
+                self._sums[k] = self._sums.get(k, 0.0) + v * tokens
+        out = {k: (v / max(units, 1.0) if k in _SUM_METRICS else v) for k, v in metrics.items()}
+        out["loss"] = out.pop("total_loss")
+        return {**out, "tokens": tokens, "reward_mean": float(batch.rewards.mean())}
+
+    def batch_gradients(self) -> dict[str, Tensor]:
+        """The batch-mean gradient accumulated so far (what `finish_step` applies, before clipping).
+
+        Keys are `policy.<name>` and `value.<name>`; a parameter without gradient gets zeros.
+        """
+        d = max(self._units_total, 1.0)
+        out = {}
+        named = [("policy", self.policy)] + ([("value", self.value_head)] if self.value_params else [])
+        value_ids = {id(p) for p in self.value_params}
+        for prefix, module in named:
+            for name, p in module.named_parameters():
+                if prefix == "value" and id(p) not in value_ids:
+                    continue
+                if p.requires_grad:
+                    out[f"{prefix}.{name}"] = (p.grad / d) if p.grad is not None else torch.zeros_like(p)
+        return out
+
+    def finish_step(self, step: int) -> dict[str, float]:
+        """Optimizer step on the groups added since the last step; the policy becomes version step+1.
+
+        `step` must equal the current version (step k consumes a batch and publishes k + 1).
+        Returns the step's metrics: loss, pg_loss, pg_clipfrac, masked_frac (SAO), is_weight_mean
+        and is_truncated_frac (corrections), value_loss (SAO), entropy, reward_mean, grad_norm
+        (policy, before clipping), value_grad_norm (SAO), tokens, groups, trajectories,
+        batch_staleness_mean, batch_staleness_max, version (the new one).
+        """
+        if step != self.version:
+            raise ValueError(f"step: expected {self.version} (the current version), got {step}")
+        if self._groups == 0:
+            raise ValueError(f"step {step}: no group was added; call add_group before finish_step")
+        d = max(self._units_total, 1.0)
+        for p in self.policy_params + self.value_params:
+            if p.grad is not None:
+                p.grad.div_(d)
+        clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy_params, clip))
+        value_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.value_params, clip)) if self.value_params else 0.0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+        tokens = max(self._tokens, 1.0)
+        metrics = {k: (v / d if k in _SUM_METRICS else v / tokens) for k, v in self._sums.items()}
+        metrics["loss"] = metrics.pop("total_loss")
+        metrics.update(
+            reward_mean=sum(self._rewards) / len(self._rewards),
+            grad_norm=grad_norm,
+            tokens=self._tokens,
+            groups=float(self._groups),
+            trajectories=float(len(self._rewards)),
+            batch_staleness_mean=sum(self._staleness) / len(self._staleness),
+            batch_staleness_max=float(max(self._staleness)),
+            version=float(self.version),
+        )
+        if self.value_params:
+            metrics["value_grad_norm"] = value_grad_norm
+        self._reset_step()
+        return metrics
+
+    def train_batch(self, step: int, groups: Iterable[Any]) -> dict[str, float]:
+        """`add_group` for each group, then `finish_step(step)`."""
+        for g in groups:
+            self.add_group(g)
+        return self.finish_step(step)
+
+    @torch.no_grad()
+    def publish(self) -> dict[str, Tensor]:
+        """A copy of the policy's weights (the current version's state_dict), safe to hand to engines
+        while training continues."""
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+
+    # ------------------------------------------------------------------ reference path
+    def batch_loss(self, groups: Iterable[Any]) -> tuple[Tensor, dict[str, float]]:
+        """The whole batch at once: one padded forward, the losses' own batch means.
+
+        It does not touch the accumulated gradients or the optimizer; call `.backward()` on the
+        loss yourself. It is the reference the streaming path is tested against, and serves a host
+        that only ever sees whole batches.
+        """
+        all_traj: list[Trajectory] = []
+        adv_parts = []
+        for g in groups:
+            trajectories = _as_trajectories(g)
+            adv_parts.append(self._group_advantages(self._collate(trajectories, meta_only=True)))
+            all_traj.extend(trajectories)
+        if not all_traj:
+            raise ValueError("groups: expected at least one group, got none")
+        batch = self._collate(all_traj)
+        seq_adv = torch.cat(adv_parts) if self.config.algorithm == "grpo" else None
+        loss, metrics = self._loss(batch, seq_adv, denom=None)
+        metrics["loss"] = metrics.pop("total_loss")
+        return loss, metrics
+
+    # ------------------------------------------------------------------ internals
+    def _reset_step(self) -> None:
+        self._groups = 0
+        self._units_total = 0.0
+        self._tokens = 0.0
+        self._rewards: list[float] = []
+        self._staleness: list[int] = []
+        self._sums: dict[str, float] = {}
+
+    def _units(self, mask: Tensor) -> float:
+        """The batch-mean divisor this part of the batch contributes: tokens, or sequences with a token."""
+        if self.config.loss_agg_mode == "token-mean":
+            return float(mask.sum())
+        return float((mask.sum(dim=1) > 0).sum())
+
+    def _collate(self, trajectories: list[Trajectory], *, meta_only: bool = False) -> _Batch:
+        rows = []
+        for i, t in enumerate(trajectories):
+            prompt, response, logps = list(t.prompt_ids), list(t.response_ids), list(t.rollout_logprobs)
+            if len(prompt) < 1:
+                raise ValueError(f"trajectory[{i}].prompt_ids: expected at least one token")
+            if len(logps) != len(response):
+                raise ValueError(
+                    f"trajectory[{i}].rollout_logprobs: expected one per response token "
+                    f"({len(response)}), got {len(logps)}"
+                )
+            if isinstance(t.version, bool) or not isinstance(t.version, int) or t.version < 0:
+                raise ValueError(f"trajectory[{i}].version: expected an integer >= 0, got {t.version!r}")
+            if t.version > self.version:
+                raise ValueError(
+                    f"trajectory[{i}].version: {t.version} is newer than the trainer's version {self.version}"
+                )
+            if not math.isfinite(float(t.reward)):
+                raise ValueError(f"trajectory[{i}].reward: expected a finite number, got {t.reward!r}")
+            rows.append((prompt, response, logps))
+        n = len(rows)
+        rewards = torch.tensor([float(t.reward) for t in trajectories], device=self.device)
+        versions = torch.tensor([t.version for t in trajectories], dtype=torch.long, device=self.device)
+        if meta_only:
+            empty = torch.zeros(n, 0, device=self.device)
+            return _Batch(empty.long(), empty.long(), empty.long(), empty, empty, rewards, versions)
+        L = max(len(p) + len(r) for p, r, _ in rows)
+        T = max(max(len(r) for _, r, _ in rows), 1)
+        pad = self.config.pad_id
+        input_ids = torch.full((n, L), pad, dtype=torch.long)
+        positions = torch.zeros((n, T), dtype=torch.long)
+        response = torch.full((n, T), pad, dtype=torch.long)
+        mask = torch.zeros((n, T))
+        rollout_logp = torch.zeros((n, T))
+        for b, (p, r, lp) in enumerate(rows):
+            seq = p + r
+            input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            k = len(r)
+            if k:
+                # Logits at position j predict token j + 1: response token t sits at len(p) + t.
+                positions[b, :k] = torch.arange(len(p) - 1, len(p) - 1 + k)
+                response[b, :k] = torch.tensor(r, dtype=torch.long)
+                mask[b, :k] = 1.0
+                rollout_logp[b, :k] = torch.tensor(lp, dtype=torch.float32)
+        to = lambda x: x.to(self.device)  # noqa: E731
+        return _Batch(to(input_ids), to(positions), to(response), to(mask), to(rollout_logp), rewards, versions)
+
+    def _group_advantages(self, batch: _Batch) -> Tensor | None:
+        """GRPO: one advantage per trajectory, from its group. SAO: None (GAE needs the values)."""
+        if self.config.algorithm != "grpo":
+            return None
+        if batch.rewards.shape[0] < 2:
+            raise ValueError(
+                f"group: algorithm 'grpo' needs >= 2 trajectories per group, got {batch.rewards.shape[0]} "
+                "(use algorithm 'sao' with a value head for single rollouts)"
+            )
+        return grpo_advantages(
+            batch.rewards[None, :], norm_by_std=self.config.norm_adv_by_std, eps=self.config.adv_eps
+        )[0]
+
+    def _loss(self, batch: _Batch, seq_adv: Tensor | None, denom: float | None) -> tuple[Tensor, dict[str, float]]:
+        c = self.config
+        logits = self.logits_fn(self.policy, batch.input_ids)
+        if logits.dim() != 3 or logits.shape[:2] != batch.input_ids.shape:
+            raise ValueError(
+                f"logits_fn: expected logits of shape [{batch.input_ids.shape[0]}, {batch.input_ids.shape[1]}, V], "
+                f"got {tuple(logits.shape)}"
+            )
+        idx = batch.positions[:, :, None].expand(-1, -1, logits.shape[-1])
+        resp_logits = logits.gather(1, idx).float() / c.temperature  # [N, T, V]
+        logp_all = torch.log_softmax(resp_logits, dim=-1)
+        logp = logp_all.gather(2, batch.response[:, :, None]).squeeze(2)
+        mask = batch.mask
+        kw = dict(loss_agg_mode=c.loss_agg_mode, denom=denom)
+        metrics: dict[str, float] = {}
+
+        if c.algorithm == "grpo":
+            assert seq_adv is not None
+            stale = (batch.versions < self.version)[:, None]
+            if c.correction == "none":
+                pg, m = ppo_policy_loss(logp, batch.rollout_logp, seq_adv, mask,
+                                        clip_low=c.clip_low, clip_high=c.clip_high, **kw)
+            else:
+                # pi_old: the engine's log-probs when on-policy, this very forward (the weights
+                # before the update) when stale. See the module docstring.
+                old = torch.where(stale, logp.detach(), batch.rollout_logp)
+                if c.correction == "tis":
+                    pg, m = tis_ppo_loss(logp, old, batch.rollout_logp, seq_adv, mask, cap=c.is_cap,
+                                         clip_low=c.clip_low, clip_high=c.clip_high, **kw)
+                else:
+                    pg, m = decoupled_ppo_loss(logp, old, batch.rollout_logp, seq_adv, mask, cap=c.is_cap,
+                                               cap_mode=c.is_cap_mode, clip_low=c.clip_low,
+                                               clip_high=c.clip_high, **kw)
+            total = pg
+            metrics.update(m)
+        else:
+            assert self.value_head is not None
+            values = self.value_head(batch.input_ids)
+            if values.dim() == 3 and values.shape[-1] == 1:
+                values = values.squeeze(-1)
+            if values.shape != batch.input_ids.shape:
+                raise ValueError(
+                    f"value_head: expected values of shape {tuple(batch.input_ids.shape)} (or [..., 1]), "
+                    f"got {tuple(values.shape)}"
+                )
+            values = values.gather(1, batch.positions).float()  # V of the state before token t
+            adv, returns = gae(token_rewards(batch.rewards, mask), values.detach(), mask, c.gamma, c.lam)
+            pg, m = sao_policy_loss(logp, batch.rollout_logp, adv, mask,
+                                    eps_low=c.sao_eps_low, eps_high=c.sao_eps_high, **kw)
+            # Old values = this forward's (one update per batch), so the clip bounds the step's move.
+            vf, vm = value_loss(values, values.detach(), returns, mask, c.value_clip, **kw)
+            total = pg + c.value_coef * vf
+            metrics.update(m)
+            metrics.update(vm)
+            metrics["advantage_mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1.0))
+
+        ent_tok = entropy_from_logits(resp_logits if c.entropy_coef > 0 else resp_logits.detach())
+        if c.entropy_coef > 0:
+            ent = agg_loss(ent_tok, mask, c.loss_agg_mode, denom)
+            total = total - c.entropy_coef * ent
+        metrics["entropy"] = float((ent_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
+        metrics["total_loss"] = float(total.detach())
+        return total, metrics
+
+
+#: Metrics that are sums over the batch divisor (losses); the others are per-token means.
+_SUM_METRICS = frozenset({"pg_loss", "value_loss", "total_loss"})

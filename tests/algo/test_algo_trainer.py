@@ -1,0 +1,328 @@
+"""The streaming trainer on a real (tiny, random-initialised) torch language model.
+
+The model is defined here on purpose, independent of `dora_ext.models`, so that these tests
+exercise only the trainer. Rollouts are either fixed responses with log-probs recomputed by an
+independent per-sequence loop, or real samples drawn from the model.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dora_ext.algo.trainer import Trainer, TrainerConfig, Trajectory
+from dora_ext.config import ConfigError
+
+VOCAB = 8
+
+
+class TinyLM(nn.Module):
+    """Embedding -> GRU -> vocabulary logits: causal, so right padding never changes real positions."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16, out: int | None = None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.rnn = nn.GRU(dim, dim, batch_first=True)
+        self.head = nn.Linear(dim, out or vocab)
+
+    def forward(self, ids):
+        h, _ = self.rnn(self.emb(ids))
+        return self.head(h)
+
+
+class TinyValue(TinyLM):
+    def __init__(self):
+        super().__init__(out=1)
+
+
+def make(seed: int = 0, value: bool = False):
+    torch.manual_seed(seed)
+    policy = TinyLM()
+    return (policy, TinyValue()) if value else (policy, None)
+
+
+@torch.no_grad()
+def seq_logprobs(model, prompt, response, temperature=1.0):
+    """log pi(response | prompt), one unpadded sequence at a time (independent of the trainer's gather)."""
+    ids = torch.tensor([prompt + response])
+    logits = model(ids)[0] / temperature
+    lp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(response)], dim=-1)
+    return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).tolist()
+
+
+def traj(model, prompt, response, reward, version, noise=0.0, gen=None):
+    lps = seq_logprobs(model, prompt, response)
+    if noise:
+        lps = [x + noise * float(torch.randn((), generator=gen)) for x in lps]
+    return Trajectory(prompt, response, lps, reward, version)
+
+
+def mixed_groups(model, n: int, seed: int = 0):
+    """Groups of varied prompt/response lengths, rewards, and versions 0..2; rollout log-probs are
+    perturbed so that PPO clipping, IS truncation and SAO masking all engage."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(4):
+        rows = []
+        prompt = [int(x) for x in torch.randint(1, VOCAB, (1 + g,), generator=gen)]
+        for i in range(n):
+            length = 1 + (3 * g + 2 * i) % 5
+            response = [int(x) for x in torch.randint(0, VOCAB, (length,), generator=gen)]
+            reward = float(torch.rand((), generator=gen))
+            rows.append(traj(model, prompt, response, reward, version=g % 3, noise=0.4, gen=gen))
+        groups.append(rows)
+    return groups
+
+
+CASES = [
+    dict(algorithm="grpo", correction="tis"),
+    dict(algorithm="grpo", correction="decoupled", is_cap_mode="mask", loss_agg_mode="seq-mean-token-mean"),
+    dict(algorithm="grpo", correction="none", norm_adv_by_std=False),
+    dict(algorithm="sao"),
+    dict(algorithm="sao", loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_streaming_gradient_equals_whole_batch_gradient(case):
+    cfg = TrainerConfig(**case)
+    policy, value = make(1, value=cfg.algorithm == "sao")
+    n = 1 if cfg.algorithm == "sao" else 3
+    groups = mixed_groups(policy, n)
+    streamed = Trainer(copy.deepcopy(policy), cfg, value_head=copy.deepcopy(value), version=2)
+    for g in groups:
+        streamed.add_group(g)
+    got = streamed.batch_gradients()
+
+    ref = Trainer(copy.deepcopy(policy), cfg, value_head=copy.deepcopy(value), version=2)
+    loss, metrics = ref.batch_loss(groups)
+    loss.backward()
+    # The reference really exercises the non-trivial branches.
+    assert metrics.get("pg_clipfrac", 0) > 0 or metrics.get("masked_frac", 0) > 0
+    want = ref.batch_gradients()  # nothing streamed into ref: divisor 1, its grads are the batch mean's
+    assert got.keys() == want.keys() and len(got) > 0
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert any(float(g.abs().sum()) > 0 for g in got.values())
+
+    # The step's metrics are the batch means too, and it clips the batch-mean gradient.
+    norm = torch.sqrt(sum((g**2).sum() for k, g in got.items() if k.startswith("policy.")))
+    step = streamed.finish_step(2)
+    assert step["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    assert step["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
+    for key in ("pg_clipfrac", "masked_frac", "value_loss", "entropy"):
+        if key in metrics:
+            assert step[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_grouping_does_not_change_the_gradient():
+    """The order in which groups stream in does not change the step's gradient."""
+    cfg = TrainerConfig(algorithm="grpo")
+    policy, _ = make(2)
+    groups = mixed_groups(policy, 2, seed=3)
+    a = Trainer(copy.deepcopy(policy), cfg, version=2)
+    for g in reversed(groups):
+        a.add_group(g)
+    b = Trainer(copy.deepcopy(policy), cfg, version=2)
+    for g in groups:
+        b.add_group(g)
+    for name, grad in a.batch_gradients().items():
+        torch.testing.assert_close(grad, b.batch_gradients()[name], rtol=1e-5, atol=1e-7)
+
+
+A, B, C = [1, 2, 3], [4, 4, 5], [6, 7, 1]
+PROMPTS = ([1, 2], [3])
+
+
+def logp_sum(model, prompt, response):
+    return sum(seq_logprobs(model, prompt, response))
+
+
+def test_grpo_learns_from_rewards():
+    """On-policy GRPO steps raise the log-prob of the rewarded response and lower the others."""
+    policy, _ = make(4)
+    trainer = Trainer(policy, TrainerConfig(algorithm="grpo", lr=1e-2))
+    rewards = {tuple(A): 1.0, tuple(B): 0.0, tuple(C): 0.0}
+    before = {(tuple(p), tuple(r)): logp_sum(policy, p, r) for p in PROMPTS for r in (A, B, C)}
+    for step in range(6):
+        for p in PROMPTS:
+            trainer.add_group([traj(policy, p, r, rewards[tuple(r)], trainer.version) for r in (A, B, C)])
+        m = trainer.finish_step(step)
+        assert m["version"] == step + 1 and m["batch_staleness_max"] == 0
+    after = {k: logp_sum(policy, *k) for k in before}
+    for p in PROMPTS:
+        key = lambda r: (tuple(p), tuple(r))  # noqa: E731
+        assert after[key(A)] > before[key(A)] + 0.5
+        assert after[key(B)] < before[key(B)]
+        assert after[key(C)] < before[key(C)]
+    weighted = lambda d: sum(rewards[k[1]] * v for k, v in d.items())  # noqa: E731
+    assert weighted(after) > weighted(before)
+
+
+def test_sao_learns_from_rewards_with_value_head():
+    """SAO (n=1 groups, GAE over a value head, double-side mask) raises the rewarded response's
+    log-prob, and the value head moves toward the returns."""
+    policy, value = make(5, value=True)
+    trainer = Trainer(policy, TrainerConfig(algorithm="sao", lr=1e-2, value_lr=1e-2), value_head=value)
+    before_a = logp_sum(policy, PROMPTS[0], A)
+    first = None
+    for step in range(8):
+        trainer.add_group([traj(policy, PROMPTS[0], A, 1.0, trainer.version)])
+        trainer.add_group([traj(policy, PROMPTS[0], B, 0.0, trainer.version)])
+        m = trainer.finish_step(step)
+        first = first or m
+        assert m["masked_frac"] == 0.0  # on-policy: every ratio is 1
+    assert logp_sum(policy, PROMPTS[0], A) > before_a + 0.5
+    assert m["value_loss"] < first["value_loss"]
+
+
+def test_grpo_on_sampled_rollouts_raises_reward():
+    """Real sampling from the model: reward = share of response tokens equal to 3. After a few
+    steps the policy samples token 3 more often than at the start (expectation, not a sample)."""
+    policy, _ = make(6)
+    trainer = Trainer(policy, TrainerConfig(algorithm="grpo", lr=3e-2))
+    gen = torch.Generator().manual_seed(0)
+
+    @torch.no_grad()
+    def p_target():
+        return float(torch.softmax(policy(torch.tensor([[1, 2]]))[0, -1], -1)[3])
+
+    @torch.no_grad()
+    def sample(prompt, length=4):
+        ids, lps = list(prompt), []
+        for _ in range(length):
+            lp = torch.log_softmax(policy(torch.tensor([ids]))[0, -1], -1)
+            tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
+            ids.append(tok)
+            lps.append(float(lp[tok]))
+        return ids[len(prompt):], lps
+
+    start = p_target()
+    for step in range(8):
+        for _ in range(2):
+            rows = []
+            for _ in range(6):
+                resp, lps = sample([1, 2])
+                rows.append(Trajectory([1, 2], resp, lps, resp.count(3) / len(resp), trainer.version))
+            trainer.add_group(rows)
+        trainer.finish_step(step)
+    assert p_target() > start + 0.2
+
+
+def test_deterministic_for_a_seed():
+    def run():
+        policy, value = make(7, value=True)
+        t = Trainer(policy, TrainerConfig(algorithm="sao"), value_head=value)
+        groups = [[g[0]] for g in mixed_groups(policy, 1, seed=9)]
+        metrics = t.train_batch(0, [g for g in groups if g[0].version == 0])
+        return t.publish(), metrics
+
+    (w1, m1), (w2, m2) = run(), run()
+    assert m1 == m2
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_publish_is_a_copy_and_versions_advance():
+    policy, _ = make(8)
+    t = Trainer(policy, TrainerConfig(lr=1e-2))
+    v0 = t.publish()
+    groups = [g for g in mixed_groups(policy, 2) if g[0].version == 0]
+    m = t.train_batch(0, groups)
+    assert t.version == 1 and m["version"] == 1.0
+    v1 = t.publish()
+    assert any(not torch.equal(v0[k], v1[k]) for k in v0)  # the step changed weights ...
+    assert all(torch.equal(v0[k], make(8)[0].state_dict()[k]) for k in v0)  # ... not the old copy
+    for key in ("loss", "pg_clipfrac", "reward_mean", "grad_norm", "tokens", "is_weight_mean"):
+        assert key in m
+    assert m["tokens"] == sum(len(t.response_ids) for g in groups for t in g)
+
+
+def test_adapts_tuple_outputs_and_custom_logits_fn():
+    class WithPast(TinyLM):
+        def forward(self, ids):
+            return super().forward(ids), None
+
+    torch.manual_seed(0)
+    model = WithPast()
+    rows = [Trajectory([1], [2, 3], [-2.0, -2.0], 1.0, 0), Trajectory([1], [4], [-2.0], 0.0, 0)]
+    assert Trainer(model).add_group(rows)["tokens"] == 3.0
+    calls = []
+
+    def logits_fn(m, ids):
+        calls.append(ids.shape)
+        return m(ids)[0]
+
+    Trainer(model, logits_fn=logits_fn).add_group([dict(t.__dict__) for t in rows])  # mappings accepted
+    assert calls == [(2, 3)]
+
+
+def test_bad_input_is_refused_with_the_field_named():
+    policy, value = make(9, value=True)
+    t = Trainer(policy, version=1)
+    good = Trajectory([1], [2, 3], [-1.0, -1.0], 1.0, 1)
+    with pytest.raises(ValueError, match=r"rollout_logprobs"):
+        t.add_group([good, Trajectory([1], [2, 3], [-1.0], 0.0, 1)])
+    with pytest.raises(ValueError, match=r"version: 2 is newer"):
+        t.add_group([good, Trajectory([1], [2], [-1.0], 0.0, 2)])
+    with pytest.raises(ValueError, match=r"prompt_ids"):
+        t.add_group([good, Trajectory([], [2], [-1.0], 0.0, 1)])
+    with pytest.raises(ValueError, match=r"needs >= 2 trajectories"):
+        t.add_group([good])
+    with pytest.raises(ValueError, match=r"reward"):
+        t.add_group([good, dict(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0], version=1)])
+    with pytest.raises(ValueError, match=r"no group was added"):
+        t.finish_step(1)
+    t.add_group([good, good])
+    with pytest.raises(ValueError, match=r"step: expected 1"):
+        t.finish_step(0)
+    with pytest.raises(ConfigError, match="value_head"):
+        Trainer(policy, TrainerConfig(algorithm="sao"))
+    with pytest.raises(ConfigError, match="algorithm"):
+        TrainerConfig(algorithm="ppo")
+    with pytest.raises(ConfigError, match="trainer.clip_low"):
+        TrainerConfig.from_dict({"clip_low": 2.0}, where="trainer")
+    with pytest.raises(ConfigError, match="trainer.lr_warmup"):
+        TrainerConfig.from_dict({"lr_warmup": 3}, where="trainer")
+    bad_value = Trainer(policy, TrainerConfig(algorithm="sao"), value_head=lambda ids: ids.float()[:, :1])
+    with pytest.raises(ValueError, match="value_head"):
+        bad_value.add_group([Trajectory([1], [2], [-1.0], 1.0, 0)])
+
+
+def test_stale_group_uses_current_weights_as_pi_old():
+    """pi_old rule: on-policy -> the engine's log-probs; stale -> the trainer's current weights.
+
+    The group's rollout log-probs are the model's own minus log 3 (pi_theta / pi_rollout = 3 on
+    every token). Stale under "tis": ratio against pi_old is 1 (nothing clipped) and the weight
+    min(3, C=2) = 2 on every token, so the gradient is exactly 2x that of the same group
+    on-policy with exact log-probs. Under "none" (pi_old = pi_rollout) every token with A > 0 is
+    clipped. Decoupled with cap_mode "mask" drops every token (weight 3 > 2): zero gradient.
+    """
+    import math
+
+    policy, _ = make(10)
+    prompt, responses, rewards = [1, 2], [A, B, C], [1.0, 0.0, 0.5]
+    exact = [traj(policy, prompt, r, w, version=0) for r, w in zip(responses, rewards)]
+    shifted = [Trajectory(t.prompt_ids, t.response_ids, [x - math.log(3) for x in t.rollout_logprobs],
+                          t.reward, 0) for t in exact]
+
+    def grads(cfg, rows, version):
+        tr = Trainer(copy.deepcopy(policy), cfg, version=version)
+        m = tr.add_group(rows)
+        return tr.batch_gradients(), m
+
+    on, _ = grads(TrainerConfig(correction="tis", is_cap=2.0), exact, version=0)
+    stale, m = grads(TrainerConfig(correction="tis", is_cap=2.0), shifted, version=1)
+    assert m["pg_clipfrac"] == 0.0 and m["is_truncated_frac"] == 1.0
+    assert m["is_weight_mean"] == pytest.approx(2.0)
+    for k in on:
+        torch.testing.assert_close(stale[k], 2 * on[k], rtol=1e-4, atol=1e-7)
+
+    _, m = grads(TrainerConfig(correction="none"), shifted, version=1)
+    # A > 0 for the reward-1 response only (3 of 9 tokens): clipped at 1 + 0.2.
+    assert m["pg_clipfrac"] == pytest.approx(3 / 9)
+    _, m = grads(TrainerConfig(correction="tis"), shifted, version=0)  # same data, on-policy: pi_old = pi_rollout
+    assert m["pg_clipfrac"] == pytest.approx(3 / 9) and m["is_weight_mean"] == pytest.approx(1.0)
+
+    masked, _ = grads(TrainerConfig(correction="decoupled", is_cap=2.0, is_cap_mode="mask"), shifted, version=1)
+    assert all(float(g.abs().max()) == 0.0 for g in masked.values())

@@ -1,0 +1,63 @@
+"""The config object: defaults, YAML, CLI overrides, and errors that name the field."""
+
+import pytest
+
+from dora_ext.config import ConfigError, DoraConfig
+
+
+def test_defaults_and_round_trip():
+    cfg = DoraConfig.from_dict({"mode": "dora", "instances": 3, "capacity": 5})
+    assert cfg.max_staleness == 2 and cfg.total_capacity == 15
+    assert DoraConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_group_size_one_is_sao_single_rollout():
+    assert DoraConfig.from_dict({"group_size": 1}).group_size == 1
+
+
+@pytest.mark.parametrize(
+    "data, field, words",
+    [
+        ({"max_staleness": -1}, "max_staleness", ">= 0"),
+        ({"group_size": 0}, "group_size", ">= 1"),
+        ({"batch_size": 0}, "batch_size", ">= 1"),
+        ({"batch_size": "8"}, "batch_size", "integer"),
+        ({"mode": "fast"}, "mode", "sync, one_step_off, partial, pipeline, dora"),
+        ({"mode": "sync", "max_staleness": 1}, "max_staleness", "requires max_staleness=0"),
+        ({"mode": "pipeline", "max_staleness": 2}, "max_staleness", "requires max_staleness=0"),
+        ({"mode": "dora", "max_staleness": 0}, "max_staleness", ">= 1"),
+        ({"stalenes": 1}, "stalenes", "accepted keys"),
+        ({"instances": 0}, "instances", ">= 1"),
+        ({"instances": [{"capacity": 0}]}, "instances[0].capacity", ">= 1"),
+        ({"instances": [{"cap": 3}]}, "instances[0]", "capacity"),
+        ({"migrate_threshold": 2}, "migrate_threshold", "(0, 1]"),
+        ({"max_retries": -1}, "max_retries", ">= 0"),
+    ],
+)
+def test_invalid_values_name_the_field_and_the_accepted_values(data, field, words):
+    with pytest.raises(ConfigError) as err:
+        DoraConfig.from_dict(data)
+    assert err.value.field == field
+    assert str(err.value).startswith(field + ":")
+    assert words in str(err.value)
+
+
+def test_where_prefixes_the_field_for_host_configs():
+    with pytest.raises(ConfigError, match=r"^dora\.max_staleness:"):
+        DoraConfig.from_dict({"max_staleness": -2}, where="dora")
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("dora:\n  mode: pipeline\n  batch_size: 4\n  instances: 2\n  capacity: 3\n")
+    cfg = DoraConfig.from_yaml(str(p), key="dora")
+    assert (cfg.mode, cfg.max_staleness, cfg.batch_size, cfg.total_capacity) == ("pipeline", 0, 4, 6)
+    cfg2 = cfg.with_overrides(["mode=dora", "max_staleness=3", "capacity=4"])
+    assert (cfg2.mode, cfg2.max_staleness, cfg2.total_capacity) == ("dora", 3, 8)
+    with pytest.raises(ConfigError, match="key=value"):
+        cfg.with_overrides(["mode"])
+    with pytest.raises(ConfigError, match="^bogus:"):
+        cfg.with_overrides(["bogus=1"])
+    p.write_text("other: {}\n")
+    with pytest.raises(ConfigError, match="missing section 'dora'"):
+        DoraConfig.from_yaml(str(p), key="dora")

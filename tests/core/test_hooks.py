@@ -1,0 +1,102 @@
+"""Policies are pluggy hooks; third-party plugins load from the `dora_ext` entry-point group."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dora_ext import hookimpl
+from dora_ext.config import DoraConfig
+from dora_ext.core import Dispatch
+from dora_ext.plugins import get_plugin_manager
+from dora_ext.testing import RandomDriver
+
+CFG = {"mode": "pipeline", "batch_size": 3, "group_size": 1, "instances": 1, "capacity": 1}
+
+PROGRAM = textwrap.dedent(
+    """
+    import json
+    from dora_ext.config import DoraConfig
+    from dora_ext.core import Dispatch, GroupAdmitted, InstanceLoaded, LoadVersion, RequestGroups, Scheduler
+    from dora_ext.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    s = Scheduler(DoraConfig.from_dict(%r), plugins=pm)
+    order, todo = [], list(s.start())
+    # bind the prompts before the instance finishes loading, so all three groups queue
+    todo.sort(key=lambda a: not isinstance(a, RequestGroups))
+    while todo:
+        a = todo.pop(0)
+        if isinstance(a, LoadVersion):
+            todo += s.handle(InstanceLoaded(a.instance_id, a.version))
+        elif isinstance(a, RequestGroups):
+            for gid in range(a.count):
+                todo += s.handle(GroupAdmitted(gid))
+        elif isinstance(a, Dispatch):
+            order.append(a.group_id)
+    print(json.dumps({"plugins": sorted(n for n, _ in pm.list_name_plugin()), "first": order}))
+    """
+) % (CFG,)
+
+
+def test_every_hook_has_a_documented_spec_and_a_default():
+    pm = get_plugin_manager(load_entrypoints=False)
+    for name in ("dora_admission_key", "dora_batch_key", "dora_plan_migration", "dora_metrics"):
+        caller = getattr(pm.hook, name)
+        assert caller.spec is not None and caller.spec.function.__doc__
+    assert "dora_ext.defaults" in dict(pm.list_name_plugin())
+
+
+def test_a_registered_plugin_changes_admission_order():
+    class LastFirst:
+        @hookimpl
+        def dora_admission_key(self, group_id, version, seq, meta, mode):
+            return (-seq,)
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(LastFirst())
+    d = RandomDriver(DoraConfig.from_dict({**CFG, "max_steps": 2}), seed=1, plugins=pm)
+    d.start()
+    d.run(2)
+    # all three groups queue while the only instance loads; the plugin serves the last one first
+    assert d.stats.steps[0][1] == (2, 1, 0)
+
+
+def test_plugin_installed_through_a_real_entry_point(tmp_path):
+    pkg = tmp_path / "plugin_src"
+    (pkg / "reverse_admission").mkdir(parents=True)
+    (pkg / "reverse_admission" / "__init__.py").write_text(
+        "from dora_ext import hookimpl\n\n"
+        "@hookimpl\n"
+        "def dora_admission_key(group_id, version, seq, meta, mode):\n"
+        "    return (-seq,)\n"
+    )
+    (pkg / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "reverse-admission"\nversion = "0.0.1"\n'
+        '[project.entry-points.dora_ext]\nreverse = "reverse_admission"\n'
+        '[tool.setuptools]\npackages = ["reverse_admission"]\n'
+    )
+    site = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(pkg)],
+        capture_output=True, text=True,
+    )
+    if r.returncode != 0:
+        pytest.fail(f"could not install the test plugin distribution: {r.stderr[-2000:]}")
+    env_with = {"PYTHONPATH": str(site)}
+    import os
+
+    def run(extra):
+        out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
+                             env={**os.environ, **extra}, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    plain = run({})
+    plugged = run(env_with)
+    assert "reverse" in plugged["plugins"] and "reverse" not in plain["plugins"]
+    assert plain["first"] == [0]  # default: admission order, group 0 takes the only slot
+    assert plugged["first"] == [2]  # the plugin reverses it

@@ -1,0 +1,266 @@
+"""Example tests, one or more per scheduling rule R1-R7 of design.md, on hand-built scenarios.
+
+Each test drives the scheduler event by event, the way a runtime would, and inspects the actions.
+"""
+
+import pytest
+
+from dora_ext.config import DoraConfig
+from dora_ext.core import (
+    DeliverGroup, Dispatch, GroupAdmitted, InstanceFailed, InstanceLoaded, LoadVersion, Migrate,
+    ProtocolError, ReportError, ReportGroupFailed, RequestGroups, RewardReady, Scheduler, StartStep,
+    TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
+)
+
+
+class Harness:
+    """Feeds events, answers RequestGroups/LoadVersion at once, remembers every action."""
+
+    def __init__(self, **cfg):
+        self.s = Scheduler(DoraConfig.from_dict(cfg))
+        self.log: list = []
+        self.next_gid = 0
+        self.running: dict = {}  # (gid, idx) -> (instance, version)
+        self.feed_actions(self.s.start())
+
+    def feed_actions(self, actions):
+        for a in actions:
+            self.log.append(a)
+            if isinstance(a, RequestGroups):
+                for _ in range(a.count):
+                    gid = self.next_gid
+                    self.next_gid += 1
+                    self.feed_actions(self.s.handle(GroupAdmitted(gid)))
+            elif isinstance(a, LoadVersion):
+                self.feed_actions(self.s.handle(InstanceLoaded(a.instance_id, a.version)))
+            elif isinstance(a, Dispatch):
+                self.running[(a.group_id, a.index)] = (a.instance_id, a.version)
+            elif isinstance(a, Migrate):
+                self.running[(a.group_id, a.index)] = (a.dst, a.version)
+
+    def finish(self, gid, idx, reward=1.0):
+        del self.running[(gid, idx)]
+        mark = len(self.log)
+        self.feed_actions(self.s.handle(TrajectoryFinished(gid, idx, tokens=5, reward=reward)))
+        return self.log[mark:]
+
+    def finish_group(self, gid):
+        out = []
+        for (g, i) in sorted(k for k in list(self.running) if k[0] == gid):
+            out += self.finish(g, i)
+        return out
+
+    def train(self, step):
+        mark = len(self.log)
+        self.feed_actions(self.s.handle(TrainerStepFinished(step)))
+        self.feed_actions(self.s.handle(VersionPublished(step + 1)))
+        return self.log[mark:]
+
+    def of(self, kind, since=0):
+        return [a for a in self.log[since:] if isinstance(a, kind)]
+
+
+def test_r1_groups_are_pinned_to_their_version_and_admitted_at_the_newest():
+    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=2, instances=2, capacity=2)
+    first = h.of(RequestGroups)
+    assert first and all(a.version == 0 for a in first)
+    for g in (0, 1):
+        h.finish_group(g)
+    assert h.of(StartStep)[-1].group_ids == (0, 1)
+    mark = len(h.log)
+    h.train(0)
+    # new admissions are at version 1, and run only on instances holding version 1
+    assert all(a.version == 1 for a in h.of(RequestGroups, mark))
+    for a in h.of(Dispatch, mark):
+        gid = a.group_id
+        assert a.version == (1 if gid >= 4 else 0)
+
+
+def test_r2_admission_budget_is_never_exceeded():
+    # K=1, B=2: at version 0 at most (0+1+1)*2 = 4 groups, however much capacity is free.
+    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=1, instances=4, capacity=8)
+    assert sum(a.count for a in h.of(RequestGroups)) == 4
+    h.finish_group(0)
+    h.finish_group(1)  # step 0 starts with groups 0, 1
+    assert sum(a.count for a in h.of(RequestGroups)) == 4  # still version 0: no more budget
+    h.train(0)
+    assert sum(a.count for a in h.of(RequestGroups)) == 6  # (1+1+1)*2 at version 1
+
+
+def test_r2_keeps_instances_full_within_the_budget():
+    # Plenty of budget (K=3, B=8): admission fills exactly the free slots (4 instances x 2 slots).
+    h = Harness(mode="dora", max_staleness=3, batch_size=8, group_size=2, instances=4, capacity=2)
+    assert sum(a.count for a in h.of(RequestGroups)) == 4
+    assert len(h.running) == 8
+    h.finish(0, 0)
+    # one slot freed: a new group is admitted, one of its trajectories dispatched at once
+    assert sum(a.count for a in h.of(RequestGroups)) == 5
+    assert len(h.running) == 8
+
+
+def test_r3_mandatory_old_group_is_waited_for_not_dropped():
+    # K=1, B=1, n=1. v0 admits 2 groups (0, 1). Step 0 takes group 1 (finished first). After v1
+    # groups 0 (v0) must be in step 1 even if a v1 group finishes earlier.
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=1, instances=2, capacity=1)
+    h.finish(1, 0)
+    assert h.of(StartStep)[-1].group_ids == (1,)
+    h.train(0)
+    newer = [g for (g, _) in h.running if g >= 2]
+    assert newer
+    h.finish(newer[0], 0)  # a v1 group completes before the mandatory v0 group
+    assert len(h.of(StartStep)) == 1  # the trainer waits for group 0 instead
+    assert h.s.metrics()["trainer_waits_for_older"] >= 1
+    h.finish(0, 0)
+    assert h.of(StartStep)[-1].group_ids == (0,)
+    assert h.s.metrics()["c3_ok"]
+
+
+def test_r3_takes_the_oldest_completed_groups_first():
+    h = Harness(mode="dora", max_staleness=2, batch_size=2, group_size=1, instances=4, capacity=2)
+    # 6 groups at v0 (budget 3*2) on 4 instances. Step 0: groups 2, 3 finish first.
+    h.finish(2, 0)
+    h.finish(3, 0)
+    assert h.of(StartStep)[-1].group_ids == (2, 3)
+    h.train(0)
+    # v1 groups are admitted on the drained instances; a v1 group completes before two v0 ones.
+    v1 = sorted(g for (g, _) in h.running if g >= 6)
+    assert v1
+    mark = len(h.log)
+    h.finish(v1[0], 0)
+    h.finish(0, 0)
+    h.finish(1, 0)
+    assert h.of(StartStep)[-1] == StartStep(1, (0, 1))  # oldest version first, v1 waits
+    assert [a.group_id for a in h.of(DeliverGroup, mark)] == [0, 1]
+
+
+def test_r3_edf_guard_keeps_c3_where_greedy_would_break_it():
+    # K=2, B=1: v0 admits groups 0,1,2. If step 1 took a v1 group while 1 and 2 still run,
+    # step 2 would owe two v0 groups with one slot. The scheduler must not take it.
+    h = Harness(mode="dora", max_staleness=2, batch_size=1, group_size=1, instances=3, capacity=1)
+    h.finish(0, 0)
+    h.train(0)
+    v1 = sorted(g for (g, _) in h.running if g >= 3)
+    h.finish(v1[0], 0)
+    assert len(h.of(StartStep)) == 1  # waiting for an older group
+    h.finish(1, 0)
+    assert h.of(StartStep)[-1].group_ids == (1,)
+
+
+def test_r4_instances_switch_only_when_drained():
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=2, instances=3, capacity=2,
+                migrate=False)
+    # group 0 on instances 0, 1; group 1 on instances 2, 0. Finish group 0: instance 1 drains.
+    h.finish_group(0)
+    mark = len(h.log)
+    h.train(0)
+    loads = h.of(LoadVersion, mark)
+    assert [(a.instance_id, a.version) for a in loads] == [(1, 1)]  # busy 0 and 2 keep v0
+    assert all(a.preempt == () for a in h.of(LoadVersion))
+
+
+def test_partial_preempts_and_meters_c1():
+    h = Harness(mode="partial", max_staleness=1, batch_size=1, group_size=1, instances=1, capacity=4)
+    h.finish(0, 0)
+    mark = len(h.log)
+    h.train(0)
+    loads = h.of(LoadVersion, mark)
+    assert loads and loads[0].preempt  # running trajectories are interrupted and resumed
+    for g in list(h.running):
+        h.finish(*g)
+    h.train(1)
+    m = h.s.metrics()
+    assert m["multi_version_trajectory_share"] > 0 and not m["c1_ok"]
+
+
+def test_r5_consolidates_a_thin_old_version_and_frees_instances():
+    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=2, instances=4, capacity=4)
+    # 4 groups x 2 = 8 trajectories over 4 instances at v0. Finish group 0 and 1 -> step 0.
+    h.finish_group(0)
+    h.finish_group(1)
+    h.train(0)
+    # v0 groups 2, 3 still run, 4 trajectories spread over up to 4 instances
+    h.finish(2, 0)
+    migs = h.of(Migrate)
+    assert migs, "expected same-version migration"
+    assert all(m.version == 0 for m in migs)
+    holders = {inst for (g, i), (inst, v) in h.running.items() if v == 0}
+    assert len(holders) == 1  # the remaining v0 work sits on one instance
+    assert h.s.metrics()["migrations"] == len(migs)
+
+
+def test_r6_frontier_dispatch_is_group_major():
+    h = Harness(mode="pipeline", batch_size=3, group_size=3, instances=1, capacity=4)
+    order = [(a.group_id, a.index) for a in h.of(Dispatch)]
+    assert order == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    h.finish(1, 0)
+    # the freed slot goes to the group that is closest to completion (group 1), not group 2
+    assert (h.of(Dispatch)[-1].group_id, h.of(Dispatch)[-1].index) == (1, 1)
+
+
+def test_r7_complete_groups_stream_to_the_trainer():
+    h = Harness(mode="pipeline", batch_size=2, group_size=2, instances=2, capacity=2)
+    out = h.finish_group(0)
+    assert [a for a in out if isinstance(a, DeliverGroup)] == [DeliverGroup(0, 0)]
+    assert not [a for a in out if isinstance(a, StartStep)]
+    out = h.finish_group(1)
+    assert StartStep(0, (0, 1)) in out
+    # sync (no CGP) delivers nothing before the batch is complete
+    s = Harness(mode="sync", batch_size=2, group_size=2, instances=2, capacity=2)
+    assert not [a for a in s.finish_group(0) if isinstance(a, (DeliverGroup, StartStep))]
+
+
+def test_one_step_off_generates_the_next_batch_during_training():
+    h = Harness(mode="one_step_off", batch_size=1, group_size=1, instances=1, capacity=2)
+    h.finish(0, 0)  # batch 0 done -> step 0 and batch 1 (still version 0) admitted
+    assert h.of(StartStep)[-1].group_ids == (0,)
+    assert [a.version for a in h.of(RequestGroups)] == [0, 0]
+    h.finish(1, 0)
+    h.train(0)
+    assert h.of(StartStep)[-1] == StartStep(1, (1,))  # staleness 1
+    assert h.of(RequestGroups)[-1].version == 1
+
+
+def test_instance_failure_redispatches_to_the_same_version():
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=2, instances=2, capacity=1)
+    lost = [k for k, (inst, _) in h.running.items() if inst == 0]
+    assert lost == [(0, 0)]
+    del h.running[(0, 0)]
+    mark = len(h.log)
+    h.feed_actions(h.s.handle(InstanceFailed(0, "oom")))
+    assert h.s.metrics()["redispatched"] == 1
+    h.finish(0, 1)  # instance 1 frees its slot: the lost trajectory runs there, same version
+    again = [a for a in h.of(Dispatch, mark) if (a.group_id, a.index) == (0, 0)]
+    assert again == [Dispatch(0, 0, 1, 0, attempt=1)]
+
+
+def test_failed_trajectory_is_retried_then_its_group_reported():
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=1, instances=1, capacity=1, max_retries=1)
+    h.running.pop((0, 0))
+    h.feed_actions(h.s.handle(TrajectoryFailed(0, 0, "engine error")))
+    assert (0, 0) in h.running  # retried
+    h.running.pop((0, 0))
+    h.feed_actions(h.s.handle(TrajectoryFailed(0, 0, "engine error again")))
+    rep = h.of(ReportGroupFailed)
+    assert rep and rep[0].group_id == 0 and "engine error again" in rep[0].reason
+    assert h.s.metrics()["failed_groups"] == 1
+
+
+@pytest.mark.parametrize("bad", [None, float("nan")])
+def test_invalid_reward_is_an_error_that_names_the_trajectory(bad):
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=1, instances=1, capacity=1)
+    h.running.pop((0, 0))
+    h.feed_actions(h.s.handle(TrajectoryFinished(0, 0, tokens=3)))
+    h.feed_actions(h.s.handle(RewardReady(0, 0, bad)))
+    err = h.of(ReportError)
+    assert err and err[0].group_id == 0 and err[0].index == 0 and "0/0" in err[0].message
+    assert h.s.metrics()["invalid_rewards"] == 1
+
+
+def test_protocol_errors_are_raised_not_swallowed():
+    h = Harness(mode="sync", batch_size=1, group_size=1, instances=1, capacity=1)
+    with pytest.raises(ProtocolError, match="unknown group"):
+        h.s.handle(TrajectoryFinished(99, 0, tokens=1, reward=1.0))
+    with pytest.raises(ProtocolError, match="published"):
+        h.s.handle(VersionPublished(1))
+    with pytest.raises(ProtocolError, match="unknown event"):
+        h.s.handle(object())

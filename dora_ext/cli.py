@@ -17,7 +17,6 @@ SUBCOMMANDS = {
     "train": "dora_ext.runtime.cli",
     "compare": "dora_ext.runtime.cli",
     "slime-args": "dora_ext.slime.cli",
-    "config": "dora_ext.config_cli",
 }
 
 

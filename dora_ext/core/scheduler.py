@@ -692,7 +692,7 @@ class Scheduler:
         return True
 
     def _form(self) -> None:
-        if self._trainer_busy is not None or self.done:
+        if self._trainer_busy is not None or (not self._pool and not self._exhausted) or self.done:
             return
         k = self.step
         r = self.B - len(self._forming)

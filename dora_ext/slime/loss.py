@@ -1,0 +1,142 @@
+"""SAO's double-side masked loss and the staleness correction, in slime's loss plug points.
+
+    --loss-type custom_loss --custom-loss-function-path dora_ext.slime.loss.sao_loss
+    --use-tis --custom-tis-function-path dora_ext.slime.loss.staleness_tis
+
+slime's tensors are per-sample 1-D lists concatenated along tokens (`[sum_i T_i]`), reduced by the
+`sum_of_sample_mean` slime builds for the micro-batch. The maths is `dora_ext.algo.losses`
+(`double_side_mask`, `truncated_is_weights`); this module only adapts shapes and reads slime's
+flags: SAO's band is slime's `--eps-clip` / `--eps-clip-high`; the correction's cap is
+`dora_slime.is_cap` from the `--custom-config-path` YAML.
+
+Both functions compute on tensors they are given, except `sao_loss`'s first line, which asks
+slime's Megatron backend for the log-probabilities of the current policy (it needs Megatron, like
+every slime loss); `sao_loss_from_log_probs` is the part that does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..algo.losses import double_side_mask, truncated_is_weights
+from .settings import slime_settings
+
+
+def sao_loss(
+    args: Any, batch: dict, logits: Tensor, sum_of_sample_mean: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """slime's custom-loss signature: `func(args, batch, logits, sum_of_sample_mean) -> (loss, log)`."""
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
+
+    _, out = get_log_probs_and_entropy(
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+        with_entropy=False,
+        **get_rollout_top_p_logprob_kwargs(args, batch),
+    )
+    loss, log = sao_loss_from_log_probs(args, batch, out["log_probs"], sum_of_sample_mean)
+    if not out["log_probs"] or sum(lp.numel() for lp in out["log_probs"]) == 0:
+        loss = loss + 0 * logits.sum()  # keep every rank in the backward graph, as slime does
+    return loss, log
+
+
+def sao_loss_from_log_probs(
+    args: Any, batch: dict, log_probs: list[Tensor], sum_of_sample_mean: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAO's loss on slime's per-sample tensors.
+
+        r_t  = pi_theta(a_t) / pi_rollout(a_t)
+        M_t  = 1[1 - eps_low <= r_t <= 1 + eps_high]     (detached; eps = --eps-clip, --eps-clip-high)
+        loss = sum_of_sample_mean(-A_t r_t M_t)
+
+    `batch` needs `advantages`, `rollout_log_probs` and `loss_masks` (slime fills them; SGLang
+    returns the rollout log-probs with every sample).
+    """
+    if "rollout_log_probs" not in batch or not batch["rollout_log_probs"]:
+        raise ValueError("batch['rollout_log_probs']: SAO's ratio is against the rollout policy; none in the batch")
+    logp = torch.cat(log_probs, dim=0)
+    rollout_logp = torch.cat(batch["rollout_log_probs"], dim=0).to(logp.dtype)
+    adv = torch.cat(batch["advantages"], dim=0).to(logp.dtype).detach()
+    mask = torch.cat(batch["loss_masks"], dim=0).to(logp.dtype)
+    if not (logp.shape == rollout_logp.shape == adv.shape):
+        raise ValueError(
+            f"log_probs {tuple(logp.shape)}, rollout_log_probs {tuple(rollout_logp.shape)} and advantages "
+            f"{tuple(adv.shape)} must line up token by token"
+        )
+    eps_low = float(getattr(args, "eps_clip", 0.2))
+    eps_high = getattr(args, "eps_clip_high", None)
+    eps_high = eps_low if eps_high is None else float(eps_high)
+    ratio = torch.exp((logp - rollout_logp.detach()).clamp(-20.0, 20.0))
+    keep = double_side_mask(ratio.detach(), mask if mask.shape == ratio.shape else torch.ones_like(ratio),
+                            eps_low, eps_high)
+    pg_loss = sum_of_sample_mean(-adv * ratio * keep)
+    log = {
+        "loss": pg_loss.clone().detach(),
+        "pg_loss": pg_loss.clone().detach(),
+        "sao_masked_frac": sum_of_sample_mean(1.0 - keep).detach(),
+        "sao_ratio": sum_of_sample_mean(ratio.detach()),
+    }
+    return pg_loss, log
+
+
+def staleness_tis(
+    args: Any,
+    *,
+    pg_loss: Tensor,
+    train_log_probs: list[Tensor],
+    rollout_log_probs: list[Tensor],
+    loss_masks: list[Tensor],
+    total_lengths: list[int] | None = None,
+    response_lengths: list[int] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+    """slime's TIS signature: `fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+    total_lengths, response_lengths) -> (pg_loss, masks, metrics)`.
+
+    Tokens of a stale group were sampled by version v_group, the trainer's PPO anchor is pi_old;
+    the importance ratio w_t = pi_old(a_t) / pi_rollout(a_t) corrects for the difference.
+
+    * `tis`  (default): pg_loss_t * min(w_t, C)                         (truncated IS)
+    * `mask`:           tokens with w_t outside [1/C, C] leave the loss (their mask is zeroed)
+    * `none`:           unchanged (metrics only)
+
+    with C = `dora_slime.is_cap`. Metrics are per-token tensors, reduced by slime.
+    """
+    settings = slime_settings(args)
+    cap = settings.is_cap
+    old = torch.cat(train_log_probs, dim=0).detach()
+    behav = torch.cat(rollout_log_probs, dim=0).to(old.dtype).detach()
+    if old.shape != behav.shape or old.shape != pg_loss.shape:
+        raise ValueError(
+            f"train_log_probs {tuple(old.shape)}, rollout_log_probs {tuple(behav.shape)} and pg_loss "
+            f"{tuple(pg_loss.shape)} must line up token by token"
+        )
+    ones = torch.ones_like(old)
+    w, _ = truncated_is_weights(old, behav, ones, cap=cap)
+    raw = torch.exp((old - behav).clamp(-20.0, 20.0))
+    metrics = {"dora_is_weight": raw.clone(), "dora_is_over_cap": (raw > cap).to(old.dtype)}
+    if settings.staleness_correction == "tis":
+        return pg_loss * w.to(pg_loss.dtype), loss_masks, metrics
+    if settings.staleness_correction == "none":
+        return pg_loss, loss_masks, metrics
+    # mask: the double-side band of SAO, in the ratio pi_old / pi_rollout.
+    keep = double_side_mask(raw, ones, 1.0 - 1.0 / cap, cap - 1.0)
+    metrics["dora_is_masked"] = 1.0 - keep
+    masks = []
+    offset = 0
+    for m in loss_masks:
+        k = keep[offset: offset + m.numel()]
+        offset += m.numel()
+        masks.append(m * k.to(m.dtype).reshape(m.shape))
+    if offset != keep.numel():
+        raise ValueError(
+            f"loss_masks cover {offset} tokens, log-probs {keep.numel()}: staleness_correction 'mask' "
+            "needs per-sample masks aligned with the log-probs (context-parallel size 1)"
+        )
+    return pg_loss * keep.to(pg_loss.dtype), masks, metrics

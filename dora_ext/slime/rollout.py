@@ -1,0 +1,552 @@
+"""slime's `--rollout-function-path`, backed by the dora-ext scheduler.
+
+    --rollout-function-path dora_ext.slime.rollout.generate_rollout
+
+slime calls `generate_rollout(args, rollout_id, data_source, evaluation=False)` once per trainer
+step and trains on the `RolloutFnTrainOutput.samples` it returns (a list of groups of
+`n_samples_per_prompt` samples). Here that call only *collects*: a background worker, started by
+the first call and living in slime's `RolloutManager` process, runs `dora_ext.core.Scheduler`
+against slime's SGLang engines the whole time:
+
+* it keeps every engine full within the staleness budget (R2), admitting prompts from the data
+  source as slots free up, and dispatches trajectories group-major (R6, FGD);
+* every trajectory runs on one engine holding its group's version (R1); the version is checked
+  against what the engine reports for the sample (`Sample.weight_versions`), so a group that
+  mixes versions is never handed to the trainer in mode `dora` (the trajectory is retried);
+* engines switch to a new version only after draining their older work (R4), by loading the
+  checkpoint that slime's disk weight sync wrote (see `weights.py` and `patches/slime/`);
+* call `k` returns batch `k` as R3 chose it: every group that would otherwise exceed the
+  staleness bound, then the oldest complete groups; nothing is dropped.
+
+Mapping to slime's loop: step `k` of the scheduler is slime's `rollout_id = first_id + k` and
+version `v` is what slime's engines report as weight version `first_id + v`. slime hands a batch
+to the trainer when this function returns; a request for batch `k + 1` therefore tells the
+scheduler that batch `k` is consumed (`TrainerStepFinished(k)`), and the publication of version
+`k + 1` tells it too, whichever comes first (`train_async.py` asks before training, `train.py`
+after the weight update). With K = 0 (modes `sync`, `pipeline`) use `train.py`: `train_async.py`
+waits for batch `k + 1` before it publishes the version that batch needs.
+
+slime's trainer takes whole batches, so complete-group pipelining (R7) cannot start the trainer
+on a group early; the adapter still selects and orders groups as R3/R7 say and reports
+`dora/delivered_groups`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from ..config import DoraConfig
+from ..core import (
+    DataExhausted, DeliverGroup, Dispatch, GroupAdmitted, InstanceLoaded, LoadVersion, Migrate,
+    ReportError, ReportGroupFailed, RequestGroups, RewardReady, Scheduler, StartStep,
+    TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
+)
+from .engines import AdapterError, Engines, PassThroughEngines, SglangEngines
+from .settings import SlimeSettings, check_launch, dora_config, slime_settings
+from .weights import DiskWeightBoard, StaticWeights
+
+logger = logging.getLogger("dora_ext.slime")
+
+__all__ = ["generate_rollout", "RolloutSession", "close_session", "install_session"]
+
+#: Metrics copied from `Scheduler.metrics()` into slime's rollout log, prefixed `dora/`.
+_METRICS = (
+    "staleness_mean", "staleness_max", "multi_version_trajectory_share", "dropped", "truncated",
+    "duplicated", "live_versions", "live_versions_max", "migrations", "weight_loads",
+    "failed_groups", "retries", "trainer_waits_for_older", "newest_version", "c1_ok", "c2_ok", "c3_ok",
+)
+
+
+def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """slime's rollout-function signature. Returns batch `rollout_id` as a `RolloutFnTrainOutput`.
+
+    With `evaluation=True` it runs slime's default evaluation (eval datasets need no scheduling;
+    `dora-ext slime-args` also points `--eval-function-path` there).
+    """
+    from ._compat import RolloutFnTrainOutput
+
+    if evaluation:
+        return _evaluate(args, rollout_id, data_source)
+    session = _session_for(args, data_source, rollout_id)
+    groups, metrics = session.next_batch(rollout_id)
+    path = getattr(args, "rollout_sample_filter_path", None)
+    if path:
+        # slime's post-selection hook (marks samples `remove_sample`), applied as slime applies it.
+        from .engines import load_object
+
+        load_object(path)(args, groups)
+    return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+
+
+def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
+    from ._compat import RolloutFnEvalOutput
+
+    if args is not None:
+        from slime.rollout.sglang_rollout import generate_rollout as slime_generate_rollout
+
+        return slime_generate_rollout(args, rollout_id, data_source, evaluation=True)
+    # args=None: slime's contract harness, no engines. Report one data-source batch as it is,
+    # refusing samples that would need generating (see PassThroughEngines).
+    samples = [s for group in data_source.get_samples(1) for s in group]
+    for s in samples:
+        status = getattr(s.status, "value", s.status)
+        if status not in ("completed", "truncated") or s.reward is None:
+            raise AdapterError(f"args is None (no engines): cannot evaluate sample {s.index} ({status})")
+    data = {
+        "data_source": {
+            "rewards": [s.reward for s in samples],
+            "truncated": [getattr(s.status, "value", s.status) == "truncated" for s in samples],
+            "samples": samples,
+        }
+    }
+    return RolloutFnEvalOutput(data=data, metrics={"dora/eval_passthrough": 1})
+
+
+# ---------------------------------------------------------------------------- session registry
+_session: "RolloutSession | None" = None
+_session_lock = threading.Lock()
+
+
+def _session_for(args: Any, data_source: Any, rollout_id: int) -> "RolloutSession":
+    global _session
+    with _session_lock:
+        if _session is not None and (_session.args is not args or _session.data_source is not data_source):
+            _session.close()
+            _session = None
+        if _session is None:
+            _session = RolloutSession.for_slime(args, data_source, rollout_id)
+        return _session
+
+
+def install_session(session: "RolloutSession") -> None:
+    """Make `generate_rollout` use `session` for its args and data source (embedding, tests)."""
+    global _session
+    with _session_lock:
+        if _session is not None and _session is not session:
+            _session.close()
+        _session = session
+
+
+def close_session() -> None:
+    """Stop the worker (slime's process exit does it too)."""
+    global _session
+    with _session_lock:
+        if _session is not None:
+            _session.close()
+            _session = None
+
+
+atexit.register(close_session)
+
+
+class _LoopThread:
+    """An event loop in a daemon thread (used when slime's own background loop is absent)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="dora-slime-rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def _event_loop() -> tuple[asyncio.AbstractEventLoop, _LoopThread | None]:
+    # Share slime's background loop when slime is there: its GenerateState semaphore (taken by
+    # generate_and_rm, also during slime's own evaluation) binds to the loop that first uses it.
+    try:
+        from slime.utils.async_utils import get_async_loop
+    except ImportError:
+        own = _LoopThread()
+        return own.loop, own
+    return get_async_loop().loop, None
+
+
+def _sampling_params(args: Any) -> dict:
+    if args is None:
+        return {}
+    try:
+        from slime.rollout.sglang_rollout import GenerateState
+    except ImportError:
+        params = {
+            "temperature": getattr(args, "rollout_temperature", 1.0),
+            "top_p": getattr(args, "rollout_top_p", 1.0),
+            "top_k": getattr(args, "rollout_top_k", -1),
+            "max_new_tokens": getattr(args, "rollout_max_response_len", None),
+        }
+        return {k: v for k, v in params.items() if v is not None}
+    return dict(GenerateState(args).sampling_params)
+
+
+def _status(sample: Any) -> str:
+    return getattr(sample.status, "value", sample.status)
+
+
+def _reward_value(args: Any, sample: Any) -> Any:
+    r = sample.reward
+    key = getattr(args, "reward_key", None)
+    if isinstance(r, dict) and key:
+        return r.get(key)
+    return r
+
+
+def _flat(out: Any) -> list:
+    return out if isinstance(out, list) else [out]
+
+
+class RolloutSession:
+    """The background worker: executes the scheduler's actions against slime's engines.
+
+    All scheduler calls happen on one event loop (the scheduler is a plain state machine, not
+    thread-safe); `next_batch` is the only entry from slime's thread.
+    """
+
+    def __init__(
+        self,
+        args: Any,
+        data_source: Any,
+        *,
+        first_step: int,
+        engines: Engines,
+        board: Any,
+        settings: SlimeSettings,
+        config: DoraConfig | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        plugins: Any = None,
+    ) -> None:
+        self.args = args
+        self.data_source = data_source
+        self.first_step = first_step
+        self.engines = engines
+        self.board = board
+        self.settings = settings
+        self._config = config
+        self._plugins = plugins
+        if loop is None:
+            loop, self._own_loop = _event_loop()
+        else:
+            self._own_loop = None
+        self.loop = loop
+        self.sched: Scheduler | None = None
+        self._groups: dict[int, list] = {}
+        self._pristine: dict[int, list] = {}
+        self._attempt: dict[tuple[int, int], int] = {}
+        self._finished: dict[int, set] = {}
+        self._batches: dict[int, tuple] = {}
+        self._failed: list[tuple[Any, str]] = []
+        self._delivered = 0
+        self._next_gid = 0
+        self._prefetched: list[list] = []
+        self._released: set[int] = set()
+        self._pending: deque = deque()
+        self._draining = False
+        self._fatal: BaseException | None = None
+        self._changed: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._params: dict | None = None
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_slime(cls, args: Any, data_source: Any, first_step: int) -> "RolloutSession":
+        """The session slime's loop gets: its engines and weight channel, or pass-through for args=None."""
+        settings = slime_settings(args)
+        if args is None:
+            sess = cls(args, data_source, first_step=first_step, engines=PassThroughEngines([8] * 4),
+                       board=None, settings=settings)
+            sess.board = StaticWeights(lambda: sess.sched.step if sess.sched else 0)
+            return sess
+        check_launch(args)
+        dora_config(args, instances=[1], start_step=first_step)  # fail on a bad file before any I/O
+        weights_dir = settings.weights_dir or getattr(args, "update_weight_disk_dir", None)
+        if not weights_dir:
+            raise AdapterError("no weights directory: pass --update-weight-disk-dir (or dora_slime.weights_dir)")
+        board = DiskWeightBoard(weights_dir, delete_old=settings.delete_old_weights)
+        from ..plugins import get_plugin_manager
+
+        return cls(args, data_source, first_step=first_step, engines=SglangEngines(args, settings),
+                   board=board, settings=settings, plugins=get_plugin_manager())
+
+    # ------------------------------------------------------------------ slime's thread
+    def next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
+        """Block until batch `rollout_id` is chosen; return its groups and the metrics to log."""
+        if self._closed:
+            raise AdapterError("the rollout session is closed")
+        return asyncio.run_coroutine_threadsafe(self._next_batch(rollout_id), self.loop).result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def _cancel() -> None:
+            for t in list(self._tasks):
+                t.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        if self.loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel(), self.loop).result(timeout=10)
+            except Exception:  # noqa: BLE001 - closing must not raise over slime's own shutdown
+                logger.exception("dora: error while stopping the rollout worker")
+        if self._own_loop is not None:
+            self._own_loop.stop()
+
+    # ------------------------------------------------------------------ the worker (event loop)
+    async def _start(self) -> None:
+        self._changed = asyncio.Event()
+        capacities = await self.engines.discover()
+        config = self._config
+        if config is None:
+            if self.args is None or getattr(self.args, "n_samples_per_prompt", None) is None:
+                # No slime args: the group size is the data source's.
+                self._prefetched = list(self.data_source.get_samples(1))
+                n = len(self._prefetched[0]) if self._prefetched else 1
+                config = DoraConfig.from_dict(
+                    {"group_size": n, "migrate": False, "instances": [{"capacity": c} for c in capacities]}
+                )
+            else:
+                config = dora_config(self.args, instances=capacities, start_step=self.first_step)
+        self._config = config
+        self._params = _sampling_params(self.args)
+        self.sched = Scheduler(config, plugins=self._plugins)
+        self._pending.extend(self.sched.start())
+        self._drain()
+        self._spawn(self._watch_weights())
+        logger.info("dora: rollout worker started at step %d: %s", self.first_step, config.to_dict())
+
+    async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
+        if not self._started:
+            self._started = True
+            try:
+                await self._start()
+            except BaseException as exc:
+                self._fatal = exc
+                raise
+        if self._fatal is not None:
+            raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
+        sched = self.sched
+        busy = sched.trainer_busy
+        expected = self.first_step + (busy + 1 if busy is not None else sched.step)
+        if rollout_id != expected:
+            raise AdapterError(
+                f"slime asked for rollout {rollout_id}, the scheduler is at {expected}: the adapter "
+                "serves each rollout id once, in order (restart the run to resume from a checkpoint)"
+            )
+        if busy is not None:
+            # slime asks for the next batch: the previous one is the trainer's now.
+            self._feed(TrainerStepFinished(busy))
+        step = rollout_id - self.first_step
+        forget = getattr(self.data_source, "dora_forget_before", None)
+        if forget is not None:
+            forget(rollout_id)
+        waited = time.monotonic()
+        while step not in self._batches:
+            if self._fatal is not None:
+                raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
+            if sched.done:
+                raise AdapterError(f"rollout {rollout_id} requested after the last step ({sched.config.max_steps})")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=60)
+            except asyncio.TimeoutError:
+                m = sched.metrics()
+                logger.info("dora: waiting %.0fs for rollout %d (newest version %d, live versions %s)",
+                            time.monotonic() - waited, rollout_id, m["newest_version"], sched.live_versions())
+        if self._fatal is not None:
+            raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
+        gids = self._batches.pop(step)
+        groups = [self._groups.pop(g) for g in gids]
+        versions = [sched.groups[g].version for g in gids]
+        for g in gids:
+            self._pristine.pop(g, None)
+            self._finished.pop(g, None)
+            for i in range(sched.n):
+                self._attempt.pop((g, i), None)
+        assign = getattr(self.data_source, "dora_assign", None)
+        if assign is not None:
+            assign([_ledger_id(group) for group in groups], rollout_id)
+        return groups, self._metrics(step, versions, time.monotonic() - waited)
+
+    def _metrics(self, step: int, versions: list[int], waited: float) -> dict:
+        m = self.sched.metrics()
+        out = {f"dora/{k}": (int(m[k]) if isinstance(m[k], bool) else m[k]) for k in _METRICS}
+        stale = [step - v for v in versions]
+        out["dora/batch_staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
+        out["dora/batch_staleness_max"] = max(stale) if stale else 0
+        out["dora/delivered_groups"] = self._delivered
+        out["dora/batch_wait_s"] = waited
+        return out
+
+    # ------------------------------------------------------------------ action execution
+    def _feed(self, event: Any) -> None:
+        self._pending.extend(self.sched.handle(event))
+        self._drain()
+
+    def _drain(self) -> None:
+        if self._draining:
+            return  # the outer _drain picks up what this event added
+        self._draining = True
+        try:
+            while self._pending:
+                self._execute(self._pending.popleft())
+        finally:
+            self._draining = False
+
+    def _execute(self, a: Any) -> None:
+        if isinstance(a, Dispatch):
+            self._spawn(self._run_trajectory(a))
+        elif isinstance(a, RequestGroups):
+            self._admit(a.count)
+        elif isinstance(a, LoadVersion):
+            if a.preempt:
+                raise AdapterError("preempting loads (mode 'partial') are not supported on slime")
+            self._spawn(self._load(a))
+        elif isinstance(a, DeliverGroup):
+            self._delivered += 1
+        elif isinstance(a, StartStep):
+            self._batches[a.step] = a.group_ids
+            self._changed.set()
+        elif isinstance(a, ReportGroupFailed):
+            logger.error("dora: group %s failed and will not be trained: %s", a.group_id, a.reason)
+            self._failed.append((a.group_id, a.reason))
+            group = self._groups.pop(a.group_id, None)
+            self._pristine.pop(a.group_id, None)
+            fail = getattr(self.data_source, "dora_fail", None)
+            if fail is not None and group is not None:
+                fail(_ledger_id(group))
+        elif isinstance(a, ReportError):
+            logger.warning("dora: %s", a.message)
+        elif isinstance(a, Migrate):
+            raise AdapterError(f"migration requested on slime, where it is disabled: {a}")
+        else:
+            raise AdapterError(f"unknown action {a!r}")
+
+    def _admit(self, count: int) -> None:
+        groups = self._prefetched[:count]
+        del self._prefetched[:count]
+        if len(groups) < count:
+            groups += list(self.data_source.get_samples(count - len(groups)))
+        n = self.sched.n
+        for group in groups:
+            if len(group) != n:
+                raise AdapterError(f"the data source returned a group of {len(group)} samples, expected {n}")
+            gid = self._next_gid
+            self._next_gid += 1
+            self._groups[gid] = list(group)
+            self._pristine[gid] = copy.deepcopy(list(group))
+            self._feed(GroupAdmitted(gid))
+        if len(groups) < count:
+            self._feed(DataExhausted())
+
+    def _spawn(self, coro: Any) -> None:
+        task = self.loop.create_task(self._guard(coro))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - surfaced to slime by next_batch
+            logger.exception("dora: rollout worker error")
+            self._fatal = exc
+            if self._changed is not None:
+                self._changed.set()
+
+    async def _run_trajectory(self, d: Dispatch) -> None:
+        gid, idx = d.group_id, d.index
+        if d.attempt > 0:
+            # A retry starts from the prompt again: nothing of a failed attempt is kept (C1, C2).
+            self._groups[gid][idx] = copy.deepcopy(self._pristine[gid][idx])
+        self._attempt[(gid, idx)] = d.attempt
+        sample = self._groups[gid][idx]
+        try:
+            out = await self.engines.generate(d.instance_id, sample, dict(self._params))
+        except AdapterError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed request is retried by the scheduler
+            self._feed(TrajectoryFailed(gid, idx, reason=repr(exc), attempt=d.attempt))
+            return
+        samples = _flat(out)
+        self._groups[gid][idx] = out
+        tag = str(self.first_step + d.version)
+        reason = None
+        for s in samples:
+            status = _status(s)
+            if status in ("aborted", "failed", "pending"):
+                reason = f"the engine returned the sample {status}"
+            elif any(str(v) != tag for v in s.weight_versions):
+                # C1: every token from the version the group was pinned to. Never trained.
+                reason = f"engine reported weight versions {list(s.weight_versions)}, pinned to {tag}"
+        if reason is not None:
+            self._feed(TrajectoryFailed(gid, idx, reason=reason, attempt=d.attempt))
+            return
+        for s in samples:
+            s.metadata["dora_version"] = self.first_step + d.version
+        tokens = sum(int(s.response_length) for s in samples)
+        group_rm = bool(getattr(self.args, "group_rm", False))
+        reward = None if group_rm else _reward_value(self.args, samples[-1])
+        self._feed(TrajectoryFinished(gid, idx, tokens=tokens, reward=reward, attempt=d.attempt))
+        if group_rm:
+            done = self._finished.setdefault(gid, set())
+            done.add(idx)
+            if len(done) == self.sched.n:
+                await self._group_reward(gid)
+
+    async def _group_reward(self, gid: int) -> None:
+        from slime.rollout.rm_hub import batched_async_rm
+
+        group = self._groups[gid]
+        flat = [_flat(o)[-1] for o in group]
+        rewards = await batched_async_rm(self.args, flat)
+        for idx, (s, r) in enumerate(zip(flat, rewards)):
+            s.reward = r
+            self._feed(RewardReady(gid, idx, _reward_value(self.args, s), attempt=self._attempt[(gid, idx)]))
+
+    async def _load(self, a: LoadVersion) -> None:
+        while self.board.poll() <= a.version:
+            await asyncio.sleep(self.settings.poll_interval_s)
+        await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
+        self._feed(InstanceLoaded(a.instance_id, a.version))
+        # A version older than every instance's and every unfinished group's is never loaded
+        # again (an idle instance may go back to an old version that still has queued work).
+        sched = self.sched
+        needed = sched.live_versions() + [g.version for g in sched.groups.values() if g.state == "active"]
+        floor = min(needed + [sched.newest_version])
+        for v in range(floor):
+            if v not in self._released:
+                self._released.add(v)
+                self.board.release(v)
+
+    async def _watch_weights(self) -> None:
+        while True:
+            published = self.board.poll()
+            sched = self.sched
+            while published > sched.newest_version + 1:
+                v = sched.newest_version + 1
+                if sched.trainer_busy == v - 1:
+                    # Weights v exist, so the trainer finished step v - 1 (train.py's order).
+                    self._feed(TrainerStepFinished(v - 1))
+                if v > sched.step:
+                    raise AdapterError(f"version {v} was published before batch {v - 1} was handed out")
+                self._feed(VersionPublished(v))
+            await asyncio.sleep(self.settings.poll_interval_s)
+
+
+def _ledger_id(group: list) -> Any:
+    first = _flat(group[0])[0]
+    return (first.metadata or {}).get("dora_ledger")

@@ -1,0 +1,203 @@
+"""dora-ext settings on slime: one YAML file given to slime with `--custom-config-path`.
+
+slime's `--custom-config-path` sets every top-level key of the YAML as an attribute of `args`, so
+the add-on's settings travel with slime's own arguments to every Ray actor without a new flag:
+
+```yaml
+dora:                      # the scheduler (dora_ext.config.DoraConfig), validated on load
+  mode: dora
+  max_staleness: 2
+dora_slime:                # how the adapter talks to slime (SlimeSettings below)
+  weights_dir: /shared/dora-weights
+  capacity: 32
+custom_rollout_weight_reload_path: dora_ext.slime.weights.publish_weights   # read by the patch
+```
+
+`batch_size` and `group_size` are slime's `--rollout-batch-size` and `--n-samples-per-prompt`; the
+`dora` section may repeat them but never contradict them. `instances` is discovered from slime's
+router at run time (one instance per SGLang engine). Every invalid value raises `ConfigError`
+naming the key, before any GPU time is spent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..config import ConfigError, DoraConfig
+
+#: The rollout function and data source that `dora-ext slime-args` prints.
+ROLLOUT_FUNCTION_PATH = "dora_ext.slime.rollout.generate_rollout"
+DATA_SOURCE_PATH = "dora_ext.slime.data_source.DoraDataSource"
+WEIGHT_RELOAD_HOOK_PATH = "dora_ext.slime.weights.publish_weights"
+SLIME_EVAL_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
+SLIME_BASE_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
+
+LOSSES = ("slime", "sao")
+CORRECTIONS = ("none", "tis", "mask")
+
+
+@dataclass(frozen=True)
+class SlimeSettings:
+    """The `dora_slime` section.
+
+    Fields:
+      weights_dir: the shared directory slime's disk weight sync writes to
+        (`--update-weight-disk-dir`); engines load each version from it when they drain.
+      capacity: sequences one SGLang engine runs at once; default `--sglang-server-concurrency`.
+      poll_interval_s: how often the rollout worker looks for a newly published version.
+      base_data_source_path: the data source whose prompts `DoraDataSource` hands out
+        (default slime's own `RolloutDataSourceWithBuffer`, so prompt loading, shuffling and its
+        cursor checkpoint stay slime's).
+      delete_old_weights: remove a version's directory once no engine can need it again
+        (slime deletes each version after its push unless `--update-weight-disk-keep-files`).
+      loss: `slime` keeps slime's policy loss; `sao` selects SAO's double-side masked loss
+        (`dora-ext slime-args` then prints `--loss-type custom_loss`).
+      staleness_correction: `none`, `tis` (truncated importance weights pi_old / pi_rollout, cap
+        `is_cap`) or `mask` (drop tokens whose ratio leaves [1/is_cap, is_cap]); through
+        `--use-tis --custom-tis-function-path`.
+      is_cap: the cap C of the correction (> 1).
+    """
+
+    weights_dir: str | None = None
+    capacity: int | None = None
+    poll_interval_s: float = 0.2
+    base_data_source_path: str = SLIME_BASE_DATA_SOURCE_PATH
+    delete_old_weights: bool = True
+    loss: str = "slime"
+    staleness_correction: str = "tis"
+    is_cap: float = 2.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "dora_slime") -> "SlimeSettings":
+        data = {} if data is None else data
+        if not isinstance(data, Mapping):
+            raise ConfigError(where, f"expected a mapping, got {type(data).__name__}")
+        known = set(cls.__dataclass_fields__)
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"{where}.{key}", f"unknown key; accepted keys are {', '.join(sorted(known))}")
+        d = cls()
+        wd = data.get("weights_dir", d.weights_dir)
+        if wd is not None and (not isinstance(wd, str) or not wd):
+            raise ConfigError(f"{where}.weights_dir", f"expected a directory path, got {wd!r}")
+        cap = data.get("capacity", d.capacity)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ConfigError(f"{where}.capacity", f"expected an integer >= 1, got {cap!r}")
+        poll = data.get("poll_interval_s", d.poll_interval_s)
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= 60:
+            raise ConfigError(f"{where}.poll_interval_s", f"expected a number in (0, 60], got {poll!r}")
+        base = data.get("base_data_source_path", d.base_data_source_path)
+        if not isinstance(base, str) or "." not in base:
+            raise ConfigError(f"{where}.base_data_source_path", f"expected a dotted path module.Class, got {base!r}")
+        delete = data.get("delete_old_weights", d.delete_old_weights)
+        if not isinstance(delete, bool):
+            raise ConfigError(f"{where}.delete_old_weights", f"expected true or false, got {delete!r}")
+        loss = data.get("loss", d.loss)
+        if loss not in LOSSES:
+            raise ConfigError(f"{where}.loss", f"unknown loss {loss!r}; accepted: {', '.join(LOSSES)}")
+        corr = data.get("staleness_correction", d.staleness_correction)
+        if corr not in CORRECTIONS:
+            raise ConfigError(
+                f"{where}.staleness_correction", f"unknown correction {corr!r}; accepted: {', '.join(CORRECTIONS)}"
+            )
+        is_cap = data.get("is_cap", d.is_cap)
+        if isinstance(is_cap, bool) or not isinstance(is_cap, (int, float)) or not is_cap > 1.0:
+            raise ConfigError(f"{where}.is_cap", f"expected a number > 1, got {is_cap!r}")
+        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap))
+
+
+def dora_section(args: Any) -> Mapping[str, Any]:
+    """The `dora` mapping carried on `args` (empty when absent)."""
+    data = getattr(args, "dora", None)
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("dora", f"expected a mapping (the `dora:` section of --custom-config-path), got {data!r}")
+    return data
+
+
+def slime_settings(args: Any) -> SlimeSettings:
+    """The validated `dora_slime` section of `args` (defaults when absent or when `args` is None)."""
+    return SlimeSettings.from_dict(getattr(args, "dora_slime", None))
+
+
+def dora_config(args: Any, *, instances: list[int] | None = None, start_step: int = 0) -> DoraConfig:
+    """Build the scheduler config from slime's args and the `dora` section.
+
+    `instances` lists engine capacities (discovered at run time; a placeholder of one engine is
+    used when validating a file before launch). `start_step` is slime's first rollout id of this
+    run: `max_steps` counts the steps left (`--num-rollout` minus it), so admission stops where
+    training stops and nothing is generated in vain.
+    """
+    data = dict(dora_section(args))
+    for key, flag, attr in (
+        ("batch_size", "--rollout-batch-size", "rollout_batch_size"),
+        ("group_size", "--n-samples-per-prompt", "n_samples_per_prompt"),
+    ):
+        host = getattr(args, attr, None)
+        if host is None:
+            continue
+        if key in data and data[key] != host:
+            raise ConfigError(f"dora.{key}", f"must equal slime's {flag} ({host}), got {data[key]!r}")
+        data[key] = host
+    if data.get("migrate"):
+        raise ConfigError(
+            "dora.migrate",
+            "not available on slime: moving one running request needs a per-request abort that "
+            "slime's generate path does not expose; set it to false",
+        )
+    data["migrate"] = False
+    if data.get("mode") == "partial":
+        raise ConfigError(
+            "dora.mode",
+            "'partial' on slime is slime's own --partial-rollout / fully_async rollout; use it "
+            "unmodified as the baseline, or pick one of sync, one_step_off, pipeline, dora",
+        )
+    num_rollout = getattr(args, "num_rollout", None)
+    if isinstance(num_rollout, int) and "max_steps" not in data:
+        left = num_rollout - start_step
+        if left < 1:
+            raise ConfigError("num_rollout", f"no step left to run: --num-rollout {num_rollout}, first step {start_step}")
+        data["max_steps"] = left
+    if instances is not None:
+        data.pop("capacity", None)
+        data["instances"] = [{"id": i, "capacity": c} for i, c in enumerate(instances)]
+    return DoraConfig.from_dict(data, where="dora")
+
+
+def check_launch(args: Any) -> None:
+    """Check slime's own flags against what the adapter needs; raises `ConfigError` naming the flag."""
+    if getattr(args, "colocate", False):
+        raise ConfigError(
+            "colocate", "dora-ext needs separate rollout and trainer GPUs; slime's --colocate offloads the engines while training"
+        )
+    if getattr(args, "offload_rollout", False):
+        raise ConfigError("offload_rollout", "the rollout worker keeps generating while the trainer runs; drop --offload-rollout")
+    if getattr(args, "dynamic_sampling_filter_path", None):
+        raise ConfigError(
+            "dynamic_sampling_filter_path",
+            "not applied by dora-ext's rollout: dropping complete groups would break C2 (every admitted "
+            "group is trained); remove the flag, or filter with --rollout-sample-filter-path (remove_sample)",
+        )
+    if getattr(args, "partial_rollout", False):
+        raise ConfigError("partial_rollout", "slime's --partial-rollout resumes aborted requests under new weights; "
+                          "dora-ext never aborts: drop the flag")
+    interval = getattr(args, "update_weights_interval", 1)
+    if interval not in (None, 1):
+        raise ConfigError(
+            "update_weights_interval", f"must be 1: version v is the policy after v steps, got {interval}"
+        )
+    transport = getattr(args, "update_weight_transport", None)
+    if transport is not None and transport != "disk":
+        raise ConfigError(
+            "update_weight_transport",
+            f"must be 'disk': engines load each version from disk when they drain (got {transport!r})",
+        )
+    hook = getattr(args, "custom_rollout_weight_reload_path", None)
+    if transport == "disk" and hook is None:
+        raise ConfigError(
+            "custom_rollout_weight_reload_path",
+            f"missing: set it to {WEIGHT_RELOAD_HOOK_PATH} in the --custom-config-path YAML and apply "
+            "patches/slime (without it slime reloads every engine at once and aborts their requests)",
+        )

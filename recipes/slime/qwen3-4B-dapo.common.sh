@@ -1,0 +1,110 @@
+# Qwen3-4B, DAPO-style (clip-higher, token-level loss, no KL) on disaggregated pools
+# (ACTOR_GPUS train, ROLLOUT_GPUS generate). DAPO's dynamic sampling is left out of both twins:
+# dora-ext trains every admitted group (C2) and refuses --dynamic-sampling-filter-path.
+# Sourced by qwen3-4B-dapo-dora.sh and by its unmodified twin qwen3-4B-dapo-baseline.sh, so
+# both run exactly these settings on the same GPUs.
+#
+# Environment (defaults follow slime's own scripts):
+#   SLIME_DIR     slime checkout (patched with patches/slime for the dora twin)     [required]
+#   MODEL_ROOT    holds Qwen3-4B (HF) and Qwen3-4B_torch_dist                   [/root]
+#   DATA_ROOT     holds dapo-math-17k/dapo-math-17k.jsonl and aime-2024/aime-2024.jsonl [/root]
+#   RUN_DIR       checkpoints (and dora's shared weights directory)                 [/root/runs/qwen3-4B-dapo-$RUN_NAME]
+#   ACTOR_GPUS, ROLLOUT_GPUS                                                        [4, 4]
+
+: "${SLIME_DIR:?set SLIME_DIR to a slime checkout}"
+MODEL_ROOT=${MODEL_ROOT:-/root}
+DATA_ROOT=${DATA_ROOT:-/root}
+ACTOR_GPUS=${ACTOR_GPUS:-4}
+ROLLOUT_GPUS=${ROLLOUT_GPUS:-4}
+RUN_DIR=${RUN_DIR:-/root/runs/qwen3-4B-dapo-${RUN_NAME:?}}
+export PYTHONUNBUFFERED=1
+
+source "${SLIME_DIR}/scripts/models/qwen3-4B.sh"   # MODEL_ARGS (architecture flags)
+
+CKPT_ARGS=(
+   --hf-checkpoint "${MODEL_ROOT}/Qwen3-4B"
+   --ref-load "${MODEL_ROOT}/Qwen3-4B_torch_dist"
+   --load "${RUN_DIR}/ckpt"
+   --save "${RUN_DIR}/ckpt"
+   --save-interval 20
+)
+
+ROLLOUT_ARGS=(
+   --prompt-data "${DATA_ROOT}/dapo-math-17k/dapo-math-17k.jsonl"
+   --input-key prompt
+   --label-key label
+   --apply-chat-template
+   --rollout-shuffle
+   --rm-type deepscaler
+   --num-rollout 300
+   --rollout-batch-size 64
+   --n-samples-per-prompt 16
+   --rollout-max-response-len 16384
+   --rollout-temperature 1
+   --global-batch-size 1024      # one optimizer step per rollout: version v = v steps
+)
+
+EVAL_ARGS=(
+   --eval-interval 20
+   --eval-prompt-data aime "${DATA_ROOT}/aime-2024/aime-2024.jsonl"
+   --n-samples-per-eval-prompt 16
+   --eval-max-response-len 16384
+)
+
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --entropy-coef 0.00
+   --eps-clip 0.2
+   --eps-clip-high 0.28          # DAPO's clip-higher
+   --calculate-per-token-loss    # DAPO's token-level policy-gradient loss
+)
+
+OPTIMIZER_ARGS=(
+   --optimizer adam
+   --lr 1e-6
+   --lr-decay-style constant
+   --weight-decay 0.1
+   --adam-beta1 0.9
+   --adam-beta2 0.98
+)
+
+PERF_ARGS=(
+   --tensor-model-parallel-size 2
+   --sequence-parallel
+   --pipeline-model-parallel-size 1
+   --context-parallel-size 1
+   --use-dynamic-batch-size
+   --max-tokens-per-gpu 16384
+)
+
+SGLANG_ARGS=(
+   --rollout-num-gpus "${ROLLOUT_GPUS}"
+   --rollout-num-gpus-per-engine 2
+   --sglang-mem-fraction-static 0.8
+   --sglang-server-concurrency 64
+)
+
+MISC_ARGS=(
+   --attention-dropout 0.0
+   --hidden-dropout 0.0
+   --accumulate-allreduce-grads-in-fp32
+   --attention-softmax-in-fp32
+   --attention-backend flash
+)
+
+# launch TRAIN_PY [extra flags...]: start a single-node Ray head and submit slime's loop.
+launch() {
+   local train_py=$1; shift
+   mkdir -p "${RUN_DIR}"
+   cd "${SLIME_DIR}"   # slime's loops are run from its checkout, as its own scripts do
+   ray start --head --node-ip-address "${MASTER_ADDR:-127.0.0.1}" --num-gpus $((ACTOR_GPUS + ROLLOUT_GPUS)) \
+      --disable-usage-stats --dashboard-port=8265
+   ray job submit --address="http://127.0.0.1:8265" \
+      --runtime-env-json="{\"env_vars\": {\"PYTHONPATH\": \"/root/Megatron-LM/:${SLIME_DIR}\", \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\"}}" \
+      -- python3 "${train_py}" \
+      --actor-num-nodes 1 \
+      --actor-num-gpus-per-node "${ACTOR_GPUS}" \
+      "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" \
+      "${OPTIMIZER_ARGS[@]}" "${PERF_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" \
+      "$@"
+}

@@ -1,0 +1,106 @@
+"""Helpers for the slime adapter tests: slime's args and slime's driver loop, simulated.
+
+slime is absent in CI; see `slime_standins.py` for what stands in for it and why.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from dora_ext.slime import rollout as slime_rollout
+from dora_ext.slime import weights
+from dora_ext.slime.settings import WEIGHT_RELOAD_HOOK_PATH
+
+
+def make_args(tmp_path: Path, *, mode: str = "dora", k: int | None = 2, batch: int = 4, n: int = 2,
+              num_rollout: int = 6, capacity: int = 4, **extra: Any) -> SimpleNamespace:
+    """slime's args as `parse_args` + `--custom-config-path` would leave them, for the adapter."""
+    wd = tmp_path / "weights"
+    dora = {"mode": mode}
+    if k is not None:
+        dora["max_staleness"] = k
+    args = SimpleNamespace(
+        dora=dora,
+        dora_slime={"weights_dir": str(wd), "capacity": capacity, "poll_interval_s": 0.001,
+                    "base_data_source_path": "slime_standins.StandinBaseDataSource"},
+        custom_rollout_weight_reload_path=WEIGHT_RELOAD_HOOK_PATH,
+        rollout_batch_size=batch, n_samples_per_prompt=n, num_rollout=num_rollout,
+        sglang_router_ip="127.0.0.1", sglang_router_port=30999, sglang_server_concurrency=capacity,
+        custom_generate_function_path="slime_standins.generate",
+        update_weight_transport="disk", update_weight_disk_dir=str(wd), update_weights_interval=1,
+        save=str(tmp_path / "ckpt"), load=None, group_rm=False, reward_key=None,
+        colocate=False, offload_rollout=False, rollout_temperature=1.0, rollout_max_response_len=64,
+        standin_capacity=capacity, partial_rollout=False, mask_offpolicy_in_partial_rollout=False,
+    )
+    for key, value in extra.items():
+        setattr(args, key, value)
+    return args
+
+
+class SimulatedSlimeDriver:
+    """slime's driver loop around the rollout function, in `train_async.py` or `train.py` order.
+
+    Weight pushes do what patched slime's disk sync does: write `weight_v{n}` under
+    `--update-weight-disk-dir`, then call the hook named by `custom_rollout_weight_reload_path`.
+    """
+
+    def __init__(self, args: SimpleNamespace, data_source: Any) -> None:
+        self.args = args
+        self.data_source = data_source
+        self.pushes = 0
+
+    def push_weights(self) -> None:
+        self.pushes += 1
+        d = Path(self.args.update_weight_disk_dir) / f"weight_v{self.pushes:06d}"
+        shutil.rmtree(d, ignore_errors=True)  # slime's disk sync clears a version dir before writing
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        weights.publish_weights(self.args, str(d), str(self.pushes), None)
+
+    def generate(self, rollout_id: int) -> Any:
+        return slime_rollout.generate_rollout(self.args, rollout_id, self.data_source)
+
+    def run_async(self, first: int, last: int, save_at: int | None = None) -> dict[int, Any]:
+        """train_async.py: batch k+1 is requested before step k trains; weights after the get."""
+        self.push_weights()
+        out: dict[int, Any] = {}
+        nxt = self.generate(first)
+        for k in range(first, last):
+            out[k] = nxt
+            nxt = self.generate(k + 1) if k + 1 < last else None
+            if save_at == k:
+                self.data_source.save(k)
+                return out
+            self.push_weights()
+        return out
+
+    def run_sync(self, first: int, last: int) -> dict[int, Any]:
+        """train.py: generate k, train k, push weights k+1."""
+        self.push_weights()
+        out = {}
+        for k in range(first, last):
+            out[k] = self.generate(k)
+            self.push_weights()
+        return out
+
+
+def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, first_step: int) -> Any:
+    """A session like `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client."""
+    from dora_ext.plugins import get_plugin_manager
+    from dora_ext.slime.engines import SglangEngines
+    from dora_ext.slime.settings import slime_settings
+
+    settings = slime_settings(args)
+    session = slime_rollout.RolloutSession(
+        args, data_source, first_step=first_step,
+        engines=SglangEngines(args, settings, http=fleet),
+        board=weights.DiskWeightBoard(args.update_weight_disk_dir, delete_old=settings.delete_old_weights),
+        settings=settings, plugins=get_plugin_manager(),
+    )
+    slime_rollout.install_session(session)
+    return session
+
+

@@ -1,0 +1,227 @@
+"""Stand-ins for what cannot exist on a CPU CI machine. slime itself is ABSENT in CI.
+
+slime is not on PyPI, and its engines are SGLang servers on GPUs. These stand-ins follow slime's
+documented data shapes and interfaces (read from slime's source, commit 624b824):
+
+* `Sample`: the fields of `slime.utils.types.Sample` the adapter touches, with its `Status` enum.
+* `StandinBaseDataSource`: the behaviour of slime's `RolloutDataSource` (groups of
+  `n_samples_per_prompt` deep copies of one prompt, a cursor saved under `args.save/rollout/`).
+* `FakeSglangFleet`: the HTTP surface of SGLang servers behind slime's router that the adapter
+  uses (`GET /workers` on the router, `POST /update_weights_from_disk` on an engine). It records
+  violations instead of hiding them: a load on an engine with requests running (R4), more
+  requests than the engine's capacity.
+* `generate`: a custom generate function with slime's real signature
+  `async def generate(args, sample, sampling_params) -> Sample`, the one slime's
+  `--custom-generate-function-path` takes. It stands in for an SGLang `/generate` call: it finds
+  the engine by the address in `args` (as slime's generate builds its URL), "decodes" a
+  deterministic long-tailed number of tokens, and reports the engine's weight version the way
+  SGLang's `meta_info["weight_version"]` lands in `Sample.weight_versions`.
+
+When `DORA_SLIME_PATH` points at a real slime checkout, `test_slime_real.py` runs the same
+adapter against slime's real `Sample`, output types, `load_function` and `generate_and_rm`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """Stand-in for slime.utils.types.Sample (slime is absent here)."""
+
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
+    prompt: str = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: str | None = None
+    reward: float | dict | None = None
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+
+    class Status(Enum):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    status: Status = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+
+
+class StandinBaseDataSource:
+    """Stand-in for slime's RolloutDataSource: numbered prompts, a saved cursor."""
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.n = args.n_samples_per_prompt
+        self.num_prompts = getattr(args, "standin_num_prompts", 1000)
+        self.offset = 0
+        self.sample_index = 0
+        self.sample_cls = getattr(args, "standin_sample_cls", Sample)
+
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        groups = []
+        for _ in range(num_samples):
+            if self.offset >= self.num_prompts:
+                break
+            prompt = self.sample_cls(prompt=f"p{self.offset}", label=str(self.offset), tokens=[1, 2, 3])
+            group = []
+            for _ in range(self.n):
+                s = copy.deepcopy(prompt)
+                s.group_index = self.offset
+                s.index = self.sample_index
+                self.sample_index += 1
+                group.append(s)
+            self.offset += 1
+            groups.append(group)
+        return groups
+
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        raise RuntimeError("read-only")
+
+    def save(self, rollout_id: int) -> None:
+        path = os.path.join(self.args.save, f"rollout/standin_cursor_{rollout_id}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump({"offset": self.offset, "sample_index": self.sample_index}, fh)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        if self.args.load is None:
+            return
+        path = os.path.join(self.args.load, f"rollout/standin_cursor_{rollout_id}.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                state = json.load(fh)
+            self.offset, self.sample_index = state["offset"], state["sample_index"]
+
+    def __len__(self) -> int:
+        return self.num_prompts
+
+
+class FakeEngine:
+    def __init__(self, url: str, port: int) -> None:
+        self.url = url
+        self.port = port
+        self.version: str = "initial"
+        self.running = 0
+        self.max_running = 0
+        self.loads: list[str] = []
+        self.wrong_version_once = False
+
+
+# port -> engine: the stand-in generate finds its engine by the address slime puts in args.
+ENGINES: dict[int, FakeEngine] = {}
+# (prompt, sample index) in the order requests started and finished, across engines.
+STARTS: list[tuple[str, int]] = []
+FINISHES: list[tuple[str, int]] = []
+
+
+class FakeSglangFleet:
+    """Stand-in for SGLang engines behind slime's router (no GPU inference server can run here)."""
+
+    def __init__(self, n_engines: int, *, capacity: int, base_port: int = 31000) -> None:
+        self.capacity = capacity
+        self.engines = [FakeEngine(f"http://127.0.0.1:{base_port + i}", base_port + i) for i in range(n_engines)]
+        for e in self.engines:
+            ENGINES[e.port] = e
+        self.violations: list[str] = []
+        self.live_version_sets: list[frozenset] = []
+
+    def observe(self) -> None:
+        self.live_version_sets.append(frozenset(e.version for e in self.engines))
+        for e in self.engines:
+            if e.running > self.capacity:
+                self.violations.append(f"{e.url}: {e.running} requests > capacity {self.capacity}")
+
+    async def get(self, url: str) -> dict:
+        if url.endswith("/workers"):
+            return {"workers": [{"url": e.url, "worker_type": "regular"} for e in self.engines]}
+        raise AssertionError(f"unexpected GET {url}")
+
+    async def post(self, url: str, payload: dict) -> dict:
+        engine = next(e for e in self.engines if url.startswith(e.url))
+        if url.endswith("/update_weights_from_disk"):
+            if engine.running:
+                self.violations.append(f"{engine.url}: loaded {payload['weight_version']} with {engine.running} running")
+            if not os.path.isdir(payload["model_path"]):
+                self.violations.append(f"{engine.url}: checkpoint {payload['model_path']} does not exist")
+            engine.version = payload["weight_version"]
+            engine.loads.append(payload["weight_version"])
+            self.observe()
+            return {"success": True, "message": "ok"}
+        raise AssertionError(f"unexpected POST {url}")
+
+
+def response_length(sample: Any) -> int:
+    """Long-tailed, deterministic per (prompt, index): most short, a few ~10x longer."""
+    rng = random.Random(f"{sample.prompt}/{sample.index}")
+    return max(1, min(40, int(rng.lognormvariate(1.5, 0.9))))
+
+
+TICK_S = 0.0005
+
+
+async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
+    """slime's custom-generate signature; stands in for one SGLang /generate request."""
+    engine = ENGINES[int(args.sglang_router_port)]
+    fleet_capacity = getattr(args, "standin_capacity", None)
+    engine.running += 1
+    engine.max_running = max(engine.max_running, engine.running)
+    STARTS.append((sample.prompt, sample.index))
+    version = engine.version
+    try:
+        n = response_length(sample)
+        await asyncio.sleep(n * TICK_S)
+        if engine.version != version:
+            raise AssertionError(f"{engine.url} changed version {version} -> {engine.version} mid-request")
+        reported = version
+        if engine.wrong_version_once:
+            engine.wrong_version_once = False
+            reported = "999"
+        sample.tokens = list(sample.tokens) + [7] * n
+        sample.response = "y" * n
+        sample.response_length += n
+        sample.rollout_log_probs = (sample.rollout_log_probs or []) + [-0.5] * n
+        sample.loss_mask = [1] * sample.response_length
+        sample.weight_versions.append(reported)
+        sample.reward = float(len(sample.prompt) % 2 + n % 3)
+        sample.status = type(sample).Status.COMPLETED
+        FINISHES.append((sample.prompt, sample.index))
+        if fleet_capacity is not None and engine.running > fleet_capacity:
+            raise AssertionError(f"{engine.url}: {engine.running} requests > capacity {fleet_capacity}")
+        return sample
+    finally:
+        engine.running -= 1
+
+
+class StandinGenerateState:
+    """Stand-in for slime's `GenerateState` when slime IS present (test_slime_real.py).
+
+    slime's GenerateState loads the tokenizer of `--hf-checkpoint`, which does not exist on this
+    machine; slime's own contract tests replace it the same way. It keeps what `generate_and_rm`
+    and the adapter read: a semaphore, `aborted`, `dp_rank_context`, `sampling_params`.
+    """
+
+    def __init__(self, args: Any) -> None:
+        import contextlib
+
+        self.args = args
+        self.semaphore = asyncio.Semaphore(10_000)
+        self.aborted = False
+        self.pendings: set = set()
+        self.remaining_batch_size = 0
+        self.sampling_params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64}
+        self.dp_rank_context = contextlib.nullcontext

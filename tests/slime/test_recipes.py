@@ -1,0 +1,89 @@
+"""The slime recipes: each dora script and its baseline twin launch the same run but for the
+dora flags. slime, Ray and GPUs are ABSENT here: `ray` is a stand-in executable that records the
+command it was given, and SLIME_DIR is a stand-in holding only what the scripts read (the model
+args file and, for the patch check, the patched file rebuilt from the patch itself).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dora_ext.slime.cli import slime_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes" / "slime"
+PAIRS = [("qwen3-1.7B-grpo", "train.py", "train.py"), ("qwen3-4B-dapo", "train_async.py", "train_async.py")]
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None,
+                                reason="bash and git are needed to run the recipe scripts")
+
+
+def _fake_slime(tmp_path: Path) -> Path:
+    slime = tmp_path / "slime"
+    (slime / "scripts" / "models").mkdir(parents=True)
+    for name in ("qwen3-1.7B.sh", "qwen3-4B.sh"):
+        (slime / "scripts" / "models" / name).write_text("MODEL_ARGS=(--num-layers 2 --hidden-size 8)\n")
+    # The patched actor_group.py: the patch's pre-image with the patch applied.
+    patch = (ROOT / "patches" / "slime" / "0001-rollout-weight-reload-hook.patch").read_text()
+    body = patch[patch.index("diff --git"):]
+    pre = [l[1:] for l in body.splitlines()[4:] if l.startswith((" ", "-"))]
+    target = slime / "slime" / "ray" / "actor_group.py"
+    target.parent.mkdir(parents=True)
+    target.write_text("\n".join(pre) + "\n")
+    (tmp_path / "p.patch").write_text(body)
+    subprocess.run(["git", "apply", str(tmp_path / "p.patch")], cwd=slime, check=True)
+    return slime
+
+
+def _run(script: str, tmp_path: Path, slime: Path, run_name: str) -> list[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / f"ray-{run_name}.log"
+    (bin_dir / "ray").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> "{log}"\necho --- >> "{log}"\n')
+    (bin_dir / "ray").chmod(0o755)
+    env = dict(os.environ, SLIME_DIR=str(slime), RUN_DIR=str(tmp_path / run_name), RUN_NAME=run_name,
+               PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]))
+    r = subprocess.run(["bash", str(RECIPES / script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    calls = log.read_text().split("---\n")
+    submit = next(c for c in calls if c.startswith("job\nsubmit"))
+    words = submit.split("\n")
+    return words[words.index("--") + 1:-1]
+
+
+@pytest.mark.parametrize("recipe, base_loop, dora_loop", PAIRS)
+def test_dora_script_is_its_baseline_twin_plus_dora_flags(tmp_path, recipe, base_loop, dora_loop):
+    slime = _fake_slime(tmp_path)
+    base = _run(f"{recipe}-baseline.sh", tmp_path, slime, "baseline")
+    dora = _run(f"{recipe}-dora.sh", tmp_path, slime, "dora")
+    assert base[:2] == ["python3", base_loop] and dora[:2] == ["python3", dora_loop]
+    strip = lambda argv, name: [w.replace(str(tmp_path / name), "RUN") for w in argv]  # noqa: E731
+    base, dora = strip(base, "baseline"), strip(dora, "dora")
+    assert dora[: len(base)] == base, "the dora twin changes a baseline setting"
+    extra = dora[len(base):]
+    assert extra[extra.index("--rollout-function-path") + 1] == "dora_ext.slime.rollout.generate_rollout"
+    assert extra[extra.index("--update-weight-disk-dir") + 1] == "RUN/weights"
+    assert "--colocate" not in base  # equal hardware: both on the same split pools
+
+
+def test_dora_script_refuses_an_unpatched_slime(tmp_path):
+    slime = _fake_slime(tmp_path)
+    subprocess.run(["git", "apply", "--reverse", str(tmp_path / "p.patch")], cwd=slime, check=True)
+    env = dict(os.environ, SLIME_DIR=str(slime), RUN_DIR=str(tmp_path / "r"),
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    r = subprocess.run(["bash", str(RECIPES / "qwen3-1.7B-grpo-dora.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "apply patches/slime" in r.stderr
+
+
+@pytest.mark.parametrize("name, k", [("dora-pipeline.yaml", 0), ("dora-k2.yaml", 2)])
+def test_recipe_configs_are_valid(name, k):
+    data = yaml.safe_load((RECIPES / name).read_text())
+    flags = slime_flags(data, str(RECIPES / name), "/shared/w")
+    assert ("--use-tis" in flags) == (k > 0)

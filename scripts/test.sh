@@ -8,6 +8,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet torch==2.13.0
 .venv/bin/python -m pip install --quiet -e ".[torch,verl,test]"
+# Two cores: one torch thread per process keeps tests from oversubscribing them.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

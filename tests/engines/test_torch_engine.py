@@ -1,0 +1,260 @@
+"""TorchEngine specifications: continuous batching, log-probs, migration, version loads.
+
+All engines run the real TinyLM on CPU (or CUDA when present); nothing is faked.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from dora_ext.engines import GREEDY, EngineError, SamplingParams, TorchEngine, default_device
+from dora_ext.models import TinyConfig, TinyLM, policy_state
+
+CFG = TinyConfig(vocab_size=32, d_model=32, n_layer=2, n_head=4, max_len=96, seed=11)
+PROMPTS = {f"r{i}": [1, *[(3 + 5 * i + j) % 32 for j in range(1 + i % 5)]] for i in range(7)}
+BUDGET = {rid: 6 + 5 * i for i, rid in enumerate(PROMPTS)}  # different lengths: sequences leave at different steps
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return policy_state(TinyLM(CFG))
+
+
+def perturbed(weights, scale=0.05, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+
+
+def engine(weights, capacity=3, version=0, stop=None):
+    e = TorchEngine(CFG, capacity, stop, device=default_device())
+    e.load_version(weights, version)
+    return e
+
+
+def run_alone(weights, rid, prompt, budget, sampling=GREEDY, seed=0, version=0, stop=None):
+    e = engine(weights, capacity=1, version=version, stop=stop)
+    e.submit(rid, prompt, budget, sampling, seed)
+    (f,) = e.run_until_done()
+    return f
+
+
+def test_continuous_batching_returns_the_tokens_of_one_at_a_time_decoding(weights):
+    e = engine(weights, capacity=3)
+    for rid, prompt in PROMPTS.items():
+        e.submit(rid, prompt, BUDGET[rid], GREEDY)
+    finished, joined_while_running, widths = {}, 0, []
+    while e.has_work:
+        before = set(e.running)
+        done = e.step()
+        widths.append(len(before | {f.request_id for f in done} | set(e.running)))
+        joined_while_running += bool(before) and bool(set(e.running) - before)
+        finished.update({f.request_id: f for f in done})
+    # the batch really was continuous: full width, and sequences joined while others ran
+    assert max(widths) == 3 and joined_while_running >= 2
+    for rid, prompt in PROMPTS.items():
+        ref = run_alone(weights, rid, prompt, BUDGET[rid])
+        got = finished[rid]
+        assert got.response_ids == ref.response_ids
+        assert got.finish_reason == "length" and len(got.response_ids) == BUDGET[rid]
+        assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        assert got.prompt_ids == tuple(prompt) and got.versions == (0,) * BUDGET[rid] and got.prefills == 1
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(0.7, 0.9), SamplingParams(1.3, 1.0)],
+                         ids=["greedy", "t0.7-p0.9", "t1.3"])
+def test_logprobs_match_a_fresh_full_forward_pass(weights, sampling):
+    e = engine(weights, capacity=4)
+    for i, (rid, prompt) in enumerate(PROMPTS.items()):
+        e.submit(rid, prompt, BUDGET[rid], sampling, seed=i)
+    model = TinyLM(CFG)
+    model.load_state_dict(weights)
+    temperature = sampling.temperature or 1.0
+    for f in e.run_until_done():
+        ids = torch.tensor([[*f.prompt_ids, *f.response_ids]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids)[0][0] / temperature, -1)
+        P = len(f.prompt_ids)
+        ref = [logp[P - 1 + j, tok].item() for j, tok in enumerate(f.response_ids)]
+        assert f.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_sampling_is_reproducible_per_request_whatever_the_batch(weights):
+    sampling = SamplingParams(1.0, 0.95)
+    alone = run_alone(weights, "x", PROMPTS["r2"], 30, sampling, seed=7)
+    e = engine(weights, capacity=4)
+    for i, (rid, prompt) in enumerate(PROMPTS.items()):
+        e.submit(rid, prompt, BUDGET[rid], sampling, seed=100 + i)
+    e.step()
+    e.submit("x", PROMPTS["r2"], 30, sampling, seed=7)
+    batched = {f.request_id: f for f in e.run_until_done()}["x"]
+    assert batched.response_ids == alone.response_ids
+    other_seed = run_alone(weights, "x", PROMPTS["r2"], 30, sampling, seed=8)
+    assert other_seed.response_ids != alone.response_ids
+
+
+def test_tiny_top_p_keeps_only_the_most_likely_token(weights):
+    greedy = run_alone(weights, "g", PROMPTS["r3"], 20)
+    nucleus = run_alone(weights, "g", PROMPTS["r3"], 20, SamplingParams(1.0, 1e-6), seed=3)
+    assert nucleus.response_ids == greedy.response_ids
+    # log-probs are of the full distribution, not the truncated one (which would be all 0)
+    assert nucleus.logprobs == pytest.approx(greedy.logprobs, abs=1e-5) and max(nucleus.logprobs) < -0.01
+
+
+def test_stop_token_and_max_length(weights):
+    free = run_alone(weights, "s", PROMPTS["r4"], 40)
+    stop = free.response_ids[5]
+    first = free.response_ids.index(stop)
+    stopped = run_alone(weights, "s", PROMPTS["r4"], 40, stop=stop)
+    assert stopped.finish_reason == "stop"
+    assert stopped.response_ids == free.response_ids[: first + 1]  # the stop token is kept (it was sampled)
+    short = run_alone(weights, "s", PROMPTS["r4"], 3, stop=stop) if first >= 3 else None
+    if short is not None:
+        assert short.finish_reason == "length" and len(short.response_ids) == 3
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(1.0, 1.0)], ids=["greedy", "sampled"])
+def test_same_version_migration_continues_token_identically_without_prefill(weights, sampling):
+    ref = run_alone(weights, "m", PROMPTS["r5"], 40, sampling, seed=4, version=3)
+    a, b = engine(weights, capacity=3, version=3), engine(weights, capacity=2, version=3)
+    a.submit("other", PROMPTS["r1"], 30, sampling, seed=1)
+    a.submit("m", PROMPTS["r5"], 40, sampling, seed=4)
+    b.submit("busy", PROMPTS["r2"], 12, sampling, seed=2)
+    for _ in range(9):
+        a.step()
+        b.step()
+    state = a.export_sequence("m")
+    assert len(state.response_ids) == 9 and state.kv is not None
+    assert "m" not in a.running and a.running == ("other",)
+    b.import_sequence(state)
+    prefills_before = b.stats.prefills
+    done = {f.request_id: f for f in b.run_until_done()}
+    assert b.stats.prefills == prefills_before  # the KV moved; nothing was re-prefilled
+    got = done["m"]
+    assert got.response_ids == ref.response_ids and got.prefills == 1
+    assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert {f.request_id for f in a.run_until_done()} == {"other"}
+
+
+def test_migration_is_same_version_only_and_reprefill_is_counted(weights):
+    ref = run_alone(weights, "m", PROMPTS["r5"], 30, version=3)
+    a = engine(weights, version=3)
+    a.submit("m", PROMPTS["r5"], 30, GREEDY)
+    for _ in range(5):
+        a.step()
+    other = engine(weights, version=4)
+    state = a.export_sequence("m")
+    with pytest.raises(EngineError, match="same-version"):
+        other.import_sequence(state)
+    same = engine(weights, version=3)
+    a.import_sequence(state)  # the refused sequence is not lost: take it back, then move it without KV
+    same.import_sequence(a.export_sequence("m", include_kv=False))
+    (got,) = same.run_until_done()
+    assert same.stats.prefills == 1 and got.prefills == 2 and got.response_ids == ref.response_ids
+    with pytest.raises(EngineError, match="unknown request_id"):
+        a.export_sequence("m")
+
+
+def test_loading_a_version_changes_outputs_exactly_when_weights_change(weights):
+    e = engine(weights, capacity=2)
+    e.submit("a", PROMPTS["r6"], 25, GREEDY)
+    (v0,) = e.run_until_done()
+    seconds = e.load_version(weights, 1)
+    assert isinstance(seconds, float) and seconds > 0 and e.stats.weight_loads == 2
+    e.submit("a", PROMPTS["r6"], 25, GREEDY)
+    (v1,) = e.run_until_done()
+    assert v1.response_ids == v0.response_ids and v1.logprobs == v0.logprobs
+    assert v1.version == 1 and set(v1.versions) == {1}
+    e.load_version(perturbed(weights), 2)
+    e.submit("a", PROMPTS["r6"], 25, GREEDY)
+    (v2,) = e.run_until_done()
+    assert max(abs(x - y) for x, y in zip(v2.logprobs, v0.logprobs)) > 1e-3
+    assert v2.response_ids != v0.response_ids
+
+
+def test_load_is_refused_while_sequences_hold_kv(weights):
+    e = engine(weights)
+    e.submit("a", PROMPTS["r0"], 20, GREEDY)
+    e.step()
+    with pytest.raises(EngineError, match="pause_all"):
+        e.load_version(weights, 1)
+
+
+def test_two_versions_live_on_two_instances_in_two_threads(weights):
+    new = perturbed(weights, seed=1)
+    jobs = {0: (weights, ["r0", "r1", "r2", "r3"]), 1: (new, ["r3", "r4", "r5", "r6"])}
+    engines, results = {}, {}
+    for version, (w, rids) in jobs.items():
+        engines[version] = engine(w, capacity=2, version=version)
+        for rid in rids:
+            engines[version].submit(rid, PROMPTS[rid], BUDGET[rid], GREEDY)
+
+    def drive(version):
+        results[version] = engines[version].run_until_done()
+
+    threads = [threading.Thread(target=drive, args=(v,)) for v in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for version, (w, rids) in jobs.items():
+        assert sorted(f.request_id for f in results[version]) == sorted(rids)
+        for f in results[version]:
+            assert set(f.versions) == {version}
+            ref = run_alone(w, f.request_id, PROMPTS[f.request_id], BUDGET[f.request_id])
+            assert f.response_ids == ref.response_ids
+    # the shared request r3 was generated by both versions, and they disagree
+    r3 = {v: next(f for f in results[v] if f.request_id == "r3") for v in jobs}
+    assert r3[0].logprobs != r3[1].logprobs
+
+
+def test_partial_mode_pause_load_resume_records_per_token_versions(weights):
+    new = perturbed(weights, seed=2)
+    e = engine(weights, capacity=2)
+    e.submit("r2", PROMPTS["r2"], 20, GREEDY)
+    e.submit("r3", PROMPTS["r3"], 20, GREEDY)
+    for _ in range(6):
+        e.step()
+    assert sorted(e.pause_all()) == ["r2", "r3"] and e.running == () and not e.has_work
+    assert e.step() == []  # paused sequences do not advance
+    e.load_version(new, 1)
+    assert sorted(e.resume()) == ["r2", "r3"]
+    done = {f.request_id: f for f in e.run_until_done()}
+    for rid in ("r2", "r3"):
+        f = done[rid]
+        assert f.versions == (0,) * 6 + (1,) * 14 and f.prefills == 2 and f.version == 1
+        head = run_alone(weights, rid, PROMPTS[rid], 6)
+        assert f.response_ids[:6] == head.response_ids
+        # the tail is what version 1 says after the version-0 head: a re-prefill, not stale KV
+        tail = run_alone(new, rid, [*PROMPTS[rid], *head.response_ids], 14)
+        assert f.response_ids[6:] == tail.response_ids
+        assert f.logprobs[6:] == pytest.approx(tail.logprobs, abs=1e-5)
+
+
+def test_bad_requests_raise_clear_errors(weights):
+    e = TorchEngine(CFG, 2, None, device="cpu")
+    e.submit("a", [1, 2], 5)
+    with pytest.raises(EngineError, match="no version loaded"):
+        e.step()
+    with pytest.raises(EngineError, match="already held"):
+        e.submit("a", [1], 5)
+    with pytest.raises(ValueError, match="prompt_ids must lie"):
+        e.submit("b", [1, 99], 5)
+    with pytest.raises(ValueError, match="max_len"):
+        e.submit("b", [1], CFG.max_len)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        e.submit("b", [1], 0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(1.0, 0.0)
+    with pytest.raises(ValueError, match="capacity"):
+        TorchEngine(CFG, 0, None)
+    assert e.abort("a") and not e.abort("a") and not e.has_work
+
+
+def test_device_is_chosen_automatically_and_overridable(monkeypatch):
+    monkeypatch.delenv("DORA_EXT_DEVICE", raising=False)
+    assert default_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert default_device("cpu").type == "cpu"
+    monkeypatch.setenv("DORA_EXT_DEVICE", "cpu")
+    assert default_device().type == "cpu"
+    assert TorchEngine(CFG, 1, None).device.type == "cpu"

@@ -1,0 +1,169 @@
+"""`dora-ext simulate`: every mode side by side on a calibrated (or replayed) workload.
+
+    dora-ext simulate --preset dapo-28k --modes sync,one_step_off,partial,pipeline,dora \
+        --steps 20 --seed 0 [--max-staleness K] [--split R:T|auto] [--lengths FILE] [--json] [--plot FILE.png]
+    dora-ext simulate --list-presets
+
+Imports no torch: the simulator is pure Python; matplotlib is imported only for `--plot`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..config import MODES, ConfigError
+
+#: per-mode keys of `--json`, in issue 3's order
+JSON_KEYS = (
+    "throughput_tokens_per_s", "speedup_vs_sync", "efficiency", "trainer_wait_ratio",
+    "rollout_bubble_ratio", "rollout_to_train_end_s", "staleness_max", "staleness_mean",
+    "multi_version_trajectory_share", "dropped", "truncated", "duplicated", "c1_ok", "c2_ok",
+    "c3_ok", "migrations", "weight_loads",
+)
+#: extra keys that say what was run (the ideal it is measured against, K, the split)
+JSON_EXTRA = ("ideal_throughput", "max_staleness", "split")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="compare modes on a simulated cluster (discrete-event, real scheduler)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", default=None, help="workload and hardware preset (see --list-presets)")
+    p.add_argument("--list-presets", action="store_true", help="list the presets with their sources")
+    p.add_argument("--lengths", metavar="FILE", help="replay response lengths: one integer per line or JSONL with response_length")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default: {','.join(MODES)})")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per mode (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                   help="K for the modes that take one (partial, dora); sync/pipeline use 0, one_step_off 1")
+    p.add_argument("--split", default=None, metavar="R:T|auto",
+                   help="rollout:trainer accelerators of the asynchronous modes, or auto (best per mode)")
+    p.add_argument("--instances", type=int, default=None, help="override the rollout instance count (scale runs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="write a timeline plot (needs matplotlib)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..core import ProtocolError
+    from . import PRESETS, SimError, WorkloadError, get_preset, load_lengths
+    from .compare import compare
+    from .runner import parse_split
+
+    if args.list_presets:
+        print(list_presets(PRESETS))
+        return 0
+    try:
+        if args.preset is None:
+            raise WorkloadError(f"--preset: required; accepted: {', '.join(PRESETS)}")
+        preset = get_preset(args.preset)
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in MODES]
+        if bad or not modes:
+            raise WorkloadError(f"--modes: unknown mode(s) {', '.join(bad) or '(none)'}; accepted: {', '.join(MODES)}")
+        if args.steps is not None and args.steps < 1:
+            raise WorkloadError(f"--steps: expected an integer >= 1, got {args.steps}")
+        if args.max_staleness is not None and args.max_staleness < 0:
+            raise WorkloadError(f"--max-staleness: expected an integer >= 0, got {args.max_staleness}")
+        if args.instances is not None and args.instances < 1:
+            raise WorkloadError(f"--instances: expected an integer >= 1, got {args.instances}")
+        split = parse_split(args.split)
+        records = load_lengths(args.lengths) if args.lengths else None
+        if args.instances is not None:
+            from .runner import simulate
+
+            results = {m: simulate(preset, m, steps=args.steps, seed=args.seed, max_staleness=args.max_staleness,
+                                   split=split if isinstance(split, tuple) else None, records=records,
+                                   instances=args.instances, timeline=bool(args.plot))
+                       for m in modes}
+            if "sync" in results:
+                base = results["sync"].metrics["throughput_tokens_per_s"]
+                for r in results.values():
+                    r.metrics["speedup_vs_sync"] = r.metrics["throughput_tokens_per_s"] / base
+        else:
+            results = compare(preset, modes, steps=args.steps, seed=args.seed, max_staleness=args.max_staleness,
+                              split=split, records=records, timeline=bool(args.plot))
+    except (WorkloadError, ConfigError) as exc:
+        print(f"dora-ext simulate: error: {exc}", file=sys.stderr)
+        return 2
+    except (SimError, ProtocolError) as exc:
+        # A core bug, not a user error: say what happened so that it can be reported.
+        print(f"dora-ext simulate: the scheduler misbehaved: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    steps = args.steps or preset.default_steps
+    if args.json:
+        print(json.dumps(to_json(preset.name, args.seed, steps, results), indent=2))
+    else:
+        print(format_table(preset.name, args.seed, steps, results))
+    if args.plot:
+        from .plot import plot_timelines
+
+        plot_timelines(results, args.plot, title=f"{preset.name}, seed {args.seed}, {steps} steps")
+        if not args.json:
+            print(f"timeline written to {args.plot}")
+    return 0
+
+
+def to_json(preset: str, seed: int, steps: int, results: dict) -> dict[str, Any]:
+    """The `--json` object of issue 3."""
+    return {
+        "preset": preset,
+        "seed": seed,
+        "steps": steps,
+        "modes": {m: {k: r.metrics[k] for k in JSON_KEYS + JSON_EXTRA} for m, r in results.items()},
+    }
+
+
+def format_table(preset: str, seed: int, steps: int, results: dict) -> str:
+    cols = [
+        ("mode", "{}"), ("K", "{}"), ("split", "{}"), ("tok/s", "{:.0f}"), ("vs sync", "{}"),
+        ("eff", "{:.2f}"), ("wait", "{:.2f}"), ("bubble", "{:.2f}"), ("r2t s", "{:.1f}"),
+        ("stale max/mean", "{}"), ("multi-v", "{:.3f}"), ("C1", "{}"), ("C2", "{}"), ("C3", "{}"),
+        ("migr", "{}"), ("loads", "{}"),
+    ]
+    rows = []
+    for mode, r in results.items():
+        m = r.metrics
+        sp = m["speedup_vs_sync"]
+        vals = [
+            mode, m["max_staleness"], m["split"], m["throughput_tokens_per_s"],
+            "-" if sp is None else f"{sp:.2f}x", m["efficiency"], m["trainer_wait_ratio"],
+            m["rollout_bubble_ratio"], m["rollout_to_train_end_s"],
+            f"{m['staleness_max']}/{m['staleness_mean']:.2f}", m["multi_version_trajectory_share"],
+            _ok(m["c1_ok"]), _ok(m["c2_ok"]), _ok(m["c3_ok"]), m["migrations"], m["weight_loads"],
+        ]
+        rows.append([fmt.format(v) for (_, fmt), v in zip(cols, vals)])
+    head = [c for c, _ in cols]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines = [
+        f"preset {preset}, seed {seed}, {steps} steps; ideal {next(iter(results.values())).metrics['ideal_throughput']:.0f} tok/s",
+        "  ".join(h.rjust(w) for h, w in zip(head, widths)),
+    ]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _ok(flag: bool) -> str:
+    return "ok" if flag else "NO"
+
+
+def list_presets(presets: dict) -> str:
+    out = []
+    for p in presets.values():
+        out.append(f"{p.name}: {p.summary}")
+        w = p.workload
+        out.append(
+            f"  G={p.accelerators} ({p.engine.accelerators} per instance, capacity {p.engine.capacity}), "
+            f"batch {p.batch_size} x n={w.group_size}, response median {w.response_median:.0f} cv {w.response_cv} "
+            f"cap {w.response_cap}, sync {'colocated' if p.sync_colocated else 'on split pools'}, default split "
+            f"{p.default_split[0]}:{p.default_split[1]}"
+        )
+        for s in p.sources:
+            out.append(f"  source: {s}")
+    return "\n".join(out)

@@ -1,0 +1,258 @@
+"""Cost models and calibrated presets of the simulator.
+
+One `Preset` = hardware (`accelerators` G, accelerators per rollout instance), an engine cost
+model, a trainer cost model, a workload and a batch. Every mode of a comparison runs with the
+same preset: a baseline is never given worse constants (issue 3, "All modes share one cost
+model"); modes differ only in what the real `dora_ext.core.Scheduler` decides.
+
+Where a constant comes from is said next to it. Three kinds of source:
+  [paper]  a figure quoted in design.md (DORA, verl docs, Seer, RolloutPipe, ...);
+  [hw]     derived from public hardware/model sizes (H100-class: 989 TFLOP/s dense bf16,
+           3.35 TB/s HBM, 80 GB; the model's parameter count and KV layout), with the assumed
+           utilisation stated;
+  [calib]  chosen so that a simulated figure matches a [paper] figure; `calibration()` measures
+           it again and the tests check it still holds.
+
+A trained token costs 12*N FLOP for an N-parameter model: 2N for the old-policy log-probs, 2N for
+the reference log-probs, 8N for forward + backward with activation recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .workload import Workload, WorkloadError
+
+# H100-class accelerator, the reference of every [hw] constant below.
+_FLOPS = 989e12  # dense bf16 FLOP/s
+_HBM = 3.35e12  # bytes/s
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """Cost model of one rollout instance (an inference engine replica with continuous batching).
+
+    One decode iteration advances every running sequence by one token and takes
+    `decode_a_s + decode_b_s * running + decode_c_s * total_context` seconds: `a` is reading the
+    weights once (memory bound), `b` the per-sequence matmul work, `c` reading each context
+    token's KV cache. Prefill costs `prefill_s_per_token` per prompt token and stalls decoding
+    (no chunked prefill). `capacity` bounds the running sequences.
+
+    Moving a running trajectory between instances (R5) costs `context * kv_bytes_per_token /
+    migrate_bytes_per_s` seconds during which it does not advance; with `migrate_bytes_per_s = 0`
+    the engine cannot move KV and the destination re-prefills the context instead.
+    `resume_reprefill`: after a weight update with preempted trajectories (mode `partial`), the KV
+    cache computed by the old weights is dropped and the context re-prefilled, as AReaL's
+    interruptible generation and verl fully_async's partial rollout do.
+    """
+
+    decode_a_s: float
+    decode_b_s: float
+    decode_c_s: float
+    prefill_s_per_token: float
+    weight_load_s: float
+    kv_bytes_per_token: float
+    migrate_bytes_per_s: float
+    capacity: int
+    accelerators: int = 1
+    resume_reprefill: bool = True
+
+
+@dataclass(frozen=True)
+class TrainerCost:
+    """Cost model of the trainer (FSDP/Megatron), work expressed in accelerator-seconds.
+
+    A trained token (prompt + response, forward + backward + log-prob recomputation) costs
+    `train_acc_s_per_token`; the optimizer step costs `optimizer_acc_s` per step whatever the
+    batch. Both divide by the trainer's accelerator count (perfect data-parallel scaling, which
+    favours no mode: every mode trains the same tokens). Publishing a version (gathering and
+    broadcasting the weights) takes `broadcast_s` of trainer time.
+    """
+
+    train_acc_s_per_token: float
+    optimizer_acc_s: float
+    broadcast_s: float
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A calibrated scenario. `sources` says where each figure comes from (shown by --list-presets)."""
+
+    name: str
+    summary: str
+    accelerators: int
+    engine: EngineCost
+    trainer: TrainerCost
+    workload: Workload
+    batch_size: int
+    default_split: tuple[int, int]  # rollout:trainer accelerators (a ratio when not summing to G)
+    sync_colocated: bool = True
+    default_steps: int = 20
+    sources: tuple[str, ...] = field(default=())
+    targets: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        r, t = self.default_split
+        if r < 1 or t < 1:
+            raise WorkloadError(f"{self.name}: default_split {r}:{t} must give both sides >= 1 accelerator")
+
+
+# --------------------------------------------------------------------------- dapo-28k
+# Qwen2.5-7B class (Qwen2.5-Math-7B, the verl fully_async DAPO figure): 7.6e9 parameters,
+# 28 layers, 4 KV heads x 128 dims -> 28*4*128*2 (K,V) * 2 bytes = 57,344 KV bytes per token.
+_P7 = 7.6e9
+_KV7 = 28 * 4 * 128 * 2 * 2
+
+DAPO_28K = Preset(
+    name="dapo-28k",
+    summary="DAPO-style math reasoning, Qwen2.5-7B class, 28K response cap, 128 accelerators, colocated sync",
+    accelerators=128,
+    engine=EngineCost(
+        decode_a_s=8e-3,  # [hw] 15.2 GB of weights read per iteration at ~60% of 3.35 TB/s (+launch)
+        decode_b_s=4e-5,  # [hw] 2*7.6e9 FLOP per token at ~40% of 989 TFLOP/s
+        decode_c_s=_KV7 / (0.7 * _HBM),  # [hw] 57 KB of KV read per context token at 70% HBM
+        prefill_s_per_token=2 * _P7 / (0.5 * _FLOPS),  # [hw] prefill at 50% MFU
+        weight_load_s=3.0,  # [hw] 15 GB of bf16 weights resharded/received at ~5 GB/s
+        kv_bytes_per_token=_KV7,
+        migrate_bytes_per_s=25e9,  # [hw] 200 Gb/s RDMA between instances
+        capacity=128,  # [hw] ~55 GB KV budget / 57 KB / ~5K mean in-flight context ~ 190; vLLM-style 128
+        accelerators=1,  # [hw] a 7B model fits one 80 GB accelerator
+    ),
+    trainer=TrainerCost(
+        # [calib] sync rollout share ~70% of the step (verl docs, DAPO-32B; issue 3). The [hw]
+        # estimate, 12*7.6e9 FLOP/token at 35% MFU = 2.6e-4, is lower: attention over 28K
+        # contexts and FSDP communication are not in it; calibration puts the rest on the trainer.
+        train_acc_s_per_token=5.8e-4,
+        optimizer_acc_s=128.0,  # [hw] ~1 s FSDP AdamW step at 128 accelerators
+        broadcast_s=2.0,  # [hw] gather + NCCL broadcast of 15 GB
+    ),
+    workload=Workload(
+        response_median=3000.0,  # [paper] DAPO responses of a few thousand tokens (mean ~4K)
+        response_cv=1.0,  # [paper] design.md: log-normal with CV ~1 -> longest of 16 ~5x mean
+        response_cap=28672,  # [paper] the 28K cap of the verl fully_async DAPO run
+        prompt_median=256.0,
+        prompt_cv=0.5,
+        prompt_cap=2048,
+        group_size=16,  # [paper] DAPO: 16 responses per prompt
+        difficulty_share=0.3,  # [calib] towards 'longest of 16 ~5x the mean' (design.md)
+    ),
+    batch_size=512,  # [paper] DAPO: 512 prompts per step
+    default_split=(48, 80),
+    sync_colocated=True,  # [paper] verl/slime colocated default (design.md, Equal hardware)
+    default_steps=20,
+    sources=(
+        "verl fully_async, Qwen2.5-Math-7B DAPO 28K cap at 128 GPUs (design.md): G=128, cap 28672",
+        "verl docs DAPO-32B / issue 3: rollout ~70% of a sync step (trainer constant calibrated to it)",
+        "design.md: log-normal CV ~1 capped at the max length; DAPO recipe: 512 prompts x 16",
+        "engine constants from H100 bandwidth/FLOPs and the Qwen2.5-7B KV layout (see module)",
+    ),
+    targets={"rollout_share_sync": 0.70},
+)
+
+# --------------------------------------------------------------------------- rolloutpipe-8k
+# Qwen3-1.7B: 1.7e9 parameters, 28 layers, 8 KV heads x 128 dims -> 114,688 KV bytes per token.
+_P17 = 1.7e9
+_KV17 = 28 * 8 * 128 * 2 * 2
+
+ROLLOUTPIPE_8K = Preset(
+    name="rolloutpipe-8k",
+    summary="RolloutPipe-style on-policy GRPO, Qwen3-1.7B class, 8K cap, 4 rollout + 4 trainer accelerators (disaggregated)",
+    accelerators=8,
+    engine=EngineCost(
+        decode_a_s=3e-3,  # [hw] 3.4 GB weights at 60% HBM (~1.7 ms) + per-iteration launch overhead
+        decode_b_s=1e-5,  # [hw] 2*1.7e9 FLOP per token at ~35% MFU
+        decode_c_s=_KV17 / (0.7 * _HBM),  # [hw] 115 KB of KV per context token at 70% HBM
+        prefill_s_per_token=2 * _P17 / (0.5 * _FLOPS),
+        weight_load_s=1.0,  # [hw] 3.4 GB at ~5 GB/s
+        kv_bytes_per_token=_KV17,
+        migrate_bytes_per_s=25e9,
+        capacity=256,  # [hw] vLLM/SGLang default max running requests; ~60 GB KV / 115 KB fits it
+        accelerators=1,
+    ),
+    trainer=TrainerCost(
+        # [hw] 12*N FLOP per trained token (module doc) at 25% MFU: small models with 8K
+        # sequences are attention- and launch-bound
+        train_acc_s_per_token=12 * _P17 / (0.25 * _FLOPS),
+        optimizer_acc_s=2.0,  # [hw] ~0.5 s AdamW step on 4 accelerators
+        broadcast_s=0.5,  # [hw] 3.4 GB broadcast
+    ),
+    workload=Workload(
+        response_median=1500.0,  # [paper] Qwen3-1.7B reasoning under an 8K cap, long-tailed
+        response_cv=1.0,  # [paper] design.md log-normal CV ~1
+        response_cap=8192,  # [paper] RolloutPipe: 8K cap
+        prompt_median=200.0,
+        prompt_cv=0.5,
+        prompt_cap=1024,
+        group_size=8,  # [paper] slime GRPO default n_samples_per_prompt = 8
+        difficulty_share=0.5,
+    ),
+    batch_size=128,
+    default_split=(4, 4),
+    sync_colocated=False,  # [paper] RolloutPipe compares against slime with separate pools
+    default_steps=20,
+    sources=(
+        "RolloutPipe (arXiv 2606.26997): Qwen3-1.7B, 8K cap, disaggregated slime baseline (sync on split pools)",
+        "design.md: log-normal CV ~1; slime: 8 samples per prompt",
+        "engine and trainer constants from H100 bandwidth/FLOPs and the Qwen3-1.7B KV layout",
+    ),
+)
+
+# --------------------------------------------------------------------------- agentic-long-tail
+# Qwen3-32B class: 32e9 parameters, 64 layers, 8 KV heads x 128 dims -> 262,144 KV bytes per
+# token; tensor parallel 4, so per-accelerator traffic is a quarter.
+_P32 = 32e9
+_KV32 = 64 * 8 * 128 * 2 * 2
+
+AGENTIC_LONG_TAIL = Preset(
+    name="agentic-long-tail",
+    summary="Agentic multi-turn episodes, Qwen3-32B class (TP4), single rollout per prompt (SAO), 64K cap, very long tail",
+    accelerators=64,
+    engine=EngineCost(
+        decode_a_s=12e-3,  # [hw] 64 GB weights over 4 accelerators at 60% HBM + all-reduce per layer
+        decode_b_s=2 * _P32 / (4 * 0.4 * _FLOPS),  # [hw] 40% MFU over 4 accelerators
+        decode_c_s=_KV32 / (4 * 0.7 * _HBM),
+        prefill_s_per_token=2 * _P32 / (4 * 0.5 * _FLOPS),
+        weight_load_s=8.0,  # [hw] 64 GB at ~8 GB/s
+        kv_bytes_per_token=_KV32,
+        migrate_bytes_per_s=25e9,
+        capacity=64,  # [hw] ~216 GB KV on 4 accelerators / 262 KB / ~12K context
+        accelerators=4,
+    ),
+    trainer=TrainerCost(
+        train_acc_s_per_token=12 * _P32 / (0.35 * _FLOPS),  # [hw] 12*N FLOP/token at 35% MFU
+        optimizer_acc_s=64.0,  # [hw] ~1 s sharded AdamW step at 64 accelerators
+        broadcast_s=6.0,  # [hw] 64 GB gather + broadcast
+    ),
+    workload=Workload(
+        # Multi-turn episodes: the summed generation over turns has a heavier tail than one
+        # reasoning answer; p99 ~ 20x the median (Seer: the last 10% of requests take up to
+        # 50% of rollout time) and long accumulated contexts (tool outputs) as the prompt.
+        response_median=4000.0,
+        response_cv=2.0,
+        response_cap=65536,
+        prompt_median=4000.0,
+        prompt_cv=0.8,
+        prompt_cap=32768,
+        group_size=1,  # [paper] SAO: one rollout per prompt for agentic RL
+        difficulty_share=0.0,
+    ),
+    batch_size=256,
+    default_split=(40, 24),
+    sync_colocated=True,
+    default_steps=20,
+    sources=(
+        "SAO (arXiv 2607.07508): single rollout per prompt (n=1) for agentic RL",
+        "Seer (design.md): last 10% of requests up to 50% of rollout time; rollout 63-84% of a sync step",
+        "engine and trainer constants from H100 bandwidth/FLOPs and the Qwen3-32B KV layout, TP 4",
+    ),
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL)}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; an unknown name is an error listing the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise WorkloadError(f"preset: unknown preset {name!r}; accepted: {', '.join(PRESETS)}") from None

@@ -1,0 +1,679 @@
+"""The discrete-event executor: runs the real `dora_ext.core.Scheduler` on a virtual clock.
+
+The simulator never decides anything a mode decides. It feeds the scheduler events, executes the
+actions it returns with the cost models of `presets.py`, and turns their costs into future events
+on one heap (next finish of an instance, a weight load done, a migration landed, a trainer work
+item done). What it measures is therefore the scheduling code users run.
+
+It also checks the scheduler from the outside: an action that the hardware could not execute
+(a dispatch beyond capacity or onto an instance holding another version, a load over running
+work outside `partial`, trainer and rollout on colocated accelerators at once) raises `SimError`,
+a run that stops making progress raises `SimDeadlock`, and C1-C3 are measured from what the
+simulator itself executed (`sim_checks`), independently of the scheduler's own counters.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import MODES, DEFAULT_STALENESS, DoraConfig
+from ..core import actions as A
+from ..core import events as E
+from ..core import Scheduler
+from .engine import SimInstance
+from .presets import Preset
+from .workload import LengthSampler, WorkloadError
+
+_FINISH, _LOADED, _ARRIVE, _TRAINER = 0, 1, 2, 3
+
+
+class SimError(RuntimeError):
+    """The scheduler asked for something the simulated hardware cannot do (a core bug)."""
+
+
+class SimDeadlock(SimError):
+    """Nothing is left to happen on the virtual clock, yet the run is not done."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the G accelerators are used by one mode: rollout instances and trainer accelerators."""
+
+    instances: int
+    trainer_accelerators: int
+    colocated: bool
+    accelerators_per_instance: int = 1
+
+    @property
+    def rollout_accelerators(self) -> int:
+        return self.instances * self.accelerators_per_instance
+
+    @property
+    def total_accelerators(self) -> int:
+        if self.colocated:
+            return self.trainer_accelerators
+        return self.rollout_accelerators + self.trainer_accelerators
+
+    @property
+    def split(self) -> str:
+        """`"colocated"` or `"R:T"` (rollout:trainer accelerators)."""
+        return "colocated" if self.colocated else f"{self.rollout_accelerators}:{self.trainer_accelerators}"
+
+
+def parse_split(text: str | None) -> tuple[int, int] | str | None:
+    """`None`, `"auto"`, or `"R:T"` (rollout:trainer accelerators) -> the split setting."""
+    if text is None or text == "auto":
+        return text
+    parts = str(text).split(":")
+    try:
+        r, t = (int(p) for p in parts)
+    except ValueError:
+        raise WorkloadError(f"split: expected 'R:T' (two integers) or 'auto', got {text!r}") from None
+    if r < 1 or t < 1:
+        raise WorkloadError(f"split: both sides must be >= 1, got {text!r}")
+    return (r, t)
+
+
+def layout_for(preset: Preset, mode: str, split: tuple[int, int] | None) -> Layout:
+    """Equal hardware (design.md): `sync` colocated unless the preset says otherwise; others split.
+
+    `split` as `(R, T)` accelerators; when `R + T` differs from the preset's G it is read as a
+    ratio of G. The rollout side is rounded down to whole instances.
+    """
+    g, tp = preset.accelerators, preset.engine.accelerators
+    if mode == "sync" and preset.sync_colocated:
+        return Layout(g // tp, g, True, tp)
+    r, t = split if split is not None else preset.default_split
+    if r + t != g:
+        r = round(g * r / (r + t))
+    n = max(1, r // tp)
+    trainer = g - n * tp
+    if trainer < 1:
+        n = (g - 1) // tp
+        trainer = g - n * tp
+    if n < 1:
+        raise WorkloadError(f"split: {preset.name} has {g} accelerators, too few for a rollout instance of {tp} and a trainer")
+    return Layout(n, trainer, False, tp)
+
+
+@dataclass
+class RunResult:
+    """One mode's run: the design.md metrics plus what a plot needs."""
+
+    mode: str
+    layout: Layout
+    max_staleness: int
+    metrics: dict[str, Any]
+    core_metrics: dict[str, Any]
+    sim_checks: dict[str, Any]
+    t_end: float
+    step_end: list[float]
+    trainer_busy: list[tuple[float, float]] = field(default_factory=list)
+    instance_logs: list[list[tuple[float, int]]] | None = None
+    events: int = 0
+    tail10_time_share: float | None = None
+
+
+class Simulation:
+    """One mode on one preset. `run()` returns a `RunResult`."""
+
+    def __init__(
+        self,
+        preset: Preset,
+        mode: str,
+        *,
+        steps: int,
+        seed: int = 0,
+        max_staleness: int | None = None,
+        split: tuple[int, int] | None = None,
+        records: list[tuple[int, int | None]] | None = None,
+        instances: int | None = None,
+        timeline: bool = False,
+        plugins: Any = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise WorkloadError(f"modes: unknown mode {mode!r}; accepted: {', '.join(MODES)}")
+        if steps < 1:
+            raise WorkloadError(f"steps: expected an integer >= 1, got {steps!r}")
+        self.preset = preset
+        self.mode = mode
+        self.layout = layout_for(preset, mode, split)
+        if instances is not None:
+            # Scale runs: a rollout pool of `instances` with the trainer sized to keep the ratio.
+            scale = instances / self.layout.instances
+            lay = self.layout
+            tp = lay.accelerators_per_instance
+            trainer = instances * tp if lay.colocated else max(1, round(lay.trainer_accelerators * scale))
+            self.layout = Layout(instances, trainer, lay.colocated, tp)
+        k = _staleness(mode, max_staleness)
+        self.K = k
+        self.steps = steps
+        ec = preset.engine
+        self.config = DoraConfig.from_dict(
+            {
+                "mode": mode,
+                "max_staleness": k,
+                "batch_size": preset.batch_size,
+                "group_size": preset.workload.group_size,
+                "instances": self.layout.instances,
+                "capacity": ec.capacity,
+                "max_steps": steps,
+                **(config or {}),  # other scheduler settings, e.g. {"migrate": False}
+            }
+        )
+        self.sched = Scheduler(self.config, plugins)
+        self.sampler = LengthSampler(preset.workload, seed, records)
+        self.engine = ec
+        self.tc = preset.trainer
+        self.timeline = timeline
+
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = 0
+        self._pending: deque = deque()
+        self._dirty: dict[int, SimInstance] = {}
+        self.inst: dict[int, SimInstance] = {}
+        for spec in self.config.instances:
+            si = SimInstance(spec.id, ec)
+            si.capacity = spec.capacity
+            if timeline:
+                si.log = []
+            self.inst[spec.id] = si
+
+        # groups: gid -> (version, prompt tokens, response lengths)
+        self._next_gid = 0
+        self.groups: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.first_dispatch: dict[int, float] = {}
+        self.last_finish: dict[int, float] = {}
+        self.finish_log: list[tuple[float, int]] | None = [] if timeline else None
+        self.traj: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (attempt, version at dispatch)
+        self.multi: dict[tuple[int, int], list[int]] = {}  # key -> versions, once resumed under another
+        self.trained_step: dict[int, int] = {}
+        self.duplicated = 0
+        self.events = 0
+
+        # trainer
+        self.tacc = self.layout.trainer_accelerators
+        self._tq: deque = deque()
+        self._tbusy = False
+        self._tbusy_since = 0.0
+        self.trainer_busy: list[tuple[float, float]] = []
+        self._delivered: set[int] = set()
+        self._processed: set[int] = set()
+        self._step_left: int | None = None
+        self._step_running: int | None = None
+        self.step_end: list[float] = []
+        self.step_groups: list[tuple[int, ...]] = []
+        self._slot_marks: dict[int, float] = {}
+        self.migration_s = 0.0
+        self.reports: list[str] = []
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> RunResult:
+        self._execute(self.sched.start())
+        self._drain()
+        heap = self._heap
+        pop = heapq.heappop
+        sched = self.sched
+        while not sched.done:
+            if not heap:
+                raise SimDeadlock(self._deadlock_report())
+            t, _, kind, x, y = pop(heap)
+            self.now = t
+            if kind == _FINISH:
+                si = self.inst[x]
+                if si.gen != y:
+                    continue
+                self._on_finish(si)
+            elif kind == _LOADED:
+                self._on_loaded(x, y)
+            elif kind == _ARRIVE:
+                self._on_arrive(x, y)
+            else:
+                self._on_trainer_done(x)
+            self._drain()
+        return self._result()
+
+    def _push(self, t: float, kind: int, x: Any, y: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, x, y))
+
+    def _drain(self) -> None:
+        pending, handle = self._pending, self.sched.handle
+        while pending:
+            self.events += 1
+            self._execute(handle(pending.popleft()))
+        if self._dirty:
+            now = self.now
+            timeline = self.timeline
+            for si in self._dirty.values():
+                if timeline:
+                    si.record(now)
+                if si.gen != si.sched_gen:
+                    si.sched_gen = si.gen
+                    nf = si.next_finish()
+                    if nf is not None:
+                        self._push(nf, _FINISH, si.id, si.gen)
+            self._dirty.clear()
+        if not self._tbusy and self._tq:
+            self._trainer_next()
+
+    # ------------------------------------------------------------------ actions
+    def _execute(self, actions: list) -> None:
+        for act in actions:
+            kind = type(act)
+            if kind is A.Dispatch:
+                self._dispatch(act)
+            elif kind is A.RequestGroups:
+                self._request(act)
+            elif kind is A.LoadVersion:
+                self._load(act)
+            elif kind is A.Migrate:
+                self._migrate(act)
+            elif kind is A.DeliverGroup:
+                self._deliver(act.group_id)
+            elif kind is A.StartStep:
+                self._start_step(act)
+            elif kind is A.ReportGroupFailed:
+                self.reports.append(f"group {act.group_id!r} failed: {act.reason}")
+            elif kind is A.ReportError:
+                self.reports.append(act.message)
+            else:
+                raise SimError(f"unknown action {act!r}")
+
+    def _request(self, act: A.RequestGroups) -> None:
+        for _ in range(act.count):
+            gid = self._next_gid
+            self._next_gid += 1
+            draw = self.sampler.draw(gid)
+            self.groups[gid] = (act.version, draw.prompt_tokens, draw.response_tokens)
+            self._pending.append(E.GroupAdmitted(gid, {"prompt_tokens": draw.prompt_tokens}))
+
+    def _dispatch(self, act: A.Dispatch) -> None:
+        si = self.inst.get(act.instance_id)
+        if si is None or si.loading is not None or si.version != act.version:
+            raise SimError(
+                f"dispatch of {act.group_id!r}/{act.index} (version {act.version}) to instance "
+                f"{act.instance_id}, which holds {getattr(si, 'version', None)} (loading {getattr(si, 'loading', None)})"
+            )
+        if si.r + si.inbound + len(si.paused) >= si.capacity:
+            raise SimError(f"dispatch to instance {si.id} beyond its capacity {si.capacity}")
+        if self._tbusy and self.layout.colocated:
+            raise SimError("colocated sync: a dispatch while the trainer holds the accelerators")
+        gid = act.group_id
+        key = (gid, act.index)
+        _, prompt, lengths = self.groups[gid]
+        si.add(key, lengths[act.index], prompt, self.now, prompt)
+        self._dirty[si.id] = si
+        if gid not in self.first_dispatch:
+            self.first_dispatch[gid] = self.now
+        self.traj[key] = (act.attempt, act.version)
+
+    def _load(self, act: A.LoadVersion) -> None:
+        si = self.inst[act.instance_id]
+        now = self.now
+        if act.preempt:
+            if self.mode != "partial":
+                raise SimError(f"LoadVersion with preempted trajectories in mode {self.mode}")
+            for key in act.preempt:
+                if key in si.seqs:
+                    si.paused[key] = si.remove(key, now)
+                elif key not in si.paused:
+                    raise SimError(f"preempt of {key!r}, which is not running on instance {si.id}")
+        if si.r or si.inbound:
+            raise SimError(
+                f"LoadVersion({si.id}, {act.version}) while {si.r} trajectories run there and are not preempted"
+            )
+        if self.layout.colocated and self._tbusy:
+            raise SimError("colocated sync: a weight load while the trainer holds the accelerators")
+        si.advance(now)
+        si.busy_until = min(si.busy_until, now)  # a prefill in progress is abandoned (re-done on resume)
+        si.loading = act.version
+        si.load_token += 1
+        si.gen += 1
+        self._dirty[si.id] = si
+        self._push(now + self.engine.weight_load_s, _LOADED, si.id, (act.version, si.load_token))
+
+    def _migrate(self, act: A.Migrate) -> None:
+        src, dst = self.inst[act.src], self.inst[act.dst]
+        key = (act.group_id, act.index)
+        for si in (src, dst):
+            if si.loading is not None or si.version != act.version:
+                raise SimError(f"migration of {key!r} between instances not both holding version {act.version}")
+        if key not in src.seqs:
+            raise SimError(f"migration of {key!r} from instance {src.id}, where it does not run")
+        if dst.occupied >= dst.capacity:
+            raise SimError(f"migration of {key!r} to instance {dst.id} beyond its capacity")
+        remaining, context = src.remove(key, self.now)
+        self._dirty[src.id] = src
+        bw = self.engine.migrate_bytes_per_s
+        if bw > 0:
+            delay = context * self.engine.kv_bytes_per_token / bw
+            self.migration_s += delay
+            dst.inbound += 1
+            self._push(self.now + delay, _ARRIVE, key, (dst.id, remaining, context))
+        else:
+            # The engine cannot move KV: the destination re-prefills the whole context.
+            self.migration_s += context * self.engine.prefill_s_per_token
+            dst.add(key, remaining, context, self.now, context)
+            self._dirty[dst.id] = dst
+
+    # ------------------------------------------------------------------ engine events
+    def _on_finish(self, si: SimInstance) -> None:
+        now = self.now
+        traj, groups, last, append = self.traj, self.groups, self.last_finish, self._pending.append
+        finished = E.TrajectoryFinished
+        for key in si.pop_finished(now):
+            gid, idx = key
+            # The reward's value does not matter to scheduling; it only has to be a number.
+            append(finished(gid, idx, groups[gid][2][idx], float((gid + idx) & 1), traj[key][0]))
+            last[gid] = now
+            if self.finish_log is not None:
+                self.finish_log.append((now, gid))
+        self._dirty[si.id] = si
+
+    def _on_loaded(self, iid: int, payload: tuple[int, int]) -> None:
+        version, token = payload
+        si = self.inst[iid]
+        if token != si.load_token:
+            return  # superseded by a newer LoadVersion
+        si.advance(self.now)
+        si.loading = None
+        si.version = version
+        if si.paused:
+            reprefill = self.engine.resume_reprefill
+            for key, (remaining, context) in si.paused.items():
+                si.add(key, remaining, context, self.now, context if reprefill else 0)
+                versions = self.multi.setdefault(key, [self.traj[key][1]])
+                if versions[-1] != version:
+                    versions.append(version)
+            si.paused.clear()
+        si.gen += 1
+        self._dirty[iid] = si
+        self._pending.append(E.InstanceLoaded(iid, version))
+
+    def _on_arrive(self, key: tuple[int, int], payload: tuple[int, float, float]) -> None:
+        iid, remaining, context = payload
+        si = self.inst[iid]
+        si.inbound -= 1
+        if si.loading is not None:
+            raise SimError(f"migration of {key!r} landed on instance {iid}, which started loading meanwhile")
+        si.add(key, remaining, context, self.now, 0)
+        self._dirty[iid] = si
+
+    # ------------------------------------------------------------------ trainer
+    def _deliver(self, gid: int) -> None:
+        if gid in self._delivered:
+            self.duplicated += 1
+            return
+        self._delivered.add(gid)
+        self._tq.append(("group", gid))
+
+    def _start_step(self, act: A.StartStep) -> None:
+        k = act.step
+        if k != len(self.step_end) or self._step_running is not None:
+            raise SimError(f"StartStep({k}) while step {self._step_running} runs / {len(self.step_end)} finished")
+        for gid in act.group_ids:
+            if gid in self.trained_step:
+                self.duplicated += 1
+            self.trained_step[gid] = k
+            if gid not in self._delivered:
+                self._deliver(gid)
+        self.step_groups.append(tuple(act.group_ids))
+        self._step_running = k
+        self._step_left = sum(1 for g in act.group_ids if g not in self._processed)
+        if self._step_left == 0:
+            self._tq.append(("opt", k))
+
+    def _trainer_next(self) -> None:
+        kind, x = self._tq.popleft()
+        tc = self.tc
+        if kind == "group":
+            _, prompt, lengths = self.groups[x]
+            dur = (prompt * len(lengths) + sum(lengths)) * tc.train_acc_s_per_token / self.tacc
+        elif kind == "opt":
+            dur = tc.optimizer_acc_s / self.tacc
+        else:
+            dur = tc.broadcast_s
+        if self.layout.colocated:
+            busy = [si.id for si in self.inst.values() if si.r or si.loading is not None or si.paused]
+            if busy:
+                raise SimError(f"colocated sync: trainer work while instances {busy[:5]} still roll out or load")
+        self._tbusy = True
+        self._tbusy_since = self.now
+        self._push(self.now + dur, _TRAINER, (kind, x), None)
+
+    def _on_trainer_done(self, item: tuple[str, int]) -> None:
+        kind, x = item
+        self._tbusy = False
+        self.trainer_busy.append((self._tbusy_since, self.now))
+        if kind == "group":
+            self._processed.add(x)
+            if self._step_running is not None and self.trained_step.get(x) == self._step_running:
+                self._step_left -= 1
+                if self._step_left == 0:
+                    self._tq.append(("opt", self._step_running))
+        elif kind == "opt":
+            self._step_running = None
+            self.step_end.append(self.now)
+            self._mark_slots(len(self.step_end) - 1)
+            # Publishing comes before any work of the next step that this event unlocks.
+            self._tq.appendleft(("publish", x + 1))
+            self._pending.append(E.TrainerStepFinished(x))
+        else:
+            self._pending.append(E.VersionPublished(x))
+
+    def _mark_slots(self, step: int) -> None:
+        now = self.now
+        total = 0.0
+        for si in self.inst.values():
+            si.advance(now)
+            total += si.slot_time
+        self._slot_marks[step] = total
+
+    # ------------------------------------------------------------------ results
+    def _deadlock_report(self) -> str:
+        s = self.sched
+        running = {i: si.r for i, si in self.inst.items() if si.r}
+        versions = sorted({(si.version, si.loading) for si in self.inst.values()}, key=str)
+        return (
+            f"mode {self.mode}: no event left at t={self.now:.1f}s, step {s.step}/{self.steps}, "
+            f"newest version {s.newest_version}, trainer queue {len(self._tq)}, running {running}, "
+            f"(version, loading) on instances {versions}, groups admitted {self._next_gid}"
+        )
+
+    def _result(self) -> RunResult:
+        core = self.sched.metrics()
+        checks = self._checks()
+        metrics = summarize(self, core, checks)
+        return RunResult(
+            mode=self.mode,
+            layout=self.layout,
+            max_staleness=self.K,
+            metrics=metrics,
+            core_metrics=core,
+            sim_checks=checks,
+            t_end=self.now,
+            step_end=list(self.step_end),
+            trainer_busy=self.trainer_busy,
+            instance_logs=[si.log for si in self.inst.values()] if self.timeline else None,
+            events=self.events,
+            tail10_time_share=self._tail10(),
+        )
+
+    def _tail10(self) -> float | None:
+        """Mean over steps of the share of the rollout span taken by its last 10% of trajectories."""
+        if self.finish_log is None:
+            return None
+        by_step: dict[int, list[float]] = {}
+        for t, gid in self.finish_log:
+            k = self.trained_step.get(gid)
+            if k is not None:
+                by_step.setdefault(k, []).append(t)
+        shares = []
+        for k, times in by_step.items():
+            start = min(self.first_dispatch[g] for g in self.step_groups[k])
+            span = times[-1] - start
+            if span > 0:
+                shares.append((times[-1] - times[int(0.9 * len(times))]) / span)
+        return sum(shares) / len(shares) if shares else None
+
+    def _checks(self) -> dict[str, Any]:
+        """C1-C3 as executed by the simulator, independent of the scheduler's counters."""
+        hist: dict[int, int] = {}
+        c3 = 0
+        for gid, k in self.trained_step.items():
+            s = k - self.groups[gid][0]
+            hist[s] = hist.get(s, 0) + 1
+            if s < 0 or s > self.K:
+                c3 += 1
+        dropped = sum(1 for gid in self.groups if gid not in self.trained_step)
+        trained_traj = sum(len(self.groups[g][2]) for g in self.trained_step)
+        multi_trained = sum(
+            1 for (gid, _), vs in self.multi.items() if gid in self.trained_step and len(vs) > 1
+        )
+        return {
+            "multi_version_trajectories": multi_trained,
+            "multi_version_trajectory_share": multi_trained / trained_traj if trained_traj else 0.0,
+            "staleness_hist": dict(sorted(hist.items())),
+            "c3_violations": c3,
+            "dropped": dropped,
+            "truncated": 0,
+            "duplicated": self.duplicated,
+            "c1_ok": multi_trained == 0,
+            "c2_ok": dropped == 0 and self.duplicated == 0,
+            "c3_ok": c3 == 0,
+        }
+
+
+def _staleness(mode: str, k: int | None) -> int:
+    """K for `mode`: fixed for sync/pipeline (0) and one_step_off (1), else `k` or the default."""
+    fixed = {"sync": 0, "pipeline": 0, "one_step_off": 1}
+    if mode in fixed:
+        return fixed[mode]
+    if k is None:
+        return DEFAULT_STALENESS[mode]
+    if mode == "dora" and k < 1:
+        raise WorkloadError("max_staleness: mode 'dora' needs K >= 1 (K=0 is mode 'pipeline')")
+    return k
+
+
+# --------------------------------------------------------------------------- metrics
+def window(steps: int) -> tuple[int, int]:
+    """Steady-state steps `[w, e)`: the first and last fifth are warm-up and drain."""
+    w = steps // 5
+    e = steps - w
+    if e - w < 1:
+        return 0, steps
+    return w, e
+
+
+def ideal_step_work(preset: Preset, groups: list[tuple[int, int, tuple[int, ...]]]) -> tuple[float, float, int]:
+    """(rollout accelerator-seconds at full occupancy, training accelerator-seconds, response tokens).
+
+    At full occupancy an instance runs `capacity` sequences; a sequence's share of an iteration
+    is `a / capacity + b + c * its context`, so a response of `L` tokens after a prompt of `P`
+    costs `L * (a / cap + b) + c * (L * P + L * (L - 1) / 2)` plus its prefill, times the
+    instance's accelerators. Weight loads and broadcasts are left out: the ideal is a bound.
+    """
+    ec, tc = preset.engine, preset.trainer
+    per_tok = ec.decode_a_s / ec.capacity + ec.decode_b_s
+    c, p, tp = ec.decode_c_s, ec.prefill_s_per_token, ec.accelerators
+    roll = train = 0.0
+    tokens = 0
+    for _, prompt, lengths in groups:
+        for L in lengths:
+            roll += L * per_tok + c * (L * prompt + 0.5 * L * (L - 1)) + p * prompt
+            tokens += L
+        train += (prompt * len(lengths) + sum(lengths)) * tc.train_acc_s_per_token
+    return roll * tp, train, tokens
+
+
+def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> dict[str, Any]:
+    """The design.md metrics of one run over its steady-state window."""
+    steps = len(sim.step_end)
+    w, e = window(steps)
+    t0 = sim.step_end[w - 1] if w > 0 else 0.0
+    t1 = sim.step_end[e - 1]
+    span = max(t1 - t0, 1e-12)
+    win_groups = [g for k in range(w, e) for g in sim.step_groups[k]]
+    tokens = sum(sum(sim.groups[g][2]) for g in win_groups)
+    busy = 0.0
+    for a, b in sim.trainer_busy:
+        lo, hi = max(a, t0), min(b, t1)
+        if hi > lo:
+            busy += hi - lo
+    slots0 = sim._slot_marks.get(w - 1, 0.0) if w > 0 else 0.0
+    slots1 = sim._slot_marks[e - 1]
+    cap = sum(si.capacity for si in sim.inst.values())
+    r2t = []
+    for k in range(w, e):
+        first = min(sim.first_dispatch[g] for g in sim.step_groups[k])
+        r2t.append(sim.step_end[k] - first)
+    # The ideal is a property of the workload: all trained groups (the same in every mode).
+    roll, train, tok_ideal = ideal_step_work(sim.preset, [sim.groups[g] for g in sim.trained_step])
+    train += steps * sim.tc.optimizer_acc_s
+    rollout_s = [
+        max(sim.last_finish[g] for g in sim.step_groups[k]) - min(sim.first_dispatch[g] for g in sim.step_groups[k])
+        for k in range(w, e)
+    ]
+    ideal = tok_ideal / ((roll + train) / sim.layout.total_accelerators)
+    thr = tokens / span
+    hist = checks["staleness_hist"]
+    n_hist = sum(hist.values())
+    return {
+        "throughput_tokens_per_s": thr,
+        "speedup_vs_sync": None,
+        "ideal_throughput": ideal,
+        "efficiency": thr / ideal,
+        "trainer_wait_ratio": 1.0 - busy / span,
+        "rollout_bubble_ratio": 1.0 - (slots1 - slots0) / (cap * span),
+        "rollout_to_train_end_s": sum(r2t) / len(r2t),
+        "step_time_s": span / (e - w),
+        "rollout_s": sum(rollout_s) / len(rollout_s),
+        "rollout_share": sum(rollout_s) / len(rollout_s) / (span / (e - w)),
+        "staleness_hist": hist,
+        "staleness_max": max(hist) if hist else 0,
+        "staleness_mean": sum(k * v for k, v in hist.items()) / n_hist if n_hist else 0.0,
+        "multi_version_trajectory_share": checks["multi_version_trajectory_share"],
+        "dropped": checks["dropped"],
+        "truncated": checks["truncated"],
+        "duplicated": checks["duplicated"],
+        "c1_ok": checks["c1_ok"],
+        "c2_ok": checks["c2_ok"],
+        "c3_ok": checks["c3_ok"],
+        "migrations": core.get("migrations", 0),
+        "weight_loads": core.get("weight_loads", 0),
+        "live_versions_max": core.get("live_versions_max", 0),
+        "migration_s": sim.migration_s,
+        "max_staleness": sim.K,
+        "split": sim.layout.split,
+        "window_steps": [w, e],
+    }
+
+
+def simulate(
+    preset: Preset,
+    mode: str,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    max_staleness: int | None = None,
+    split: tuple[int, int] | None = None,
+    records: list[tuple[int, int | None]] | None = None,
+    instances: int | None = None,
+    timeline: bool = False,
+    plugins: Any = None,
+    config: dict[str, Any] | None = None,
+) -> RunResult:
+    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields."""
+    return Simulation(
+        preset, mode, steps=steps or preset.default_steps, seed=seed, max_staleness=max_staleness,
+        split=split, records=records, instances=instances, timeline=timeline, plugins=plugins,
+        config=config,
+    ).run()
+

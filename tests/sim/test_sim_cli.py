@@ -1,0 +1,165 @@
+"""`dora-ext simulate`: JSON shape, table, presets, errors, plot; calibration; executor guards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dora_ext.cli import main
+from dora_ext.config import MODES
+from dora_ext.core import actions as A
+from dora_ext.sim import SimError, Simulation, get_preset
+from dora_ext.sim.cli import JSON_KEYS
+
+ISSUE_KEYS = {
+    "throughput_tokens_per_s", "speedup_vs_sync", "efficiency", "trainer_wait_ratio",
+    "rollout_bubble_ratio", "rollout_to_train_end_s", "staleness_max", "staleness_mean",
+    "multi_version_trajectory_share", "dropped", "truncated", "duplicated", "c1_ok", "c2_ok",
+    "c3_ok", "migrations", "weight_loads",
+}
+
+
+def test_json_shape(capsys):
+    rc = main(["simulate", "--preset", "rolloutpipe-8k", "--modes", "sync,dora", "--steps", "2",
+               "--seed", "3", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"preset", "seed", "steps", "modes"}
+    assert (out["preset"], out["seed"], out["steps"]) == ("rolloutpipe-8k", 3, 2)
+    assert list(out["modes"]) == ["sync", "dora"]
+    assert set(JSON_KEYS) == ISSUE_KEYS
+    for m in out["modes"].values():
+        assert ISSUE_KEYS <= set(m)
+        assert isinstance(m["c1_ok"], bool) and isinstance(m["dropped"], int)
+    assert out["modes"]["sync"]["speedup_vs_sync"] == 1.0
+
+
+def test_table_and_max_staleness(capsys):
+    rc = main(["simulate", "--preset", "rolloutpipe-8k", "--modes", ",".join(MODES), "--steps", "2",
+               "--max-staleness", "3"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+    assert set(rows) == set(MODES)
+    assert rows["dora"][1] == "3" and rows["partial"][1] == "3"
+    assert rows["one_step_off"][1] == "1" and rows["sync"][1] == "0"
+
+
+def test_list_presets(capsys):
+    assert main(["simulate", "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("dapo-28k", "rolloutpipe-8k", "agentic-long-tail"):
+        assert name in out
+    assert "source:" in out
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--preset", "nope"], "preset: unknown preset 'nope'"),
+        (["--preset", "dapo-28k", "--modes", "sync,fast"], "--modes: unknown mode(s) fast"),
+        (["--preset", "dapo-28k", "--split", "3-4"], "split: expected 'R:T'"),
+        (["--preset", "dapo-28k", "--modes", "dora", "--max-staleness", "0"], "max_staleness"),
+        (["--preset", "dapo-28k", "--steps", "0"], "--steps"),
+        ([], "--preset: required"),
+    ],
+)
+def test_bad_arguments(capsys, argv, fragment):
+    assert main(["simulate", *argv]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_bad_lengths_file_names_the_line(capsys, tmp_path):
+    f = tmp_path / "l.txt"
+    f.write_text("10\n20\nx\n")
+    assert main(["simulate", "--preset", "rolloutpipe-8k", "--lengths", str(f), "--steps", "1"]) == 2
+    assert "line 3" in capsys.readouterr().err
+
+
+def test_plot_writes_png(tmp_path, tiny):
+    pytest.importorskip("matplotlib")
+    from dora_ext.sim.compare import compare
+    from dora_ext.sim.plot import plot_timelines
+
+    p = tiny(cv=1.0, batch=4, n=2, capacity=4, accelerators=3, split=(2, 1), colocated=False)
+    res = compare(p, ["sync", "partial", "dora"], steps=3, seed=0, timeline=True)
+    for r in res.values():
+        assert r.instance_logs and all(log for log in r.instance_logs)
+    out = tmp_path / "t.png"
+    plot_timelines(res, str(out), title="tiny", bins=200)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_downsamples_many_instances(tiny):
+    np = pytest.importorskip("numpy")
+    from dora_ext.sim.plot import lane_states
+
+    logs = [[(0.0, -1), (1.0, i % 3), (5.0, -2)] for i in range(1000)]
+    states = lane_states(logs, 10.0, 50, 64)
+    assert states.shape == (64, 50)
+    assert (states[:, :4] == -1).all() and (states[:, -20:] == -2).all()
+    assert set(np.unique(states[:, 10])) <= {0, 1, 2}
+
+
+def test_split_parsing_and_layouts():
+    from dora_ext.sim.runner import layout_for, parse_split
+
+    assert parse_split("auto") == "auto" and parse_split(None) is None
+    assert parse_split("48:80") == (48, 80)
+    with pytest.raises(ValueError, match="split"):
+        parse_split("0:8")
+    p = get_preset("agentic-long-tail")  # 4 accelerators per instance
+    assert layout_for(p, "sync", None).split == "colocated"
+    lay = layout_for(p, "dora", (40, 24))
+    assert (lay.instances, lay.trainer_accelerators, lay.split) == (10, 24, "40:24")
+    assert layout_for(p, "dora", (5, 3)).split == "40:24"  # a ratio of G=64
+    assert layout_for(get_preset("rolloutpipe-8k"), "sync", None).split == "4:4"  # split pools
+
+
+def test_dapo_preset_is_calibrated_to_rollout_share():
+    """dapo-28k: rollout ~70% of a synchronous step (verl docs DAPO-32B, issue 3)."""
+    from dora_ext.sim.compare import calibration
+
+    cal = calibration(get_preset("dapo-28k"), steps=2, groups=300)
+    assert cal["rollout_share_sync"] == pytest.approx(0.70, abs=0.05)
+
+
+def test_executor_refuses_impossible_actions(tiny):
+    """The simulator checks the scheduler: an action the hardware cannot execute is an error."""
+    sim = Simulation(tiny(batch=2, n=2, capacity=2), "sync", steps=1)
+    sim._execute(sim.sched.start())
+    sim._drain()
+    with pytest.raises(SimError, match="holds None"):  # instance 0 is still loading version 0
+        sim._dispatch(A.Dispatch(0, 0, 0, 0, 0))
+    sim.inst[0].loading, sim.inst[0].version = None, 0
+    sim.groups[99] = (0, 10, (5, 5, 5))
+    for i in range(2):
+        sim._dispatch(A.Dispatch(99, i, 0, 0, 0))
+    with pytest.raises(SimError, match="beyond its capacity"):
+        sim._dispatch(A.Dispatch(99, 2, 0, 0, 0))
+    with pytest.raises(SimError, match="not preempted"):
+        sim._load(A.LoadVersion(0, 1))
+
+
+def test_a_scheduler_that_stalls_is_reported_as_deadlock(tiny):
+    """If the core stopped dispatching, the virtual clock would run dry: the run says so."""
+    from dora_ext.sim import SimDeadlock
+
+    sim = Simulation(tiny(batch=2, n=2, capacity=4), "sync", steps=1)
+    real = sim.sched.handle
+    sim.sched.handle = lambda ev: [a for a in real(ev) if not isinstance(a, A.Dispatch)]
+    with pytest.raises(SimDeadlock, match="no event left"):
+        sim.run()
+
+
+def test_instances_override_and_config_passthrough(capsys, tiny):
+    from dora_ext.sim import simulate
+
+    rc = main(["simulate", "--preset", "rolloutpipe-8k", "--modes", "dora", "--steps", "2",
+               "--instances", "8", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["modes"]["dora"]["split"] == "8:8"
+    p = tiny(cv=1.0, batch=6, n=3, capacity=6, accelerators=3, split=(2, 1), colocated=False, length=300)
+    assert simulate(p, "dora", steps=6, seed=0, config={"migrate": False}).metrics["migrations"] == 0

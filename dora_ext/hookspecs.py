@@ -60,7 +60,7 @@ def dora_batch_key(group_id: Any, version: int, complete_seq: int, mode: str) ->
 
 @hookspec(firstresult=True)
 def dora_plan_migration(
-    version: int, instances: list[dict[str, Any]], newest_version: int
+    version: int, instances: list[dict[str, Any]], newest_version: int, fill: float
 ) -> list[tuple[Any, int, int, int]] | None:
     """Plan R5 same-version migration for an old `version` whose running work is spread thin.
 
@@ -72,8 +72,12 @@ def dora_plan_migration(
     hold `version` and have room), or an empty list for no migration. Instances emptied by the
     moves switch to `newest_version` (R4).
 
-    Default: keep the fewest instances that can hold the work (those already running the most),
-    move everything else onto them.
+    `fill` is the configured ``migrate_threshold``: the default plan packs the kept instances to at
+    most that share of their capacity, so that consolidation never makes the stragglers of the
+    version the trainer waits for decode much slower.
+
+    Default: keep the fewest instances that can hold the work within `fill` (those already
+    running the most), move everything else onto them.
     """
 
 

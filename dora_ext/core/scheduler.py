@@ -253,7 +253,8 @@ class Scheduler:
             return
         b = self._bucket(ev.version)
         if len(inst.running) < inst.capacity:
-            self._free.setdefault(b, {})[inst.id] = None
+            # The freshly loaded instance is the emptiest: it goes to the front of the round robin.
+            self._free[b] = {inst.id: None, **self._free.get(b, {})}
         self._dispatch(b)
         if not inst.running:
             self._plan_instance(inst)
@@ -475,14 +476,23 @@ class Scheduler:
             g.in_queue = True
 
     def _dispatch(self, b: int) -> None:
-        """Give free slots of bucket `b` to its queued trajectories, group-major (R6)."""
+        """Give free slots of bucket `b` to its queued trajectories, group-major (R6).
+
+        Instances take work round robin, each up to its fair share of the bucket's work
+        (running + queued, in proportion to its capacity, counting instances still loading the
+        version). Otherwise the first instance to finish loading would take a whole batch and
+        leave the others idle: a colocated `sync` fleet would run at half width.
+        """
         heap = self._queue.get(b)
         free = self._free.get(b)
         if not heap or not free:
             return
         out = self.groups
+        share_of = self._cap[b]
+        work = self._occupied[b] + self._queued[b]
+        skips = 0
         while heap and free:
-            seq, gid = heap[0][1], heap[0][2]
+            gid = heap[0][2]
             g = out[gid]
             if not g.pending:
                 heapq.heappop(heap)
@@ -490,6 +500,14 @@ class Scheduler:
                 continue
             iid = next(iter(free))
             inst = self.instances[iid]
+            if len(inst.running) >= -(-work * inst.capacity // share_of):
+                del free[iid]  # at its fair share: rotate it to the back
+                free[iid] = None
+                skips += 1
+                if skips >= len(free):
+                    break
+                continue
+            skips = 0
             idx = g.pending.popleft()
             t = g.trajs[idx]
             t.status, t.instance = _RUNNING, iid
@@ -597,7 +615,9 @@ class Scheduler:
 
     def _maybe_consolidate(self, v: int) -> None:
         """R5: when an old version's running work is spread thin, move it onto fewer instances."""
-        if self._queued.get(v, 0) > 0:
+        if self._queued.get(v, 0) > 0 or v + self.K <= self.step:
+            # A version the step being formed must take gates the trainer: its stragglers keep
+            # their instances (packing them would slow each one down).
             return
         occ, cap = self._occupied.get(v, 0), self._cap.get(v, 0)
         if occ == 0 or occ > self.config.migrate_threshold * cap:
@@ -613,6 +633,7 @@ class Scheduler:
             version=v,
             instances=[{"id": i.id, "capacity": i.capacity, "running": list(i.running)} for i in holders],
             newest_version=self.newest,
+            fill=self.config.migrate_threshold,
         )
         for gid, idx, src, dst in plan or ():
             s, d = self.instances.get(src), self.instances.get(dst)

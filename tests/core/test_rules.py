@@ -173,19 +173,35 @@ def test_partial_preempts_and_meters_c1():
 
 
 def test_r5_consolidates_a_thin_old_version_and_frees_instances():
-    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=2, instances=4, capacity=4)
-    # 4 groups x 2 = 8 trajectories over 4 instances at v0. Finish group 0 and 1 -> step 0.
+    h = Harness(mode="dora", max_staleness=2, batch_size=2, group_size=2, instances=4, capacity=8)
+    # R2 admits 6 groups (12 trajectories) at v0, spread round robin: 3 per instance.
     h.finish_group(0)
     h.finish_group(1)
+    mark = len(h.log)
     h.train(0)
-    # v0 groups 2, 3 still run, 4 trajectories spread over up to 4 instances
-    h.finish(2, 0)
-    migs = h.of(Migrate)
-    assert migs, "expected same-version migration"
-    assert all(m.version == 0 for m in migs)
-    holders = {inst for (g, i), (inst, v) in h.running.items() if v == 0}
-    assert len(holders) == 1  # the remaining v0 work sits on one instance
+    # v0 (due at step 2, not gating step 1) has 8 trajectories on 4 instances (25% of the slots):
+    # they are packed onto 2 instances, each at most half full (migrate_threshold 0.5) ...
+    migs = h.of(Migrate, mark)
+    assert migs and all(m.version == 0 for m in migs)
+    per_instance: dict = {}
+    for (inst, v) in h.running.values():
+        if v == 0:
+            per_instance[inst] = per_instance.get(inst, 0) + 1
+    assert sorted(per_instance.values()) == [4, 4]
+    # ... and the two freed instances switch to version 1 at once (R4).
+    freed = {m.src for m in migs}
+    assert {a.instance_id for a in h.of(LoadVersion, mark) if a.version == 1} == freed
     assert h.s.metrics()["migrations"] == len(migs)
+
+
+def test_r5_leaves_the_version_that_gates_the_trainer_alone():
+    # K=1: after step 0, v0 groups are mandatory for step 1, so their stragglers keep their slots.
+    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=2, instances=4, capacity=8)
+    h.finish_group(0)
+    h.finish_group(1)
+    mark = len(h.log)
+    h.train(0)
+    assert not h.of(Migrate, mark)
 
 
 def test_r6_frontier_dispatch_is_group_major():
@@ -223,14 +239,15 @@ def test_one_step_off_generates_the_next_batch_during_training():
 def test_instance_failure_redispatches_to_the_same_version():
     h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=2, instances=2, capacity=1)
     lost = [k for k, (inst, _) in h.running.items() if inst == 0]
-    assert lost == [(0, 0)]
-    del h.running[(0, 0)]
+    other = [k for k, (inst, _) in h.running.items() if inst == 1]
+    assert len(lost) == len(other) == 1
+    del h.running[lost[0]]
     mark = len(h.log)
     h.feed_actions(h.s.handle(InstanceFailed(0, "oom")))
     assert h.s.metrics()["redispatched"] == 1
-    h.finish(0, 1)  # instance 1 frees its slot: the lost trajectory runs there, same version
-    again = [a for a in h.of(Dispatch, mark) if (a.group_id, a.index) == (0, 0)]
-    assert again == [Dispatch(0, 0, 1, 0, attempt=1)]
+    h.finish(*other[0])  # instance 1 frees its slot: the lost trajectory runs there, same version
+    again = [a for a in h.of(Dispatch, mark) if (a.group_id, a.index) == lost[0]]
+    assert again == [Dispatch(*lost[0], 1, 0, attempt=1)]
 
 
 def test_failed_trajectory_is_retried_then_its_group_reported():

@@ -630,7 +630,7 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "speedup_vs_sync": None,
         "ideal_throughput": ideal,
         "efficiency": thr / ideal,
-        "trainer_wait_ratio": 1.0 - busy / span,
+        "trainer_wait_ratio": max(0.0, 1.0 - busy / span),
         "rollout_bubble_ratio": 1.0 - (slots1 - slots0) / (cap * span),
         "rollout_to_train_end_s": sum(r2t) / len(r2t),
         "step_time_s": span / (e - w),

@@ -1,0 +1,299 @@
+"""The coordinator: ``dora_ext.core.Scheduler`` inside verl's request router (a Ray actor).
+
+verl routes every generation request through one load-balancer actor
+(``verl.workers.rollout.router``): the agent-loop workers' ``LLMServerClient`` calls
+``acquire_server(request_id, **fields)`` before each request and ``release_server`` after it.
+The coordinator *is* that actor, so the scheduler's decisions are enforced where requests are
+placed, with no change to verl's workers:
+
+* a trajectory's first ``acquire_server`` waits until the scheduler dispatches it
+  (``Dispatch(group, index, instance, version)``): R1 pinning (the instance holds the group's
+  version), R6 frontier-first order and per-instance capacity are the scheduler's;
+* later acquires of the same trajectory (multi-turn turns, and resumes after an abort) go to the
+  instance the trajectory is on now, which after an R5 ``Migrate`` is the new instance: the
+  engine re-prefills there under the same version (C1 kept);
+* the workers report ``trajectory_done`` / ``reward_ready`` / ``trajectory_failed``;
+* the trainer reports ``start``, ``step_finished`` and ``loaded``, takes the batch of each step
+  (``step_batch``) and the weight loads and aborts to execute (``take_work``).
+
+Versions seen by verl are weight versions (``global_steps`` of ``update_weights``); the
+scheduler counts from 0 at the start of ``fit``, so ``verl = scheduler + base``.
+
+Requests without a group (validation, or a worker that is not dora's) go least-loaded to an
+instance holding the newest loaded version and do not use scheduler slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from dora_ext.config import DoraConfig
+from dora_ext.core import actions as A
+from dora_ext.core import events as E
+
+logger = logging.getLogger("dora_ext.verl")
+
+
+class GroupFailedError(RuntimeError):
+    """The scheduler gave up on a group (retries exhausted); its trajectories stop."""
+
+
+class DoraCoordinator:
+    """Plain class; ``create_coordinator`` wraps it with ``ray.remote`` (an async actor)."""
+
+    def __init__(self, config: dict[str, Any], servers: dict[str, Any], use_plugins: bool = True) -> None:
+        from dora_ext.core.scheduler import Scheduler
+
+        self.config = DoraConfig.from_dict(config)
+        if len(servers) != len(self.config.instances):
+            raise ValueError(f"{len(servers)} servers but {len(self.config.instances)} instances in the config")
+        self.server_ids = list(servers)
+        self.handles = dict(servers)
+        self.instance_of = {sid: spec.id for sid, spec in zip(self.server_ids, self.config.instances)}
+        self.server_of = {iid: sid for sid, iid in self.instance_of.items()}
+        plugins = None
+        if use_plugins:
+            from .plugin import plugin_manager
+
+            plugins = plugin_manager()
+        self.sched = Scheduler(self.config, plugins=plugins)
+        self.base = 0
+        self.started = False
+        self.versions: dict[int, int] = {}  # instance -> loaded scheduler version
+        self.inflight: dict[str, int] = {sid: 0 for sid in self.server_ids}
+        self.sticky: dict[str, str] = {}  # request_id -> server id (ungrouped requests)
+        self.route: dict[tuple, int] = {}  # (group, index) -> instance it runs on
+        self.waiters: dict[tuple, list[asyncio.Future]] = {}
+        self.pool: list[tuple[Any, Any]] = []  # offered (group id, meta), not yet admitted
+        self.owed = 0  # groups requested by the scheduler and not yet admitted
+        self.steps: dict[int, tuple] = {}
+        self.failed: dict[Any, str] = {}
+        self.loads: list[tuple[int, int]] = []  # (instance, verl version) to load
+        self.aborts: list[int] = []
+        self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
+        self.counts = {"delivered": 0, "errors": 0}
+
+    # ------------------------------------------------------------------ scheduler plumbing
+    def _feed(self, event: Any) -> None:
+        self._apply(self.sched.handle(event))
+
+    def _apply(self, actions: list) -> None:
+        for act in actions:
+            if isinstance(act, A.RequestGroups):
+                self.owed += act.count
+            elif isinstance(act, A.Dispatch):
+                key = (act.group_id, act.index)
+                self.route[key] = act.instance_id
+                self._record(("dispatch", act.group_id, act.index, act.instance_id, act.version + self.base))
+                for fut in self.waiters.pop(key, ()):
+                    if not fut.done():
+                        fut.set_result(act.instance_id)
+            elif isinstance(act, A.LoadVersion):
+                if act.preempt:
+                    raise RuntimeError("dora: preempting loads (mode 'partial') are verl's own separate_async")
+                self.loads.append((act.instance_id, act.version + self.base))
+            elif isinstance(act, A.Migrate):
+                self.route[(act.group_id, act.index)] = act.dst
+                if act.src not in self.aborts:
+                    self.aborts.append(act.src)
+                self._record(("migrate", act.group_id, act.index, act.src, act.dst))
+            elif isinstance(act, A.StartStep):
+                self.steps[act.step] = act.group_ids
+            elif isinstance(act, A.DeliverGroup):
+                self.counts["delivered"] += 1  # verl trains whole batches; kept as a metric
+            elif isinstance(act, A.ReportGroupFailed):
+                self.failed[act.group_id] = act.reason
+                logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
+                for key in [k for k in self.waiters if k[0] == act.group_id]:
+                    for fut in self.waiters.pop(key):
+                        if not fut.done():
+                            fut.set_exception(GroupFailedError(act.reason))
+            elif isinstance(act, A.ReportError):
+                self.counts["errors"] += 1
+                logger.warning("dora: %s", act.message)
+        self._admit()
+
+    def _admit(self) -> None:
+        while self.owed > 0 and self.pool:
+            gid, meta = self.pool.pop(0)
+            self.owed -= 1
+            self._record(("admit", gid, self.sched.newest_version + self.base))
+            self._apply(self.sched.handle(E.GroupAdmitted(gid, meta)))
+
+    def _record(self, item: tuple) -> None:
+        self.log.append(item)
+        if len(self.log) > 100_000:
+            del self.log[: len(self.log) // 2]
+
+    # ------------------------------------------------------------------ trainer side
+    def start(self, base_version: int = 0, preloaded: bool = True) -> None:
+        """Start the scheduler. `preloaded`: verl already loaded `base_version` on every replica."""
+        self.base = int(base_version)
+        self.started = True
+        acts = self.sched.start()
+        if preloaded:
+            initial = [a for a in acts if isinstance(a, A.LoadVersion) and a.version == 0]
+            acts = [a for a in acts if a not in initial]
+            self._apply(acts)
+            for a in initial:
+                self.versions[a.instance_id] = 0
+                self._feed(E.InstanceLoaded(a.instance_id, 0))
+        else:
+            self._apply(acts)
+
+    def offer(self, group_ids: list, metas: list | None = None) -> int:
+        """Prompts the trainer submitted (verl ``uid``\\ s); admitted when the scheduler asks."""
+        metas = metas or [None] * len(group_ids)
+        self.pool.extend(zip(group_ids, metas))
+        if self.started:
+            self._admit()
+        return len(self.pool)
+
+    def step_batch(self, step: int) -> list | None:
+        """The group ids of trainer step `step` (a verl version index), or None if not formed yet."""
+        gids = self.steps.get(step - self.base)
+        return None if gids is None else list(gids)
+
+    def step_finished(self, actor_version: int) -> None:
+        """The actor finished the step that produced `actor_version` (verl units)."""
+        k = actor_version - 1 - self.base
+        for gid in self.steps.pop(k, ()):
+            for idx in range(self.config.group_size):
+                self.route.pop((gid, idx), None)
+        self._feed(E.TrainerStepFinished(k))
+        self._feed(E.VersionPublished(k + 1))
+
+    def take_work(self) -> dict[str, list]:
+        """Weight loads ``[(instance, verl version)]`` and instances to abort (R5) to execute now."""
+        work = {"load": self.loads, "abort": self.aborts}
+        self.loads, self.aborts = [], []
+        return work
+
+    def loaded(self, instances: list[int], verl_version: int) -> None:
+        for iid in instances:
+            self.versions[iid] = verl_version - self.base
+            self._record(("loaded", iid, verl_version))
+            self._feed(E.InstanceLoaded(iid, verl_version - self.base))
+
+    def metrics(self) -> dict[str, Any]:
+        m = self.sched.metrics()
+        m.update(self.counts)
+        m["pool"] = len(self.pool)
+        m["waiting_requests"] = sum(len(v) for v in self.waiters.values())
+        return m
+
+    def get_log(self) -> list[tuple]:
+        return list(self.log)
+
+    # ------------------------------------------------------------------ worker side
+    def trajectory_done(self, group_id: Any, index: int, tokens: int, reward: float | None = None) -> None:
+        if group_id in self.failed:
+            return
+        self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
+
+    def reward_ready(self, group_id: Any, index: int, reward: float | None) -> None:
+        if group_id in self.failed:
+            return
+        self._feed(E.RewardReady(group_id, index, reward))
+
+    def trajectory_failed(self, group_id: Any, index: int, reason: str = "") -> str:
+        """Report a failed trajectory; returns "retry" (run it again) or "failed" (give up)."""
+        if group_id in self.failed:
+            return "failed"
+        self.route.pop((group_id, index), None)
+        self._feed(E.TrajectoryFailed(group_id, index, reason))
+        return "failed" if group_id in self.failed else "retry"
+
+    # ------------------------------------------------------------------ verl's load-balancer API
+    def require_acquire_fields(self) -> list[str]:
+        return ["dora_group", "dora_index", "dora_validate"]
+
+    def require_release_fields(self) -> list[str]:
+        return []
+
+    async def acquire_server(self, request_id: str, dora_group: Any = None, dora_index: int | None = None,
+                             dora_validate: bool = False, **_: Any) -> tuple[str, Any]:
+        if dora_group is None or dora_validate:
+            sid = self._ungrouped(request_id)
+        else:
+            key = (dora_group, int(dora_index))
+            if dora_group in self.failed:
+                raise GroupFailedError(self.failed[dora_group])
+            iid = self.route.get(key)
+            if iid is None:
+                fut = asyncio.get_running_loop().create_future()
+                self.waiters.setdefault(key, []).append(fut)
+                iid = await fut
+            sid = self.server_of[iid]
+        self.inflight[sid] += 1
+        return sid, self.handles[sid]
+
+    def _ungrouped(self, request_id: str) -> str:
+        sid = self.sticky.get(request_id)
+        if sid is not None and sid in self.inflight:
+            return sid
+        loaded = {i: v for i, v in self.versions.items() if self.server_of.get(i) in self.inflight}
+        if not loaded:
+            raise RuntimeError("No available servers in load balancer")
+        newest = max(loaded.values())
+        candidates = [self.server_of[i] for i, v in loaded.items() if v == newest]
+        sid = min(candidates, key=lambda s: self.inflight[s])
+        self.sticky[request_id] = sid
+        if len(self.sticky) > 10_000:
+            self.sticky.pop(next(iter(self.sticky)))
+        return sid
+
+    def release_server(self, server_id: str, request_id: str | None = None) -> None:
+        if self.inflight.get(server_id, 0) > 0:
+            self.inflight[server_id] -= 1
+
+    def add_servers(self, servers: dict[str, Any]) -> None:
+        for sid, handle in servers.items():
+            iid = max(self.server_of, default=-1) + 1
+            self.handles[sid] = handle
+            self.inflight[sid] = 0
+            self.instance_of[sid], self.server_of[iid] = iid, sid
+            self._feed(E.InstanceReady(iid, self.config.instances[0].capacity))
+
+    def remove_servers(self, server_ids: list[str]) -> None:
+        for sid in server_ids:
+            iid = self.instance_of.pop(sid, None)
+            self.inflight.pop(sid, None)
+            if iid is not None:
+                self.versions.pop(iid, None)
+                self._feed(E.InstanceFailed(iid, "removed from the load balancer"))
+
+    def get_all_servers(self) -> list[str]:
+        return list(self.inflight)
+
+    def get_inflight_count(self, server_id: str) -> int:
+        return self.inflight.get(server_id, 0)
+
+    def get_total_inflight(self) -> int:
+        return sum(self.inflight.values())
+
+    def clear_sticky_cache(self) -> dict:
+        cleared = len(self.sticky)
+        self.sticky.clear()
+        return {"cleared_entries": cleared, "server_loads": dict(self.inflight)}
+
+    def get_status(self) -> dict:
+        return {
+            "servers": dict(self.inflight),
+            "total_inflight": sum(self.inflight.values()),
+            "active_servers": len(self.inflight),
+            "registered_handles": list(self.handles),
+            "versions": {self.server_of[i]: v + self.base for i, v in self.versions.items()},
+        }
+
+
+def create_coordinator(config: DoraConfig, servers: dict[str, Any], *, name: str | None = None) -> Any:
+    """Start the coordinator actor for `servers` (``{address: server actor handle}``)."""
+    import ray
+
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 100_000}
+    if name:
+        opts["name"] = name
+    return ray.remote(DoraCoordinator).options(**opts).remote(config.to_dict(), servers)

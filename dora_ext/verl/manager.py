@@ -1,0 +1,132 @@
+"""The agent-loop side of the dora trainer: a manager, its workers and their LLM client.
+
+* ``DoraAgentLoopManager`` (``actor_rollout_ref.rollout.agent.agent_loop_manager_class``) is
+  verl's ``AgentLoopManagerTQ`` that first *offers* each training prompt to the coordinator
+  (the scheduler admits it when R2's budget and free slots allow) and then hands the batch to its
+  workers as verl does.
+* ``DoraAgentLoopWorker`` is verl's ``AgentLoopWorkerTQ``; each session (trajectory) runs with
+  its ``(uid, session)`` in a context variable, reports generation end, reward and failure to the
+  coordinator, and re-runs a failed trajectory when the scheduler retries it (C2).
+* ``DoraLLMServerClient`` is verl's ``FullyAsyncLLMServerClient`` whose ``_acquire_server``
+  passes that ``(uid, session)`` to the coordinator, which answers with the instance the
+  scheduler dispatched the trajectory to (R1, R6). After an abort (R5 migration) the client's own
+  resume loop re-acquires and lands on the trajectory's new instance, same version (C1).
+
+Everything else (agent loops, tokenisation, reward, TransferQueue writes) is verl's code.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
+from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+logger = logging.getLogger("dora_ext.verl")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which trajectory the current task generates: verl's prompt ``uid`` and session index."""
+
+    group: Any
+    index: int
+    validate: bool = False
+
+
+#: set by the worker around each session; read by the client in the same asyncio task
+current_route: contextvars.ContextVar[Route | None] = contextvars.ContextVar("dora_route", default=None)
+
+
+class DoraLLMServerClient(FullyAsyncLLMServerClient):
+    """verl's resuming client, routed by the coordinator (see the module docstring)."""
+
+    def __init__(self, config: Any, load_balancer_handle: Any = None, **kwargs: Any) -> None:
+        super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
+        self._lb_require_acquire_fields = []
+        self._lb_require_release_fields = []
+
+    @property
+    def coordinator(self) -> Any:
+        return self._load_balancer
+
+    async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
+        route = current_route.get()
+        fields: dict[str, Any] = {}
+        if route is not None:
+            fields = {"dora_group": route.group, "dora_index": route.index, "dora_validate": route.validate}
+        return await self._load_balancer.acquire_server.remote(request_id=request_id, **fields)
+
+
+class _DoraWorkerMixin:
+    """The per-trajectory reporting around verl's ``AgentLoopWorkerTQ`` methods."""
+
+    def _coordinator(self) -> Any:
+        return getattr(self.llm_client, "coordinator", None)
+
+    async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any):
+        validate = bool(trajectory.get("validate", False))
+        route = Route(kwargs.get("uid"), int(kwargs.get("session_id", 0)), validate)
+        token = current_route.set(route)
+        try:
+            coordinator = self._coordinator()
+            if validate or coordinator is None or route.group is None:
+                return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+            while True:
+                try:
+                    return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+                except Exception as exc:
+                    verdict = await coordinator.trajectory_failed.remote(route.group, route.index, repr(exc)[:500])
+                    if verdict != "retry":
+                        raise
+                    logger.warning("dora: retrying trajectory %s/%s after %r", route.group, route.index, exc)
+        finally:
+            current_route.reset(token)
+
+    async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any):
+        coordinator = self._coordinator()
+        route = current_route.get()
+        report = coordinator is not None and route is not None and not validate and route.group is not None
+        if report:
+            outputs = output if isinstance(output, list) else [output]
+            tokens = sum(len(o.response_ids) for o in outputs)
+            # Generation is over: the slot is free while the reward is computed.
+            await coordinator.trajectory_done.remote(route.group, route.index, tokens, None)
+        result = await super()._agent_loop_postprocess(output, validate, **kwargs)
+        if report:
+            final = (output if isinstance(output, list) else [output])[-1]
+            score = final.reward_score
+            # A colocated reward model scores at train time: 0.0 stands for "not known yet".
+            await coordinator.reward_ready.remote(route.group, route.index, 0.0 if score is None else float(score))
+        return result
+
+
+class DoraAgentLoopWorker(_DoraWorkerMixin, AgentLoopWorkerTQ.__ray_actor_class__):
+    """verl's TransferQueue agent-loop worker with per-trajectory reporting (a plain class: the
+    manager wraps it with ``ray.remote``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Defined here on purpose: Ray ships an actor class's inherited ``__init__`` by value, and
+        # verl's (which calls zero-argument ``super()``) would then point at a copy of its class
+        # that is not in this class's MRO.
+        super().__init__(*args, **kwargs)
+
+
+class DoraAgentLoopManager(AgentLoopManagerTQ):
+    """verl's TransferQueue agent-loop manager that offers training prompts to the coordinator."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.agent_loop_workers_class = ray.remote(DoraAgentLoopWorker)
+
+    def generate_sequences(self, prompts: Any) -> None:
+        validate = bool(prompts["validate"]) if "validate" in prompts.keys() else False
+        coordinator = getattr(self.llm_client, "coordinator", None)
+        if coordinator is not None and not validate:
+            uids = [str(u) for u in list(prompts["uid"])]
+            ray.get(coordinator.offer.remote(uids))
+        super().generate_sequences(prompts)

@@ -1,0 +1,244 @@
+"""``DoraTrainer``: verl's separate-async V1 trainer with multi-version rollout replicas.
+
+Registered as ``trainer.v1.trainer_mode=dora`` by ``plugin`` when ``verl.trainer.ppo.v1`` is
+imported. It keeps verl's actor/critic/reference workers, model code, reward loop, advantage
+and update code untouched and changes four things:
+
+1. **No abort to sync weights.** verl's separate-async trainer calls ``update_weights`` on every
+   standalone replica after each step, which aborts in-flight requests and resumes them under
+   the new weights (a trajectory then spans versions). Here a step only *publishes* its version
+   to the coordinator (``dora_ext.core.Scheduler`` in a Ray actor); the scheduler answers with
+   ``LoadVersion`` for replicas that have drained (R4), and the trainer syncs exactly those
+   replicas with a ``CheckpointEngineManager`` over that subset. The other replicas keep
+   generating their trajectories to the end under their old version (C1).
+2. **Old versions stay loadable.** A version may be needed after the actor moved on (its groups
+   are queued but no replica holds it yet). The actor keeps a CPU copy of each of the last K + 1
+   versions (``DetachActorWorker.save_model_to_cpu``) and loads an old version by restoring it for
+   the duration of the sync.
+3. **R3 sampling** (``sampler.DoraReplayBuffer``) and **version-pinned, frontier-first routing**
+   (``coordinator`` + ``manager``) are wired in by setting verl's own config keys
+   ``trainer.v1.sampler.custom_sampler`` and ``actor_rollout_ref.rollout.agent.
+   agent_loop_manager_class`` (a user's explicit values win).
+4. **Admission follows R2.** The trainer's prompt feed (K warm-up batches, then one batch per
+   step) is the supply; the scheduler admits from it when it has budget and free slots.
+
+Hybrid replicas on the trainer GPUs are disabled (verl's ``hybrid_engine=False`` path): lending
+them to rollout aborts their requests on every switch back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from omegaconf import open_dict
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+from .plugin import TRAINER_NAME, plugin_manager
+from .settings import dora_config
+
+logger = logging.getLogger("dora_ext.verl")
+
+SAMPLER_PATH = "pkg://dora_ext.verl.sampler"
+SAMPLER_NAME = "DoraReplayBuffer"
+MANAGER_CLASS = "dora_ext.verl.manager.DoraAgentLoopManager"
+
+
+def configure(config: Any) -> Any:
+    """Validate the ``dora`` key and point verl's plug-in keys at dora-ext (in place).
+
+    Returns the ``DoraConfig``. Keys a user set explicitly are kept (with a log line).
+    """
+    dcfg = dora_config(config)
+    v1 = config.trainer.v1
+    with open_dict(config):
+        sampler = v1.sampler
+        custom = sampler.get("custom_sampler") or {}
+        if custom.get("path") or custom.get("name"):
+            # Checked in DoraTrainer.__init__: it must be DoraReplayBuffer or a subclass.
+            logger.info("dora: keeping the user's custom sampler %s:%s", custom.get("path"), custom.get("name"))
+        else:
+            sampler.custom_sampler = {"path": SAMPLER_PATH, "name": SAMPLER_NAME}
+            kwargs = dict(sampler.get("sampler_kwargs") or {})
+            kwargs.setdefault("max_staleness", dcfg.max_staleness)
+            kwargs.setdefault("step_batch_size", dcfg.batch_size)
+            sampler.sampler_kwargs = kwargs
+        agent = config.actor_rollout_ref.rollout.agent
+        if agent.get("agent_loop_manager_class"):
+            _check_manager(str(agent.agent_loop_manager_class))
+            logger.info("dora: keeping the user's agent_loop_manager_class %s", agent.agent_loop_manager_class)
+        else:
+            agent.agent_loop_manager_class = MANAGER_CLASS
+        # The base trainer reads trainer.v1.<mode>.parameter_sync_step; dora shares separate_async's.
+        sep = v1.get("separate_async") or {}
+        v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
+    return dcfg
+
+
+def _check_manager(fqn: str) -> None:
+    """A user's manager must offer prompts to the coordinator, i.e. extend DoraAgentLoopManager."""
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from dora_ext.config import ConfigError
+
+    from .manager import DoraAgentLoopManager
+
+    cls = load_class_from_fqn(fqn, "AgentLoopManager")
+    if not (isinstance(cls, type) and issubclass(cls, DoraAgentLoopManager)):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.agent.agent_loop_manager_class",
+            f"{fqn} must be {MANAGER_CLASS} or a subclass in trainer_mode=dora (it offers prompts to the scheduler)",
+        )
+
+
+class DoraTrainer(PPOTrainerSeparateAsync):
+    """See the module docstring."""
+
+    def __init__(self, config: Any) -> None:
+        self.dora = configure(config)
+        super().__init__(config)
+        from dora_ext.config import ConfigError
+
+        from .sampler import DoraReplayBuffer
+
+        if not isinstance(self.replay_buffer, DoraReplayBuffer):
+            raise ConfigError(
+                "trainer.v1.sampler.custom_sampler",
+                f"{type(self.replay_buffer).__name__} is not {SAMPLER_NAME} or a subclass; trainer_mode=dora takes "
+                "each step's batch from the scheduler through it",
+            )
+        if self._enable_hybrid_replicas:
+            logger.info("dora: hybrid rollout replicas on trainer GPUs are disabled (they abort requests on switch)")
+        self._enable_hybrid_replicas = False
+        self.hybrid_rollout_config = replace(self.hybrid_rollout_config, enable_switch=False)
+        self.coordinator = None
+        self._base_version = 0
+        self._actor_version = 0
+        self._cpu_versions: list[int] = []
+        self._plugins = plugin_manager()
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        super()._setup()
+        import ray
+
+        from .coordinator import create_coordinator
+
+        manager = self.standalone_server_manager
+        servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
+        old = manager.global_load_balancer
+        if len(servers) != len(self.dora.instances):
+            self.dora = dora_config(self.config, instances=len(servers))
+        if self.dora.max_steps is not None and self.global_steps:
+            # Resumed from a checkpoint: the scheduler counts the steps still to run.
+            self.dora = replace(self.dora, max_steps=max(1, self.dora.max_steps - int(self.global_steps)))
+        self.coordinator = create_coordinator(self.dora, servers)
+        manager.global_load_balancer = self.coordinator
+        try:
+            ray.kill(old)
+        except Exception:  # the default balancer holds no state we need
+            pass
+        self.replay_buffer.step_source = self._scheduler_batch
+        self.replay_buffer.on_wait = self._service
+
+    def on_init_end(self) -> None:
+        import ray
+
+        # verl loads the checkpoint's weights on every replica once; that is version 0 to the scheduler.
+        super().on_init_end()
+        self._base_version = self._actor_version = int(self.global_steps)
+        self._keep_cpu_copy(self._base_version)
+        ray.get(self.coordinator.start.remote(self._base_version))
+        self._service()
+
+    def on_train_begin(self) -> None:
+        # The R2 budget at version 0 is (K + 1) batches: K now, one more in the first prepare_step.
+        self._add_async_warmup_batches(self.dora.max_staleness)
+
+    def get_llm_client(self):
+        from .manager import DoraLLMServerClient
+
+        return self.standalone_server_manager.get_client(client_cls=DoraLLMServerClient)
+
+    # ------------------------------------------------------------------ steps
+    def _scheduler_batch(self, step: int):
+        import ray
+
+        self._service()
+        return ray.get(self.coordinator.step_batch.remote(step))
+
+    def on_step_end(self) -> None:
+        import ray
+
+        from verl.utils.debug import marked_timer
+
+        if self.prev_step_profile:
+            self._stop_rollout_profiling()
+        self._actor_version = int(self.global_steps)
+        self._keep_cpu_copy(self._actor_version)
+        with marked_timer("update_weights", self.timing_raw, color="red"):
+            ray.get(self.coordinator.step_finished.remote(self._actor_version))
+            self._service()
+        metrics = ray.get(self.coordinator.metrics.remote())
+        # The sampler logs dora/<name> per batch; the scheduler's run totals go under dora/scheduler/.
+        self._pending_sync_metrics = {
+            f"dora/scheduler/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))
+        }
+        if self._plugins is not None:
+            step = int(self.global_steps)
+            self._plugins.hook.dora_metrics.call_historic(kwargs={"step": step, "metrics": dict(metrics)})
+
+    # ------------------------------------------------------------------ weights
+    def _keep_cpu_copy(self, version: int) -> None:
+        """Keep the last K + 1 versions restorable on the actor (CPU memory)."""
+        self.actor_rollout_wg.save_model_to_cpu(f"dora_v{version}")
+        self._cpu_versions.append(version)
+        while len(self._cpu_versions) > self.dora.max_staleness + 1:
+            self.actor_rollout_wg.clear_cpu_model(f"dora_v{self._cpu_versions.pop(0)}")
+
+    def _service(self) -> None:
+        """Execute the coordinator's pending LoadVersion and Migrate actions (trainer thread only)."""
+        import ray
+
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.utils.config import omega_conf_to_dataclass
+
+        work = ray.get(self.coordinator.take_work.remote())
+        replicas = self.standalone_server_manager.rollout_replicas
+        cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine)
+        if work["abort"]:
+            # R5 migration: the requests running on these replicas are aborted; the client re-acquires
+            # and the coordinator sends each to its new same-version instance (re-prefill, C1 kept).
+            moved = CheckpointEngineManager(cfg, self.actor_rollout_wg, [replicas[i] for i in work["abort"]])
+            moved.abort_replicas()
+            moved.resume_generation_replicas()
+        by_version: dict[int, list[int]] = {}
+        for instance, version in work["load"]:
+            by_version.setdefault(version, []).append(instance)
+        if not by_version:
+            return
+        for version, instances in sorted(by_version.items()):
+            manager = CheckpointEngineManager(cfg, self.actor_rollout_wg, [replicas[i] for i in instances])
+            if version == self._actor_version:
+                manager.update_weights(version)
+            elif version in self._cpu_versions:
+                self.actor_rollout_wg.save_model_to_cpu("dora_current")
+                self.actor_rollout_wg.restore_model_from_cpu(f"dora_v{version}")
+                manager.update_weights(version)
+                self.actor_rollout_wg.restore_model_from_cpu("dora_current")
+                self.actor_rollout_wg.clear_cpu_model("dora_current")
+            else:
+                raise RuntimeError(f"dora: version {version} requested for replicas {instances} is no longer kept")
+            ray.get(self.coordinator.loaded.remote(instances, version))
+
+
+def register() -> None:
+    """Register ``DoraTrainer`` as verl trainer ``dora`` (idempotent)."""
+    register_trainer(TRAINER_NAME)(DoraTrainer)
+
+
+# Also when this module is imported first (its import of verl's v1 package ran the plugin hook
+# while this body was still executing).
+register()

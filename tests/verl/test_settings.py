@@ -1,0 +1,138 @@
+"""verl's own Hydra config (``ppo_trainer.yaml`` of the installed wheel) with the one dora flag."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dora_ext.config import ConfigError
+
+hydra = pytest.importorskip("hydra")
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    import verl
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    base = [
+        "trainer.v1.trainer_mode=dora",
+        "data.train_batch_size=16",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    ]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=base + list(overrides))
+
+
+def test_dora_keys_compose_and_validate():
+    from dora_ext.verl.settings import dora_config
+
+    cfg = _compose("+dora.max_staleness=3", "+dora.migrate=false")
+    assert cfg.trainer.v1.trainer_mode == "dora"
+    d = dora_config(cfg)
+    assert (d.mode, d.max_staleness, d.batch_size, d.group_size, d.migrate) == ("dora", 3, 16, 4, False)
+    # 4 rollout GPUs at tensor parallel 2 are two replicas; capacity is verl's max_num_seqs.
+    assert [(s.id, s.capacity) for s in d.instances] == [(0, 256), (1, 256)]
+
+
+def test_flag_alone_uses_defaults():
+    from dora_ext.verl.settings import dora_config
+
+    d = dora_config(_compose())
+    assert (d.mode, d.max_staleness) == ("dora", 2)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("+dora.max_stalenes=2", "dora.max_stalenes"),  # a typo in a key
+        ("+dora.max_staleness=0", "dora.max_staleness"),  # dora needs K >= 1
+        ("+dora.max_staleness=two", "dora.max_staleness"),
+        ("+dora.batch_size=3", "dora.batch_size"),  # contradicts data.train_batch_size
+        ("+dora.mode=partial", "dora.mode"),  # verl's own trainers are that baseline
+        ("+dora.migrate_threshold=2.0", "dora.migrate_threshold"),
+    ],
+)
+def test_bad_key_or_value_names_it(override, field):
+    from dora_ext.verl.settings import dora_config
+
+    with pytest.raises(ConfigError) as err:
+        dora_config(_compose(override))
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+def test_configure_wires_verl_plug_points_and_verl_builds_the_sampler():
+    """``configure`` fills verl's own keys; verl's ``_build_replay_buffer`` then builds our sampler."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from dora_ext.verl.sampler import DoraReplayBuffer
+    from dora_ext.verl.trainer import MANAGER_CLASS, configure
+
+    cfg = _compose("+dora.max_staleness=2")
+    d = configure(cfg)
+    assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == MANAGER_CLASS
+    assert cfg.trainer.v1.sampler.custom_sampler.name == "DoraReplayBuffer"
+    assert cfg.trainer.v1.dora.parameter_sync_step == cfg.trainer.v1.separate_async.parameter_sync_step
+
+    class _Host:  # just what _build_replay_buffer reads from the trainer
+        config = cfg
+        trainer_mode = "dora"
+
+        def _add_prompts_to_generate(self, n):
+            return n
+
+    buffer = PPOTrainer._build_replay_buffer(_Host())
+    assert isinstance(buffer, DoraReplayBuffer)
+    assert buffer.max_staleness == d.max_staleness == 2
+    assert buffer.step_batch_size == 16
+
+
+def test_unknown_sampler_kwarg_names_it():
+    from dora_ext.verl.sampler import DoraReplayBuffer
+
+    with pytest.raises(ConfigError, match=r"trainer.v1.sampler.sampler_kwargs.max_stale\b"):
+        DoraReplayBuffer("dora", {}, None, "wait", {"max_stale": 1})
+
+
+def test_foreign_agent_loop_manager_is_refused():
+    from dora_ext.verl.trainer import configure
+
+    cfg = _compose("+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
+                   "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ")
+    with pytest.raises(ConfigError) as err:
+        configure(cfg)
+    assert err.value.field == "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+
+
+def _trainer_overrides(*extra):
+    return ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.separate_async.parameter_sync_step=4",
+            "+dora.max_staleness=1", *extra)
+
+
+def test_dora_trainer_construction_on_cpu():
+    """verl builds ``DoraTrainer`` from the composed config (no GPU is touched before ``init()``)."""
+    from dora_ext.verl.sampler import DoraReplayBuffer
+    from dora_ext.verl.trainer import DoraTrainer
+
+    t = DoraTrainer(_compose(*_trainer_overrides()))
+    assert isinstance(t.replay_buffer, DoraReplayBuffer) and t.replay_buffer.max_staleness == 1
+    assert t._enable_hybrid_replicas is False and t.hybrid_rollout_config.enable_switch is False
+    assert t.parameter_sync_step == 4 and t.dora.batch_size == 16
+
+
+def test_dora_trainer_refuses_a_foreign_sampler():
+    from dora_ext.verl.trainer import DoraTrainer
+
+    cfg = _compose(*_trainer_overrides(
+        "trainer.v1.sampler.custom_sampler.path=pkg://verl.trainer.ppo.v1.replay_buffer",
+        "trainer.v1.sampler.custom_sampler.name=ReplayBufferAsync"))
+    with pytest.raises(ConfigError) as err:
+        DoraTrainer(cfg)
+    assert err.value.field == "trainer.v1.sampler.custom_sampler"

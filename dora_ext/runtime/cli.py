@@ -1,0 +1,180 @@
+"""`dora-ext train` and `dora-ext compare`: the embedded runtime from the command line.
+
+    dora-ext train RECIPE [--mode M] [--steps N] [--seed S] [--out DIR] [--set section.key=value ...]
+    dora-ext compare RECIPE --modes sync,dora[,...] [--seeds K] [--steps N] [--seed S] [--json] [--out DIR]
+
+`train` runs one mode with a progress bar, writes one metrics line per trainer step
+(`metrics.jsonl`, design.md's metric names), and at the end a report (`report.json`, also printed)
+and two plots: `reward.png` (reward per step) and `timeline.png` (what every instance and the
+trainer did, the simulator's picture). `compare` runs the modes one after the other on the same
+seeds and prints a side-by-side table, or with `--json` exactly
+`{"recipe": ..., "modes": {MODE: {throughput_tokens_per_s, speedup_vs_sync, final_reward_mean,
+final_reward_std, staleness_max, c1_ok, c2_ok, c3_ok}}}`; `compare.json`, per-run metrics lines
+and the plots go to `--out` (default `runs/<recipe>-compare`).
+
+This module imports no torch until a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ..config import MODES, ConfigError
+
+
+def register(subparsers: Any) -> None:
+    t = subparsers.add_parser("train", help="train with the embedded runtime (real engines, real trainer)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("recipe", help="recipe YAML, e.g. recipes/cpu/long-tail.yaml")
+    t.add_argument("--mode", choices=MODES, default=None, help="override the recipe's dora.mode")
+    t.add_argument("--steps", type=int, default=None, help="trainer steps (default: the recipe's)")
+    t.add_argument("--seed", type=int, default=None, help="seed (default: the recipe's)")
+    t.add_argument("--out", default=None, help="output folder (default: runs/<recipe>-<mode>)")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value, e.g. --set dora.capacity=16 (repeatable)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    c = subparsers.add_parser("compare", help="run modes side by side on the same seeds (real engines)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("recipe", help="recipe YAML, e.g. recipes/cpu/long-tail.yaml")
+    c.add_argument("--modes", default="sync,dora", help=f"comma-separated modes (default sync,dora; any of {','.join(MODES)})")
+    c.add_argument("--seeds", type=int, default=1, help="number of seeds, starting at --seed (default 1)")
+    c.add_argument("--seed", type=int, default=None, help="first seed (default: the recipe's)")
+    c.add_argument("--steps", type=int, default=None, help="trainer steps per run (default: the recipe's)")
+    c.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    c.add_argument("--out", default=None, help="output folder (default: runs/<recipe>-compare)")
+    c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value, e.g. --set dora.capacity=16 (repeatable)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_compare)
+
+
+def _recipe(args: argparse.Namespace) -> Any:
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set)
+    if getattr(args, "mode", None):
+        recipe = recipe.with_mode(args.mode)
+    if args.steps is not None:
+        recipe = recipe.with_steps(args.steps)
+    if args.seed is not None:
+        recipe = recipe.with_seed(args.seed)
+    return recipe
+
+
+def _fail(command: str, exc: Exception) -> int:
+    kind = "recipe error" if isinstance(exc, ConfigError) else "error"
+    print(f"dora-ext {command}: {kind}: {exc}", file=sys.stderr)
+    return 2 if isinstance(exc, ConfigError) else 1
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        recipe = _recipe(args)
+    except ConfigError as exc:
+        return _fail("train", exc)
+    from .compare import Progress, dump_json, jsonable
+    from .report import plot_rewards, plot_timeline
+    from .runtime import prepare, run
+
+    mode = recipe.dora.mode
+    out = args.out or os.path.join("runs", f"{recipe.name}-{mode}")
+    os.makedirs(out, exist_ok=True)
+    try:
+        prepared = prepare(recipe)
+    except ImportError as exc:  # e.g. the optional SmolLM2 weights
+        return _fail("train", exc)
+    print(f"dora-ext train: {recipe.name}, mode {mode} (K={recipe.dora.max_staleness}), seed {recipe.seed}, "
+          f"{recipe.steps} steps; version 0 after {recipe.warm_start.steps} warm-start steps "
+          f"({prepared.warm_start_s:.1f}s), held-out reward {prepared.initial_reward:.3f}", file=sys.stderr)
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    bar = Progress(not args.no_progress)
+    show = bar.start(f"{mode} seed {recipe.seed}", recipe.steps)
+    with open(metrics_path, "w", encoding="utf-8") as fh:
+        def on_step(rec: dict) -> None:
+            fh.write(json.dumps(jsonable(rec)) + "\n")
+            fh.flush()
+            show(rec)
+
+        try:
+            result = run(recipe, prepared, on_step=on_step)
+        finally:
+            bar.close()
+    report = {"recipe": recipe.to_dict(), **result.summary(), "steps": result.steps}
+    dump_json(os.path.join(out, "report.json"), report)
+    plot_rewards({mode: [result]}, os.path.join(out, "reward.png"), title=f"{recipe.name}: {mode}, seed {recipe.seed}")
+    plot_timeline({mode: result}, os.path.join(out, "timeline.png"), title=f"{recipe.name}: {mode}, seed {recipe.seed}")
+    print(format_report(recipe.name, result))
+    print(f"files: {metrics_path}, {os.path.join(out, 'report.json')}, {os.path.join(out, 'reward.png')}, "
+          f"{os.path.join(out, 'timeline.png')}")
+    return 0
+
+
+def format_report(name: str, result: Any) -> str:
+    m = result.metrics
+    w0, w1 = m["window_steps"]
+    last = m["train_reward_last"]
+    lines = [
+        f"{name}: mode {result.mode} (K={result.max_staleness}, cores {result.split}), seed {result.seed}, "
+        f"{m['steps']} steps in {m['wall_s']:.1f}s",
+        f"  throughput             {m['throughput_tokens_per_s']:.0f} trained tokens/s (steps {w0}..{w1 - 1})",
+        f"  reward                 held-out {m['initial_reward']:.3f} -> {m['final_reward']:.3f}"
+        + (f"; last training batches {last:.3f}" if last is not None else ""),
+        f"  trainer wait ratio     {m['trainer_wait_ratio']:.2f}; rollout bubble ratio {m['rollout_bubble_ratio']:.2f}",
+        f"  staleness              max {m['staleness_max']}, mean {m['staleness_mean']:.2f}; live versions max "
+        f"{m['live_versions_max']}; migrations {m['migrations']}; weight loads {m['weight_loads']} "
+        f"({m['weight_load_s'] * 1e3:.0f} ms)",
+        f"  multi-version trajectories {m['multi_version_trajectory_share']:.1%}; dropped {m['dropped']}, "
+        f"truncated {m['truncated']}, duplicated {m['duplicated']}",
+        f"  C1 {'yes' if m['c1_ok'] else 'NO'}   C2 {'yes' if m['c2_ok'] else 'NO'}   C3 {'yes' if m['c3_ok'] else 'NO'}",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import parse_modes
+
+    try:
+        recipe = _recipe(args)
+        modes = parse_modes(args.modes)
+        if args.seeds < 1:
+            raise ConfigError("seeds", f"expected an integer >= 1, got {args.seeds}")
+    except ConfigError as exc:
+        return _fail("compare", exc)
+    from .compare import compare_modes, dump_json
+    from .report import aggregate, json_view, plot_rewards, plot_timeline, table
+
+    out = args.out or os.path.join("runs", f"{recipe.name}-compare")
+    os.makedirs(out, exist_ok=True)
+    seeds = list(range(recipe.seed, recipe.seed + args.seeds))
+    try:
+        results = compare_modes(recipe, modes, seeds, progress=not args.no_progress, out_dir=out)
+    except ImportError as exc:
+        return _fail("compare", exc)
+    agg = aggregate(results)
+    sync = {r.seed: r.metrics["throughput_tokens_per_s"] for r in results.get("sync", [])}
+    for runs in results.values():
+        for r in runs:
+            if sync.get(r.seed):
+                r.metrics["speedup_vs_sync"] = r.metrics["throughput_tokens_per_s"] / sync[r.seed]
+    dump_json(os.path.join(out, "compare.json"), {
+        **json_view(recipe.name, agg), "details": agg, "recipe_config": recipe.to_dict(),
+        "runs": [r.summary() for runs in results.values() for r in runs],
+    })
+    title = f"{recipe.name}: {', '.join(modes)}; seeds {seeds[0]}..{seeds[-1]}, {recipe.steps} steps"
+    rewards_png, timeline_png = os.path.join(out, "rewards.png"), os.path.join(out, "timeline.png")
+    plot_rewards(results, rewards_png, title=title)
+    plot_timeline({m: runs[0] for m, runs in results.items()}, timeline_png, title=f"{recipe.name}, seed {seeds[0]}")
+    where = f"plots: {rewards_png}, {timeline_png}; data: {os.path.join(out, 'compare.json')}"
+    if args.json:
+        print(json.dumps(json_view(recipe.name, agg)))
+        print(where, file=sys.stderr)
+    else:
+        print(table(agg))
+        print(where)
+    return 0

@@ -1,0 +1,639 @@
+"""The embedded runtime: the real scheduler driving real torch engines and a real trainer.
+
+    prepared = prepare(recipe)                      # task, tokenizer, warm-started version 0
+    result = run(recipe.with_mode("dora"), prepared)  # -> RunResult (design.md metrics)
+
+Workers (see `workers.py`): one per rollout instance and one for the trainer, processes on CPU
+(threads on CUDA), and the coordinator, the thread that calls `run`. Only the coordinator touches
+the `Scheduler`: workers report on one queue, the coordinator feeds each report to `Scheduler.handle` as an event and executes the actions
+it returns by sending commands to the workers. The coordinator also plays the prompt source
+(`RequestGroups` -> `GroupAdmitted`) and the reward function, and keeps its own ledger of what was
+executed (which version generated each token, which step trained each group) from which C1-C3
+are measured independently of the scheduler's counters.
+
+What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards (the task's
+checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
+engine, timed), same-version migration (the sequence's KV cache moves between engines), and the
+core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Iterator
+
+import torch
+
+from ..config import DoraConfig
+from ..core import actions as A
+from ..core import events as E
+from ..core.scheduler import Scheduler
+from .recipe import Recipe
+
+SEED_STRIDE = 1_000_003
+
+
+class RuntimeStall(RuntimeError):
+    """No worker reported anything for `runtime.stall_timeout_s` although the run is not done."""
+
+
+# ---------------------------------------------------------------------------------- preparation
+@dataclass
+class Prepared:
+    """What every mode of one seed shares: the task, version 0 of the policy, the held-out prompts
+    and the initial policy's score on them. Built once per seed and reused, so that modes start
+    from identical weights."""
+
+    task: Any
+    model_config: Any
+    weights: dict[str, torch.Tensor]
+    eval_prompts: list
+    initial_reward: float
+    warm_start_s: float
+    warm_start_loss: float | None
+    seed: int
+
+
+_PREPARED: dict[str, Prepared] = {}
+
+
+def _prepare_key(recipe: Recipe) -> str:
+    d = recipe.to_dict()
+    return json.dumps({k: d[k] for k in ("seed", "task", "model", "warm_start", "eval", "engine")}, sort_keys=True)
+
+
+def prepare(recipe: Recipe, *, device: torch.device | None = None) -> Prepared:
+    """Build the task and version 0 (random init + supervised warm start), cached per seed."""
+    from ..engines import default_device
+
+    key = _prepare_key(recipe)
+    if key in _PREPARED:
+        return _PREPARED[key]
+    dev = device or default_device(recipe.engine.device)
+    with torch_threads(recipe.runtime.threads(recipe.runtime.cores)):
+        prepared = _prepare(recipe, dev)
+    _PREPARED[key] = prepared
+    return prepared
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a block with `n` torch intra-op threads in the calling thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _prepare(recipe: Recipe, dev: torch.device) -> Prepared:
+    t0 = time.perf_counter()
+    loss = None
+    if recipe.model.type == "smollm2":
+        from ..models.smollm2 import load_smollm2, load_tokenizer
+        from ..tasks.count import CountConfig, CountTask
+
+        task = CountTask(CountConfig(**recipe.task), tokenizer=load_tokenizer())
+        model = load_smollm2(max_len=recipe.model.max_len)
+    else:
+        from ..models.tiny import TinyLM
+        from ..tasks.long_tail import LongTailConfig, LongTailTask, warm_start
+
+        task = LongTailTask(LongTailConfig(**recipe.task))
+        model = TinyLM(task.model_config(**recipe.model.shape, seed=recipe.seed)).to(dev)
+        if recipe.warm_start.steps:
+            losses = warm_start(model, task, recipe.warm_start.steps, recipe.seed,
+                                batch_size=recipe.warm_start.batch_size, lr=recipe.warm_start.lr)
+            loss = losses[-1]
+    if hasattr(task, "max_prompt_len"):
+        _check_fits(model.config.max_len, task.max_prompt_len, task.max_new_tokens)
+    from ..models.tiny import policy_state
+
+    weights = policy_state(model, "cpu" if dev.type == "cpu" else dev)
+    warm_s = time.perf_counter() - t0
+    prompts = list(_take(task.prompts(seed=777_777), recipe.eval.prompts))
+    initial = evaluate_policy(task, model.config, weights, prompts, recipe, dev)
+    return Prepared(task, model.config, weights, prompts, initial, warm_s, loss, recipe.seed)
+
+
+def _check_fits(max_len: int, prompt_len: int, new_tokens: int) -> None:
+    if prompt_len + new_tokens > max_len:
+        raise ValueError(f"model.max_len {max_len} < prompt {prompt_len} + max_new_tokens {new_tokens}")
+
+
+def _take(it: Iterable, n: int) -> Iterable:
+    for _, x in zip(range(n), it):
+        yield x
+
+
+def evaluate_policy(task: Any, model_config: Any, weights: dict, prompts: list, recipe: Recipe,
+                    device: torch.device) -> float:
+    """Mean reward of `weights` on `prompts`, `recipe.eval.samples` sampled answers each, fixed seeds."""
+    from ..engines import SamplingParams, TorchEngine
+
+    if not prompts:
+        return float("nan")
+    engine = TorchEngine(model_config, min(64, len(prompts) * recipe.eval.samples), task.stop_id, device=device)
+    engine.load_version(weights, 0)
+    sampling = SamplingParams(recipe.engine.temperature, recipe.engine.top_p)
+    for p in prompts:
+        for s in range(recipe.eval.samples):
+            engine.submit((p.id, s), p.ids, task.max_new_tokens, sampling, seed=p.id * 131 + s)
+    total = 0.0
+    by_id = {p.id: p for p in prompts}
+    for f in engine.run_until_done():
+        total += task.reward(by_id[f.request_id[0]], f.response_ids)
+    return total / (len(prompts) * recipe.eval.samples)
+
+
+# ---------------------------------------------------------------------------------- results
+@dataclass
+class RunResult:
+    """One mode, one seed. `metrics` uses design.md's names; `steps` has one dict per trainer step
+    (the JSONL lines); the rest is what plots and tests need."""
+
+    mode: str
+    seed: int
+    metrics: dict[str, Any]
+    steps: list[dict[str, Any]]
+    core_metrics: dict[str, Any]
+    checks: dict[str, Any]
+    t_end: float
+    step_end: list[float]
+    trainer_busy: list[tuple[float, float]]
+    instance_logs: list[list[tuple[float, int]]]
+    max_staleness: int
+    split: str
+    ledger: dict[str, Any] = field(default_factory=dict)
+    versions: dict[int, dict[str, torch.Tensor]] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able summary (no per-trajectory ledger, no weights)."""
+        return {"mode": self.mode, "seed": self.seed, "split": self.split, "max_staleness": self.max_staleness,
+                "metrics": self.metrics, "core_metrics": self.core_metrics, "checks": self.checks,
+                "t_end": self.t_end}
+
+
+# ---------------------------------------------------------------------------------- the runtime
+class Runtime:
+    """Run one mode of `recipe` from `prepared` (see the module docstring). Use `run()`.
+
+    on_step(record) is called in the coordinator after every trainer step with that step's
+    metrics line; keep_versions keeps every published version's weights in the result (tests use
+    them to recompute log-probs under the version each trajectory claims).
+    """
+
+    def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
+                 keep_versions: bool = False, device: torch.device | None = None) -> None:
+        from ..engines import SamplingParams, default_device
+
+        self.recipe = recipe
+        self.config: DoraConfig = recipe.dora
+        self.mode = self.config.mode
+        self.prepared = prepared
+        self.task = prepared.task
+        self.device = device or default_device(recipe.engine.device)
+        self.sampling = SamplingParams(recipe.engine.temperature, recipe.engine.top_p)
+        self.on_step = on_step
+        self.keep_versions = keep_versions
+        self.sched = Scheduler(self.config)
+        self.t0 = time.perf_counter()
+        self._outgoing: dict[int, list] = {}
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.colocated = self.mode == "sync"
+        self.versions: dict[int, dict[str, torch.Tensor]] = {0: prepared.weights}
+        self._stream = self.task.prompts(seed=recipe.seed)
+        # ledger
+        self.prompts: dict[Hashable, Any] = {}
+        self.group_version: dict[Hashable, int] = {}
+        self.results: dict[Hashable, list] = {}
+        self.token_versions: dict[tuple, tuple[int, ...]] = {}
+        self.finish_reasons: dict[tuple, str] = {}
+        self.dispatch: dict[tuple, list] = {}  # (gid, idx) -> [instance, version, attempt]
+        self.dispatch_versions: dict[tuple, int] = {}
+        self.first_dispatch: dict[Hashable, float] = {}
+        self.delivered: set = set()
+        self.step_groups: list[tuple] = []
+        self.trained: dict[Hashable, list[int]] = {}
+        self.step_end: list[float] = []
+        self.step_records: list[dict[str, Any]] = []
+        self.failed_groups: list[tuple[Hashable, str]] = []
+        self.errors: list[str] = []
+        self.load_seconds = 0.0
+        self.loads = 0
+        self.tokens_trained = 0
+        self.migrations = 0
+
+    # ------------------------------------------------------------------ cores
+    @property
+    def backend(self) -> str:
+        b = self.recipe.runtime.backend
+        if b == "auto":
+            return "process" if self.device.type == "cpu" else "thread"
+        return b
+
+    def _layout(self) -> tuple[list[int], list[int], int, int]:
+        """(rollout cpus, trainer cpus, threads per instance, trainer threads)."""
+        import os
+
+        rt = self.recipe.runtime
+        n_inst = len(self.config.instances)
+        cpus = sorted(os.sched_getaffinity(0))[: rt.cores] if hasattr(os, "sched_getaffinity") else []
+        if self.colocated or rt.cores < 2:
+            roll = train = cpus
+            per_inst, t_threads = rt.threads(rt.cores // n_inst), rt.threads(rt.cores)
+        else:
+            roll, train = cpus[: rt.rollout_cores], cpus[rt.rollout_cores:]
+            per_inst, t_threads = rt.threads(rt.rollout_cores // n_inst), rt.threads(rt.trainer_cores)
+        if not rt.pin or self.device.type != "cpu":
+            roll = train = []
+        return roll, train, per_inst, t_threads
+
+    @property
+    def split(self) -> str:
+        rt = self.recipe.runtime
+        if self.colocated or rt.cores < 2:
+            return f"colocated:{rt.cores}"
+        return f"{rt.rollout_cores}:{rt.trainer_cores}"
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> RunResult:
+        from .workers import EngineRecipe, PackedWeights, TrainerRecipe, process_context, start_instances, start_trainer
+
+        roll, train, per_inst, t_threads = self._layout()
+        procs = self.backend == "process"
+        self.outbox = process_context().Queue() if procs else queue.SimpleQueue()
+        if procs:
+            self.versions[0] = PackedWeights.pack(self.prepared.weights, shared=True)
+        dev = str(self.device)
+        specs = {s.id: EngineRecipe(self.prepared.model_config, s.capacity, self.task.stop_id, dev)
+                 for s in self.config.instances}
+        trainer_spec = TrainerRecipe(self.prepared.model_config, dict(self.recipe.trainer), self.versions[0], dev)
+        self.inboxes: dict[int, Any] = {}
+        handles: list[Any] = []
+        self.trainer_inbox: Any = None
+        self.instance_stats: dict[Any, dict] = {}
+        self.torch_threads: dict[str, int] = {}
+        ok = False
+        import os
+
+        pinned = bool(roll) and hasattr(os, "sched_setaffinity")
+        old_affinity = os.sched_getaffinity(0) if pinned else None
+        try:
+            if pinned:
+                # The coordinator (prompts, rewards, scheduling) is rollout-side work: it runs on the
+                # rollout cores, never on the trainer's.
+                os.sched_setaffinity(0, set(roll))
+            self.trainer_inbox, th = start_trainer(trainer_spec, t_threads, train, self.outbox, self.backend)
+            handles.append(th)
+            self.inboxes, ih = start_instances(specs, per_inst, roll, self.outbox, self.backend)
+            handles.extend(ih)
+            self._wait_ready(len(specs) + 1, handles)
+            self.t0 = time.perf_counter()  # setup (processes, engines, trainer) is not part of the run
+            self._execute(self.sched.start())
+            self._flush()
+            stall = self.recipe.runtime.stall_timeout_s
+            while not self.sched.done:
+                try:
+                    msg = self.outbox.get(timeout=stall)
+                except queue.Empty:
+                    raise RuntimeStall(self._stall_report(stall)) from None
+                self._on_message(msg)
+                self._flush()
+            t_end = self.step_end[-1] if self.step_end else self._now()
+            ok = True
+        finally:
+            if pinned:
+                os.sched_setaffinity(0, old_affinity)
+            for q in [self.trainer_inbox, *self.inboxes.values()]:
+                if q is not None:
+                    q.put(("stop",))
+            if ok:
+                self._collect_stats(len(handles))
+            for h in handles:
+                h.join(timeout=10 if ok else 2)
+                if h.is_alive() and hasattr(h, "terminate"):
+                    h.terminate()
+                    h.join(timeout=10)
+            for q in [self.trainer_inbox, *self.inboxes.values()]:
+                if hasattr(q, "cancel_join_thread"):
+                    q.cancel_join_thread()  # never block interpreter exit on a queue nobody reads
+        return self._result(t_end)
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _wait_ready(self, count: int, handles: list) -> None:
+        ready = 0
+        deadline = time.perf_counter() + max(120.0, self.recipe.runtime.stall_timeout_s)
+        while ready < count:
+            try:
+                msg = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [h.name for h in handles if not h.is_alive()]
+                if dead or time.perf_counter() > deadline:
+                    raise RuntimeError(f"workers did not start in time; exited: {dead}")
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"{msg[1]} failed during setup: {msg[2]}\n{msg[3]}")
+            if msg[0] != "ready":
+                raise RuntimeError(f"unexpected report {msg[0]!r} during setup")
+            self.torch_threads[msg[1]] = msg[2]
+            ready += 1
+
+    def _collect_stats(self, count: int) -> None:
+        """After "stop", each worker sends its logs; late reports of the run are ignored."""
+        deadline = time.perf_counter() + 60.0
+        while len(self.instance_stats) < count and time.perf_counter() < deadline:
+            try:
+                msg = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if msg[0] == "stats":
+                self.instance_stats[msg[1]] = msg[2]
+            elif msg[0] == "error":
+                raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
+
+    def _stall_report(self, stall: float) -> str:
+        s = self.sched
+        running = {iid: sorted(k for k, r in self.dispatch.items() if r[0] == iid and not self._finished(k))
+                   for iid in self.inboxes}
+        return (f"mode {self.mode}: no report from any worker for {stall:.0f}s at step {s.step}, newest version "
+                f"{s.newest_version}, trainer step running {s.trainer_busy}, unfinished trajectories by "
+                f"instance {running}")
+
+    def _finished(self, key: tuple) -> bool:
+        return key in self.token_versions
+
+    # ------------------------------------------------------------------ events in
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "finished":
+            for f in msg[2]:
+                self._on_finished(msg[1], f, msg[3])
+        elif kind == "loaded":
+            _, iid, version, seconds = msg
+            self.load_seconds += seconds
+            self.loads += 1
+            self._execute(self.sched.handle(E.InstanceLoaded(iid, version)))
+        elif kind == "step_done":
+            self._on_step_done(*msg[1:])
+        elif kind == "error":
+            raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
+        else:
+            raise RuntimeError(f"unknown worker report {kind!r}")
+
+    def _on_finished(self, iid: int, f: Any, t: float) -> None:
+        gid, idx, attempt = f.request_id
+        if self.dispatch[(gid, idx)][2] != attempt:
+            return  # an earlier attempt (never happens without failures; kept for safety)
+        prompt = self.prompts[gid]
+        reward = float(self.task.reward(prompt, f.response_ids))
+        from ..algo import Trajectory
+
+        # The oldest version that produced a token: the one the trainer must correct for.
+        self.results[gid][idx] = Trajectory(prompt.ids, f.response_ids, f.logprobs, reward, min(f.versions))
+        self.token_versions[(gid, idx)] = tuple(f.versions)
+        self.finish_reasons[(gid, idx)] = f.finish_reason
+        ev = E.TrajectoryFinished(gid, idx, tokens=len(f.response_ids), reward=reward, attempt=attempt)
+        self._execute(self.sched.handle(ev))
+
+    def _on_step_done(self, step: int, metrics: dict, gids: list, t: float, weights: Any) -> None:
+        t -= self.t0
+        self.step_end.append(t)
+        expected = self.step_groups[step]
+        if sorted(map(str, gids)) != sorted(map(str, expected)):
+            raise RuntimeError(f"trainer step {step} trained {gids}, but the scheduler asked for {expected}")
+        tokens = 0
+        for gid in gids:
+            self.trained.setdefault(gid, []).append(step)
+            tokens += sum(len(tr.response_ids) for tr in self.results[gid])
+        self.tokens_trained += tokens
+        v = step + 1
+        self.versions[v] = weights
+        if not self.keep_versions:
+            # Older versions can still be loaded for queued work of their groups (an instance may be
+            # switched to an orphaned version), but never beyond the staleness bound.
+            for old in [x for x in self.versions if x < v - self.config.max_staleness - 1]:
+                del self.versions[old]
+        self._execute(self.sched.handle(E.TrainerStepFinished(step)))
+        self._execute(self.sched.handle(E.VersionPublished(v)))
+        stale = [step - self.group_version[g] for g in gids]
+        core = self.sched.metrics()
+        record = {
+            "step": step, "time_s": t, "reward_mean": metrics.get("reward_mean"), "tokens": tokens,
+            "throughput_tokens_per_s": self.tokens_trained / t if t > 0 else 0.0,
+            "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+            "live_versions": core["live_versions"], "newest_version": v,
+            "weight_loads": core["weight_loads"], "migrations": core["migrations"],
+            "multi_version_trajectory_share": core["multi_version_trajectory_share"],
+            "c1_ok": core["c1_ok"], "c2_ok": core["c2_ok"], "c3_ok": core["c3_ok"],
+            "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"), "entropy": metrics.get("entropy"),
+        }
+        for k in ("pg_clipfrac", "is_weight_mean", "masked_frac", "value_loss"):
+            if k in metrics:
+                record[k] = metrics[k]
+        self.step_records.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
+
+    # ------------------------------------------------------------------ actions out
+    def _send(self, iid: int, cmd: tuple) -> None:
+        self._outgoing.setdefault(iid, []).append(cmd)
+
+    def _flush(self) -> None:
+        """One message per instance per coordinator turn: fewer wake-ups, same order."""
+        out, self._outgoing = self._outgoing, {}
+        for iid, cmds in out.items():
+            self.inboxes[iid].put(cmds[0] if len(cmds) == 1 else ("batch", cmds))
+
+    def _execute(self, actions: list) -> None:
+        """Execute actions (and the actions their answers produce); instance commands are queued
+        and sent by `_flush` when the coordinator's turn ends."""
+        todo = deque(actions)
+        while todo:
+            act = todo.popleft()
+            if isinstance(act, A.Dispatch):
+                self._dispatch(act)
+            elif isinstance(act, A.RequestGroups):
+                for _ in range(act.count):
+                    prompt = next(self._stream)
+                    gid = prompt.id
+                    self.prompts[gid] = prompt
+                    self.group_version[gid] = self.sched.newest_version
+                    self.results[gid] = [None] * self.config.group_size
+                    todo.extend(self.sched.handle(E.GroupAdmitted(gid, {"length": prompt.length})))
+            elif isinstance(act, A.LoadVersion):
+                weights = self.versions[act.version]
+                self._send(act.instance_id, ("load", act.version, weights, bool(act.preempt)))
+            elif isinstance(act, A.Migrate):
+                rec = self.dispatch[(act.group_id, act.index)]
+                if rec[0] != act.src or rec[1] != act.version:
+                    raise RuntimeError(f"migration of {act} but the ledger has it on instance {rec[0]} (version {rec[1]})")
+                rec[0] = act.dst
+                self.migrations += 1
+                rid = (act.group_id, act.index, rec[2])
+                self._send(act.src, ("migrate", rid, act.dst))
+            elif isinstance(act, A.DeliverGroup):
+                self.delivered.add(act.group_id)
+                self.trainer_inbox.put(("group", act.group_id, self._group(act.group_id)))
+            elif isinstance(act, A.StartStep):
+                if act.step != len(self.step_groups):
+                    raise RuntimeError(f"scheduler started step {act.step}, expected {len(self.step_groups)}")
+                self.step_groups.append(tuple(act.group_ids))
+                rest = [(g, self._group(g)) for g in act.group_ids if g not in self.delivered]
+                self.delivered.update(act.group_ids)
+                self.trainer_inbox.put(("step", act.step, rest))
+            elif isinstance(act, A.ReportGroupFailed):
+                self.failed_groups.append((act.group_id, act.reason))
+            elif isinstance(act, A.ReportError):
+                self.errors.append(act.message)
+            else:
+                raise RuntimeError(f"unknown action {act!r}")
+
+    def _dispatch(self, act: A.Dispatch) -> None:
+        key = (act.group_id, act.index)
+        prompt = self.prompts[act.group_id]
+        self.dispatch[key] = [act.instance_id, act.version, act.attempt]
+        self.dispatch_versions[key] = act.version
+        self.first_dispatch.setdefault(act.group_id, self._now())
+        seed = (self.recipe.seed * SEED_STRIDE + int(act.group_id) * 1009 + act.index * 31 + act.attempt) % (2**62)
+        rid = (act.group_id, act.index, act.attempt)
+        self._send(act.instance_id, ("submit", rid, prompt.ids, self.task.max_new_tokens, self.sampling, seed))
+
+    def _group(self, gid: Hashable) -> list:
+        trajs = self.results[gid]
+        if any(t is None for t in trajs):
+            raise RuntimeError(f"group {gid} handed to the trainer with missing trajectories")
+        return list(trajs)
+
+    # ------------------------------------------------------------------ results
+    def _checks(self) -> dict[str, Any]:
+        """C1-C3 from the runtime's own ledger (what the engines and the trainer actually did)."""
+        hist: dict[int, int] = {}
+        c3 = 0
+        duplicated = sum(len(s) - 1 for s in self.trained.values() if len(s) > 1)
+        for gid, steps in self.trained.items():
+            s = steps[0] - self.group_version[gid]
+            hist[s] = hist.get(s, 0) + 1
+            if s < 0 or s > self.config.max_staleness:
+                c3 += 1
+        failed = {g for g, _ in self.failed_groups}
+        dropped = sum(1 for g in self.prompts if g not in self.trained and g not in failed)
+        truncated = sum(1 for r in self.finish_reasons.values() if r not in ("stop", "length"))
+        multi = mismatched = trained_traj = 0
+        for gid in self.trained:
+            for idx in range(self.config.group_size):
+                vs = self.token_versions[(gid, idx)]
+                trained_traj += 1
+                if len(set(vs)) > 1:
+                    multi += 1
+                elif vs[0] != self.group_version[gid] or self.dispatch_versions[(gid, idx)] != vs[0]:
+                    mismatched += 1  # one version, but not the group's: a pinning bug
+        return {
+            "admitted_groups": len(self.prompts), "trained_groups": len(self.trained),
+            "failed_groups": len(failed), "dropped": dropped, "truncated": truncated, "duplicated": duplicated,
+            "staleness_hist": dict(sorted(hist.items())), "c3_violations": c3,
+            "multi_version_trajectories": multi, "version_mismatches": mismatched,
+            "multi_version_trajectory_share": multi / trained_traj if trained_traj else 0.0,
+            "c1_ok": multi == 0 and mismatched == 0,
+            "c2_ok": dropped == 0 and truncated == 0 and duplicated == 0 and not failed,
+            "c3_ok": c3 == 0,
+        }
+
+    def _result(self, t_end: float) -> RunResult:
+        from ..sim.runner import window
+
+        core = self.sched.metrics()
+        checks = self._checks()
+        steps = len(self.step_end)
+        w, e = window(steps)
+        t0 = self.step_end[w - 1] if w > 0 else 0.0
+        t1 = self.step_end[e - 1] if steps else t_end
+        span = max(t1 - t0, 1e-9)
+        tokens = sum(len(tr.response_ids) for k in range(w, e) for g in self.step_groups[k] for tr in self.results[g])
+        z = self.t0
+        tstats = self.instance_stats.get("trainer", {})
+        trainer_busy = [(a - z, b - z) for a, b in tstats.get("busy", ()) if b >= z]
+        busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in trainer_busy)
+        cap = self.config.total_capacity
+        slot_s = 0.0
+        stats = [self.instance_stats.get(iid, {}) for iid in sorted(self.inboxes)]  # by instance id
+        for st in stats:
+            for a, b, n in st.get("steps", ()):
+                ov = min(b - z, t1) - max(a - z, t0)
+                if ov > 0:
+                    slot_s += n * ov
+        r2t = [self.step_end[k] - min(self.first_dispatch[g] for g in self.step_groups[k]) for k in range(w, e)]
+        hist = checks["staleness_hist"]
+        n_hist = sum(hist.values())
+        final = self.versions[steps] if steps else self.prepared.weights
+        if not isinstance(final, dict):
+            final = final.unpack()
+        with torch_threads(self.recipe.runtime.threads(self.recipe.runtime.cores)):
+            final_reward = evaluate_policy(self.task, self.prepared.model_config, final, self.prepared.eval_prompts,
+                                           self.recipe, self.device)
+        rewards = [r["reward_mean"] for r in self.step_records]
+        tail = rewards[-max(1, len(rewards) // 5):]
+        metrics = {
+            "throughput_tokens_per_s": tokens / span,
+            "speedup_vs_sync": None,
+            "trainer_wait_ratio": 1.0 - busy / span,
+            "rollout_bubble_ratio": 1.0 - slot_s / (cap * span),
+            "rollout_to_train_end_s": sum(r2t) / len(r2t) if r2t else None,
+            "step_time_s": span / max(e - w, 1),
+            "wall_s": t_end,
+            "staleness_hist": hist,
+            "staleness_max": max(hist) if hist else 0,
+            "staleness_mean": sum(k * v for k, v in hist.items()) / n_hist if n_hist else 0.0,
+            "multi_version_trajectory_share": checks["multi_version_trajectory_share"],
+            "dropped": checks["dropped"], "truncated": checks["truncated"], "duplicated": checks["duplicated"],
+            "c1_ok": bool(checks["c1_ok"] and core["c1_ok"]),
+            "c2_ok": bool(checks["c2_ok"] and core["c2_ok"]),
+            "c3_ok": bool(checks["c3_ok"] and core["c3_ok"]),
+            "live_versions_max": core["live_versions_max"],
+            "migrations": core["migrations"],
+            "weight_loads": core["weight_loads"],
+            "weight_load_s": self.load_seconds,
+            "initial_reward": self.prepared.initial_reward,
+            "final_reward": final_reward,
+            "train_reward_last": sum(tail) / len(tail) if tail else None,
+            "steps": steps,
+            "window_steps": [w, e],
+            "max_staleness": self.config.max_staleness,
+            "split": self.split,
+        }
+        instance_logs = [[(max(0.0, t - z), c) for t, c in st.get("log", ())] for st in stats]
+        ledger = {
+            "prompts": self.prompts, "group_version": self.group_version, "results": self.results,
+            "token_versions": self.token_versions, "dispatch_versions": self.dispatch_versions,
+            "trained": self.trained, "step_groups": self.step_groups,
+            "migrations_executed": sum(st.get("migrations_out", 0) for st in stats),
+            "migrations_missed": sum(st.get("migrations_missed", 0) for st in stats),
+            "migrations_forwarded": sum(st.get("migrations_forwarded", 0) for st in stats),
+            "engine_stats": {iid: self.instance_stats[iid]["engine"] for iid in sorted(self.inboxes)
+                             if iid in self.instance_stats},
+            "torch_threads": dict(self.torch_threads),
+            "backend": self.backend,
+            "trainer_cpu_s": tstats.get("cpu"),
+        }
+        return RunResult(
+            mode=self.mode, seed=self.recipe.seed, metrics=metrics, steps=self.step_records, core_metrics=core,
+            checks=checks, t_end=t_end, step_end=list(self.step_end), trainer_busy=trainer_busy,
+            instance_logs=instance_logs, max_staleness=self.config.max_staleness, split=self.split,
+            ledger=ledger,
+            versions={v: (w if isinstance(w, dict) else w.unpack()) for v, w in self.versions.items()}
+            if self.keep_versions else None,
+        )
+
+
+def run(recipe: Recipe, prepared: Prepared | None = None, **kwargs: Any) -> RunResult:
+    """Prepare (cached per seed) and run `recipe` in its mode; see `Runtime`."""
+    return Runtime(recipe, prepared or prepare(recipe), **kwargs).run()

@@ -1,0 +1,443 @@
+"""The workers of the embedded runtime: one per rollout instance, one for the trainer.
+
+Each worker owns its torch objects (an engine, or the trainer) and is the only one that touches
+them; it takes commands from its own inbox and reports on the coordinator's queue. The coordinator
+(`runtime.Runtime`) is the only thread that touches the scheduler. Ownership replaces locking.
+
+Hosting (`runtime.backend`). Workers are processes (`process`, the default on CPU) or threads of
+the coordinator's process (`thread`, the default on CUDA). Why processes on CPU: a small model's
+decode iteration is mostly Python glue between short kernels, and the glue holds the GIL.
+Measured on the 2-core development machine with the default tiny model: with threads, a trainer
+step took 4-8x longer while two decode threads ran, even on the *other* core, so a mode's speed
+would have been the GIL's, not its own. Each process has its own interpreter, and the only shared
+things are messages: published weights travel as one flat shared-memory tensor per version
+(`PackedWeights`, the copy into it is the trainer's broadcast cost), and a migrating sequence's KV
+cache goes from the source process straight to the destination's inbox. Processes come from a
+fork server that imported torch and warmed it up once (`_forkserver.py`), so starting one is a
+fork. A worker process exits by itself when the coordinator dies. On CUDA the kernels are
+asynchronous and threads (each on its own CUDA stream) overlap well, so `auto` picks threads.
+
+Core shares. Each worker fixes its share when it starts (`claim_cores`): torch's intra-op thread
+count, which is per thread under OpenMP, and, with `pin`, its CPU affinity (per thread on Linux,
+inherited by the OpenMP threads it creates later).
+
+Times are raw `time.perf_counter()` values (CLOCK_MONOTONIC, the same in every process); the
+coordinator subtracts its start time.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+_init_lock = threading.Lock()
+
+
+def claim_cores(threads: int, cpus: Sequence[int] | None) -> int:
+    """Give the calling thread `threads` torch intra-op threads, pinned to `cpus` when given.
+
+    ATen initialises a thread's OpenMP thread count lazily, at its first parallel kernel, from the
+    process-wide value that *any* thread set last. So: set the count, run one parallel kernel to
+    trigger that initialisation, set it again, all under a lock so that two workers starting
+    together cannot hand each other their counts. Returns the count torch reports.
+    """
+    with _init_lock:
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(cpus))  # pid 0 = the calling thread on Linux
+        torch.set_num_threads(threads)
+        torch.ones(1 << 16).add_(1)
+        torch.set_num_threads(threads)
+        return torch.get_num_threads()
+
+
+def next_command(inbox: Any, watch_pid: int | None) -> tuple:
+    """Block for the next command. A worker process also checks once a second that the
+    coordinator still lives, and exits at once if it does not (a killed run leaves nothing behind)."""
+    while True:
+        try:
+            return inbox.get(timeout=1.0) if watch_pid else inbox.get()
+        except queue.Empty:
+            try:
+                os.kill(watch_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)  # no flushing of queues nobody reads
+
+
+# ---------------------------------------------------------------------------------- weights
+@dataclass
+class PackedWeights:
+    """A state dict as one flat float tensor plus (name, shape, offset) specs.
+
+    One tensor means one shared-memory segment (one file descriptor) per version when it crosses a
+    process boundary; `unpack()` gives views, so the only copy an instance pays is its own load.
+    """
+
+    flat: torch.Tensor
+    specs: tuple[tuple[str, tuple[int, ...], int], ...]
+
+    @classmethod
+    def pack(cls, state: dict[str, torch.Tensor], *, shared: bool) -> "PackedWeights":
+        total = sum(t.numel() for t in state.values())
+        dtype = next(iter(state.values())).dtype
+        flat = torch.empty(total, dtype=dtype)
+        if shared:
+            flat.share_memory_()
+        specs, off = [], 0
+        for name, t in state.items():
+            n = t.numel()
+            flat[off:off + n].copy_(t.detach().reshape(-1).to("cpu", dtype))
+            specs.append((name, tuple(t.shape), off))
+            off += n
+        return cls(flat, tuple(specs))
+
+    def unpack(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        flat = self.flat.to(device)
+        out = {}
+        for name, shape, off in self.specs:
+            n = 1
+            for s in shape:
+                n *= s
+            out[name] = flat[off:off + n].view(shape)
+        return out
+
+
+# ---------------------------------------------------------------------------------- instances
+class InstanceLoop:
+    """The command loop of one rollout instance, the same whether a thread or a process hosts it.
+
+    Commands (tuples on `inbox`):
+      ("load", version, weights, preempt)   copy published weights in (a dict or `PackedWeights`);
+                                            with `preempt` (mode partial) pause the running
+                                            sequences, load, and resume them under the new version
+      ("submit", rid, prompt_ids, max_new_tokens, sampling, seed)
+      ("migrate", rid, dst)                 export the sequence with its KV cache and send it to
+                                            instance `dst` (same version: no re-prefill there)
+      ("import", SequenceState)             a migrated sequence arriving
+      ("stop",)                             report ("stats", iid, {...}) and return
+      ("batch", [commands])                 several of the above, executed in order (one wake-up)
+    Reports: ("ready", name, torch_threads), ("loaded", iid, version, seconds),
+    ("finished", iid, [Finished, ...], t), ("error", name, message, traceback).
+
+    `log` [(t, code)]: code = version while decoding, -1 while loading, -2 while idle (the
+    simulator's codes); `steps` [(t0, t1, sequences)]: one entry per decode iteration.
+    """
+
+    def __init__(self, iid: int, engine: Any, inbox: Any, outbox: Any, peers: dict[int, Any],
+                 sync: Callable[[], None] = lambda: None, watch_pid: int | None = None) -> None:
+        self.iid = iid
+        self.watch_pid = watch_pid
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.peers = peers
+        self.sync = sync
+        self.log: list[tuple[float, int]] = []
+        self.steps: list[tuple[float, float, int]] = []
+        self.migrations_out = 0
+        self.migrations_missed = 0  # the sequence finished before the move arrived (harmless)
+        self.migrations_forwarded = 0  # moved on again before it arrived here (passed through)
+        self._finished: set = set()  # request ids that finished here
+        self._forward: dict = {}  # request id still travelling here -> where it must go next
+        self._state: int | None = None
+
+    def _mark(self, code: int) -> None:
+        if code != self._state:
+            self._state = code
+            self.log.append((time.perf_counter(), code))
+
+    def run(self) -> None:
+        engine = self.engine
+        self._mark(-2)
+        while True:
+            if engine.has_work:
+                try:
+                    cmd = self.inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            else:
+                self._mark(-2)
+                cmd = next_command(self.inbox, self.watch_pid)
+            if cmd is not None:
+                if cmd[0] == "stop":
+                    self.outbox.put(("stats", self.iid, self.stats()))
+                    return
+                self.handle(cmd)
+                continue  # take every waiting command before the next decode iteration
+            self._mark(engine.version)
+            t0 = time.perf_counter()
+            before = engine.stats.decode_tokens
+            finished = engine.step()
+            t1 = time.perf_counter()
+            self.steps.append((t0, t1, engine.stats.decode_tokens - before))
+            if finished:  # one message per decode iteration, however many finished in it
+                self._finished.update(f.request_id for f in finished)
+                self.outbox.put(("finished", self.iid, finished, t1))
+
+    def stats(self) -> dict[str, Any]:
+        import dataclasses
+
+        # A forward still waiting at the end was for a sequence that finished on its way here.
+        return {"log": self.log, "steps": self.steps, "engine": dataclasses.asdict(self.engine.stats),
+                "migrations_out": self.migrations_out, "migrations_missed": self.migrations_missed + len(self._forward),
+                "migrations_forwarded": self.migrations_forwarded}
+
+    def handle(self, cmd: tuple) -> None:
+        """Execute one command (see the class docstring); "stop" is the loop's business."""
+        kind = cmd[0]
+        engine = self.engine
+        if kind == "batch":  # the commands one coordinator turn produced for this instance, in order
+            for c in cmd[1]:
+                self.handle(c)
+        elif kind == "submit":
+            _, rid, prompt, max_new, sampling, seed = cmd
+            engine.submit(rid, prompt, max_new, sampling, seed)
+        elif kind == "load":
+            _, version, weights, preempt = cmd
+            self._mark(-1)
+            if isinstance(weights, PackedWeights):
+                weights = weights.unpack()
+            if preempt:
+                engine.pause_all()
+            seconds = engine.load_version(weights, version)
+            if preempt:
+                engine.resume()
+            self._mark(version if engine.has_work else -2)
+            self.outbox.put(("loaded", self.iid, version, seconds))
+        elif kind == "migrate":
+            _, rid, dst = cmd
+            if rid in engine.progress():
+                state = engine.export_sequence(rid, include_kv=True)
+                self.sync()
+                self.migrations_out += 1
+                self.peers[dst].put(("import", state))
+            elif rid in self._finished:
+                self.migrations_missed += 1  # finished here first; its result is already reported
+            else:
+                # Still on its way here from an earlier move (the scheduler moved it again before it
+                # arrived): send it on when it lands, never import it under a version it may no
+                # longer match.
+                self._forward[rid] = dst
+        elif kind == "import":
+            state = cmd[1]
+            dst = self._forward.pop(state.request_id, None)
+            if dst is not None:
+                self.migrations_out += 1
+                self.migrations_forwarded += 1
+                self.peers[dst].put(("import", state))
+            else:
+                engine.import_sequence(state)
+        else:
+            raise ValueError(f"instance {self.iid}: unknown command {kind!r}")
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """What a worker needs to build its engine (picklable, for processes)."""
+
+    model_config: Any
+    capacity: int
+    stop_id: int
+    device: str
+
+
+def _build_engine(iid: int, spec: EngineRecipe) -> Any:
+    from ..engines import TorchEngine
+
+    return TorchEngine(spec.model_config, spec.capacity, spec.stop_id, device=spec.device, instance_id=iid)
+
+
+def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[int] | None, inbox: Any,
+                    outbox: Any, peers: dict[int, Any], watch_pid: int | None = None) -> None:
+    """Body of an instance worker (thread or process)."""
+    name = f"instance-{iid}"
+    try:
+        n = claim_cores(threads, cpus)
+        engine = _build_engine(iid, spec)
+        stream = None
+        if engine.device.type == "cuda":
+            stream = torch.cuda.Stream(engine.device)
+        loop = InstanceLoop(iid, engine, inbox, outbox, peers, sync=stream.synchronize if stream else (lambda: None),
+                            watch_pid=watch_pid)
+        outbox.put(("ready", name, n))
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                loop.run()
+        else:
+            loop.run()
+    except BaseException as exc:  # reported to the coordinator, which stops the run
+        outbox.put(("error", name, repr(exc), traceback.format_exc()))
+
+
+def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence[int] | None, outbox: Any,
+                    backend: str) -> tuple[dict[int, Any], list[Any]]:
+    """Start one worker per instance. Returns (inboxes by instance id, handles to join)."""
+    if backend == "process":
+        ctx = process_context()
+        inboxes = {iid: ctx.Queue() for iid in specs}
+        handles = [ctx.Process(target=_serve_instance, name=f"dora-instance-{iid}", daemon=True,
+                               args=(iid, spec, threads, cpus, inboxes[iid], outbox, inboxes, os.getpid()))
+                   for iid, spec in specs.items()]
+    else:
+        inboxes = {iid: queue.SimpleQueue() for iid in specs}
+        handles = [threading.Thread(target=_serve_instance, name=f"instance-{iid}", daemon=True,
+                                    args=(iid, spec, threads, cpus, inboxes[iid], outbox, inboxes))
+                   for iid, spec in specs.items()]
+    for h in handles:
+        h.start()
+    return inboxes, handles
+
+
+_CTX = None
+
+
+def process_context() -> Any:
+    """A `forkserver` context whose server has imported torch once, so that starting an instance
+    process is a fork (fast) and never a fork of a process whose OpenMP threads already run."""
+    global _CTX
+    if _CTX is None:
+        import torch.multiprocessing as tmp  # registers the tensor reductions (shared memory)
+
+        ctx = tmp.get_context("forkserver")
+        ctx.set_forkserver_preload(["dora_ext.runtime._forkserver"])
+        _CTX = ctx
+    return _CTX
+
+
+# ---------------------------------------------------------------------------------- trainer
+@dataclass(frozen=True)
+class TrainerRecipe:
+    """What a worker needs to build the trainer (picklable, for processes)."""
+
+    model_config: Any
+    trainer: dict
+    weights: Any  # version 0: a state dict, or `PackedWeights`
+    device: str
+
+
+def build_trainer(spec: TrainerRecipe) -> Any:
+    """The policy at version 0 and its `Trainer`; SAO gets a critic: its own copy of the network
+    with a scalar head (the value model SAO trains beside the policy)."""
+    import dataclasses
+
+    from torch import nn
+
+    from ..algo import Trainer, TrainerConfig
+    from ..models.tiny import TinyLM
+
+    cfg = TrainerConfig.from_dict(spec.trainer, where="trainer")
+    weights = spec.weights.unpack() if isinstance(spec.weights, PackedWeights) else spec.weights
+    policy = TinyLM(spec.model_config).to(spec.device)
+    policy.load_state_dict(weights)
+    value_head = None
+    if cfg.algorithm == "sao":
+        critic = TinyLM(dataclasses.replace(spec.model_config, value_head=True)).to(spec.device)
+        critic.load_state_dict(weights, strict=False)
+
+        class Critic(nn.Module):
+            def __init__(self, lm: nn.Module):
+                super().__init__()
+                self.lm = lm
+
+            def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+                return self.lm.values(input_ids)
+
+        value_head = Critic(critic)
+    return Trainer(policy, cfg, value_head=value_head)
+
+
+class TrainerLoop:
+    """The trainer's command loop (thread or process).
+
+    Commands: ("group", gid, trajectories)  forward/backward now (streamed, R7);
+              ("step", step, [(gid, trajectories), ...])  the groups not streamed yet, then the
+              optimizer step and the new weights;  ("stop",)  report ("stats", "trainer", {...}).
+    Reports: ("step_done", step, metrics, gids, t, weights) with the weights of version step+1,
+    packed into one shared-memory tensor when the instances are processes (that copy is the
+    broadcast, and the trainer pays it, as a real one would).
+    `busy` [(t0, t1)] records when it computed, for the timeline and `trainer_wait_ratio`; `cpu`
+    the CPU seconds of those spans (busy wall minus time spent waiting for a core).
+    """
+
+    def __init__(self, trainer: Any, inbox: Any, outbox: Any, pack: bool, sync: Callable[[], None],
+                 watch_pid: int | None = None) -> None:
+        self.trainer = trainer
+        self.watch_pid = watch_pid
+        self.inbox = inbox
+        self.outbox = outbox
+        self.pack = pack
+        self.sync = sync
+        self.busy: list[tuple[float, float]] = []
+        self.cpu = 0.0
+        self._gids: list[Any] = []
+
+    def run(self) -> None:
+        while True:
+            cmd = next_command(self.inbox, self.watch_pid)
+            kind = cmd[0]
+            if kind == "stop":
+                self.outbox.put(("stats", "trainer", {"busy": self.busy, "cpu": self.cpu}))
+                return
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if kind == "group":
+                self.trainer.add_group(cmd[2])
+                self._gids.append(cmd[1])
+                self.busy.append((t0, time.perf_counter()))
+                self.cpu += time.thread_time() - c0
+            elif kind == "step":
+                _, step, rest = cmd
+                for gid, trajectories in rest:
+                    self.trainer.add_group(trajectories)
+                    self._gids.append(gid)
+                metrics = self.trainer.finish_step(step)
+                weights = {k: v for k, v in self.trainer.publish().items() if not k.startswith("value_head.")}
+                if self.pack:
+                    weights = PackedWeights.pack(weights, shared=True)
+                self.sync()
+                gids, self._gids = self._gids, []
+                t1 = time.perf_counter()
+                self.busy.append((t0, t1))
+                self.cpu += time.thread_time() - c0
+                self.outbox.put(("step_done", step, metrics, gids, t1, weights))
+            else:
+                raise ValueError(f"trainer: unknown command {kind!r}")
+
+
+def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, inbox: Any, outbox: Any,
+                   pack: bool, watch_pid: int | None = None) -> None:
+    """Body of the trainer worker (thread or process)."""
+    try:
+        n = claim_cores(threads, cpus)
+        trainer = build_trainer(spec)
+        stream = torch.cuda.Stream(torch.device(spec.device)) if spec.device.startswith("cuda") else None
+        loop = TrainerLoop(trainer, inbox, outbox, pack, stream.synchronize if stream else (lambda: None), watch_pid)
+        outbox.put(("ready", "trainer", n))
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                loop.run()
+        else:
+            loop.run()
+    except BaseException as exc:
+        outbox.put(("error", "trainer", repr(exc), traceback.format_exc()))
+
+
+def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, outbox: Any,
+                  backend: str) -> tuple[Any, Any]:
+    """Start the trainer worker. Returns (its inbox, a handle to join)."""
+    if backend == "process":
+        ctx = process_context()
+        inbox = ctx.Queue()
+        handle = ctx.Process(target=_serve_trainer, name="dora-trainer", daemon=True,
+                             args=(spec, threads, cpus, inbox, outbox, True, os.getpid()))
+    else:
+        inbox = queue.SimpleQueue()
+        handle = threading.Thread(target=_serve_trainer, name="trainer", daemon=True,
+                                  args=(spec, threads, cpus, inbox, outbox, False))
+    handle.start()
+    return inbox, handle

@@ -137,6 +137,7 @@ class Scheduler:
         self._pool: list = []  # heap of (batch key, complete_seq, gid)
         self._by_version: dict[int, dict[int, None]] = {}  # version -> loaded instances (pinned modes)
         self._targets: dict[int, int] = {}  # version -> instances loaded with or loading it
+        self._churn = 0  # deletions from `_free` dicts since they were last compacted
         self._pool_fifo = self.mode != "dora"
         self.step_log: list[tuple[int, tuple]] = []
         self.m = {
@@ -252,10 +253,11 @@ class Scheduler:
             self._start_load(inst, self.newest, preempt=tuple(inst.running))
             return
         b = self._bucket(ev.version)
+        first = None
         if len(inst.running) < inst.capacity:
-            # The freshly loaded instance is the emptiest: it goes to the front of the round robin.
-            self._free[b] = {inst.id: None, **self._free.get(b, {})}
-        self._dispatch(b)
+            self._free.setdefault(b, {})[inst.id] = None
+            first = inst.id  # the freshly loaded instance is the emptiest: serve it first
+        self._dispatch(b, first)
         if not inst.running:
             self._plan_instance(inst)
         live = sum(1 for c in self._targets.values() if c > 0)
@@ -475,13 +477,14 @@ class Scheduler:
             heapq.heappush(self._queue.setdefault(b, []), (g.key, g.seq, g.gid))
             g.in_queue = True
 
-    def _dispatch(self, b: int) -> None:
+    def _dispatch(self, b: int, first: int | None = None) -> None:
         """Give free slots of bucket `b` to its queued trajectories, group-major (R6).
 
         Instances take work round robin, each up to its fair share of the bucket's work
         (running + queued, in proportion to its capacity, counting instances still loading the
         version). Otherwise the first instance to finish loading would take a whole batch and
-        leave the others idle: a colocated `sync` fleet would run at half width.
+        leave the others idle: a colocated `sync` fleet would run at half width. `first` (a
+        freshly loaded instance, the emptiest) is served before the round robin.
         """
         heap = self._queue.get(b)
         free = self._free.get(b)
@@ -498,11 +501,15 @@ class Scheduler:
                 heapq.heappop(heap)
                 g.in_queue = False
                 continue
-            iid = next(iter(free))
+            iid = first if first is not None else next(iter(free))
             inst = self.instances[iid]
             if len(inst.running) >= -(-work * inst.capacity // share_of):
+                if first is not None:
+                    first = None  # the fresh instance has its share; on to the round robin
+                    continue
                 del free[iid]  # at its fair share: rotate it to the back
                 free[iid] = None
+                self._churn += 1
                 skips += 1
                 if skips >= len(free):
                     break
@@ -515,11 +522,19 @@ class Scheduler:
             inst.running[(gid, idx)] = None
             self._occupied[b] += 1
             self._queued[b] -= 1
-            # round robin: move the instance to the back, or drop it when full
-            del free[iid]
-            if len(inst.running) < inst.capacity:
+            if len(inst.running) >= inst.capacity:
+                del free[iid]  # full
+                first = None
+            elif first is None:
+                del free[iid]  # round robin: move the instance to the back
                 free[iid] = None
+            self._churn += 1
             self._out.append(A.Dispatch(gid, idx, iid, inst.version, t.attempt))
+        if self._churn > 4 * len(free) + 64:
+            # Deleted dict entries stay as dummies at the front until the dict is rebuilt, and
+            # `next(iter(free))` walks over them: compact now and then (order is kept).
+            self._free[b] = dict(free)
+            self._churn = 0
         if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
             del self._queue[b], self._queued[b]  # keep per-version dicts as short as the live set
 

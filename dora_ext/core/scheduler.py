@@ -68,7 +68,7 @@ class FailureStorm(RuntimeError):
 
 
 class _Traj:
-    __slots__ = ("status", "instance", "attempt", "tokens", "versions", "reward", "retries")
+    __slots__ = ("status", "instance", "attempt", "tokens", "versions", "reward", "retries", "moved")
 
     def __init__(self) -> None:
         self.status = _QUEUED
@@ -78,6 +78,7 @@ class _Traj:
         self.versions: list[int] = []
         self.reward: float | None = None
         self.retries = 0
+        self.moved = False  # migrated once in this attempt (never moved twice: it may be in flight)
 
 
 class _Group:
@@ -566,7 +567,7 @@ class Scheduler:
             skips = 0
             idx = g.pending.popleft()
             t = g.trajs[idx]
-            t.status, t.instance = _RUNNING, iid
+            t.status, t.instance, t.moved = _RUNNING, iid, False
             t.versions = [inst.version]
             inst.running[(gid, idx)] = None
             self._occupied[b] += 1
@@ -719,9 +720,13 @@ class Scheduler:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
             if (gid, idx) not in s.running or len(d.running) >= d.capacity:
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
+            t = self.groups[gid].trajs[idx]
+            if t.moved:
+                continue  # its first move may still be in flight: a trajectory moves at most once
+            t.moved = True
             del s.running[(gid, idx)]
             d.running[(gid, idx)] = None
-            self.groups[gid].trajs[idx].instance = dst
+            t.instance = dst
             if len(d.running) >= d.capacity:
                 self._free.get(v, {}).pop(dst, None)
             self._free.setdefault(v, {})[src] = None
@@ -872,7 +877,7 @@ class Scheduler:
             groups.append([
                 g.gid, g.version, g.seq, list(g.key), g.meta, g.state, g.step, g.complete_seq,
                 g.in_queue, list(g.pending), g.done,
-                [[t.status, t.instance, t.attempt, t.tokens, list(t.versions), t.reward, t.retries]
+                [[t.status, t.instance, t.attempt, t.tokens, list(t.versions), t.reward, t.retries, t.moved]
                  for t in g.trajs],
             ])
         insts = [[i.id, i.capacity, i.version, i.loading, [list(k) for k in i.running]]
@@ -927,8 +932,8 @@ class Scheduler:
             g.state, g.step, g.complete_seq, g.in_queue = state, step, cseq, in_queue
             g.pending = deque(pending)
             g.done = done
-            for t, (status, inst, attempt, tokens, versions, reward, retries) in zip(g.trajs, trajs):
-                t.status, t.instance, t.attempt, t.tokens = status, inst, attempt, tokens
+            for t, (status, inst, attempt, tokens, versions, reward, retries, moved) in zip(g.trajs, trajs):
+                t.status, t.instance, t.attempt, t.tokens, t.moved = status, inst, attempt, tokens, moved
                 t.versions, t.reward, t.retries = list(versions), reward, retries
             self.groups[gid] = g
         for iid, cap, version, loading, running in snap["instances"]:

@@ -504,6 +504,12 @@ class Scheduler:
         if ev.version > self.step:
             raise ProtocolError(f"version {ev.version} published before trainer step {ev.version - 1} finished")
         self.newest = ev.version
+        for b in [b for b, c in self._queued.items() if not c and not self._queue.get(b) and b != _ANY]:
+            del self._queued[b]  # versions with nothing queued leave (live state only)
+            self._queue.pop(b, None)
+        for b in [b for b, c in self._cap.items() if not c and not self._occupied.get(b)]:
+            del self._cap[b]  # versions no instance holds any more
+            self._occupied.pop(b, None)
         if not self._pinned:
             # partial: every instance switches now; running work is preempted and resumed.
             for inst in list(self.instances.values()):
@@ -1129,11 +1135,18 @@ class Scheduler:
         """
         groups = []
         for g in self.groups.values():
+            v = g.version
+            # Compact (delta-coded, so the size does not grow with the counters' digits): version,
+            # seq, step and completion order relative to the scheduler's own counters, the
+            # admission key only when it is not the default `(seq,)`, trajectory versions
+            # relative to the group's version (almost always `[0]`).
             groups.append([
-                g.gid, g.version, g.seq, list(g.key), g.meta, g.state, g.step, g.complete_seq,
+                g.gid, self.newest - v, self._seq - g.seq, None if g.key == (g.seq,) else list(g.key), g.meta,
+                g.state, None if g.step is None else self.step - g.step,
+                None if g.complete_seq is None else self._complete_seq - g.complete_seq,
                 g.in_queue, list(g.pending), g.done, g.live,
-                [[t.status, t.instance, t.attempt, t.tokens, list(t.versions), t.reward, t.retries, t.moved]
-                 for t in g.trajs],
+                [[t.status, t.instance, t.attempt, t.tokens, [x - v for x in t.versions], t.reward, t.retries,
+                  t.moved] for t in g.trajs],
             ])
         insts = [[i.id, i.capacity, i.version, i.loading, [list(k) for k in i.running]]
                  for i in self.instances.values()]
@@ -1186,14 +1199,17 @@ class Scheduler:
         self._form_dirty, self._uniform = sc["form_dirty"], sc["uniform"]
         self._dead = set(snap["dead"])
         self._forming = list(snap["forming"])
-        for (gid, version, seq, key, meta, state, step, cseq, in_queue, pending, done, live, trajs) in snap["groups"]:
-            g = _Group(gid, version, seq, tuple(key), meta, len(trajs))
+        for (gid, dv, dseq, key, meta, state, dstep, dcseq, in_queue, pending, done, live, trajs) in snap["groups"]:
+            version, seq = self.newest - dv, self._seq - dseq
+            step = None if dstep is None else self.step - dstep
+            cseq = None if dcseq is None else self._complete_seq - dcseq
+            g = _Group(gid, version, seq, (seq,) if key is None else tuple(key), meta, len(trajs))
             g.state, g.step, g.complete_seq, g.in_queue = state, step, cseq, in_queue
             g.pending = deque(pending)
             g.done, g.live = done, live
             for t, (status, inst, attempt, tokens, versions, reward, retries, moved) in zip(g.trajs, trajs):
                 t.status, t.instance, t.attempt, t.tokens, t.moved = status, inst, attempt, tokens, moved
-                t.versions, t.reward, t.retries = list(versions), reward, retries
+                t.versions, t.reward, t.retries = [x + version for x in versions], reward, retries
             self.groups[gid] = g
         for iid, cap, version, loading, running in snap["instances"]:
             inst = _Instance(iid, cap)

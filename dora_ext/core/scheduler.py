@@ -431,10 +431,16 @@ class Scheduler:
             t.tokens = ev.tokens
 
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
-        t = self._running_traj(ev.group_id, ev.index, ev.attempt)
-        if t is None:
-            return
-        g = self.groups[ev.group_id]
+        g = self.groups.get(ev.group_id)
+        idx = ev.index
+        if g is None or ev.attempt is not None or not 0 <= idx < len(g.trajs) or g.trajs[idx].status != _RUNNING:
+            # the general path: errors and stale reports
+            t = self._running_traj(ev.group_id, idx, ev.attempt)
+            if t is None:
+                return
+            g = self.groups[ev.group_id]
+        else:
+            t = g.trajs[idx]
         t.tokens = ev.tokens
         if ev.truncated_early:
             self.m["truncated"] += 1
@@ -730,8 +736,29 @@ class Scheduler:
             v = inst.version
             b = self._bucket(v)
             self._occupied[b] -= 1
-            self._lv_set(b, inst.id, n_run + 1, n_run)
-            self._dispatch(b)
+            # one level down (the `_lv_set` common case, inlined: this runs on every finish)
+            lv = self._lv[b]
+            iid = inst.id
+            d = lv[n_run + 1]
+            del d[iid]
+            if not d:
+                del lv[n_run + 1]
+            d = lv.get(n_run)
+            if d is None:
+                lv[n_run] = {iid: None}
+            else:
+                d[iid] = None
+            if n_run < self._lo[b]:
+                self._lo[b] = n_run
+            if not n_run:
+                c = self._nhold[b] - 1
+                if c:
+                    self._nhold[b] = c
+                else:
+                    del self._nhold[b]
+                    self._r5_tried.pop(b, None)
+            if self._queue.get(b):
+                self._dispatch(b)
             if not running:
                 self._idle[inst.id] = None
                 self._plan_instance(inst)
@@ -751,7 +778,8 @@ class Scheduler:
             del self.groups[g.gid]
 
     def _set_reward(self, g: _Group, idx: int, t: _Traj, reward: Any) -> None:
-        if reward is None or not isinstance(reward, (int, float)) or math.isnan(reward) or math.isinf(reward):
+        if (reward is None or (type(reward) is not float and not isinstance(reward, (int, float)))
+                or not math.isfinite(reward)):
             self.m["invalid_rewards"] += 1
             msg = f"invalid reward {reward!r} for trajectory {g.gid!r}/{idx} (version {g.version})"
             self._out.append(A.ReportError(g.gid, idx, msg))

@@ -23,13 +23,12 @@ Every per-event path is O(1) in the number of groups and instances (amortised), 
 whole fleet must act (a publish in `partial` preempts every instance):
 
 - queued work: one heap per version of groups with pending trajectories (R6, group-major);
-- free slots: per version, an insertion-ordered dict of instances with a free slot, rotated
-  round robin with a fair-share cap (`_dispatch`);
+- occupancy levels: per version, the loaded instances bucketed by how many trajectories they run
+  (`_lv`), so dispatch takes the least loaded instance within its fair share in O(1) (`_dispatch`,
+  `_pick`), and R5 is considered in O(1) on every release and acts only when the version runs on
+  more instances than its work needs (`_maybe_consolidate`);
 - completed groups: one heap per version (R3 looks at each live version's head only), and batch
   formation runs only when one of its inputs changed (`_form_dirty`);
-- R5: per version, instances bucketed by how many trajectories they run, so consolidation is
-  considered in O(1) on every release and acts only when the version could be held by fewer
-  instances than hold it (`_maybe_consolidate`);
 - idle instances: a set, so that a publish or a re-queued old trajectory plans only those.
 
 A note on R3. Taking "the mandatory set, then the oldest completed groups" is not enough to keep

@@ -116,7 +116,6 @@ class RandomDriver:
         self.next_instance = max(s.id for s in config.instances) + 1
         self.dead_instances: list[tuple[int, int]] = []
         self.ghosts: list[Any] = []  # stale events a dead instance may still send
-        self.declined = 0  # groups declined: the next tick may offer them again
 
     # ------------------------------------------------------------------ executing actions
     def execute(self, actions: list) -> None:

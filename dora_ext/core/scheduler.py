@@ -240,7 +240,11 @@ class Scheduler:
 
         Equivalent to calling `handle` on each event, except that admission, batch formation
         and idle-instance planning run once at the end instead of after every event (so, e.g.,
-        one `RequestGroups` may ask for what several calls would have asked for one by one).
+        one `RequestGroups` may ask for what several calls would have asked for one by one), and
+        that a `Dispatch` or `LoadVersion` for an instance that fails later in the same batch is
+        not returned (its trajectories were re-queued). Actions may still name a trajectory
+        whose finish the runtime has already reported (a `Migrate`, a `preempt` entry): the
+        runtime ignores those, as it would when the engine finishes while the action is sent.
         A runtime draining an inbox of engine reports uses this; a `ProtocolError` leaves the
         events before the offending one applied.
         """
@@ -254,6 +258,16 @@ class Scheduler:
                 method = handlers[type(event)]
             except KeyError:
                 raise ProtocolError(f"unknown event {event!r}") from None
+            if type(event) is E.InstanceFailed and event.instance_id in self.instances:
+                # Dispatches and loads this batch sent to the instance before it failed are void
+                # (their trajectories are re-queued): drop them, else a runtime would execute
+                # them, possibly on an engine re-registered under the same id in this batch.
+                mark = len(self._out)
+                method(self, event)
+                iid = event.instance_id
+                self._out[:mark] = [a for a in self._out[:mark]
+                                    if not (type(a) in (A.Dispatch, A.LoadVersion) and a.instance_id == iid)]
+                continue
             method(self, event)
         return self._finish()
 

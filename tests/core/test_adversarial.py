@@ -1,0 +1,225 @@
+"""Adversarial event orders the stock `RandomDriver` does not generate (review of issue 9).
+
+On top of everything `RandomDriver` sends, this driver:
+- gives instances different capacities (the non-uniform fair-share path of `_pick`);
+- brings a crashed instance back under the *same* id (hosts re-register a restarted engine);
+- sends live events without an `attempt` now and then (runtimes that have none);
+- sends integer rewards and uuid-like string group ids;
+- replaces the scheduler by `restore(json(snapshot()))` at random points and keeps going.
+Checks run on the driver's own ledger (C1, C2, C3, nothing lost, counters), as in
+`test_properties.check_run`.
+"""
+
+import json
+import random
+
+import pytest
+
+from dora_ext.config import MODES, DoraConfig
+from dora_ext.core import Scheduler
+from dora_ext.core import events as E
+from dora_ext.testing import RandomDriver
+
+from .test_properties import STALENESS, check_run
+
+
+class AdversarialDriver(RandomDriver):
+    def __init__(self, *a, same_id: float = 0.5, no_attempt: float = 0.3, restore_prob: float = 0.01, **kw):
+        super().__init__(*a, **kw)
+        self.same_id, self.no_attempt, self.restore_prob = same_id, no_attempt, restore_prob
+        self.restores = 0
+        self.ghost_ids: set = set()
+        self.ghost_keep: list = []
+        self.reused_ids = 0
+
+    def _feed(self, event):
+        # Drop the attempt of a live (non-ghost) trajectory event now and then: unambiguous, since
+        # the event is about the trajectory's current attempt.
+        if getattr(event, "attempt", None) is not None and id(event) not in self.ghost_ids:
+            if self.rng.random() < self.no_attempt:
+                event = type(event)(**{**{f: getattr(event, f) for f in event.__slots__}, "attempt": None})
+        if isinstance(event, E.RewardReady) and event.reward == event.reward and self.rng.random() < 0.2:
+            event = E.RewardReady(event.group_id, event.index, int(event.reward > 0.5), event.attempt)
+        return super()._feed(event)
+
+    def tick(self):
+        if self.restore_prob and self.rng.random() < self.restore_prob:
+            self.sched = Scheduler.restore(json.loads(json.dumps(self.sched.snapshot())))
+            self.restores += 1
+        return super().tick()
+
+    def _crash(self, inst):
+        # Re-register the crashed instance under its own id (a restarted engine) instead of a new one.
+        # Stale events of its previous life cannot be told apart from the new life by instance id,
+        # so only do it when no ghost of it is pending.
+        n_dead = len(self.dead_instances)
+        super()._crash(inst)
+        # Ghosts keep their attempt (it is what marks them stale); kept alive so ids stay unique.
+        self.ghost_keep.extend(self.ghosts)
+        self.ghost_ids.update(id(g) for g in self.ghosts)
+        if len(self.dead_instances) > n_dead and self.rng.random() < self.same_id:
+            if not any(getattr(g, "instance_id", None) == inst for g in self.ghosts):
+                new_id, cap = self.dead_instances.pop()
+                self.dead_instances.append((inst, cap))
+                self.reused_ids += 1
+
+
+def _config(mode, K, rng, steps):
+    caps = [rng.randint(1, 5) for _ in range(rng.randint(1, 4))]
+    return DoraConfig.from_dict({
+        "mode": mode, "max_staleness": K, "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
+        "instances": [{"capacity": c} for c in caps], "max_retries": rng.choice([0, 1, 2]), "max_steps": steps,
+        "max_failed_group_share": 1.0,
+    })
+
+
+RUNS = 60
+
+
+def _ks(mode):
+    return STALENESS[mode] if mode != "dora" else [1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adversarial_orders(mode):
+    rng = random.Random(hash(mode) & 0xFFFF)
+    totals = {"restores": 0, "reused": 0, "late": 0, "crashes": 0, "runs": 0}
+    for _ in range(RUNS):
+        K = rng.choice(_ks(mode))
+        steps = 6
+        cfg = _config(mode, K, rng, steps)
+        d = AdversarialDriver(
+            cfg, rng.randrange(2**31), fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]),
+            nan_prob=rng.choice([0, 0.03]), long_tail=0.3, late_reward=rng.choice([0.3, 1.0]),
+            fail_awaiting=rng.choice([0, 0.1]), stale_prob=rng.choice([0, 1.0]), decline_prob=0.1,
+            data_limit=rng.choice([None, 7, 13]), progress_prob=0.1,
+            group_id=lambda n: f"uid-{n:04x}",
+        )
+        d.start()
+        try:
+            d.run(steps)
+            check_run(mode, d, steps)
+        except BaseException as exc:
+            raise AssertionError(f"mode {mode} K={K} cfg={cfg}: {exc!r}") from exc
+        totals["restores"] += d.restores
+        totals["reused"] += d.reused_ids
+        totals["late"] += d.stats.late_rewards
+        totals["crashes"] += d.stats.crashes
+        totals["runs"] += 1
+    print(mode, totals)
+    assert totals["restores"] and totals["reused"] and totals["late"] and totals["crashes"], totals
+
+
+class InboxDriver(AdversarialDriver):
+    """Events queue up in an inbox and reach the scheduler through `handle_many` in batches of
+    random size (how a runtime draining engine reports uses it); actions come back per batch."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.inbox: list = []
+        self.batches = 0
+
+    def _feed(self, event):
+        if getattr(event, "attempt", None) is not None and id(event) not in self.ghost_ids:
+            if self.rng.random() < self.no_attempt:
+                event = type(event)(**{**{f: getattr(event, f) for f in event.__slots__}, "attempt": None})
+        self.stats.events += 1
+        self.inbox.append(event)
+        return []
+
+    def flush(self) -> bool:
+        if not self.inbox:
+            return False
+        batch, self.inbox = self.inbox, []
+        self.batches += 1
+        self.execute(self.sched.handle_many(batch))
+        return True
+
+    def execute(self, actions):
+        # A preempted trajectory whose finish still sits in the inbox has left the engine already:
+        # the engine pauses only what runs (the scheduler learns of the finish from the inbox).
+        from dora_ext.core import actions as A
+
+        fixed, sent = [], set()
+        for a in actions:
+            if isinstance(a, A.Dispatch):
+                sent.add((a.group_id, a.index))
+            if isinstance(a, A.LoadVersion) and a.preempt:
+                live = [k for k in a.preempt if k in self.running or k in sent]
+                a = A.LoadVersion(a.instance_id, a.version, tuple(live))
+            if isinstance(a, A.Migrate) and (a.group_id, a.index) not in self.running:
+                continue  # finished engine-side before the move (its finish is in the inbox)
+            fixed.append(a)
+        super().execute(fixed)
+
+    def _crash(self, inst):
+        # A crash is reported on its own: actions the inbox produces before it reach a live
+        # engine. (Actions returned by a batch that also holds `InstanceFailed(x)` may still name
+        # `x`: a runtime must drop those, see the review notes.)
+        while self.flush():
+            pass
+        super()._crash(inst)
+        self.flush()
+
+    def tick(self):
+        if self.inbox and self.rng.random() < 0.3:
+            return self.flush()
+        if self.inbox and self.restore_prob and self.rng.random() < self.restore_prob:
+            self.flush()
+        ok = super().tick()
+        return ok or self.flush()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_handle_many_inbox_orders(mode):
+    rng = random.Random(len(mode) * 1013)
+    batches = 0
+    for _ in range(RUNS):
+        K = rng.choice(_ks(mode))
+        steps = 6
+        cfg = _config(mode, K, rng, steps)
+        d = InboxDriver(
+            cfg, rng.randrange(2**31), fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]),
+            nan_prob=rng.choice([0, 0.03]), long_tail=0.3, late_reward=rng.choice([0.3, 1.0]),
+            fail_awaiting=rng.choice([0, 0.1]), stale_prob=rng.choice([0, 1.0]), decline_prob=0.1,
+            data_limit=rng.choice([None, 7, 13]), progress_prob=0.1,
+        )
+        d.start()
+        try:
+            d.run(steps)
+            d.flush()
+            check_run(mode, d, steps)
+        except BaseException as exc:
+            raise AssertionError(f"mode {mode} K={K} cfg={cfg}: {exc!r}") from exc
+        batches += d.batches
+    assert batches
+
+
+def _two_loaded_instances():
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1, "group_size": 2,
+                                        "instances": 2, "capacity": 2}))
+    acts = s.start()
+    acts += s.handle_many([E.InstanceLoaded(0, 0), E.InstanceLoaded(1, 0)])
+    assert any(type(a).__name__ == "RequestGroups" for a in acts)
+    return s
+
+
+@pytest.mark.parametrize("same_id", [False, True])
+def test_handle_many_drops_dispatches_to_an_instance_that_failed_later_in_the_batch(same_id):
+    from dora_ext.core import actions as A
+
+    s = _two_loaded_instances()
+    batch = [E.GroupAdmitted(0), E.InstanceFailed(0, "crash")]
+    if same_id:
+        batch.append(E.InstanceReady(0, 2))  # the engine restarted under its old id
+    out = s.handle_many(batch)
+    to0 = [a for a in out if isinstance(a, (A.Dispatch, A.LoadVersion)) and a.instance_id == 0]
+    # Before the fix the first Dispatch(0, ..., instance 0, attempt 0) came back: its trajectory
+    # had been re-queued by the failure, and with `same_id` nothing tells the runtime it is void.
+    assert all(isinstance(a, A.LoadVersion) for a in to0), out
+    dispatched = [(a.group_id, a.index) for a in out if isinstance(a, A.Dispatch)]
+    assert sorted(dispatched) == [(0, 0), (0, 1)]  # each trajectory exactly once, on instance 1
+    # handle() one by one: the runtime executes the Dispatch before it reports the failure.
+    s2 = _two_loaded_instances()
+    one = s2.handle(E.GroupAdmitted(0)) + s2.handle(E.InstanceFailed(0, "crash"))
+    assert [(a.instance_id, a.attempt) for a in one if isinstance(a, A.Dispatch)][-1] == (1, 1)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -817,7 +818,8 @@ class Scheduler:
             del self.groups[g.gid]
 
     def _set_reward(self, g: _Group, idx: int, t: _Traj, reward: Any) -> None:
-        if (reward is None or (type(reward) is not float and not isinstance(reward, (int, float)))
+        # Any real number (numpy/torch scalars register as `numbers.Real`), finite.
+        if (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
                 or not math.isfinite(reward)):
             self.m["invalid_rewards"] += 1
             msg = f"invalid reward {reward!r} for trajectory {g.gid!r}/{idx} (version {g.version})"

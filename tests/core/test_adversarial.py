@@ -223,3 +223,29 @@ def test_handle_many_drops_dispatches_to_an_instance_that_failed_later_in_the_ba
     s2 = _two_loaded_instances()
     one = s2.handle(E.GroupAdmitted(0)) + s2.handle(E.InstanceFailed(0, "crash"))
     assert [(a.instance_id, a.attempt) for a in one if isinstance(a, A.Dispatch)][-1] == (1, 1)
+
+
+def test_a_numpy_float32_reward_is_a_reward():
+    """Hosts compute rewards with numpy/torch: a float32 scalar is not a `float` subclass, and was
+    reported as an invalid reward and retried until the group failed."""
+    np = pytest.importorskip("numpy", reason="numpy is needed to build a numpy scalar reward")
+    from dora_ext.core import actions as A
+
+    for reward in (np.float32(0.5), np.float64(0.25), np.int64(1), 1, True):
+        s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1,
+                                            "group_size": 1, "instances": 1, "capacity": 1}))
+        s.start()
+        s.handle(E.InstanceLoaded(0, 0))
+        assert any(isinstance(a, A.Dispatch) for a in s.handle(E.GroupAdmitted(0)))
+        out = s.handle(E.TrajectoryFinished(0, 0, tokens=3, reward=reward))
+        assert not any(isinstance(a, A.ReportError) for a in out), (reward, out)
+        assert [a for a in out if isinstance(a, A.StartStep)] == [A.StartStep(0, (0,))], (reward, out)
+    for bad in (np.float32("nan"), float("inf"), "0.5", None):
+        s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1,
+                                            "group_size": 1, "instances": 1, "capacity": 1}))
+        s.start()
+        s.handle(E.InstanceLoaded(0, 0))
+        s.handle(E.GroupAdmitted(0))
+        out = s.handle(E.TrajectoryFinished(0, 0, tokens=3, reward=bad)) if bad is not None else \
+            s.handle(E.TrajectoryFinished(0, 0, tokens=3)) + s.handle(E.RewardReady(0, 0, None))
+        assert any(isinstance(a, A.ReportError) for a in out), (bad, out)

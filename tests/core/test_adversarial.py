@@ -30,6 +30,8 @@ class AdversarialDriver(RandomDriver):
         self.restores = 0
         self.ghost_ids: set = set()
         self.ghost_keep: list = []
+        self.shadow = None
+        self.twin_events = 0  # events answered identically by a restored twin
         self.reused_ids = 0
 
     def _feed(self, event):
@@ -40,11 +42,29 @@ class AdversarialDriver(RandomDriver):
                 event = type(event)(**{**{f: getattr(event, f) for f in event.__slots__}, "attempt": None})
         if isinstance(event, E.RewardReady) and event.reward == event.reward and self.rng.random() < 0.2:
             event = E.RewardReady(event.group_id, event.index, int(event.reward > 0.5), event.attempt)
-        return super()._feed(event)
+        if self.shadow is None:
+            return super()._feed(event)
+        # A restored twin gets the same events: it must answer with the same actions (or raise alike).
+        try:
+            twin = self.shadow.handle(event)
+        except Exception as exc:  # noqa: BLE001 - compared below
+            twin = exc
+        try:
+            out = super()._feed(event)
+        except Exception as exc:
+            assert type(twin) is type(exc) and str(twin) == str(exc), (event, twin, exc)
+            raise
+        assert twin == out, (event, twin, out)
+        self.twin_events += 1
+        return out
 
     def tick(self):
         if self.restore_prob and self.rng.random() < self.restore_prob:
-            self.sched = Scheduler.restore(json.loads(json.dumps(self.sched.snapshot())))
+            restored = Scheduler.restore(json.loads(json.dumps(self.sched.snapshot())))
+            if self.rng.random() < 0.5:
+                self.sched = restored  # continue on the restored scheduler
+            else:
+                self.shadow = restored  # keep both: they must stay identical from here on
             self.restores += 1
         return super().tick()
 
@@ -83,7 +103,7 @@ def _ks(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_adversarial_orders(mode):
     rng = random.Random(hash(mode) & 0xFFFF)
-    totals = {"restores": 0, "reused": 0, "late": 0, "crashes": 0, "runs": 0}
+    totals = {"restores": 0, "reused": 0, "late": 0, "crashes": 0, "runs": 0, "twin_events": 0}
     for _ in range(RUNS):
         K = rng.choice(_ks(mode))
         steps = 6
@@ -102,12 +122,15 @@ def test_adversarial_orders(mode):
         except BaseException as exc:
             raise AssertionError(f"mode {mode} K={K} cfg={cfg}: {exc!r}") from exc
         totals["restores"] += d.restores
+        totals["twin_events"] += d.twin_events
+        if d.shadow is not None and d.stats.halted is None:
+            assert d.shadow.metrics() == d.sched.metrics()
         totals["reused"] += d.reused_ids
         totals["late"] += d.stats.late_rewards
         totals["crashes"] += d.stats.crashes
         totals["runs"] += 1
     print(mode, totals)
-    assert totals["restores"] and totals["reused"] and totals["late"] and totals["crashes"], totals
+    assert totals["twin_events"] and totals["restores"] and totals["reused"] and totals["late"] and totals["crashes"], totals
 
 
 class InboxDriver(AdversarialDriver):
@@ -147,7 +170,8 @@ class InboxDriver(AdversarialDriver):
             if isinstance(a, A.LoadVersion) and a.preempt:
                 live = [k for k in a.preempt if k in self.running or k in sent]
                 a = A.LoadVersion(a.instance_id, a.version, tuple(live))
-            if isinstance(a, A.Migrate) and (a.group_id, a.index) not in self.running:
+            key = (getattr(a, "group_id", None), getattr(a, "index", None))
+            if isinstance(a, A.Migrate) and key not in self.running and key not in sent:
                 continue  # finished engine-side before the move (its finish is in the inbox)
             fixed.append(a)
         super().execute(fixed)

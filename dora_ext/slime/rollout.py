@@ -256,6 +256,11 @@ class RolloutSession:
         self._params: dict | None = None
         self._started = False
         self._closed = False
+        self._next_step = 0  # the step slime asks for next (relative to first_step)
+        #: Test probe: called on the worker loop as probe(name, value) at "request" (a rollout
+        #: id was asked for), "published" (a version was fed to the scheduler) and "batch"
+        #: (a batch was formed). Tests use it to force event orders without sleeping.
+        self.probe: Any = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -338,17 +343,19 @@ class RolloutSession:
         if self._fatal is not None:
             raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
         sched = self.sched
-        busy = sched.trainer_busy
-        expected = self.first_step + (busy + 1 if busy is not None else sched.step)
-        if rollout_id != expected:
-            raise AdapterError(
-                f"slime asked for rollout {rollout_id}, the scheduler is at {expected}: the adapter "
-                "serves each rollout id once, in order (restart the run to resume from a checkpoint)"
-            )
-        if busy is not None:
-            # slime asks for the next batch: the previous one is the trainer's now.
-            self._feed(TrainerStepFinished(busy))
         step = rollout_id - self.first_step
+        if step != self._next_step:
+            raise AdapterError(
+                f"slime asked for rollout {rollout_id}, the adapter serves rollout {self.first_step + self._next_step} "
+                "next: each rollout id is served once, in order (restart the run to resume from a checkpoint)"
+            )
+        busy = sched.trainer_busy
+        if busy is not None and busy < step:
+            # slime asks for the next batch: the previous one is the trainer's now. (In train.py's
+            # order the weight push may have told the scheduler first; then it may already have
+            # formed this batch, and busy == step.)
+            self._feed(TrainerStepFinished(busy))
+        self._probe("request", rollout_id)
         forget = getattr(self.data_source, "dora_forget_before", None)
         if forget is not None:
             forget(rollout_id)
@@ -368,6 +375,7 @@ class RolloutSession:
         if self._fatal is not None:
             raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
         gids = self._batches.pop(step)
+        self._next_step = step + 1
         groups = [self._groups.pop(g) for g in gids]
         versions = [sched.groups[g].version for g in gids]
         for g in gids:
@@ -389,6 +397,10 @@ class RolloutSession:
         out["dora/delivered_groups"] = self._delivered
         out["dora/batch_wait_s"] = waited
         return out
+
+    def _probe(self, name: str, value: Any) -> None:
+        if self.probe is not None:
+            self.probe(name, value)
 
     # ------------------------------------------------------------------ action execution
     def _feed(self, event: Any) -> None:
@@ -419,6 +431,7 @@ class RolloutSession:
         elif isinstance(a, StartStep):
             self._batches[a.step] = a.group_ids
             self._changed.set()
+            self._probe("batch", self.first_step + a.step)
         elif isinstance(a, ReportGroupFailed):
             logger.error("dora: group %s failed and will not be trained: %s", a.group_id, a.reason)
             self._failed.append((a.group_id, a.reason))
@@ -544,6 +557,7 @@ class RolloutSession:
                 if v > sched.step:
                     raise AdapterError(f"version {v} was published before batch {v - 1} was handed out")
                 self._feed(VersionPublished(v))
+                self._probe("published", self.first_step + v)
             await asyncio.sleep(self.settings.poll_interval_s)
 
 

@@ -435,11 +435,14 @@ class RolloutSession:
         elif isinstance(a, ReportGroupFailed):
             logger.error("dora: group %s failed and will not be trained: %s", a.group_id, a.reason)
             self._failed.append((a.group_id, a.reason))
-            group = self._groups.pop(a.group_id, None)
-            self._pristine.pop(a.group_id, None)
+            # Siblings still running finish into nothing: `_run_trajectory` checks the group is here.
+            group = self._pristine.pop(a.group_id, None)
+            self._groups.pop(a.group_id, None)
+            self._finished.pop(a.group_id, None)
             fail = getattr(self.data_source, "dora_fail", None)
             if fail is not None and group is not None:
                 fail(_ledger_id(group))
+            self._probe("group_failed", a.group_id)
         elif isinstance(a, ReportError):
             logger.warning("dora: %s", a.message)
         elif isinstance(a, Migrate):
@@ -482,6 +485,8 @@ class RolloutSession:
 
     async def _run_trajectory(self, d: Dispatch) -> None:
         gid, idx = d.group_id, d.index
+        if gid not in self._groups:
+            return  # the group was reported failed while this dispatch was queued
         if d.attempt > 0:
             # A retry starts from the prompt again: nothing of a failed attempt is kept (C1, C2).
             self._groups[gid][idx] = copy.deepcopy(self._pristine[gid][idx])
@@ -495,6 +500,11 @@ class RolloutSession:
             self._feed(TrajectoryFailed(gid, idx, reason=repr(exc), attempt=d.attempt))
             return
         samples = _flat(out)
+        if gid not in self._groups:
+            # A sibling failed for good and the group was reported (C2) while this one ran: the
+            # scheduler only needs the slot back.
+            self._feed(TrajectoryFinished(gid, idx, tokens=0, reward=None, attempt=d.attempt))
+            return
         self._groups[gid][idx] = out
         tag = str(self.first_step + d.version)
         reason = None
@@ -514,7 +524,7 @@ class RolloutSession:
         group_rm = bool(getattr(self.args, "group_rm", False))
         reward = None if group_rm else _reward_value(self.args, samples[-1])
         self._feed(TrajectoryFinished(gid, idx, tokens=tokens, reward=reward, attempt=d.attempt))
-        if group_rm:
+        if group_rm and gid in self._groups:
             done = self._finished.setdefault(gid, set())
             done.add(idx)
             if len(done) == self.sched.n:
@@ -526,6 +536,8 @@ class RolloutSession:
         group = self._groups[gid]
         flat = [_flat(o)[-1] for o in group]
         rewards = await batched_async_rm(self.args, flat)
+        if gid not in self._groups:
+            return  # reported failed while the reward model ran
         for idx, (s, r) in enumerate(zip(flat, rewards)):
             s.reward = r
             self._feed(RewardReady(gid, idx, _reward_value(self.args, s), attempt=self._attempt[(gid, idx)]))

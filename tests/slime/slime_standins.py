@@ -173,6 +173,12 @@ def response_length(sample: Any) -> int:
 
 TICK_S = 0.0005
 
+# Fault injection (tests reset them): requests that fail every time, and requests held until
+# their event is set (or HOLD_TIMEOUT_S passed: an injected delay, never a hang).
+FAIL_ALWAYS: set[tuple[str, int]] = set()
+HOLD: dict[tuple[str, int], Any] = {}
+HOLD_TIMEOUT_S = 5.0
+
 
 async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
     """slime's custom-generate signature; stands in for one SGLang /generate request."""
@@ -183,6 +189,14 @@ async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
     STARTS.append((sample.prompt, sample.index))
     version = engine.version
     try:
+        key = (sample.prompt, sample.index)
+        if key in FAIL_ALWAYS:
+            raise ConnectionError(f"injected: request {key} fails on every attempt")
+        if key in HOLD:
+            try:
+                await asyncio.wait_for(HOLD[key].wait(), HOLD_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
         n = response_length(sample)
         await asyncio.sleep(n * TICK_S)
         if engine.version != version:

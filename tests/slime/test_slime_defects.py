@@ -106,3 +106,38 @@ def test_train_py_order_race_both_orders_20_times(tmp_path, standins):
             for group in out.samples:
                 (v,) = {s.weight_versions[0] for s in group}
                 assert 0 <= step - int(v) <= k
+
+
+def test_sibling_of_a_failed_group_finishing_later_does_not_kill_the_worker(tmp_path, standins):
+    """Defect 2: a request fails on every retry; its sibling, still running when the group is
+    reported failed, finishes afterwards. The group is reported and training goes on."""
+    import asyncio
+
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
+    fleet = standins.FakeSglangFleet(2, capacity=2)
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, fleet, first_step=0)
+    assert ds.base.offset == 0  # the stand-in base: group p0 is next, its samples are indices 0 and 1
+    standins.FAIL_ALWAYS.add(("p0", 0))
+    held = asyncio.Event()
+    standins.HOLD[("p0", 1)] = held
+    failed = []
+    report = ds.dora_fail
+
+    def dora_fail(ledger_id):  # the rollout worker reports the group: only now let the sibling finish
+        failed.append(ledger_id)
+        report(ledger_id)
+        held.set()
+
+    ds.dora_fail = dora_fail
+    try:
+        outs = SimulatedSlimeDriver(args, ds).run_async(0, 4)
+    finally:
+        standins.FAIL_ALWAYS.clear()
+        standins.HOLD.clear()
+    assert failed, "the group was never reported failed"
+    trained = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert "p0" not in trained and len(trained) == len(set(trained)) == 4 * 2
+    assert outs[3].metrics["dora/failed_groups"] == 1
+    assert ds._ledger and all(step != "failed" for _, (g, step) in ds._ledger.items() if g[0].prompt != "p0")
+    assert any(step == "failed" for _, (g, step) in ds._ledger.items() if g[0].prompt == "p0")

@@ -28,6 +28,7 @@ import copy
 import json
 import os
 import random
+import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -109,6 +110,21 @@ class StandinBaseDataSource:
 
     def __len__(self) -> int:
         return self.num_prompts
+
+
+class HoldingSaveBaseDataSource(StandinBaseDataSource):
+    """The stand-in base data source whose `save` waits, after writing its cursor, until
+    `SAVE_GO` is set or `SAVE_HOLD_S` passed (an injected delay that opens the race window)."""
+
+    def save(self, rollout_id: int) -> None:
+        super().save(rollout_id)
+        SAVE_IN.set()
+        SAVE_GO.wait(SAVE_HOLD_S)
+
+
+SAVE_IN = threading.Event()
+SAVE_GO = threading.Event()
+SAVE_HOLD_S = 2.0
 
 
 class FakeEngine:

@@ -141,3 +141,38 @@ def test_sibling_of_a_failed_group_finishing_later_does_not_kill_the_worker(tmp_
     assert outs[3].metrics["dora/failed_groups"] == 1
     assert ds._ledger and all(step != "failed" for _, (g, step) in ds._ledger.items() if g[0].prompt != "p0")
     assert any(step == "failed" for _, (g, step) in ds._ledger.items() if g[0].prompt == "p0")
+
+
+def test_checkpoint_taken_while_the_worker_takes_prompts_resumes_each_group_once(tmp_path, standins):
+    """Defect 5: slime's cursor and the ledger are saved atomically. The worker asks for a prompt
+    while slime's base `save` is writing (forced: the base holds until that call returned, or
+    2 s when the call is correctly blocked)."""
+    standins.SAVE_IN.clear()
+    standins.SAVE_GO.clear()
+    args = make_args(tmp_path)
+    args.dora_slime["base_data_source_path"] = "slime_standins.HoldingSaveBaseDataSource"
+    ds = DoraDataSource(args)
+    before = ds.get_samples(2)
+    ds.dora_assign([g[0].metadata["dora_ledger"] for g in before], 2)  # trained by step 2
+    saver = threading.Thread(target=ds.save, args=(2,))
+    saver.start()
+    assert standins.SAVE_IN.wait(WAIT_S)
+    taken: list = []
+
+    def take():
+        taken.extend(ds.get_samples(1))
+        standins.SAVE_GO.set()
+
+    worker = threading.Thread(target=take)
+    worker.start()
+    saver.join(WAIT_S)
+    worker.join(WAIT_S)
+    assert not saver.is_alive() and not worker.is_alive() and len(taken) == 1
+
+    args2 = make_args(tmp_path, load=str(tmp_path / "ckpt"))
+    args2.dora_slime["base_data_source_path"] = "slime_standins.StandinBaseDataSource"
+    ds2 = DoraDataSource(args2)
+    ds2.load(2)
+    resumed = [g[0].prompt for g in ds2.get_samples(3)]
+    assert len(resumed) == len(set(resumed)), f"a group comes back twice after the resume: {resumed}"
+    assert resumed == ["p2", "p3", "p4"]

@@ -82,6 +82,13 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         from .engines import load_object
 
         load_object(path)(args, groups)
+    path = getattr(args, "rollout_all_samples_process_path", None)
+    if path:
+        # slime hands this hook every sample of the rollout, kept or filtered; nothing is
+        # filtered out of a dora batch, so that is the batch (slime's call: (args, groups, data_source)).
+        from .engines import load_object
+
+        load_object(path)(args, groups, data_source)
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
 
@@ -264,8 +271,10 @@ class RolloutSession:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def for_slime(cls, args: Any, data_source: Any, first_step: int) -> "RolloutSession":
-        """The session slime's loop gets: its engines and weight channel, or pass-through for args=None."""
+    def for_slime(cls, args: Any, data_source: Any, first_step: int, *, engines: Engines | None = None) -> "RolloutSession":
+        """The session slime's loop gets: its engines and weight channel, or pass-through for args=None.
+
+        `engines` replaces slime's SGLang engines (tests give them a stand-in HTTP client)."""
         settings = slime_settings(args)
         if args is None:
             sess = cls(args, data_source, first_step=first_step, engines=PassThroughEngines([8] * 4),
@@ -277,10 +286,13 @@ class RolloutSession:
         weights_dir = settings.weights_dir or getattr(args, "update_weight_disk_dir", None)
         if not weights_dir:
             raise AdapterError("no weights directory: pass --update-weight-disk-dir (or dora_slime.weights_dir)")
-        board = DiskWeightBoard(weights_dir, delete_old=settings.delete_old_weights)
+        keep = bool(getattr(args, "update_weight_disk_keep_files", False))
+        board = DiskWeightBoard(weights_dir, delete_old=settings.delete_old_weights and not keep)
         from ..plugins import get_plugin_manager
 
-        return cls(args, data_source, first_step=first_step, engines=SglangEngines(args, settings),
+        if engines is None:
+            engines = SglangEngines(args, settings)
+        return cls(args, data_source, first_step=first_step, engines=engines,
                    board=board, settings=settings, plugins=get_plugin_manager())
 
     # ------------------------------------------------------------------ slime's thread
@@ -492,8 +504,12 @@ class RolloutSession:
             self._groups[gid][idx] = copy.deepcopy(self._pristine[gid][idx])
         self._attempt[(gid, idx)] = d.attempt
         sample = self._groups[gid][idx]
+        params = dict(self._params)
+        if getattr(self.args, "sglang_enable_deterministic_inference", False):
+            # slime's per-sample seed: the sample's index in its group (generate_and_rm_group).
+            params["sampling_seed"] = self.args.rollout_seed + idx
         try:
-            out = await self.engines.generate(d.instance_id, sample, dict(self._params))
+            out = await self.engines.generate(d.instance_id, sample, params)
         except AdapterError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed request is retried by the scheduler

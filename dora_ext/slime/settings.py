@@ -50,7 +50,8 @@ class SlimeSettings:
         (default slime's own `RolloutDataSourceWithBuffer`, so prompt loading, shuffling and its
         cursor checkpoint stay slime's).
       delete_old_weights: remove a version's directory once no engine can need it again
-        (slime deletes each version after its push unless `--update-weight-disk-keep-files`).
+        (slime deletes each version after its push; with slime's `--update-weight-disk-keep-files`
+        nothing is deleted, whatever this says).
       loss: `slime` keeps slime's policy loss; `sao` selects SAO's double-side masked loss
         (`dora-ext slime-args` then prints `--loss-type custom_loss`).
       staleness_correction: `none`, `tis` (truncated importance weights pi_old / pi_rollout, cap
@@ -193,6 +194,23 @@ def check_launch(args: Any) -> None:
         raise ConfigError(
             "update_weight_transport",
             f"must be 'disk': engines load each version from disk when they drain (got {transport!r})",
+        )
+    mode = getattr(args, "update_weight_mode", None)
+    if mode not in (None, "full"):
+        raise ConfigError(
+            "update_weight_mode",
+            f"must be 'full' (got {mode!r}): 'delta' patches one checkpoint per host in place, and the "
+            "patched reload hook is skipped for it; engines that hold different versions at once "
+            "need each version as a complete checkpoint",
+        )
+    local = getattr(args, "update_weight_local_checkpoint_dir", None)
+    if local:
+        raise ConfigError(
+            "update_weight_local_checkpoint_dir",
+            "not supported by dora-ext: it keeps one checkpoint per host, pulled into by every engine "
+            "at once, while dora-ext loads each version onto an engine only once that engine drained "
+            "(engines on one host hold different versions); drop the flag so engines load from "
+            "--update-weight-disk-dir",
         )
     hook = getattr(args, "custom_rollout_weight_reload_path", None)
     if transport == "disk" and hook is None:

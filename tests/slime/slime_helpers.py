@@ -88,19 +88,11 @@ class SimulatedSlimeDriver:
 
 
 def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, first_step: int) -> Any:
-    """A session like `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client."""
-    from dora_ext.plugins import get_plugin_manager
+    """The session `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client."""
     from dora_ext.slime.engines import SglangEngines
     from dora_ext.slime.settings import slime_settings
 
-    settings = slime_settings(args)
-    session = slime_rollout.RolloutSession(
-        args, data_source, first_step=first_step,
-        engines=SglangEngines(args, settings, http=fleet),
-        board=weights.DiskWeightBoard(args.update_weight_disk_dir, delete_old=settings.delete_old_weights),
-        settings=settings, plugins=get_plugin_manager(),
-    )
+    engines = SglangEngines(args, slime_settings(args), http=fleet)
+    session = slime_rollout.RolloutSession.for_slime(args, data_source, first_step, engines=engines)
     slime_rollout.install_session(session)
     return session
-
-

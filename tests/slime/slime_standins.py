@@ -194,6 +194,14 @@ TICK_S = 0.0005
 FAIL_ALWAYS: set[tuple[str, int]] = set()
 HOLD: dict[tuple[str, int], Any] = {}
 HOLD_TIMEOUT_S = 5.0
+# (prompt, sample index) -> the sampling params its last request was sent with.
+PARAMS: dict[tuple[str, int], dict] = {}
+# Calls of `record_all_samples` (slime's --rollout-all-samples-process-path signature).
+ALL_SAMPLES_CALLS: list[tuple[Any, list, Any]] = []
+
+
+def record_all_samples(args: Any, samples: list, data_source: Any) -> None:
+    ALL_SAMPLES_CALLS.append((args, samples, data_source))
 
 
 async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
@@ -206,6 +214,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
     version = engine.version
     try:
         key = (sample.prompt, sample.index)
+        PARAMS[key] = dict(sampling_params)
         if key in FAIL_ALWAYS:
             raise ConnectionError(f"injected: request {key} fails on every attempt")
         if key in HOLD:

@@ -176,3 +176,60 @@ def test_checkpoint_taken_while_the_worker_takes_prompts_resumes_each_group_once
     resumed = [g[0].prompt for g in ds2.get_samples(3)]
     assert len(resumed) == len(set(resumed)), f"a group comes back twice after the resume: {resumed}"
     assert resumed == ["p2", "p3", "p4"]
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("update_weight_mode", "delta"), ("update_weight_local_checkpoint_dir", "/nvme/ckpt")],
+)
+def test_weight_sync_settings_dora_cannot_honour_are_refused_by_name(tmp_path, standins, flag, value):
+    """Defects 3 and 7: `--update-weight-mode delta` skipped the patched hook and the worker
+    waited forever for a version; `--update-weight-local-checkpoint-dir` was bypassed."""
+    args = make_args(tmp_path, num_rollout=2, **{flag: value})
+    ds = DoraDataSource(args)
+    with pytest.raises(ConfigError) as err:
+        install_fleet_session(args, ds, standins.FakeSglangFleet(1, capacity=4), first_step=0)
+    assert err.value.field == flag
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_disk_keep_files_keeps_every_version(tmp_path, standins, keep):
+    """Defect 7: `--update-weight-disk-keep-files` was ignored (old versions deleted anyway)."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=5, update_weight_disk_keep_files=keep)
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2), first_step=0)
+    driver = SimulatedSlimeDriver(args, ds)
+    driver.run_async(0, 5)
+    left = sorted(p.name for p in (tmp_path / "weights").glob("weight_v*"))
+    if keep:
+        assert left == [f"weight_v{i:06d}" for i in range(1, driver.pushes + 1)]
+    else:
+        assert "weight_v000001" not in left
+
+
+def test_deterministic_inference_sends_slimes_per_sample_seed(tmp_path, standins):
+    """Defect 7: with `--sglang-enable-deterministic-inference` slime seeds each sample with
+    `rollout_seed + its index in the group`; the adapter dropped the seed."""
+    standins.PARAMS.clear()
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=3, num_rollout=2,
+                     sglang_enable_deterministic_inference=True, rollout_seed=42)
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=3), first_step=0)
+    outs = SimulatedSlimeDriver(args, ds).run_async(0, 2)
+    for out in outs.values():
+        for group in out.samples:
+            for pos, s in enumerate(group):
+                assert standins.PARAMS[(s.prompt, s.index)]["sampling_seed"] == 42 + pos
+
+
+def test_all_samples_process_hook_gets_every_batch(tmp_path, standins):
+    """Defect 7: `--rollout-all-samples-process-path` was ignored."""
+    standins.ALL_SAMPLES_CALLS.clear()
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=3,
+                     rollout_all_samples_process_path="slime_standins.record_all_samples")
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2), first_step=0)
+    outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
+    assert len(standins.ALL_SAMPLES_CALLS) == 3
+    for (a, samples, source), k in zip(standins.ALL_SAMPLES_CALLS, sorted(outs)):
+        assert a is args and source is ds and samples is outs[k].samples

@@ -21,6 +21,7 @@ naming the key, before any GPU time is spent.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -211,6 +212,14 @@ def check_launch(args: Any) -> None:
             "at once, while dora-ext loads each version onto an engine only once that engine drained "
             "(engines on one host hold different versions); drop the flag so engines load from "
             "--update-weight-disk-dir",
+        )
+    wd = slime_settings(args).weights_dir
+    disk_dir = getattr(args, "update_weight_disk_dir", None)
+    if wd and disk_dir and os.path.abspath(wd) != os.path.abspath(disk_dir):
+        raise ConfigError(
+            "dora_slime.weights_dir",
+            f"{wd!r} differs from slime's --update-weight-disk-dir {disk_dir!r}: slime writes versions there, so "
+            "leave dora_slime.weights_dir out or make them equal",
         )
     hook = getattr(args, "custom_rollout_weight_reload_path", None)
     if transport == "disk" and hook is None:

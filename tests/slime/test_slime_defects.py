@@ -233,3 +233,34 @@ def test_all_samples_process_hook_gets_every_batch(tmp_path, standins):
     assert len(standins.ALL_SAMPLES_CALLS) == 3
     for (a, samples, source), k in zip(standins.ALL_SAMPLES_CALLS, sorted(outs)):
         assert a is args and source is ds and samples is outs[k].samples
+
+
+@pytest.mark.parametrize("name", ["dora-k2.yaml", "dora-pipeline.yaml"])
+def test_slime_args_on_a_shipped_recipe_as_a_user_runs_it(name):
+    """Defect 8: `dora-ext slime-args --config recipes/slime/dora-k2.yaml` exited 2 (weights_dir
+    required). Without a weights directory the flags leave slime's own --update-weight-disk-dir
+    to the launch script, and say so."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "dora_ext.cli", "slime-args", "--config", f"recipes/slime/{name}"],
+                       cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    words = r.stdout.split()
+    assert words[words.index("--rollout-function-path") + 1] == "dora_ext.slime.rollout.generate_rollout"
+    assert words[words.index("--update-weight-transport") + 1] == "disk"
+    assert "--update-weight-disk-dir" not in words
+    assert "--update-weight-disk-dir" in r.stderr
+    r2 = subprocess.run([sys.executable, "-m", "dora_ext.cli", "slime-args", "--config", f"recipes/slime/{name}",
+                         "--weights-dir", "shared/w"], cwd=root, capture_output=True, text=True, timeout=60)
+    words = r2.stdout.split()
+    assert r2.returncode == 0 and words[words.index("--update-weight-disk-dir") + 1] == "shared/w"
+
+
+def test_weights_dir_contradicting_slimes_disk_dir_is_refused(tmp_path, standins):
+    args = make_args(tmp_path)
+    args.dora_slime["weights_dir"] = str(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError) as err:
+        install_fleet_session(args, DoraDataSource(args), standins.FakeSglangFleet(1, capacity=4), first_step=0)
+    assert err.value.field == "dora_slime.weights_dir"

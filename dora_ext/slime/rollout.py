@@ -44,11 +44,12 @@ from typing import Any
 
 from ..config import DoraConfig
 from ..core import (
-    DataExhausted, DeliverGroup, Dispatch, GroupAdmitted, InstanceLoaded, LoadVersion, Migrate,
+    DataExhausted, DeliverGroup, Dispatch, GroupAdmitted, InstanceFailed, InstanceLoaded, InstanceReady,
+    LoadVersion, Migrate,
     ReportError, ReportGroupFailed, RequestGroups, RewardReady, Scheduler, StartStep,
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
-from .engines import AdapterError, Engines, PassThroughEngines, SglangEngines
+from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines
 from .settings import SlimeSettings, check_launch, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 
@@ -60,7 +61,7 @@ __all__ = ["generate_rollout", "RolloutSession", "close_session", "install_sessi
 _METRICS = (
     "staleness_mean", "staleness_max", "multi_version_trajectory_share", "dropped", "truncated",
     "duplicated", "live_versions", "live_versions_max", "migrations", "weight_loads",
-    "failed_groups", "retries", "trainer_waits_for_older", "newest_version", "c1_ok", "c2_ok", "c3_ok",
+    "failed_groups", "retries", "redispatched", "trainer_waits_for_older", "newest_version", "c1_ok", "c2_ok", "c3_ok",
 )
 
 
@@ -341,7 +342,9 @@ class RolloutSession:
         self.sched = Scheduler(config, plugins=self._plugins)
         self._pending.extend(self.sched.start())
         self._drain()
+        self._refresh_lock = asyncio.Lock()
         self._spawn(self._watch_weights())
+        self._spawn(self._watch_engines())
         logger.info("dora: rollout worker started at step %d: %s", self.first_step, config.to_dict())
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
@@ -513,9 +516,18 @@ class RolloutSession:
         except AdapterError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed request is retried by the scheduler
+            if d.instance_id in self.sched.instances:
+                # Did the engine die? Then its trajectories (this one too) go back to the same
+                # version through InstanceFailed, and this failure is stale.
+                await self._refresh()
             self._feed(TrajectoryFailed(gid, idx, reason=repr(exc), attempt=d.attempt))
             return
         samples = _flat(out)
+        if self._attempt.get((gid, idx)) != d.attempt:
+            # Superseded (its engine was declared dead and the trajectory re-dispatched): the
+            # scheduler ignores the stale event; the newer attempt owns the slot.
+            self._feed(TrajectoryFinished(gid, idx, tokens=0, reward=None, attempt=d.attempt))
+            return
         if gid not in self._groups:
             # A sibling failed for good and the group was reported (C2) while this one ran: the
             # scheduler only needs the slot back.
@@ -561,8 +573,19 @@ class RolloutSession:
     async def _load(self, a: LoadVersion) -> None:
         while self.board.poll() <= a.version:
             await asyncio.sleep(self.settings.poll_interval_s)
-        await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
+        try:
+            await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
+        except AdapterError:
+            raise
+        except Exception:
+            await self._refresh()
+            if a.instance_id in self.sched.instances:
+                raise
+            return  # the engine died while loading; InstanceFailed told the scheduler
+        if a.instance_id not in self.sched.instances:
+            return
         self._feed(InstanceLoaded(a.instance_id, a.version))
+        self._probe("loaded", (a.instance_id, self.first_step + a.version))
         # A version older than every instance's and every unfinished group's is never loaded
         # again (an idle instance may go back to an old version that still has queued work).
         sched = self.sched
@@ -572,6 +595,29 @@ class RolloutSession:
             if v not in self._released:
                 self._released.add(v)
                 self.board.release(v)
+
+    async def _refresh(self) -> None:
+        """Re-read slime's router and the engines' health; tell the scheduler who left or joined."""
+        async with self._refresh_lock:
+            try:
+                gone, new = await self.engines.refresh()
+            except Exception:  # noqa: BLE001 - the router itself unreachable: try again next time
+                logger.warning("dora: could not re-read slime's router", exc_info=True)
+                return
+        for iid in gone:
+            if iid in self.sched.instances:
+                logger.warning("dora: engine %s is gone; its trajectories go back to their versions", iid)
+                self._feed(InstanceFailed(iid, reason="the engine left slime's router or fails /health"))
+                self._probe("engine_failed", iid)
+        for iid, cap in new:
+            logger.info("dora: engine %s joined (capacity %d)", iid, cap)
+            self._feed(InstanceReady(iid, cap))
+            self._probe("engine_joined", iid)
+
+    async def _watch_engines(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.engine_check_interval_s)
+            await self._refresh()
 
     async def _watch_weights(self) -> None:
         while True:

@@ -59,6 +59,9 @@ class SlimeSettings:
         `is_cap`) or `mask` (drop tokens whose ratio leaves [1/is_cap, is_cap]); through
         `--use-tis --custom-tis-function-path`.
       is_cap: the cap C of the correction (> 1).
+      engine_check_interval_s: how often the rollout worker re-reads slime's router and checks
+        each engine's `/health` (a dead engine's trajectories go back to the same version on
+        other engines; an engine restarted by `--use-fault-tolerance` joins again).
     """
 
     weights_dir: str | None = None
@@ -69,6 +72,7 @@ class SlimeSettings:
     loss: str = "slime"
     staleness_correction: str = "tis"
     is_cap: float = 2.0
+    engine_check_interval_s: float = 2.0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "dora_slime") -> "SlimeSettings":
@@ -106,7 +110,10 @@ class SlimeSettings:
         is_cap = data.get("is_cap", d.is_cap)
         if isinstance(is_cap, bool) or not isinstance(is_cap, (int, float)) or not is_cap > 1.0:
             raise ConfigError(f"{where}.is_cap", f"expected a number > 1, got {is_cap!r}")
-        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap))
+        check = data.get("engine_check_interval_s", d.engine_check_interval_s)
+        if isinstance(check, bool) or not isinstance(check, (int, float)) or not 0 < check <= 600:
+            raise ConfigError(f"{where}.engine_check_interval_s", f"expected a number in (0, 600], got {check!r}")
+        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap), float(check))
 
 
 def dora_section(args: Any) -> Mapping[str, Any]:

@@ -136,6 +136,8 @@ class FakeEngine:
         self.max_running = 0
         self.loads: list[str] = []
         self.wrong_version_once = False
+        self.alive = True
+        self.started = 0
 
 
 # port -> engine: the stand-in generate finds its engine by the address slime puts in args.
@@ -156,6 +158,13 @@ class FakeSglangFleet:
         self.violations: list[str] = []
         self.live_version_sets: list[frozenset] = []
 
+    def add_engine(self, port: int) -> FakeEngine:
+        """A new engine registered with the router (what slime's fault tolerance does on restart)."""
+        e = FakeEngine(f"http://127.0.0.1:{port}", port)
+        ENGINES[port] = e
+        self.engines.append(e)
+        return e
+
     def observe(self) -> None:
         self.live_version_sets.append(frozenset(e.version for e in self.engines))
         for e in self.engines:
@@ -165,6 +174,11 @@ class FakeSglangFleet:
     async def get(self, url: str) -> dict:
         if url.endswith("/workers"):
             return {"workers": [{"url": e.url, "worker_type": "regular"} for e in self.engines]}
+        if url.endswith("/health"):
+            engine = next(e for e in self.engines if url.startswith(e.url))
+            if not engine.alive:
+                raise ConnectionError(f"{engine.url} is down")
+            return {}
         raise AssertionError(f"unexpected GET {url}")
 
     async def post(self, url: str, payload: dict) -> dict:
@@ -194,6 +208,8 @@ TICK_S = 0.0005
 FAIL_ALWAYS: set[tuple[str, int]] = set()
 HOLD: dict[tuple[str, int], Any] = {}
 HOLD_TIMEOUT_S = 5.0
+# Called with the engine each time a request starts on it (fault injection).
+ON_START: Any = None
 # (prompt, sample index) -> the sampling params its last request was sent with.
 PARAMS: dict[tuple[str, int], dict] = {}
 # Calls of `record_all_samples` (slime's --rollout-all-samples-process-path signature).
@@ -207,6 +223,8 @@ def record_all_samples(args: Any, samples: list, data_source: Any) -> None:
 async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
     """slime's custom-generate signature; stands in for one SGLang /generate request."""
     engine = ENGINES[int(args.sglang_router_port)]
+    if not engine.alive:
+        raise ConnectionError(f"{engine.url} is down")
     fleet_capacity = getattr(args, "standin_capacity", None)
     engine.running += 1
     engine.max_running = max(engine.max_running, engine.running)
@@ -222,8 +240,13 @@ async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
                 await asyncio.wait_for(HOLD[key].wait(), HOLD_TIMEOUT_S)
             except asyncio.TimeoutError:
                 pass
+        engine.started += 1
+        if ON_START is not None:
+            ON_START(engine)
         n = response_length(sample)
         await asyncio.sleep(n * TICK_S)
+        if not engine.alive:
+            raise ConnectionError(f"{engine.url} died with this request running")
         if engine.version != version:
             raise AssertionError(f"{engine.url} changed version {version} -> {engine.version} mid-request")
         reported = version

@@ -264,3 +264,53 @@ def test_weights_dir_contradicting_slimes_disk_dir_is_refused(tmp_path, standins
     with pytest.raises(ConfigError) as err:
         install_fleet_session(args, DoraDataSource(args), standins.FakeSglangFleet(1, capacity=4), first_step=0)
     assert err.value.field == "dora_slime.weights_dir"
+
+
+@pytest.mark.parametrize("fault_tolerance", [False, True])
+def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
+    """Defect 4: engine URLs were read once. An engine dies with requests running (forced: it
+    dies as its 3rd request starts). Without fault tolerance its trajectories go back to the same
+    version on the other engines; with it, slime restarts the engine and registers it with the
+    router again (here: a new engine at a new port), and the worker rediscovers it."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2,
+                     use_fault_tolerance=fault_tolerance)
+    args.dora_slime["engine_check_interval_s"] = 0.02
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31100)
+    victim = fleet.engines[0]
+    died_at = {}
+
+    def on_start(engine):
+        if engine is victim and engine.started == 3:
+            engine.alive = False
+            died_at["started"] = engine.started
+
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    seen = collections.defaultdict(list)
+
+    def probe(name, value):
+        seen[name].append(value)
+        if name == "engine_failed" and fault_tolerance and len(fleet.engines) == 2:
+            fleet.add_engine(31102)  # slime's fault tolerance: relaunched and registered again
+
+    session.probe = probe
+    standins.ON_START = on_start
+    try:
+        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+    finally:
+        standins.ON_START = None
+    assert died_at and seen["engine_failed"] == [0]
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 6 * 2
+    for step, out in outs.items():
+        for group in out.samples:
+            (v,) = {s.weight_versions[0] for s in group}  # C1 despite the re-dispatch
+            assert 0 <= step - int(v) <= 1
+    assert outs[5].metrics["dora/redispatched"] >= 1
+    assert victim.started == died_at["started"]  # nothing was sent to the dead engine
+    if fault_tolerance:
+        assert seen["engine_joined"] == [2]
+        newcomer = fleet.engines[2]
+        assert newcomer.loads and newcomer.started > 0
+    else:
+        assert not seen["engine_joined"]

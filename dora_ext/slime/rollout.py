@@ -68,8 +68,8 @@ _METRICS = (
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
     """slime's rollout-function signature. Returns batch `rollout_id` as a `RolloutFnTrainOutput`.
 
-    With `evaluation=True` it runs slime's default evaluation (eval datasets need no scheduling;
-    `dora-ext slime-args` also points `--eval-function-path` there).
+    With `evaluation=True` it runs slime's own evaluation (`eval_rollout`) on one engine that
+    holds the newest published version (see `RolloutSession.evaluate`).
     """
     from ._compat import RolloutFnTrainOutput
 
@@ -97,9 +97,7 @@ def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
     from ._compat import RolloutFnEvalOutput
 
     if args is not None:
-        from slime.rollout.sglang_rollout import generate_rollout as slime_generate_rollout
-
-        return slime_generate_rollout(args, rollout_id, data_source, evaluation=True)
+        return _session_for(args, data_source, rollout_id).evaluate(rollout_id)
     # args=None: slime's contract harness, no engines. Report one data-source batch as it is,
     # refusing samples that would need generating (see PassThroughEngines).
     samples = [s for group in data_source.get_samples(1) for s in group]
@@ -303,6 +301,18 @@ class RolloutSession:
             raise AdapterError("the rollout session is closed")
         return asyncio.run_coroutine_threadsafe(self._next_batch(rollout_id), self.loop).result()
 
+    def evaluate(self, rollout_id: int) -> Any:
+        """slime's evaluation on the newest published version, on one engine that holds it.
+
+        Through slime's router eval requests would land on engines holding older versions; they
+        go to one engine holding the newest instead (waiting until one does; once the scheduler
+        has nothing left to run, an idle engine loads it). slime's `eval_rollout` runs unchanged
+        with its own semaphore, which the rollout worker does not take (see `engines.py`).
+        """
+        if self._closed:
+            raise AdapterError("the rollout session is closed")
+        return asyncio.run_coroutine_threadsafe(self._evaluate(rollout_id), self.loop).result()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -347,7 +357,7 @@ class RolloutSession:
         self._spawn(self._watch_engines())
         logger.info("dora: rollout worker started at step %d: %s", self.first_step, config.to_dict())
 
-    async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
+    async def _ensure_started(self) -> None:
         if not self._started:
             self._started = True
             try:
@@ -355,6 +365,45 @@ class RolloutSession:
             except BaseException as exc:
                 self._fatal = exc
                 raise
+
+    async def _evaluate(self, rollout_id: int) -> Any:
+        from slime.rollout.sglang_rollout import eval_rollout
+
+        from ._compat import RolloutFnEvalOutput
+
+        await self._ensure_started()
+        waited = time.monotonic()
+        while True:
+            if self._fatal is not None:
+                raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
+            sched = self.sched
+            newest = self.board.poll() - 1
+            iid = None
+            if newest >= 0 and sched.newest_version >= newest:
+                iid = next((i for i, inst in sorted(sched.instances.items())
+                            if inst.version == newest and inst.loading is None), None)
+                if iid is None and sched.done and all(not inst.running and inst.loading is None
+                                                      for inst in sched.instances.values()):
+                    # Nothing left to schedule: an idle engine loads the newest version for eval.
+                    iid = min(sched.instances)
+                    await self.engines.load(iid, str(self.first_step + newest), self.board.path(newest))
+            if iid is not None:
+                break
+            await asyncio.sleep(self.settings.poll_interval_s)
+        tag = str(self.first_step + newest)
+        args = self.engines.args_for_instance(iid)
+        self._probe("eval_start", (rollout_id, iid, tag))
+        out, _ = await eval_rollout(args, rollout_id)
+        seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
+        if seen - {tag}:
+            raise AdapterError(f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
+        metrics = dict(out.metrics or {})
+        metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid,
+                        "dora/eval_wait_s": time.monotonic() - waited})
+        return RolloutFnEvalOutput(data=out.data, metrics=metrics)
+
+    async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
+        await self._ensure_started()
         if self._fatal is not None:
             raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
         sched = self.sched

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import ConfigError
 from .settings import (
-    DATA_SOURCE_PATH, ROLLOUT_FUNCTION_PATH, SLIME_EVAL_FUNCTION_PATH, WEIGHT_RELOAD_HOOK_PATH,
+    DATA_SOURCE_PATH, ROLLOUT_FUNCTION_PATH, WEIGHT_RELOAD_HOOK_PATH,
     SlimeSettings, dora_config,
 )
 
@@ -68,7 +68,8 @@ def slime_flags(data: dict, config_path: str | None, weights_dir: str | None = N
     wd = weights_dir or settings.weights_dir
     flags = [
         "--rollout-function-path", ROLLOUT_FUNCTION_PATH,
-        "--eval-function-path", SLIME_EVAL_FUNCTION_PATH,
+        # Evaluation through ours too: slime's eval on one engine holding the newest version.
+        "--eval-function-path", ROLLOUT_FUNCTION_PATH,
         "--data-source-path", DATA_SOURCE_PATH,
         "--update-weight-transport", "disk",
     ]

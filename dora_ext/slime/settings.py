@@ -31,7 +31,6 @@ from ..config import ConfigError, DoraConfig
 ROLLOUT_FUNCTION_PATH = "dora_ext.slime.rollout.generate_rollout"
 DATA_SOURCE_PATH = "dora_ext.slime.data_source.DoraDataSource"
 WEIGHT_RELOAD_HOOK_PATH = "dora_ext.slime.weights.publish_weights"
-SLIME_EVAL_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
 SLIME_BASE_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
 
 LOSSES = ("slime", "sao")

@@ -314,3 +314,13 @@ def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
         assert newcomer.loads and newcomer.started > 0
     else:
         assert not seen["engine_joined"]
+
+
+def test_slime_args_routes_evaluation_through_the_adapter(tmp_path):
+    """Defect 6: slime-args pointed --eval-function-path at slime's own rollout, which evaluates
+    through the router on engines holding mixed versions."""
+    from dora_ext.slime.cli import slime_flags
+
+    flags = slime_flags({"dora": {"mode": "dora", "max_staleness": 1},
+                         "custom_rollout_weight_reload_path": "dora_ext.slime.weights.publish_weights"}, None, "w")
+    assert flags[flags.index("--eval-function-path") + 1] == "dora_ext.slime.rollout.generate_rollout"

@@ -143,7 +143,7 @@ def write_data(work: Path, n_prompts: int, fail_prompt: bool) -> tuple[Path, Pat
     prompts = work / "prompts.jsonl"
     with open(prompts, "w") as fh:
         for i in range(n_prompts):
-            text = " ".join(rng.choice(letters) for _ in range(3)) + " ="
+            text = f"{letters[i // 10]} {letters[i % 10]} {rng.choice(letters)} ="  # unique per prompt
             if fail_prompt and i == 1:
                 text = "zz " + text  # the engine aborts this request on every attempt
             fh.write(json.dumps({"text": text, "label": rng.choice(letters), "pid": i}) + "\n")
@@ -172,7 +172,7 @@ def main() -> int:
     ap.add_argument("--kill-engine-after", type=int, default=None, help="engine 0 dies as its N-th request starts")
     ap.add_argument("--fail-prompt", action="store_true")
     ap.add_argument("--crash-at-rollout", type=int, default=None)
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--load-from", default=None, help="resume from this slime checkpoint directory (--load)")
     ap.add_argument("--save-interval", type=int, default=2)
     ap.add_argument("--slime-args-only", action="store_true", help="parse slime's args and exit")
     o = ap.parse_args()
@@ -204,7 +204,7 @@ def main() -> int:
     }
     if o.crash_at_rollout is not None:
         cfg["harness_crash_at_rollout"] = o.crash_at_rollout
-    cfg_path = work / ("dora-resume.yaml" if o.resume else "dora.yaml")
+    cfg_path = work / "dora.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     dora_flags = slime_flags(cfg, str(cfg_path), str(work / "weights"))
 
@@ -230,8 +230,8 @@ def main() -> int:
             "--save", str(work / "ckpt"), "--save-interval", str(o.save_interval), "--seed", "1",
             *dora_flags,
         ]
-        if o.resume:
-            argv += ["--load", str(work / "ckpt")]
+        if o.load_from:
+            argv += ["--load", o.load_from]
         if o.fault_tolerance:
             argv += ["--use-fault-tolerance"]
         import ray

@@ -80,7 +80,9 @@ def slime_flags(data: dict, config_path: str | None, weights_dir: str | None = N
         flags += ["--custom-config-path", config_path]
     if settings.loss == "sao":
         flags += ["--loss-type", "custom_loss", "--custom-loss-function-path", "dora_ext.slime.loss.sao_loss"]
-    if settings.staleness_correction != "none" and config.max_staleness > 0:
+    if settings.staleness_correction != "none" and config.max_staleness > 0 and settings.loss != "sao":
+        # slime applies --custom-tis-function-path inside its own policy loss only; SAO's loss
+        # replaces that loss and already weighs by pi_theta / pi_rollout (masked), its correction.
         flags += ["--use-tis", "--custom-tis-function-path", "dora_ext.slime.loss.staleness_tis"]
     return flags
 

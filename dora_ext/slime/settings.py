@@ -31,6 +31,7 @@ from ..config import ConfigError, DoraConfig
 ROLLOUT_FUNCTION_PATH = "dora_ext.slime.rollout.generate_rollout"
 DATA_SOURCE_PATH = "dora_ext.slime.data_source.DoraDataSource"
 WEIGHT_RELOAD_HOOK_PATH = "dora_ext.slime.weights.publish_weights"
+SAO_LOSS_PATH = "dora_ext.slime.loss.sao_loss"
 SLIME_BASE_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
 
 LOSSES = ("slime", "sao")
@@ -201,6 +202,14 @@ def check_launch(args: Any) -> None:
         raise ConfigError(
             "update_weight_transport",
             f"must be 'disk': engines load each version from disk when they drain (got {transport!r})",
+        )
+    if getattr(args, "loss_type", None) == "custom_loss" and getattr(args, "use_tis", False) and \
+            getattr(args, "custom_loss_function_path", None) == SAO_LOSS_PATH:
+        raise ConfigError(
+            "use_tis",
+            "has no effect with --loss-type custom_loss: slime applies --custom-tis-function-path inside its own "
+            "policy loss, which dora-ext's SAO loss replaces (SAO already weighs tokens by pi_theta / pi_rollout); "
+            "drop --use-tis, or use dora_slime.loss: slime",
         )
     mode = getattr(args, "update_weight_mode", None)
     if mode not in (None, "full"):

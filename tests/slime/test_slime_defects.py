@@ -324,3 +324,13 @@ def test_slime_args_routes_evaluation_through_the_adapter(tmp_path):
     flags = slime_flags({"dora": {"mode": "dora", "max_staleness": 1},
                          "custom_rollout_weight_reload_path": "dora_ext.slime.weights.publish_weights"}, None, "w")
     assert flags[flags.index("--eval-function-path") + 1] == "dora_ext.slime.rollout.generate_rollout"
+
+
+def test_tis_with_sao_loss_is_refused_by_name(tmp_path, standins):
+    """Found with slime's loop: --use-tis with SAO's custom loss was silently ignored by slime
+    (its TIS hook runs inside slime's own policy loss, which a custom loss replaces)."""
+    args = make_args(tmp_path, loss_type="custom_loss", custom_loss_function_path="dora_ext.slime.loss.sao_loss",
+                     use_tis=True)
+    with pytest.raises(ConfigError) as err:
+        install_fleet_session(args, DoraDataSource(args), standins.FakeSglangFleet(1, capacity=4), first_step=0)
+    assert err.value.field == "use_tis"

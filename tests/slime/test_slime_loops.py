@@ -19,7 +19,6 @@ PyPI; `scripts/test.sh` unpacks the snapshot and installs them).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -30,39 +29,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from slime_helpers import harness_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "slime" / "harness"
-SLIME = os.environ.get("DORA_SLIME_PATH")
-MISSING = [m for m in ("ray", "sglang", "sglang_router", "megatron.core", "safetensors", "tokenizers")
-           if importlib.util.find_spec(m.split(".")[0]) is None]
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not SLIME or not os.path.isfile(os.path.join(SLIME or "", "train_async.py")),
-                       reason="DORA_SLIME_PATH does not name a slime checkout (slime is not on PyPI; scripts/test.sh unpacks it)"),
-    pytest.mark.skipif(bool(MISSING), reason=f"slime's client-side dependencies are missing: {MISSING} "
-                       "(scripts/test.sh installs them)"),
-    pytest.mark.skipif(shutil.which("git") is None, reason="git is needed to apply patches/slime"),
-]
+pytestmark = pytest.mark.slow
 
 RUN_TIMEOUT_S = 420
 
 
-@pytest.fixture(scope="module")
-def patched_slime(tmp_path_factory):
-    """A copy of the slime checkout with patches/slime applied (the checkout itself is untouched)."""
-    dst = tmp_path_factory.mktemp("slime") / "slime"
-    shutil.copytree(SLIME, dst, ignore=shutil.ignore_patterns(".git", "docs", "imgs", "examples"))
-    for patch in sorted((ROOT / "patches" / "slime").glob("*.patch")):
-        subprocess.run(["git", "apply", str(patch)], cwd=dst, check=True)
-    return dst
-
-
 def run_job(patched: Path, work: Path, *flags: str) -> "Evidence":
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(HARNESS / "no_torchcodec"), str(patched), str(HARNESS), str(ROOT)]))
-    env.pop("SLIME_ACCELERATOR", None)
+    env = harness_env(patched)
     proc = subprocess.Popen([sys.executable, "-m", "slime_cpu.run", "--workdir", str(work), *flags],
                             env=env, stdout=open(work.parent / f"{work.name}.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -177,24 +154,92 @@ def check_run(ev: Evidence, *, k: int, num_rollout: int, dora: bool, eval_before
     return groups
 
 
-LOOPS = [
-    ("train", "pipeline", 0),
-    ("train", "dora", 1),
-    ("train", "dora", 2),
-    ("train_async", "dora", 1),
-    ("train_async", "dora", 2),
+LOOPS = [  # (slime loop, mode, K, loss): SAO's custom loss, or slime's policy loss + our TIS hook
+    ("train", "pipeline", 0, "sao"),
+    ("train", "dora", 1, "sao"),
+    ("train", "dora", 2, "slime"),
+    ("train_async", "dora", 1, "sao"),
+    ("train_async", "dora", 2, "slime"),
 ]
 
 
-@pytest.mark.parametrize("loop, mode, k", LOOPS, ids=[f"{l}-{m}-K{k}" for l, m, k in LOOPS])
-def test_slime_loop_drives_dora(patched_slime, tmp_path, loop, mode, k):
-    ev = run_job(patched_slime, tmp_path / "job", "--loop", loop, "--mode", mode, "--k", str(k), "--num-rollout", "6")
+@pytest.mark.parametrize("loop, mode, k, loss", LOOPS, ids=[f"{l}-{m}-K{k}-{s}" for l, m, k, s in LOOPS])
+def test_slime_loop_drives_dora(patched_slime, tmp_path, loop, mode, k, loss):
+    ev = run_job(patched_slime, tmp_path / "job", "--loop", loop, "--mode", mode, "--k", str(k), "--num-rollout", "6",
+                 "--loss", loss)
     groups = check_run(ev, k=k, num_rollout=6, dora=mode == "dora", eval_before=loop == "train")
     stale = [int(rid) - int(v) for rid, v in groups.values()]
     assert len(groups) == 6 * 2
     if mode == "pipeline":
         assert set(stale) == {0}
-    # the trainer ran slime's loss plumbing with dora-ext's losses: SAO's metrics are in its log
-    assert all("sao_masked_frac" in t["metrics"] for t in ev.trained.values())
-    if k > 0:
-        assert all("dora_is_weight" in t["metrics"] for t in ev.trained.values())
+    # the trainer ran slime's loss plumbing with dora-ext's loss or TIS hook: their metrics are in its log
+    key = "sao_masked_frac" if loss == "sao" else "dora_is_weight"
+    assert all(key in t["metrics"] for t in ev.trained.values()), [sorted(t["metrics"]) for t in ev.trained.values()]
+
+
+def test_our_rollout_function_generates_real_tokens_through_slime(patched_slime, tmp_path):
+    """Not the `args=None` pass-through: slime's RolloutManager calls generate_rollout with its
+    real args; every trained token came from the CPU engine's model, with the rollout log-probs
+    the engine returned, and slime's loss plumbing ran dora-ext's SAO loss on them."""
+    ev = run_job(patched_slime, tmp_path / "job", "--loop", "train", "--mode", "dora", "--k", "1",
+                 "--num-rollout", "2", "--eval-interval", "100")
+    assert ev.result["status"] == "finished", ev.result.get("error")
+    produced = ev.produced()
+    samples = [s for r in ev.rollouts.values() for s in r["samples"]]
+    assert samples and all(s["response_length"] > 0 for s in samples)
+    assert all(tuple(s["tokens"]) in produced for s in samples)
+    assert all(any(k.startswith("dora/") for k in r["metrics"]) for r in ev.rollouts.values())
+    assert all(t["custom_loss"] == "custom_loss" and "sao_ratio" in t["metrics"] for t in ev.trained.values())
+
+
+@pytest.mark.parametrize("fault_tolerance", [False, True], ids=["ft-off", "ft-on"])
+def test_engine_killed_mid_rollout(patched_slime, tmp_path, fault_tolerance):
+    """Engine 0 dies as its 6th request starts (requests in flight die with it). Off: its
+    trajectories go back to their version on the other engine. On (`--use-fault-tolerance`): the
+    engine is relaunched and registered with slime's router, and the worker rediscovers it."""
+    flags = ["--loop", "train_async", "--mode", "dora", "--k", "1", "--num-rollout", "6", "--kill-engine-after", "6"]
+    if fault_tolerance:
+        flags += ["--fault-tolerance", "--restart-engines"]
+    ev = run_job(patched_slime, tmp_path / "job", *flags)
+    check_run(ev, k=1, num_rollout=6, dora=False, eval_before=False)
+    events = [e["event"] for e in ev.result["engine_events"]]
+    assert events == (["died", "restarted"] if fault_tolerance else ["died"])
+    assert max(r["metrics"].get("dora/redispatched", 0) for r in ev.rollouts.values()) >= 1
+    if fault_tolerance:
+        port = ev.result["engine_events"][1]["port"]
+        assert any(r["port"] == port for r in ev.requests), "the relaunched engine was never used"
+        assert any(e["port"] == port for e in ev.loads), "the relaunched engine never loaded a version"
+
+
+def test_request_failing_every_retry_is_reported_and_training_goes_on(patched_slime, tmp_path):
+    """Prompt 1 is aborted by the engine on every attempt: its group is reported, never trained,
+    and the run trains every step."""
+    ev = run_job(patched_slime, tmp_path / "job", "--loop", "train_async", "--mode", "dora", "--k", "1",
+                 "--num-rollout", "6", "--fail-prompt", "--eval-interval", "100")
+    assert ev.result["status"] == "finished", ev.result.get("error")
+    groups = ev.trained_groups(1)
+    started = ev.started_prompts(detok)
+    failed = {p for p in started if p.startswith("zz")}
+    assert len(failed) == 1 and not failed & set(groups)
+    assert set(groups) | failed == started
+    assert len(ev.failed()) == 1
+    assert max(r["metrics"]["dora/failed_groups"] for r in ev.rollouts.values()) == 1
+    assert sorted(ev.trained) == list(range(6))
+
+
+def test_kill_and_resume_from_slimes_checkpoint_loses_and_repeats_nothing(patched_slime, tmp_path):
+    """The job dies while generating rollout 4 (after slime's checkpoint of rollout 3); a new job
+    resumes from that checkpoint (`--load`)."""
+    common = ["--loop", "train", "--mode", "dora", "--k", "2", "--num-rollout", "6", "--save-interval", "2",
+              "--eval-interval", "100"]
+    ev1 = run_job(patched_slime, tmp_path / "run1", *common, "--crash-at-rollout", "4")
+    assert ev1.result["status"] == "crashed"
+    assert sorted(ev1.trained) == [0, 1, 2, 3]
+    ev2 = run_job(patched_slime, tmp_path / "run2", *common, "--load-from", str(tmp_path / "run1" / "ckpt"))
+    assert ev2.result["status"] == "finished", ev2.result.get("error")
+    assert sorted(ev2.trained) == [4, 5]
+    g1, g2 = ev1.trained_groups(2), ev2.trained_groups(2)
+    assert not set(g1) & set(g2), f"trained twice across the resume: {set(g1) & set(g2)}"
+    lost = ev1.started_prompts(detok) - set(g1) - set(g2)
+    assert not lost, f"groups that started before the crash were never trained: {lost}"
+    assert ev2.started_prompts(detok) == set(g2)

@@ -217,7 +217,7 @@ def main() -> int:
             "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--distributed-backend", "gloo",
             "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
             "--rollout-external-engine-addrs", *engines.addrs,
-            "--prompt-data", str(prompts), "--input-key", "text", "--label-key", "label", "--rollout-shuffle",
+            "--prompt-data", str(prompts), "--input-key", "text", "--label-key", "label",
             "--rollout-batch-size", str(o.batch), "--n-samples-per-prompt", str(o.n), "--num-rollout", str(o.num_rollout),
             "--global-batch-size", str(o.batch * o.n), "--rollout-max-response-len", "6", "--rollout-temperature", "1.0",
             "--sglang-server-concurrency", str(o.capacity),

@@ -373,27 +373,33 @@ class RolloutSession:
 
         await self._ensure_started()
         waited = time.monotonic()
-        while True:
-            if self._fatal is not None:
-                raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
-            sched = self.sched
-            newest = self.board.poll() - 1
-            iid = None
-            if newest >= 0 and sched.newest_version >= newest:
-                iid = next((i for i, inst in sorted(sched.instances.items())
-                            if inst.version == newest and inst.loading is None), None)
-                if iid is None and sched.done and all(not inst.running and inst.loading is None
-                                                      for inst in sched.instances.values()):
-                    # Nothing left to schedule: an idle engine loads the newest version for eval.
-                    iid = min(sched.instances)
-                    await self.engines.load(iid, str(self.first_step + newest), self.board.path(newest))
-            if iid is not None:
-                break
-            await asyncio.sleep(self.settings.poll_interval_s)
-        tag = str(self.first_step + newest)
-        args = self.engines.args_for_instance(iid)
-        self._probe("eval_start", (rollout_id, iid, tag))
-        out, _ = await eval_rollout(args, rollout_id)
+        for _attempt in range(3):
+            iid, newest = await self._eval_instance()
+            tag = str(self.first_step + newest)
+            args = self.engines.args_for_instance(iid)
+            self._probe("eval_start", (rollout_id, iid, tag))
+            # slime's eval retries a dead engine for a minute; the engine watcher notices sooner:
+            # then the eval starts again on another engine holding the version.
+            task = asyncio.ensure_future(eval_rollout(args, rollout_id))
+            while not task.done():
+                await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
+                if not task.done() and iid not in self.sched.instances:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    break
+            if task.cancelled():
+                logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again", iid, rollout_id)
+                continue
+            try:
+                out, _ = task.result()
+            except Exception:
+                await self._refresh()
+                if iid in self.sched.instances:
+                    raise
+                continue
+            break
+        else:
+            raise AdapterError(f"evaluation of rollout {rollout_id}: engines kept dying")
         seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
         if seen - {tag}:
             raise AdapterError(f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
@@ -401,6 +407,25 @@ class RolloutSession:
         metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid,
                         "dora/eval_wait_s": time.monotonic() - waited})
         return RolloutFnEvalOutput(data=out.data, metrics=metrics)
+
+    async def _eval_instance(self) -> tuple[int, int]:
+        """An engine holding the newest published version (waits for one), and that version."""
+        while True:
+            if self._fatal is not None:
+                raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
+            sched = self.sched
+            newest = self.board.poll() - 1
+            if newest >= 0 and sched.newest_version >= newest:
+                iid = next((i for i, inst in sorted(sched.instances.items())
+                            if inst.version == newest and inst.loading is None), None)
+                if iid is None and sched.done and sched.instances and all(
+                        not inst.running and inst.loading is None for inst in sched.instances.values()):
+                    # Nothing left to schedule: an idle engine loads the newest version for eval.
+                    iid = min(sched.instances)
+                    await self.engines.load(iid, str(self.first_step + newest), self.board.path(newest))
+                if iid is not None:
+                    return iid, newest
+            await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
         await self._ensure_started()

@@ -36,6 +36,20 @@ from dora_ext.core import events as E
 logger = logging.getLogger("dora_ext.verl")
 
 
+def plugin_manager() -> Any:
+    """dora-ext's pluggy manager (built-in policies plus the ``dora_ext`` entry points), or None.
+
+    None (with a warning) when pluggy or the hook modules are unavailable: the core then uses
+    its built-in policies.
+    """
+    try:
+        from dora_ext.plugins import get_plugin_manager
+    except Exception as exc:
+        logger.warning("dora-ext: pluggy hooks unavailable (%s); using built-in policies", exc)
+        return None
+    return get_plugin_manager()
+
+
 class GroupFailedError(RuntimeError):
     """The scheduler gave up on a group (retries exhausted); its trajectories stop."""
 
@@ -55,8 +69,6 @@ class DoraCoordinator:
         self.server_of = {iid: sid for sid, iid in self.instance_of.items()}
         plugins = None
         if use_plugins:
-            from .plugin import plugin_manager
-
             plugins = plugin_manager()
         self.sched = Scheduler(self.config, plugins=plugins)
         self.base = 0

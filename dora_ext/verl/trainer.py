@@ -36,11 +36,12 @@ from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
-from .plugin import TRAINER_NAME, plugin_manager
+from .coordinator import plugin_manager
 from .settings import dora_config
 
 logger = logging.getLogger("dora_ext.verl")
 
+TRAINER_NAME = "dora"
 SAMPLER_PATH = "pkg://dora_ext.verl.sampler"
 SAMPLER_NAME = "DoraReplayBuffer"
 MANAGER_CLASS = "dora_ext.verl.manager.DoraAgentLoopManager"

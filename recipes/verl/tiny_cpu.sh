@@ -68,6 +68,7 @@ common=(
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
     actor_rollout_ref.rollout.name=dora_cpu
     actor_rollout_ref.rollout.mode=async
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
     actor_rollout_ref.rollout.n=2
     actor_rollout_ref.rollout.max_num_seqs=4
     actor_rollout_ref.rollout.calculate_log_probs=True

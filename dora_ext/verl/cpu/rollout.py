@@ -15,6 +15,7 @@ rollout side uses with vLLM/SGLang:
 * ``generate`` returns verl's ``TokenOutput`` whose ``extra_fields`` carry the weight version the
   tokens were sampled with (``global_steps``, ``min_global_steps``, ``max_global_steps``): these
   are the engine-reported versions verl writes to TransferQueue and the dora sampler checks (C1).
+* ``DORA_CPU_TOKEN_DELAY_S`` adds a delay per decoded token (generation slow next to training).
 * Every weight load records the checksum of the weights now in the model
   (:func:`dora_ext.verl.cpu.weights.checksum`), and every finished request its version; with
   ``DORA_CPU_REPORT_DIR`` set both go to JSON lines there (one file per process), which the tests
@@ -26,28 +27,16 @@ One request decodes at a time per replica (no batching): tiny models on a laptop
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
-import time
 from typing import Any
+
+from .report import report
 
 logger = logging.getLogger("dora_ext.verl")
 
 ROLLOUT_NAME = "dora_cpu"
-REPORT_ENV = "DORA_CPU_REPORT_DIR"
-
-
-def report(kind: str, **fields: Any) -> None:
-    """Append one JSON line to this process's report file (when ``DORA_CPU_REPORT_DIR`` is set)."""
-    directory = os.environ.get(REPORT_ENV)
-    if not directory:
-        return
-    os.makedirs(directory, exist_ok=True)
-    rec = {"kind": kind, "time": time.time(), "pid": os.getpid(), **fields}
-    with open(os.path.join(directory, f"report-{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
 def _model_path(model_config: Any) -> str:
@@ -85,6 +74,9 @@ class ServerCore:
         self._abort = False
         self.loads: list[dict] = []
         self.served = 0
+        # Seconds added per decoded token (DORA_CPU_TOKEN_DELAY_S): makes generation slow next to
+        # training, as on real hardware with long responses, so that replicas drain at different times.
+        self.token_delay = float(os.environ.get("DORA_CPU_TOKEN_DELAY_S", "0") or 0)
 
     # ------------------------------------------------------------------ weights
     async def load_named_weights(self, named: dict, version: int | None) -> str:
@@ -186,7 +178,9 @@ class ServerCore:
                     reason = "completed"
                     break
                 ids = torch.tensor([[tok]], dtype=torch.long)
-                if i % 4 == 3:
+                if self.token_delay > 0:
+                    await asyncio.sleep(self.token_delay)
+                elif i % 4 == 3:
                     await asyncio.sleep(0)  # let control calls (abort, reports) in between tokens
         return out, lps, reason
 

@@ -65,7 +65,7 @@ class WeightStore:
         return self.events[version]
 
     async def publish(self, version: int, named: dict, digest: str) -> bool:
-        from .rollout import report
+        from .report import report
 
         version = int(version)
         if version in self.checksums:

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 from .report import report
@@ -125,10 +126,11 @@ class ServerCore:
                                    extra_fields={"global_steps": self.version, "min_global_steps": self.version,
                                                  "max_global_steps": self.version})
             version = self.version
+            started = time.time()
             tokens, logprobs, reason = await self._decode(list(prompt_ids), dict(sampling_params or {}))
             self.served += 1
             report("generate", replica=self.replica_rank, request_id=str(request_id), version=version,
-                   tokens=len(tokens), stop=reason)
+                   tokens=len(tokens), stop=reason, start=started)
             return TokenOutput(
                 token_ids=tokens, log_probs=logprobs, stop_reason=reason, num_preempted=0,
                 extra_fields={"global_steps": version, "min_global_steps": version, "max_global_steps": version},
@@ -278,6 +280,11 @@ class CpuServerAdapter(_adapter_base()):
         if self._local is not None:
             await self._local.load_named_weights(named, global_steps)
             return
+        from .weights import checksum
+
+        # Colocated (verl's sync trainer, naive sync): what the actor hands over is the published
+        # version; the server reports the checksum of what it then holds.
+        report("publish", version=global_steps, checksum=checksum(named), replica=self.replica_rank)
         if self._remote is None:
             import ray
 

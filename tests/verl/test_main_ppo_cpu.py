@@ -190,6 +190,10 @@ def test_verl_twins_six_steps(assets, tmp_path, mode, K):
     assert rc == 0, _tail(log)
     res = analyze(*load_run(work, mode), mode=mode, max_staleness=max(K, 1) if mode != "sync" else 0)
     assert res["steps"] == 6, res
-    _assert_run(res)
     if mode == "sync":
+        _assert_run(res)
         assert res["max_live_versions"] == 1, res
+    else:
+        # verl's partial rollout aborts in-flight requests at each sync and resumes them under the
+        # new weights, so a trajectory may span two versions: C1 is measured, not required here.
+        assert res["c2_ok"] and res["c3_ok"] and res["weights_checksum_ok"] and res["finite_loss"], res

@@ -235,7 +235,10 @@ class DoraCoordinator:
     def checkpoint_state(self) -> dict[str, Any]:
         """What verl's checkpoint keeps of the coordinator (``dora_state.json``): the groups admitted
         and not trained (by the steps finished so far), the base version, the scheduler snapshot."""
-        return {"base": self.base, "admitted": [str(g) for g in self.admitted],
+        import time
+
+        # "time": admissions reported (``admit``) after this instant are not in this state.
+        return {"base": self.base, "time": time.time(), "admitted": [str(g) for g in self.admitted],
                 "failed": {str(g): r for g, r in self.failed.items()}, "scheduler": self.sched.snapshot()}
 
     def get_log(self) -> list[tuple]:

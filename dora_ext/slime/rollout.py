@@ -267,6 +267,10 @@ class RolloutSession:
         #: id was asked for), "published" (a version was fed to the scheduler) and "batch"
         #: (a batch was formed). Tests use it to force event orders without sleeping.
         self.probe: Any = None
+        # The instance slime's evaluation runs on, and the event set when it ends: the scheduler
+        # does not see eval requests, so a load it asks for on that instance waits for them.
+        self._eval_instance: int | None = None
+        self._eval_over: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -393,7 +397,12 @@ class RolloutSession:
         tag = str(self.first_step + newest)
         args = self.engines.args_for_instance(iid)
         self._probe("eval_start", (rollout_id, iid, tag))
-        out, _ = await eval_rollout(args, rollout_id)
+        self._eval_instance, self._eval_over = iid, asyncio.Event()
+        try:
+            out, _ = await eval_rollout(args, rollout_id)
+        finally:
+            self._eval_instance = None
+            self._eval_over.set()
         seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
         if seen - {tag}:
             raise AdapterError(f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
@@ -622,6 +631,12 @@ class RolloutSession:
     async def _load(self, a: LoadVersion) -> None:
         while self.board.poll() <= a.version:
             await asyncio.sleep(self.settings.poll_interval_s)
+        while self._eval_instance == a.instance_id:
+            # slime's evaluation runs on this engine (requests the scheduler does not see): an
+            # idle-looking engine sent back to an older version (its trajectories lost their
+            # engine) would load under them (R4) and mix versions in the eval. Load after it.
+            self._probe("load_waits_for_eval", (a.instance_id, self.first_step + a.version))
+            await self._eval_over.wait()
         try:
             await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
         except AdapterError:

@@ -1,0 +1,107 @@
+"""Regression tests for defects found reviewing issue 11 (slime's loops driving dora-ext).
+
+slime is ABSENT here (CI): like `test_slime_defects.py` these run the adapter against the
+stand-ins of `slime_standins.py` (fake SGLang fleet, custom generate function with slime's
+signature). Event orders are forced with held requests and the session's probe, never by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+
+from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+
+from dora_ext.slime import rollout as slime_rollout
+from dora_ext.slime._compat import RolloutFnEvalOutput
+from dora_ext.slime.data_source import DoraDataSource
+
+
+def _install_eval_rollout(monkeypatch, fn) -> None:
+    """slime's `eval_rollout(args, rollout_id)` (slime/rollout/sglang_rollout.py) replaced by `fn`:
+    slime's own sends its eval requests to the engine `args` names, as `fn` does."""
+    try:
+        import slime.rollout.sglang_rollout as mod  # a real checkout (DORA_SLIME_PATH)
+    except ImportError:
+        mod = types.ModuleType("slime.rollout.sglang_rollout")
+        monkeypatch.setitem(sys.modules, "slime", types.ModuleType("slime"))
+        monkeypatch.setitem(sys.modules, "slime.rollout", types.ModuleType("slime.rollout"))
+        monkeypatch.setitem(sys.modules, "slime.rollout.sglang_rollout", mod)
+    monkeypatch.setattr(mod, "eval_rollout", fn, raising=False)
+
+
+def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(tmp_path, standins, monkeypatch):
+    """Eval runs on engine E holding the newest version (1). The other engine, holding version 0
+    with a straggler running (held), dies during the eval: the straggler goes back to version 0,
+    which no engine holds, and the scheduler, which does not see eval requests, sends the
+    idle-looking E back to version 0. That load used to run under the eval request (R4; the eval
+    saw two versions and slime's job died); it now waits until the eval is over."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 0.02
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31300)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    probes: list = []
+    release_eval = asyncio.Event()
+
+    def probe(name, value):
+        probes.append((name, value))
+        if name == "load_waits_for_eval":
+            release_eval.set()
+
+    session.probe = probe
+    post = fleet.post
+    seen: dict = {}
+
+    async def watched_post(url, payload):
+        reply = await post(url, payload)
+        if seen.get("eval_url") and url.startswith(seen["eval_url"]):
+            release_eval.set()  # a load on the eval's engine went through (the defect)
+        return reply
+
+    fleet.post = watched_post
+    straggler = asyncio.Event()
+
+    async def eval_rollout(eval_args, rollout_id):
+        port = int(eval_args.sglang_router_port)
+        engine = standins.ENGINES[port]
+        seen["eval_url"] = engine.url
+        seen["at_start"] = {i: (inst.version, len(inst.running)) for i, inst in session.sched.instances.items()}
+        for other in fleet.engines:
+            if other is not engine:
+                other.alive = False  # dies with the straggler running
+        standins.HOLD[("eval", 0)] = release_eval
+        try:
+            s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        finally:
+            straggler.set()
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    standins.HOLD[("p2", 4)] = straggler  # p2's first sample: dispatched at version 0, kept running
+    try:
+        driver = SimulatedSlimeDriver(args, ds)
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        driver.push_weights()
+        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        standins.HOLD.clear()
+    # the forced state: eval on version 1 while the other engine held version 0 with work running
+    (old_version, old_running), (new_version, _) = sorted(seen["at_start"].values())
+    assert (old_version, new_version) == (0, 1) and old_running >= 1, seen
+    assert any(n == "load_waits_for_eval" for n, _ in probes), f"no load was sent to the eval's engine: {probes}"
+    assert fleet.violations == []
+    samples = ev.data["probe"]["samples"]
+    assert [s.weight_versions for s in samples] == [["1"]] and ev.metrics["dora/eval_version"] == 1
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2 and "p2" in prompts  # the straggler's group was trained
+    for step, out in outs.items():
+        for group in out.samples:
+            (v,) = {s.weight_versions[0] for s in group}
+            assert 0 <= step - int(v) <= 1

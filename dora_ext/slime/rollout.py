@@ -271,6 +271,7 @@ class RolloutSession:
         # does not see eval requests, so a load it asks for on that instance waits for them.
         self._eval_instance: int | None = None
         self._eval_over: asyncio.Event | None = None
+        self._eval_lost: asyncio.Event | None = None  # set when that engine is declared gone
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -378,31 +379,34 @@ class RolloutSession:
         await self._ensure_started()
         waited = time.monotonic()
         while True:
-            if self._fatal is not None:
-                raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
-            sched = self.sched
-            newest = self.board.poll() - 1
-            iid = None
-            if newest >= 0 and sched.newest_version >= newest:
-                iid = next((i for i, inst in sorted(sched.instances.items())
-                            if inst.version == newest and inst.loading is None), None)
-                if iid is None and sched.done and all(not inst.running and inst.loading is None
-                                                      for inst in sched.instances.values()):
-                    # Nothing left to schedule: an idle engine loads the newest version for eval.
-                    iid = min(sched.instances)
-                    await self.engines.load(iid, str(self.first_step + newest), self.board.path(newest))
-            if iid is not None:
-                break
-            await asyncio.sleep(self.settings.poll_interval_s)
-        tag = str(self.first_step + newest)
-        args = self.engines.args_for_instance(iid)
-        self._probe("eval_start", (rollout_id, iid, tag))
-        self._eval_instance, self._eval_over = iid, asyncio.Event()
-        try:
-            out, _ = await eval_rollout(args, rollout_id)
-        finally:
-            self._eval_instance = None
-            self._eval_over.set()
+            iid, newest = await self._eval_engine()
+            tag = str(self.first_step + newest)
+            args = self.engines.args_for_instance(iid)
+            self._probe("eval_start", (rollout_id, iid, tag))
+            self._eval_instance, self._eval_over, self._eval_lost = iid, asyncio.Event(), asyncio.Event()
+            task = asyncio.ensure_future(eval_rollout(args, rollout_id))
+            lost = asyncio.ensure_future(self._eval_lost.wait())
+            try:
+                await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                self._eval_instance = None
+                self._eval_over.set()
+            if task.done():
+                try:
+                    out, _ = task.result()
+                    break
+                except Exception:
+                    # slime's post retries a dead engine for a minute before it gives up.
+                    await self._refresh()
+                    if iid in self.sched.instances:
+                        raise
+            else:
+                task.cancel()
+            # The engine died under the eval (its requests go nowhere): run it again on
+            # another engine that holds the newest version.
+            logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again", iid, rollout_id)
+            self._probe("eval_engine_lost", iid)
         seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
         if seen - {tag}:
             raise AdapterError(f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
@@ -410,6 +414,25 @@ class RolloutSession:
         metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid,
                         "dora/eval_wait_s": time.monotonic() - waited})
         return RolloutFnEvalOutput(data=out.data, metrics=metrics)
+
+    async def _eval_engine(self) -> tuple[int, int]:
+        """(an engine holding the newest published version, that version), waiting for one."""
+        while True:
+            if self._fatal is not None:
+                raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
+            sched = self.sched
+            newest = self.board.poll() - 1
+            if newest >= 0 and sched.newest_version >= newest:
+                iid = next((i for i, inst in sorted(sched.instances.items())
+                            if inst.version == newest and inst.loading is None), None)
+                if iid is None and sched.instances and sched.done and all(
+                        not inst.running and inst.loading is None for inst in sched.instances.values()):
+                    # Nothing left to schedule: an idle engine loads the newest version for eval.
+                    iid = min(sched.instances)
+                    await self.engines.load(iid, str(self.first_step + newest), self.board.path(newest))
+                if iid is not None:
+                    return iid, newest
+            await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
         await self._ensure_started()
@@ -669,6 +692,8 @@ class RolloutSession:
                 logger.warning("dora: could not re-read slime's router", exc_info=True)
                 return
         for iid in gone:
+            if iid == self._eval_instance and self._eval_lost is not None:
+                self._eval_lost.set()
             if iid in self.sched.instances:
                 logger.warning("dora: engine %s is gone; its trajectories go back to their versions", iid)
                 self._feed(InstanceFailed(iid, reason="the engine left slime's router or fails /health"))

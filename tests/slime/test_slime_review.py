@@ -11,6 +11,8 @@ import asyncio
 import sys
 import types
 
+import pytest
+
 from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
 
 from dora_ext.slime import rollout as slime_rollout
@@ -105,3 +107,58 @@ def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(
         for group in out.samples:
             (v,) = {s.weight_versions[0] for s in group}
             assert 0 <= step - int(v) <= 1
+
+
+@pytest.mark.parametrize("death", ["request_fails", "request_hangs"])
+def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp_path, standins, monkeypatch, death):
+    """The engine slime's eval is pinned to dies under it. Its requests either fail at once, or
+    hang (slime's `post` retries a dead engine for a minute; held here until the engine is
+    declared gone, 5 s at most). The eval used to fail and end slime's job; it now runs again on
+    another engine holding the newest version, and training goes on."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 0.02
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31400)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    probes: list = []
+    engine_gone = asyncio.Event()
+
+    def probe(name, value):
+        probes.append((name, value))
+        if name == "engine_failed":
+            engine_gone.set()
+
+    session.probe = probe
+    calls: list = []
+
+    async def eval_rollout(eval_args, rollout_id):
+        engine = standins.ENGINES[int(eval_args.sglang_router_port)]
+        calls.append(engine.port)
+        if len(calls) == 1:
+            engine.alive = False
+            if death == "request_hangs":
+                standins.HOLD[("eval", 0)] = engine_gone
+        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    try:
+        driver = SimulatedSlimeDriver(args, ds)
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        driver.push_weights()
+        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        standins.HOLD.clear()
+    assert len(calls) == 2 and calls[0] != calls[1], calls
+    lost = [v for n, v in probes if n == "eval_engine_lost"]
+    assert len(lost) == 1 and ev.metrics["dora/eval_instance"] != lost[0]
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
+    assert ev.metrics["dora/eval_version"] == 1
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 
@@ -162,3 +163,58 @@ def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp
     assert fleet.violations == []
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
     assert len(prompts) == len(set(prompts)) == 3 * 2
+
+
+def _kl_batch():
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    logp = (torch.randn(2, 6, generator=g) * 0.3 - 1.0).requires_grad_(True)
+    rollout = logp.detach() + torch.randn(2, 6, generator=g) * 0.4
+    ref = logp.detach() + 4.0 + torch.randn(2, 6, generator=g)  # far away: k3 estimates well above 10
+    masks = [torch.ones(6), torch.ones(6)]
+    batch = {"advantages": [torch.full((6,), 0.5), torch.full((6,), -0.5)],
+             "rollout_log_probs": list(rollout.unbind(0)), "loss_masks": masks,
+             "ref_log_probs": list(ref.unbind(0))}
+
+    def reduce(x):
+        return sum((xi * mi).sum() / mi.sum() for xi, mi in zip(x.split([6, 6]), masks))
+
+    return logp, rollout, ref, batch, reduce
+
+
+def test_sao_low_var_kl_with_unbiased_kl_clamps_after_the_importance_ratio_as_slime_does():
+    """`sao_loss` with `--kl-loss-type low_var_kl --use-unbiased-kl` clamped the k3 estimate to
+    [-10, 10] before multiplying by pi_theta / pi_old; slime's `compute_approx_kl`
+    (slime/utils/ppo_utils.py) multiplies first and clamps the product."""
+    import torch
+
+    from dora_ext.slime.loss import sao_loss_from_log_probs
+
+    logp, rollout, ref, batch, reduce = _kl_batch()
+    args = SimpleNamespace(eps_clip=0.2, use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="low_var_kl",
+                           use_unbiased_kl=True, use_rollout_logprobs=True)
+    _, log = sao_loss_from_log_probs(args, batch, list(logp.unbind(0)), reduce)
+    lr = -(logp.detach() - ref).reshape(-1)
+    k3 = lr.exp() - 1 - lr
+    ratio = torch.exp(logp.detach() - rollout).reshape(-1)
+    assert (k3 > 10).any() and ((ratio * k3).clamp(-10, 10) != ratio * k3.clamp(-10, 10)).any()  # the case bites
+    assert torch.allclose(log["kl_loss"], reduce((ratio * k3).clamp(-10, 10)), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_sao_kl_term_is_slimes_compute_approx_kl(kind, unbiased):
+    """With a slime checkout (DORA_SLIME_PATH): the KL term equals slime's own estimator."""
+    import torch
+
+    ppo_utils = pytest.importorskip("slime.utils.ppo_utils", reason="needs a slime checkout (DORA_SLIME_PATH)")
+    from dora_ext.slime.loss import sao_loss_from_log_probs
+
+    logp, rollout, ref, batch, reduce = _kl_batch()
+    args = SimpleNamespace(eps_clip=0.2, use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type=kind,
+                           use_unbiased_kl=unbiased, use_rollout_logprobs=True)
+    _, log = sao_loss_from_log_probs(args, batch, list(logp.unbind(0)), reduce)
+    ratio = torch.exp(logp.detach() - rollout).reshape(-1) if unbiased else None
+    expected = ppo_utils.compute_approx_kl(logp.detach().reshape(-1), ref.reshape(-1), kind, importance_ratio=ratio)
+    assert torch.allclose(log["kl_loss"], reduce(expected), atol=1e-5)

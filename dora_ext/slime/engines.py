@@ -157,6 +157,11 @@ class SglangEngines:
         self._cap = 0
         self._next_id = 0
         self.health_timeout_s = 5.0
+        # Instances with /update_weights_from_disk in flight. SGLang's /health runs a one-token
+        # generation by default, which waits for the load (up to 20 s): their health is not asked
+        # (slime pauses its own health monitor around weight updates too). A load that fails
+        # sends the worker to refresh() again, and then the engine is checked.
+        self._loading: set[int] = set()
 
     async def _listed(self) -> list[str]:
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
@@ -196,7 +201,7 @@ class SglangEngines:
         listed = await self._listed()
         gone = []
         for iid, url in list(self.urls.items()):
-            if url not in listed or not await self.healthy(url):
+            if url not in listed or (iid not in self._loading and not await self.healthy(url)):
                 gone.append(iid)
                 del self.urls[iid]
                 del self._args[iid]
@@ -230,9 +235,13 @@ class SglangEngines:
         url = self.urls.get(instance_id)
         if url is None:
             raise EngineGone(f"instance {instance_id} left")
-        reply = await self.http.post(
-            f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
-        )
+        self._loading.add(instance_id)
+        try:
+            reply = await self.http.post(
+                f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
+            )
+        finally:
+            self._loading.discard(instance_id)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise AdapterError(f"engine {url} failed to load {path}: {reply.get('message')}")
 

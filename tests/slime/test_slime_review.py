@@ -218,3 +218,53 @@ def test_sao_kl_term_is_slimes_compute_approx_kl(kind, unbiased):
     ratio = torch.exp(logp.detach() - rollout).reshape(-1) if unbiased else None
     expected = ppo_utils.compute_approx_kl(logp.detach().reshape(-1), ref.reshape(-1), kind, importance_ratio=ratio)
     assert torch.allclose(log["kl_loss"], reduce(expected), atol=1e-5)
+
+
+def test_an_engine_loading_weights_is_not_declared_dead_by_the_health_check(tmp_path, standins):
+    """SGLang's `/health` runs a one-token generation by default
+    (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`): while `/update_weights_from_disk` holds the
+    engine's scheduler, `/health` answers only after the load (SGLang waits up to 20 s). A real
+    checkpoint takes longer to load than the worker's health timeout, so the watcher declared
+    every loading engine dead; it rejoined, loaded again, and never served. Here each load on
+    engine 0 lasts until the watcher has run one full check during it (forced: the load returns
+    after the 2nd router read it saw), and `/health` hangs while a load runs. One engine, so the
+    run needs it; its first two loads are slow (bounded: a broken watcher cannot hang the test)."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 0.02
+    fleet = standins.FakeSglangFleet(1, capacity=2, base_port=31500)
+    slow = fleet.engines[0]
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session.engines.health_timeout_s = 0.05
+    probes: list = []
+    session.probe = lambda name, value: probes.append((name, value))
+    state = {"loading": None, "reads": 0, "slow_left": 2}
+    get, post = fleet.get, fleet.post
+
+    async def sglang_get(url):
+        if url.endswith("/workers") and state["loading"] is not None:
+            state["reads"] += 1
+            if state["reads"] >= 2:
+                state["loading"].set()
+        if url.endswith("/health") and url.startswith(slow.url) and state["loading"] is not None:
+            await state["loading"].wait()  # SGLang: no health answer while the load holds the scheduler
+        return await get(url)
+
+    async def slow_load(url, payload):
+        if url.startswith(slow.url) and url.endswith("/update_weights_from_disk") and state["slow_left"]:
+            state["slow_left"] -= 1
+            state["loading"], state["reads"] = asyncio.Event(), 0
+            try:
+                await asyncio.wait_for(state["loading"].wait(), 5)
+            finally:
+                state["loading"] = None
+        return await post(url, payload)
+
+    fleet.get, fleet.post = sglang_get, slow_load
+    outs = SimulatedSlimeDriver(args, ds).run_async(0, 4)
+    assert slow.loads, f"engine 0 never loaded: {probes}"
+    assert [v for n, v in probes if n == "engine_failed"] == [], "a loading engine was declared dead"
+    assert len(slow.loads) == len(set(slow.loads)), f"engine 0 loaded a version twice: {slow.loads}"
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 4 * 2

@@ -162,6 +162,7 @@ class SglangEngines:
         # (slime pauses its own health monitor around weight updates too). A load that fails
         # sends the worker to refresh() again, and then the engine is checked.
         self._loading: set[int] = set()
+        self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
 
     async def _listed(self) -> list[str]:
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
@@ -201,7 +202,11 @@ class SglangEngines:
         listed = await self._listed()
         gone = []
         for iid, url in list(self.urls.items()):
-            if url not in listed or (iid not in self._loading and not await self.healthy(url)):
+            if url in listed and iid in self._loading:
+                continue
+            started = self._loads_started.get(iid, 0)
+            if url not in listed or not (await self.healthy(url) or iid in self._loading
+                                         or self._loads_started.get(iid, 0) != started):
                 gone.append(iid)
                 del self.urls[iid]
                 del self._args[iid]
@@ -236,6 +241,7 @@ class SglangEngines:
         if url is None:
             raise EngineGone(f"instance {instance_id} left")
         self._loading.add(instance_id)
+        self._loads_started[instance_id] = self._loads_started.get(instance_id, 0) + 1
         try:
             reply = await self.http.post(
                 f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}

@@ -269,9 +269,8 @@ class RolloutSession:
         self.probe: Any = None
         # The instance slime's evaluation runs on, and the event set when it ends: the scheduler
         # does not see eval requests, so a load it asks for on that instance waits for them.
-        self._eval_instance: int | None = None
+        self._eval_on: int | None = None
         self._eval_over: asyncio.Event | None = None
-        self._eval_lost: asyncio.Event | None = None  # set when that engine is declared gone
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -378,35 +377,39 @@ class RolloutSession:
 
         await self._ensure_started()
         waited = time.monotonic()
-        while True:
-            iid, newest = await self._eval_engine()
+        for _attempt in range(3):
+            iid, newest = await self._eval_instance()
             tag = str(self.first_step + newest)
             args = self.engines.args_for_instance(iid)
             self._probe("eval_start", (rollout_id, iid, tag))
-            self._eval_instance, self._eval_over, self._eval_lost = iid, asyncio.Event(), asyncio.Event()
+            # slime's eval retries a dead engine for a minute; the engine watcher notices sooner:
+            # then the eval starts again on another engine holding the version.
+            # The scheduler does not see eval requests: a load it sends to this engine waits (_load).
+            self._eval_on, self._eval_over = iid, asyncio.Event()
             task = asyncio.ensure_future(eval_rollout(args, rollout_id))
-            lost = asyncio.ensure_future(self._eval_lost.wait())
             try:
-                await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+                while not task.done():
+                    await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
+                    if not task.done() and iid not in self.sched.instances:
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)
+                        break
             finally:
-                lost.cancel()
-                self._eval_instance = None
+                self._eval_on = None
                 self._eval_over.set()
-            if task.done():
-                try:
-                    out, _ = task.result()
-                    break
-                except Exception:
-                    # slime's post retries a dead engine for a minute before it gives up.
-                    await self._refresh()
-                    if iid in self.sched.instances:
-                        raise
-            else:
-                task.cancel()
-            # The engine died under the eval (its requests go nowhere): run it again on
-            # another engine that holds the newest version.
-            logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again", iid, rollout_id)
-            self._probe("eval_engine_lost", iid)
+            if task.cancelled():
+                logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again", iid, rollout_id)
+                continue
+            try:
+                out, _ = task.result()
+            except Exception:
+                await self._refresh()
+                if iid in self.sched.instances:
+                    raise
+                continue
+            break
+        else:
+            raise AdapterError(f"evaluation of rollout {rollout_id}: engines kept dying")
         seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
         if seen - {tag}:
             raise AdapterError(f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
@@ -415,8 +418,8 @@ class RolloutSession:
                         "dora/eval_wait_s": time.monotonic() - waited})
         return RolloutFnEvalOutput(data=out.data, metrics=metrics)
 
-    async def _eval_engine(self) -> tuple[int, int]:
-        """(an engine holding the newest published version, that version), waiting for one."""
+    async def _eval_instance(self) -> tuple[int, int]:
+        """An engine holding the newest published version (waits for one), and that version."""
         while True:
             if self._fatal is not None:
                 raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
@@ -425,7 +428,7 @@ class RolloutSession:
             if newest >= 0 and sched.newest_version >= newest:
                 iid = next((i for i, inst in sorted(sched.instances.items())
                             if inst.version == newest and inst.loading is None), None)
-                if iid is None and sched.instances and sched.done and all(
+                if iid is None and sched.done and sched.instances and all(
                         not inst.running and inst.loading is None for inst in sched.instances.values()):
                     # Nothing left to schedule: an idle engine loads the newest version for eval.
                     iid = min(sched.instances)
@@ -654,7 +657,7 @@ class RolloutSession:
     async def _load(self, a: LoadVersion) -> None:
         while self.board.poll() <= a.version:
             await asyncio.sleep(self.settings.poll_interval_s)
-        while self._eval_instance == a.instance_id:
+        while self._eval_on == a.instance_id:
             # slime's evaluation runs on this engine (requests the scheduler does not see): an
             # idle-looking engine sent back to an older version (its trajectories lost their
             # engine) would load under them (R4) and mix versions in the eval. Load after it.
@@ -692,8 +695,6 @@ class RolloutSession:
                 logger.warning("dora: could not re-read slime's router", exc_info=True)
                 return
         for iid in gone:
-            if iid == self._eval_instance and self._eval_lost is not None:
-                self._eval_lost.set()
             if iid in self.sched.instances:
                 logger.warning("dora: engine %s is gone; its trajectories go back to their versions", iid)
                 self._feed(InstanceFailed(iid, reason="the engine left slime's router or fails /health"))

@@ -194,10 +194,10 @@ def test_our_rollout_function_generates_real_tokens_through_slime(patched_slime,
 
 @pytest.mark.parametrize("fault_tolerance", [False, True], ids=["ft-off", "ft-on"])
 def test_engine_killed_mid_rollout(patched_slime, tmp_path, fault_tolerance):
-    """Engine 0 dies as its 6th request starts (requests in flight die with it). Off: its
+    """Engine 0 dies as its 3rd request starts (requests in flight die with it). Off: its
     trajectories go back to their version on the other engine. On (`--use-fault-tolerance`): the
     engine is relaunched and registered with slime's router, and the worker rediscovers it."""
-    flags = ["--loop", "train_async", "--mode", "dora", "--k", "1", "--num-rollout", "6", "--kill-engine-after", "6"]
+    flags = ["--loop", "train_async", "--mode", "dora", "--k", "1", "--num-rollout", "6", "--kill-engine-after", "3"]
     if fault_tolerance:
         flags += ["--fault-tolerance", "--restart-engines"]
     ev = run_job(patched_slime, tmp_path / "job", *flags)

@@ -156,8 +156,8 @@ def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp
     finally:
         standins.HOLD.clear()
     assert len(calls) == 2 and calls[0] != calls[1], calls
-    lost = [v for n, v in probes if n == "eval_engine_lost"]
-    assert len(lost) == 1 and ev.metrics["dora/eval_instance"] != lost[0]
+    dead = [v for n, v in probes if n == "engine_failed"]
+    assert len(dead) == 1 and ev.metrics["dora/eval_instance"] != dead[0]
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
     assert ev.metrics["dora/eval_version"] == 1
     assert fleet.violations == []

@@ -5,7 +5,8 @@ Stand-ins: Megatron-LM's parser (`megatron_args.py`) and the HF checkpoint the f
 not on this machine: `AutoConfig` in slime's Megatron-argument module returns an empty config, so
 slime's HF-vs-Megatron shape check has nothing to compare). Flags no parser knows are reported.
 
-    python -m slime_cpu.parse_flags < argv.json    -> prints {"unknown": [...], "args": {...}}
+    python -m slime_cpu.parse_flags < argvs.json   (a list of argv lists)
+    -> prints a JSON list, one {"unknown": [...], "args": {...}} per argv
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 
 def main() -> int:
-    argv = json.load(sys.stdin)
+    argvs = json.load(sys.stdin)
     os.environ["SLIME_ACCELERATOR"] = "cpu"
     from slime_cpu import accel, megatron_args
 
@@ -33,6 +34,14 @@ def main() -> int:
     slime_megatron_args.AutoConfig = _AbsentCheckpointConfig
     from slime.utils.arguments import parse_args
 
+    outs = [_parse(parse_args, argv) for argv in argvs]
+    print(json.dumps(outs, default=str))
+    return 0
+
+
+def _parse(parse_args, argv: list[str]) -> dict:
+    from slime_cpu import megatron_args
+
     sys.argv = ["train.py", *argv]
     args = parse_args()
     keep = ("rollout_function_path", "eval_function_path", "data_source_path", "update_weight_transport",
@@ -46,8 +55,7 @@ def main() -> int:
         check_launch(args)  # dora-ext's own launch check, on the args slime parsed
         slime_settings(args)
         out["dora_config"] = dora_config(args, instances=[1]).to_dict()
-    print(json.dumps(out, default=str))
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -133,9 +133,38 @@ class CpuTrainRayActor(RayActor):
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict()}, d / "state.pt")
         (Path(self.args.save) / "latest_checkpointed_iteration.txt").write_text(str(rollout_id))
 
+    def _wait_for_recovered_engines(self, timeout_s: float = 180.0) -> None:
+        """slime recovers dead engines synchronously here (`recover_updatable_engines` relaunches
+        the engines it launched). For external engines that call is a no-op and the harness
+        relaunches them (run.py); wait, as slime's recovery does, until every engine is back in
+        the router and healthy."""
+        import time
+
+        import requests
+
+        router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            healthy = 0
+            try:
+                for w in requests.get(f"{router}/workers", timeout=5).json().get("workers", []):
+                    try:
+                        requests.get(f"{w['url']}/health", timeout=2).raise_for_status()
+                        healthy += 1
+                    except requests.RequestException:
+                        pass
+            except requests.RequestException:
+                pass
+            if healthy >= self.args.rollout_num_engines:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {healthy} of {self.args.rollout_num_engines} engines came back")
+            time.sleep(0.5)
+
     def update_weights(self):
         if self.args.use_fault_tolerance and self._rank == 0:
             ray.get(self.rollout_manager.recover_updatable_engines.remote())
+            self._wait_for_recovered_engines()
         engines, *_ = ray.get(self.rollout_manager.get_updatable_engines_and_lock.remote())
         if not engines:
             return

@@ -14,7 +14,8 @@ SGLang reports it in every response (`Sample.weight_versions`).
 
 Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health`, so
 an engine that died leaves (its trajectories go back to the same version elsewhere) and one that
-slime's fault tolerance restarted and registered again joins as a new instance.
+slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
+weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
 
 `SglangEngines` takes its HTTP client and its `generate_and_rm` as arguments: slime's by default,
 a stand-in in tests (where no SGLang server can exist).

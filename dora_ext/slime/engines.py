@@ -14,7 +14,8 @@ SGLang reports it in every response (`Sample.weight_versions`).
 
 Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health`, so
 an engine that died leaves (its trajectories go back to the same version elsewhere) and one that
-slime's fault tolerance restarted and registered again joins as a new instance.
+slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
+weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
 
 `SglangEngines` takes its HTTP client and its `generate_and_rm` as arguments: slime's by default,
 a stand-in in tests (where no SGLang server can exist).
@@ -157,6 +158,12 @@ class SglangEngines:
         self._cap = 0
         self._next_id = 0
         self.health_timeout_s = 5.0
+        # Instances with /update_weights_from_disk in flight. SGLang's /health runs a one-token
+        # generation by default, which waits for the load (up to 20 s): their health is not asked
+        # (slime pauses its own health monitor around weight updates too). A load that fails
+        # sends the worker to refresh() again, and then the engine is checked.
+        self._loading: set[int] = set()
+        self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
 
     async def _listed(self) -> list[str]:
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
@@ -196,7 +203,11 @@ class SglangEngines:
         listed = await self._listed()
         gone = []
         for iid, url in list(self.urls.items()):
-            if url not in listed or not await self.healthy(url):
+            if url in listed and iid in self._loading:
+                continue
+            started = self._loads_started.get(iid, 0)
+            if url not in listed or not (await self.healthy(url) or iid in self._loading
+                                         or self._loads_started.get(iid, 0) != started):
                 gone.append(iid)
                 del self.urls[iid]
                 del self._args[iid]
@@ -230,9 +241,14 @@ class SglangEngines:
         url = self.urls.get(instance_id)
         if url is None:
             raise EngineGone(f"instance {instance_id} left")
-        reply = await self.http.post(
-            f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
-        )
+        self._loading.add(instance_id)
+        self._loads_started[instance_id] = self._loads_started.get(instance_id, 0) + 1
+        try:
+            reply = await self.http.post(
+                f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
+            )
+        finally:
+            self._loading.discard(instance_id)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise AdapterError(f"engine {url} failed to load {path}: {reply.get('message')}")
 

@@ -107,16 +107,17 @@ def sao_loss_from_log_probs(
             raise ValueError("batch['ref_log_probs']: --use-kl-loss needs the reference model's log-probs")
         ref = torch.cat(batch["ref_log_probs"], dim=0).to(logp.dtype).detach()
         kind = getattr(args, "kl_loss_type", "k1")
-        if kind in ("k1", "k2", "k3"):
-            kl = kl_penalty(logp, ref, kind)
-        elif kind == "low_var_kl":
-            kl = kl_penalty(logp, ref, "k3").clamp(-10.0, 10.0)
+        if kind in ("k1", "k2", "k3", "low_var_kl"):
+            kl = kl_penalty(logp, ref, "k3" if kind == "low_var_kl" else kind)
         else:
             raise ValueError(f"kl_loss_type: unknown KL estimator {kind!r}; accepted: k1, k2, k3, low_var_kl")
         if getattr(args, "use_unbiased_kl", False):
             old = batch["rollout_log_probs"] if getattr(args, "use_rollout_logprobs", False) else batch.get("log_probs")
             old_t = torch.cat(old, dim=0).to(logp.dtype).detach() if old else rollout_logp.detach()
             kl = torch.exp(logp - old_t) * kl
+        if kind == "low_var_kl":
+            # slime's compute_approx_kl clamps the estimate after the importance ratio.
+            kl = kl.clamp(-10.0, 10.0)
         kl_loss = sum_of_sample_mean(kl)
         loss = loss + float(getattr(args, "kl_loss_coef", 0.0)) * kl_loss
         log["kl_loss"] = kl_loss.clone().detach()

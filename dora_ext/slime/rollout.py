@@ -267,6 +267,10 @@ class RolloutSession:
         #: id was asked for), "published" (a version was fed to the scheduler) and "batch"
         #: (a batch was formed). Tests use it to force event orders without sleeping.
         self.probe: Any = None
+        # The instance slime's evaluation runs on, and the event set when it ends: the scheduler
+        # does not see eval requests, so a load it asks for on that instance waits for them.
+        self._eval_on: int | None = None
+        self._eval_over: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -380,13 +384,19 @@ class RolloutSession:
             self._probe("eval_start", (rollout_id, iid, tag))
             # slime's eval retries a dead engine for a minute; the engine watcher notices sooner:
             # then the eval starts again on another engine holding the version.
+            # The scheduler does not see eval requests: a load it sends to this engine waits (_load).
+            self._eval_on, self._eval_over = iid, asyncio.Event()
             task = asyncio.ensure_future(eval_rollout(args, rollout_id))
-            while not task.done():
-                await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
-                if not task.done() and iid not in self.sched.instances:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    break
+            try:
+                while not task.done():
+                    await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
+                    if not task.done() and iid not in self.sched.instances:
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)
+                        break
+            finally:
+                self._eval_on = None
+                self._eval_over.set()
             if task.cancelled():
                 logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again", iid, rollout_id)
                 continue
@@ -647,6 +657,12 @@ class RolloutSession:
     async def _load(self, a: LoadVersion) -> None:
         while self.board.poll() <= a.version:
             await asyncio.sleep(self.settings.poll_interval_s)
+        while self._eval_on == a.instance_id:
+            # slime's evaluation runs on this engine (requests the scheduler does not see): an
+            # idle-looking engine sent back to an older version (its trajectories lost their
+            # engine) would load under them (R4) and mix versions in the eval. Load after it.
+            self._probe("load_waits_for_eval", (a.instance_id, self.first_step + a.version))
+            await self._eval_over.wait()
         try:
             await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
         except AdapterError:

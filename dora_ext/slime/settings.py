@@ -61,7 +61,8 @@ class SlimeSettings:
       is_cap: the cap C of the correction (> 1).
       engine_check_interval_s: how often the rollout worker re-reads slime's router and checks
         each engine's `/health` (a dead engine's trajectories go back to the same version on
-        other engines; an engine restarted by `--use-fault-tolerance` joins again).
+        other engines; an engine restarted by `--use-fault-tolerance` joins again). Engines
+        loading weights are skipped (SGLang's `/health` waits for the load).
     """
 
     weights_dir: str | None = None

@@ -36,7 +36,7 @@ class SimInstance:
     __slots__ = (
         "id", "a", "b", "c", "prefill", "capacity", "it", "S", "r", "heap", "seqs", "t_last",
         "busy_until", "version", "loading", "paused", "inbound", "gen", "sched_gen", "load_token",
-        "slot_time", "log", "state",
+        "slot_time", "log", "state", "done_context",
     )
 
     def __init__(self, iid: int, cost: EngineCost) -> None:
@@ -45,6 +45,7 @@ class SimInstance:
         self.prefill = cost.prefill_s_per_token
         self.capacity = cost.capacity
         self.it = 0.0  # iterations executed (fractional between events)
+        self.done_context: list[float] = []  # context (prompt + generated) of what `pop_finished` returned
         self.S = 0.0  # sum over running of (context - it): total context = S + r * it
         self.r = 0  # running sequences
         self.heap: list[tuple[float, Hashable]] = []  # (finish mark, key), lazily invalidated
@@ -164,7 +165,9 @@ class SimInstance:
             self.it = mark
         limit = self.it + 1e-9 * (1.0 + self.it)
         done: list[Hashable] = []
+        ctx = self.done_context = []  # evidence for the truncation check (C2)
         S = self.S
+        it = self.it
         while heap:
             mark, key = heap[0]
             if mark > limit:
@@ -176,6 +179,7 @@ class SimInstance:
             del seqs[key]
             S -= cur[1]
             done.append(key)
+            ctx.append(cur[1] + it)
         self.r -= len(done)
         self.S = S if self.r else 0.0
         self.gen += 1

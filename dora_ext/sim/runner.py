@@ -198,6 +198,7 @@ class Simulation:
         self.multi: dict[tuple[int, int], list[int]] = {}  # key -> versions, once resumed under another
         self.trained_step: dict[int, int] = {}
         self.duplicated = 0
+        self.truncated: set[tuple[int, int]] = set()  # trajectories that finished short of their length
         self.events = 0
 
         # trainer
@@ -407,10 +408,18 @@ class Simulation:
         now = self.now
         traj, groups, last, append = self.traj, self.groups, self.last_finish, self._pending.append
         finished = E.TrajectoryFinished
-        for key in si.pop_finished(now):
+        for key, context in zip(si.pop_finished(now), si.done_context):
             gid, idx = key
-            # The reward's value does not matter to scheduling; it only has to be a number.
-            append(finished(gid, idx, groups[gid][2][idx], float((gid + idx) & 1), traj[key][0]))
+            g = groups[gid]
+            target = g[2][idx]
+            # Evidence, not an assumption: the tokens the engine generated (context - prompt); one
+            # short of the sampled length is a truncation (C2), reported and counted.
+            if context - g[1] < target - 0.5:
+                self.truncated.add(key)
+                append(finished(gid, idx, int(context - g[1]), float((gid + idx) & 1), traj[key][0], True))
+            else:
+                # The reward's value does not matter to scheduling; it only has to be a number.
+                append(finished(gid, idx, target, float((gid + idx) & 1), traj[key][0]))
             last[gid] = now
             if self.finish_log is not None:
                 self.finish_log.append((now, gid))
@@ -572,6 +581,7 @@ class Simulation:
             if s < 0 or s > self.K:
                 c3 += 1
         dropped = sum(1 for gid in self.groups if gid not in self.trained_step)
+        truncated = sum(1 for gid, _ in self.truncated if gid in self.trained_step)
         trained_traj = sum(len(self.groups[g][2]) for g in self.trained_step)
         multi_trained = sum(
             1 for (gid, _), vs in self.multi.items() if gid in self.trained_step and len(vs) > 1
@@ -582,10 +592,10 @@ class Simulation:
             "staleness_hist": dict(sorted(hist.items())),
             "c3_violations": c3,
             "dropped": dropped,
-            "truncated": 0,
+            "truncated": truncated,
             "duplicated": self.duplicated,
             "c1_ok": multi_trained == 0,
-            "c2_ok": dropped == 0 and self.duplicated == 0,
+            "c2_ok": dropped == 0 and self.duplicated == 0 and truncated == 0,
             "c3_ok": c3 == 0,
         }
 

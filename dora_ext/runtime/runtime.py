@@ -43,6 +43,11 @@ class RuntimeStall(RuntimeError):
     """No worker reported anything for `runtime.stall_timeout_s` although the run is not done."""
 
 
+class WorkerDied(RuntimeError):
+    """The trainer process (or the last rollout instance) exited during the run. The message names
+    the last checkpoint and the `--resume` command that continues from it."""
+
+
 # ---------------------------------------------------------------------------------- preparation
 @dataclass
 class Prepared:
@@ -230,6 +235,10 @@ class Runtime:
         self.loads = 0
         self.tokens_trained = 0
         self.migrations = 0
+        self.failed_instances: dict[int, Any] = {}  # instance id -> exit code
+        self.in_transit: dict[tuple, int] = {}  # (gid, idx) -> the instance exporting it
+        self.instance_pids: dict[int, Any] = {}
+        self.trainer_pid: Any = None
 
     # ------------------------------------------------------------------ cores
     @property
@@ -295,16 +304,30 @@ class Runtime:
             handles.append(th)
             self.inboxes, ih = start_instances(specs, per_inst, roll, self.outbox, self.backend)
             handles.extend(ih)
+            instance_handles = dict(zip(specs, ih))
+            self.instance_pids = {iid: getattr(h, "pid", None) for iid, h in instance_handles.items()}
+            self.trainer_pid = getattr(th, "pid", None)
             self._wait_ready(len(specs) + 1, handles)
             self.t0 = time.perf_counter()  # setup (processes, engines, trainer) is not part of the run
             self._execute(self.sched.start())
             self._flush()
             stall = self.recipe.runtime.stall_timeout_s
+            last_msg = last_check = time.perf_counter()
             while not self.sched.done:
                 try:
-                    msg = self.outbox.get(timeout=stall)
+                    msg = self.outbox.get(timeout=min(stall, 1.0))
                 except queue.Empty:
-                    raise RuntimeStall(self._stall_report(stall)) from None
+                    msg = None
+                now = time.perf_counter()
+                if procs and (msg is None or now - last_check > 0.5):
+                    last_check = now
+                    self._watch(instance_handles, th)
+                if msg is None:
+                    if now - last_msg > stall:
+                        raise RuntimeStall(self._stall_report(stall))
+                    self._flush()
+                    continue
+                last_msg = now
                 self._on_message(msg)
                 self._flush()
             t_end = self.step_end[-1] if self.step_end else self._now()
@@ -316,7 +339,7 @@ class Runtime:
                 if q is not None:
                     q.put(("stop",))
             if ok:
-                self._collect_stats(len(handles))
+                self._collect_stats(sum(1 for h in handles if h.is_alive()))
             for h in handles:
                 h.join(timeout=10 if ok else 2)
                 if h.is_alive() and hasattr(h, "terminate"):
@@ -329,6 +352,41 @@ class Runtime:
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def _watch(self, instances: dict, trainer: Any) -> None:
+        """Find worker processes that exited. A dead instance is reported to the scheduler
+        (`InstanceFailed`: its running trajectories are re-dispatched to their pinned version on
+        the remaining instances) and the run goes on with fewer instances; a dead trainer, or no
+        instance left, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
+        if not trainer.is_alive():
+            raise WorkerDied(self._died_message(f"the trainer process exited (exit code {trainer.exitcode})"))
+        for iid, h in list(instances.items()):
+            if h.is_alive() or iid in self.failed_instances:
+                continue
+            self.failed_instances[iid] = h.exitcode
+            del instances[iid]
+            if not instances:
+                raise WorkerDied(self._died_message(f"the last rollout instance ({iid}) exited (exit code {h.exitcode})"))
+            self.inboxes.pop(iid, None)
+            self._outgoing.pop(iid, None)
+            self._execute(self.sched.handle(E.InstanceFailed(iid, f"process exited with code {h.exitcode}")))
+            # A sequence it was exporting when it died never reached its destination: retry it there.
+            for key, src in list(self.in_transit.items()):
+                if src == iid:
+                    del self.in_transit[key]
+                    rec = self.dispatch[key]
+                    if rec[0] != iid and not self._finished(key):
+                        self._execute(self.sched.handle(E.TrajectoryFailed(
+                            key[0], key[1], f"lost in a migration from failed instance {iid}", rec[2])))
+
+    def _died_message(self, what: str) -> str:
+        ckpt = getattr(self, "checkpoint_dir", None)
+        step = len(self.step_end)
+        if ckpt:
+            return (f"{what} at step {step}. The run can continue from its last checkpoint: "
+                    f"dora-ext train {self.recipe.path or 'RECIPE'} --resume {ckpt}")
+        return (f"{what} at step {step}. No checkpoint was written (run with --checkpoint-every N, "
+                f"then continue a broken run with dora-ext train RECIPE --resume DIR)")
 
     def _wait_ready(self, count: int, handles: list) -> None:
         ready = 0
@@ -385,6 +443,8 @@ class Runtime:
             self._execute(self.sched.handle(E.InstanceLoaded(iid, version)))
         elif kind == "step_done":
             self._on_step_done(*msg[1:])
+        elif kind == "imported":
+            self.in_transit.pop(tuple(msg[2][:2]), None)
         elif kind == "error":
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
@@ -478,6 +538,7 @@ class Runtime:
                 if rec[0] != act.src or rec[1] != act.version:
                     raise RuntimeError(f"migration of {act} but the ledger has it on instance {rec[0]} (version {rec[1]})")
                 rec[0] = act.dst
+                self.in_transit.setdefault((act.group_id, act.index), act.src)
                 self.migrations += 1
                 rid = (act.group_id, act.index, rec[2])
                 self._send(act.src, ("migrate", rid, act.dst))
@@ -502,6 +563,7 @@ class Runtime:
         key = (act.group_id, act.index)
         prompt = self.prompts[act.group_id]
         self.dispatch[key] = [act.instance_id, act.version, act.attempt]
+        self.in_transit.pop(key, None)
         self.dispatch_versions[key] = act.version
         self.first_dispatch.setdefault(act.group_id, self._now())
         seed = (self.recipe.seed * SEED_STRIDE + int(act.group_id) * 1009 + act.index * 31 + act.attempt) % (2**62)

@@ -122,7 +122,7 @@ class InstanceLoop:
       ("import", SequenceState)             a migrated sequence arriving
       ("stop",)                             report ("stats", iid, {...}) and return
       ("batch", [commands])                 several of the above, executed in order (one wake-up)
-    Reports: ("ready", name, torch_threads), ("loaded", iid, version, seconds),
+    Reports: ("ready", name, torch_threads), ("loaded", iid, version, seconds), ("imported", iid, rid),
     ("finished", iid, [Finished, ...], t), ("error", name, message, traceback).
 
     `log` [(t, code)]: code = version while decoding, -1 while loading, -2 while idle (the
@@ -233,6 +233,7 @@ class InstanceLoop:
                 self.peers[dst].put(("import", state))
             else:
                 engine.import_sequence(state)
+                self.outbox.put(("imported", self.iid, state.request_id))
         else:
             raise ValueError(f"instance {self.iid}: unknown command {kind!r}")
 

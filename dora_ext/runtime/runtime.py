@@ -196,7 +196,9 @@ class Runtime:
     """
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
-                 keep_versions: bool = False, device: torch.device | None = None) -> None:
+                 keep_versions: bool = False, device: torch.device | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+                 on_checkpoint: Callable[[int], None] | None = None) -> None:
         from ..engines import SamplingParams, default_device
 
         self.recipe = recipe
@@ -239,6 +241,16 @@ class Runtime:
         self.in_transit: dict[tuple, int] = {}  # (gid, idx) -> the instance exporting it
         self.instance_pids: dict[int, Any] = {}
         self.trainer_pid: Any = None
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.on_checkpoint = on_checkpoint
+        self.t_offset = 0.0  # wall time of the run before a resume
+        self.resumed_from: int | None = None
+        self._trainer_resume: str | None = None
+        if resume:
+            if not checkpoint_dir:
+                raise ValueError("resume: needs checkpoint_dir")
+            self._load_checkpoint()
 
     # ------------------------------------------------------------------ cores
     @property
@@ -280,11 +292,16 @@ class Runtime:
         procs = self.backend == "process"
         self.outbox = process_context().Queue() if procs else queue.SimpleQueue()
         if procs:
-            self.versions[0] = PackedWeights.pack(self.prepared.weights, shared=True)
+            self.versions = {v: w if isinstance(w, PackedWeights) else PackedWeights.pack(w, shared=True)
+                             for v, w in self.versions.items()}
         dev = str(self.device)
         specs = {s.id: EngineRecipe(self.prepared.model_config, s.capacity, self.task.stop_id, dev)
                  for s in self.config.instances}
-        trainer_spec = TrainerRecipe(self.prepared.model_config, dict(self.recipe.trainer), self.versions[0], dev)
+        v0 = self.versions.get(0)
+        if v0 is None:  # a resumed run: version 0 (the KL reference) from the deterministic preparation
+            v0 = PackedWeights.pack(self.prepared.weights, shared=True) if procs else self.prepared.weights
+        trainer_spec = TrainerRecipe(self.prepared.model_config, dict(self.recipe.trainer), v0, dev,
+                                     resume=self._trainer_resume)
         self.inboxes: dict[int, Any] = {}
         handles: list[Any] = []
         self.trainer_inbox: Any = None
@@ -308,8 +325,11 @@ class Runtime:
             self.instance_pids = {iid: getattr(h, "pid", None) for iid, h in instance_handles.items()}
             self.trainer_pid = getattr(th, "pid", None)
             self._wait_ready(len(specs) + 1, handles)
-            self.t0 = time.perf_counter()  # setup (processes, engines, trainer) is not part of the run
-            self._execute(self.sched.start())
+            self.t0 = time.perf_counter() - self.t_offset  # setup is not part of the run
+            if self.resumed_from is None:
+                self._execute(self.sched.start())
+            else:
+                self._restart_from_checkpoint()
             self._flush()
             stall = self.recipe.runtime.stall_timeout_s
             last_msg = last_check = time.perf_counter()
@@ -379,6 +399,91 @@ class Runtime:
                         self._execute(self.sched.handle(E.TrajectoryFailed(
                             key[0], key[1], f"lost in a migration from failed instance {iid}", rec[2])))
 
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_path(self, version: int, kind: str) -> str:
+        import os
+
+        return os.path.join(self.checkpoint_dir, f"{kind}-{version:06d}.pt")
+
+    def _save_state(self, version: int) -> None:
+        """The coordinator's half of checkpoint `version`: the scheduler's snapshot, the ledger,
+        the prompt stream's position and the weights of every version work may still be pinned
+        to. The trainer writes its half (model, optimizer) and reports "checkpointed"; only then
+        does `latest` point at this checkpoint."""
+        import os
+
+        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        keep = {v: (w.unpack() if hasattr(w, "unpack") else w) for v, w in self.versions.items()
+                if v >= version - self.config.max_staleness - 1}
+        state = {
+            "format": 1, "version": version, "mode": self.mode,
+            "scheduler": self.sched.snapshot(),
+            "next_prompt": max(self.prompts) + 1 if self.prompts else 0,
+            "ledger": {
+                "prompts": self.prompts, "group_version": self.group_version, "results": self.results,
+                "token_versions": self.token_versions, "finish_reasons": self.finish_reasons,
+                "dispatch": self.dispatch, "dispatch_versions": self.dispatch_versions,
+                "first_dispatch": self.first_dispatch, "step_groups": self.step_groups,
+                "trained": self.trained, "step_end": self.step_end, "step_records": self.step_records,
+                "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
+                "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
+            },
+            "versions": keep,
+        }
+        tmp = self._ckpt_path(version, "state") + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self._ckpt_path(version, "state"))
+
+    def _checkpoint_complete(self, version: int) -> None:
+        import os
+
+        if not os.path.exists(self._ckpt_path(version, "state")):
+            raise RuntimeError(f"checkpoint {version}: the trainer saved its half, the coordinator's is missing")
+        tmp = os.path.join(self.checkpoint_dir, "latest.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(f"{version}\n")
+        os.replace(tmp, os.path.join(self.checkpoint_dir, "latest"))
+        for old in os.listdir(self.checkpoint_dir):  # keep the newest complete checkpoint only
+            if old.endswith(".pt") and old[:-3].split("-")[-1].isdigit() and int(old[:-3].split("-")[-1]) < version:
+                os.remove(os.path.join(self.checkpoint_dir, old))
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(version)
+
+    def _load_checkpoint(self) -> None:
+        import os
+
+        latest = os.path.join(self.checkpoint_dir, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"{self.checkpoint_dir}: no complete checkpoint (no 'latest' file)")
+        with open(latest, encoding="utf-8") as fh:
+            version = int(fh.read().strip())
+        state = torch.load(self._ckpt_path(version, "state"), weights_only=False)
+        if state.get("format") != 1 or state["mode"] != self.mode:
+            raise ValueError(f"checkpoint {version}: format {state.get('format')!r}, mode {state['mode']!r}; "
+                             f"expected format 1, mode {self.mode!r}")
+        self.sched = Scheduler.restore(state["scheduler"])
+        for k, v in state["ledger"].items():
+            setattr(self, k, v)
+        self.versions = dict(state["versions"])
+        self._stream = self.task.prompts(seed=self.recipe.seed, start=state["next_prompt"])
+        self.t_offset = self.step_end[-1] if self.step_end else 0.0
+        self.resumed_from = version
+        self._trainer_resume = self._ckpt_path(version, "trainer")
+
+    def _restart_from_checkpoint(self) -> None:
+        """Fresh processes hold nothing: every instance of the snapshot is failed (its running
+        trajectories go back to the queue of their pinned version, with a new attempt) and
+        registered again; a step that had started is handed to the trainer again in full."""
+        for iid in list(self.sched.instances):
+            cap = self.sched.instances[iid].capacity
+            self._execute(self.sched.handle(E.InstanceFailed(iid, "resumed from a checkpoint")))
+            self._execute(self.sched.handle(E.InstanceReady(iid, cap)))
+        busy = self.sched.trainer_busy
+        if busy is not None:
+            gids = self.step_groups[busy]
+            self.delivered.update(gids)
+            self.trainer_inbox.put(("step", busy, [(g, self._group(g)) for g in gids]))
+
     def _died_message(self, what: str) -> str:
         ckpt = getattr(self, "checkpoint_dir", None)
         step = len(self.step_end)
@@ -443,6 +548,8 @@ class Runtime:
             self._execute(self.sched.handle(E.InstanceLoaded(iid, version)))
         elif kind == "step_done":
             self._on_step_done(*msg[1:])
+        elif kind == "checkpointed":
+            self._checkpoint_complete(msg[1])
         elif kind == "imported":
             self.in_transit.pop(tuple(msg[2][:2]), None)
         elif kind == "error":
@@ -466,6 +573,11 @@ class Runtime:
         self._execute(self.sched.handle(ev))
 
     def _on_step_done(self, step: int, metrics: dict, gids: list, t: float, weights: Any) -> None:
+        v = step + 1
+        checkpoint = bool(self.checkpoint_dir and self.checkpoint_every and v % self.checkpoint_every == 0
+                          and v < self.recipe.steps)
+        if checkpoint:  # first in the trainer's inbox: it saves version v before any later step starts
+            self.trainer_inbox.put(("checkpoint", self._ckpt_path(v, "trainer")))
         t -= self.t0
         self.step_end.append(t)
         expected = self.step_groups[step]
@@ -501,6 +613,8 @@ class Runtime:
             if k in metrics:
                 record[k] = metrics[k]
         self.step_records.append(record)
+        if checkpoint:
+            self._save_state(v)
         if self.on_step is not None:
             self.on_step(record)
 

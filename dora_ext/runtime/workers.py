@@ -320,6 +320,7 @@ class TrainerRecipe:
     trainer: dict
     weights: Any  # version 0: a state dict, or `PackedWeights`
     device: str
+    resume: str | None = None  # a trainer checkpoint to continue from (model, critic, optimizer, version)
 
 
 def build_trainer(spec: TrainerRecipe) -> Any:
@@ -350,13 +351,35 @@ def build_trainer(spec: TrainerRecipe) -> Any:
                 return self.lm.values(input_ids)
 
         value_head = Critic(critic)
-    return Trainer(policy, cfg, value_head=value_head)
+    trainer = Trainer(policy, cfg, value_head=value_head)  # the KL reference is version 0
+    if spec.resume:
+        load_trainer_checkpoint(trainer, spec.resume)
+    return trainer
+
+
+def save_trainer_checkpoint(trainer: Any, path: str) -> None:
+    """The trainer's half of a checkpoint, written atomically: weights, critic, optimizer, version."""
+    state = {"version": trainer.version, "policy": trainer.policy.state_dict(),
+             "value_head": trainer.value_head.state_dict() if hasattr(trainer.value_head, "state_dict") else None,
+             "optimizer": trainer.optimizer.state_dict()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_trainer_checkpoint(trainer: Any, path: str) -> None:
+    state = torch.load(path, weights_only=False)
+    trainer.policy.load_state_dict(state["policy"])
+    if state["value_head"] is not None:
+        trainer.value_head.load_state_dict(state["value_head"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.version = state["version"]
 
 
 class TrainerLoop:
     """The trainer's command loop (thread or process).
 
     Commands: ("group", gid, trajectories)  forward/backward now (streamed, R7);
+              ("checkpoint", path)  save model, critic, optimizer and version (reports ("checkpointed", version));
               ("step", step, [(gid, trajectories), ...])  the groups not streamed yet, then the
               optimizer step and the new weights;  ("stop",)  report ("stats", "trainer", {...}).
     Reports: ("step_done", step, metrics, gids, t, weights) with the weights of version step+1,
@@ -391,6 +414,9 @@ class TrainerLoop:
                 self._gids.append(cmd[1])
                 self.busy.append((t0, time.perf_counter()))
                 self.cpu += time.thread_time() - c0
+            elif kind == "checkpoint":
+                save_trainer_checkpoint(self.trainer, cmd[1])
+                self.outbox.put(("checkpointed", self.trainer.version))
             elif kind == "step":
                 _, step, rest = cmd
                 for gid, trajectories in rest:

@@ -75,3 +75,61 @@ def test_a_killed_trainer_is_a_clean_error_naming_resume():
     holder.append(rt)
     with pytest.raises(WorkerDied, match="trainer process exited.*--resume"):
         rt.run()
+
+
+@pytest.mark.slow
+def test_kill_the_whole_process_tree_and_resume(tmp_path):
+    """`dora-ext train` in its own process group is killed with SIGKILL (coordinator, fork server,
+    trainer and instances at once) right after its second checkpoint; `train --resume` finishes the
+    run. From the resumed run's ledger (the checkpoint's ledger plus what ran after it): every
+    admitted group trained exactly once (or reported failed), every step trained a full batch."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = tiny(steps=10, task={"median": 6, "cap": 12, "cv": 1.0},
+                dora={"batch_size": 2, "group_size": 2, "capacity": 3})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dora_ext.cli", "train", str(path), "--out", str(out),
+           "--checkpoint-every", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stderr:  # blocks on the run's own reports: no timing guesses
+            if line.startswith("checkpoint: version"):
+                seen.append(int(line.split()[2]))
+                if len(seen) == 2:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert seen == [2, 4], seen
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "report.json").exists()  # it really died before finishing
+    assert (out / "checkpoint" / "latest").read_text().strip() == "4"
+
+    done = subprocess.run([sys.executable, "-m", "dora_ext.cli", "train", "--resume", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "resumed at step 4" in done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["resumed_from"] == 4
+    ledger = report["ledger"]
+    failed = {g for g, _ in ledger["failed"]}
+    trained = ledger["trained"]
+    assert {str(g) for g in ledger["admitted"]} == set(trained) | failed
+    assert all(len(steps) == 1 for steps in trained.values())  # exactly once
+    per_step = {}
+    for steps in trained.values():
+        per_step[steps[0]] = per_step.get(steps[0], 0) + 1
+    assert per_step == {k: 2 for k in range(10)}
+    assert report["checks"]["c1_ok"] and report["checks"]["c2_ok"] and report["checks"]["c3_ok"]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(10))

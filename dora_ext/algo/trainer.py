@@ -101,6 +101,8 @@ class TrainerConfig:
       (the module docstring says what each does).
     is_cap: C of the importance weight. is_cap_mode: "truncate" or "mask" (decoupled only).
     ppo_epochs, ppo_minibatches: optimizer steps per batch = epochs x minibatches (PPO's inner loop).
+      Minibatches are consecutive chunks of groups; data parallel, each rank chunks its own share
+      (minibatch i = every rank's i-th chunk), the same split when each share divides evenly.
     kl_coef: weight of the k3 KL penalty to the initial policy (0 = no reference model).
     critic_warmup: SAO: the first steps train only the value head (the policy is published
       unchanged), so that the fresh critic's advantages are not noise when the policy starts moving.
@@ -317,6 +319,48 @@ class Trainer:
         self._reset_step()
 
     @property
+    def _world(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _merge_ranks(self) -> None:
+        """Data parallel (torch.distributed initialised by the host, e.g. gloo on CPU): every rank
+        streamed its own share of the batch; after this every rank holds the whole batch's
+        bookkeeping (divisors, metric sums), so the step below is the same on every rank. The
+        gradients are summed over ranks in `_apply`."""
+        import torch.distributed as dist
+
+        mine = (self._groups, self._units_total, self._tokens, self._rewards, self._staleness, self._sums)
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        self._groups = sum(p[0] for p in parts)
+        self._units_total = sum(p[1] for p in parts)
+        self._tokens = sum(p[2] for p in parts)
+        self._rewards = [r for p in parts for r in p[3]]
+        self._staleness = [x for p in parts for x in p[4]]
+        sums: dict[str, float] = {}
+        for p in parts:
+            for k, v in p[5].items():
+                sums[k] = sums.get(k, 0.0) + v
+        self._sums = sums
+
+    def _allreduce(self, units: float) -> float:
+        """Sum the gradients (and the divisor) over data-parallel ranks; returns the total divisor."""
+        import torch.distributed as dist
+
+        params = self.policy_params + self.value_params
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [torch.tensor([units], dtype=params[0].dtype, device=self.device)])
+        dist.all_reduce(flat)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[off:off + n].view_as(p).clone()
+            off += n
+        return float(flat[-1])
+
+    @property
     def updates_per_step(self) -> int:
         """Optimizer steps per batch (PPO's inner loop): ppo_epochs x ppo_minibatches."""
         return self.config.ppo_epochs * self.config.ppo_minibatches
@@ -387,10 +431,12 @@ class Trainer:
         """
         if step != self.version:
             raise ValueError(f"step: expected {self.version} (the current version), got {step}")
+        if self._world > 1:
+            self._merge_ranks()
         if self._groups == 0:
             raise ValueError(f"step {step}: no group was added; call add_group before finish_step")
         if self.updates_per_step == 1:
-            grad_norm, value_grad_norm = self._apply(max(self._units_total, 1.0))
+            grad_norm, value_grad_norm = self._apply(self._units_total, merged=True)
             update_metrics: dict[str, float] = {}
         else:
             grad_norm, value_grad_norm, update_metrics = self._inner_loop()
@@ -415,9 +461,14 @@ class Trainer:
         self._reset_step()
         return metrics
 
-    def _apply(self, units: float) -> tuple[float, float]:
-        """One optimizer step on the accumulated gradient sum divided by `units`; returns the
-        policy's and the value head's gradient norms before clipping."""
+    def _apply(self, units: float, merged: bool = False) -> tuple[float, float]:
+        """One optimizer step on the accumulated gradient sum divided by `units` (this rank's part
+        of the divisor unless `merged`); returns the policy's and the value head's gradient norms
+        before clipping. Data parallel: gradients and divisor are summed over ranks first."""
+        if self._world > 1:
+            total = self._allreduce(0.0 if merged else units)
+            units = units if merged else total
+        units = max(units, 1.0)
         for p in self.policy_params + self.value_params:
             if p.grad is not None:
                 p.grad.div_(units)
@@ -434,7 +485,8 @@ class Trainer:
         token-weighted means of the per-update ratio metrics."""
         c = self.config
         items = self._stored
-        m = min(c.ppo_minibatches, len(items))
+        # Every data-parallel rank takes the same number of optimizer steps (some chunks may be empty).
+        m = c.ppo_minibatches if self._world > 1 else min(c.ppo_minibatches, len(items))
         bounds = [round(i * len(items) / m) for i in range(m + 1)]
         chunks = [items[bounds[i]:bounds[i + 1]] for i in range(m)]
         norms, vnorms = [], []
@@ -449,9 +501,17 @@ class Trainer:
                     weight += tokens
                     for k in _UPDATE_METRICS & metrics.keys():
                         sums[k] = sums.get(k, 0.0) + metrics[k] * tokens
-                g, v = self._apply(max(sum(u for *_, u in chunk), 1.0))
+                g, v = self._apply(sum(u for *_, u in chunk))
                 norms.append(g)
                 vnorms.append(v)
+        if self._world > 1:
+            import torch.distributed as dist
+
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (weight, sums))
+            weight = sum(p[0] for p in parts)
+            keys = set().union(*(p[1] for p in parts))
+            sums = {k: sum(p[1].get(k, 0.0) for p in parts) for k in keys}
         out = {k: v / max(weight, 1.0) for k, v in sums.items()}
         out["updates"] = float(len(norms))
         return sum(norms) / len(norms), sum(vnorms) / len(vnorms), out

@@ -278,11 +278,31 @@ class Runtime:
         return roll, train, per_inst, t_threads
 
     @property
+    def trainer_ranks(self) -> int:
+        """Data-parallel trainer processes: several only for colocated sync on the process backend."""
+        rt = self.recipe.runtime
+        if not self.colocated or self.backend != "process" or self.device.type != "cpu":
+            return 1
+        return rt.sync_trainer_ranks or rt.cores
+
+    @property
     def split(self) -> str:
         rt = self.recipe.runtime
         if self.colocated or rt.cores < 2:
             return f"colocated:{rt.cores}"
         return f"{rt.rollout_cores}:{rt.trainer_cores}"
+
+    def core_assignment(self) -> str:
+        """What each worker really ran on: the CPU affinity each process reported when it started
+        (every CPU of the machine when unpinned) and the number of trainer ranks."""
+        def fmt(cpus: list[int]) -> str:
+            return ",".join(map(str, cpus)) if cpus else "?"
+
+        inst = sorted((k, v) for k, v in self.affinity.items() if k.startswith("instance"))
+        train = sorted((k, v) for k, v in self.affinity.items() if k.startswith("trainer"))
+        pinned = "pinned" if self.recipe.runtime.pin and self.device.type == "cpu" else "unpinned"
+        return (f"{pinned}; instances " + " ".join(f"{k.split('-')[-1]}@{fmt(v)}" for k, v in inst)
+                + f"; trainer {len(train)} rank(s) " + " ".join(f"@{fmt(v)}" for _, v in train))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
@@ -305,6 +325,9 @@ class Runtime:
         self.inboxes: dict[int, Any] = {}
         handles: list[Any] = []
         self.trainer_inbox: Any = None
+        self.trainer_inboxes: list[Any] = []
+        self.affinity: dict[str, list[int]] = {}
+        self._next_rank = 0
         self.instance_stats: dict[Any, dict] = {}
         self.torch_threads: dict[str, int] = {}
         ok = False
@@ -317,14 +340,18 @@ class Runtime:
                 # The coordinator (prompts, rewards, scheduling) is rollout-side work: it runs on the
                 # rollout cores, never on the trainer's.
                 os.sched_setaffinity(0, set(roll))
-            self.trainer_inbox, th = start_trainer(trainer_spec, t_threads, train, self.outbox, self.backend)
-            handles.append(th)
+            ranks = self.trainer_ranks
+            rank_cpus = [[train[r % len(train)]] for r in range(ranks)] if (ranks > 1 and train) else None
+            self.trainer_inboxes, ths = start_trainer(trainer_spec, 1 if ranks > 1 else t_threads, train, self.outbox,
+                                                      self.backend, ranks, rank_cpus)
+            self.trainer_inbox, th = self.trainer_inboxes[0], ths[0]
+            handles.extend(ths)
             self.inboxes, ih = start_instances(specs, per_inst, roll, self.outbox, self.backend)
             handles.extend(ih)
             instance_handles = dict(zip(specs, ih))
             self.instance_pids = {iid: getattr(h, "pid", None) for iid, h in instance_handles.items()}
             self.trainer_pid = getattr(th, "pid", None)
-            self._wait_ready(len(specs) + 1, handles)
+            self._wait_ready(len(specs) + len(ths), handles)
             self.t0 = time.perf_counter() - self.t_offset  # setup is not part of the run
             if self.resumed_from is None:
                 self._execute(self.sched.start())
@@ -341,7 +368,7 @@ class Runtime:
                 now = time.perf_counter()
                 if procs and (msg is None or now - last_check > 0.5):
                     last_check = now
-                    self._watch(instance_handles, th)
+                    self._watch(instance_handles, ths)
                 if msg is None:
                     if now - last_msg > stall:
                         raise RuntimeStall(self._stall_report(stall))
@@ -355,7 +382,7 @@ class Runtime:
         finally:
             if pinned:
                 os.sched_setaffinity(0, old_affinity)
-            for q in [self.trainer_inbox, *self.inboxes.values()]:
+            for q in [*self.trainer_inboxes, *self.inboxes.values()]:
                 if q is not None:
                     q.put(("stop",))
             if ok:
@@ -365,7 +392,7 @@ class Runtime:
                 if h.is_alive() and hasattr(h, "terminate"):
                     h.terminate()
                     h.join(timeout=10)
-            for q in [self.trainer_inbox, *self.inboxes.values()]:
+            for q in [*self.trainer_inboxes, *self.inboxes.values()]:
                 if hasattr(q, "cancel_join_thread"):
                     q.cancel_join_thread()  # never block interpreter exit on a queue nobody reads
         return self._result(t_end)
@@ -378,8 +405,9 @@ class Runtime:
         (`InstanceFailed`: its running trajectories are re-dispatched to their pinned version on
         the remaining instances) and the run goes on with fewer instances; a dead trainer, or no
         instance left, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
-        if not trainer.is_alive():
-            raise WorkerDied(self._died_message(f"the trainer process exited (exit code {trainer.exitcode})"))
+        for t in trainer:
+            if not t.is_alive():
+                raise WorkerDied(self._died_message(f"the trainer process exited (exit code {t.exitcode})"))
         for iid, h in list(instances.items()):
             if h.is_alive() or iid in self.failed_instances:
                 continue
@@ -482,7 +510,7 @@ class Runtime:
         if busy is not None:
             gids = self.step_groups[busy]
             self.delivered.update(gids)
-            self.trainer_inbox.put(("step", busy, [(g, self._group(g)) for g in gids]))
+            self._send_step(busy, [(g, self._group(g)) for g in gids])
 
     def _died_message(self, what: str) -> str:
         ckpt = getattr(self, "checkpoint_dir", None)
@@ -509,6 +537,8 @@ class Runtime:
             if msg[0] != "ready":
                 raise RuntimeError(f"unexpected report {msg[0]!r} during setup")
             self.torch_threads[msg[1]] = msg[2]
+            if len(msg) > 3:
+                self.affinity[msg[1]] = msg[3]
             ready += 1
 
     def _collect_stats(self, count: int) -> None:
@@ -658,20 +688,34 @@ class Runtime:
                 self._send(act.src, ("migrate", rid, act.dst))
             elif isinstance(act, A.DeliverGroup):
                 self.delivered.add(act.group_id)
-                self.trainer_inbox.put(("group", act.group_id, self._group(act.group_id)))
+                rank = self._next_rank % len(self.trainer_inboxes)
+                self._next_rank += 1
+                self.trainer_inboxes[rank].put(("group", act.group_id, self._group(act.group_id)))
             elif isinstance(act, A.StartStep):
                 if act.step != len(self.step_groups):
                     raise RuntimeError(f"scheduler started step {act.step}, expected {len(self.step_groups)}")
                 self.step_groups.append(tuple(act.group_ids))
                 rest = [(g, self._group(g)) for g in act.group_ids if g not in self.delivered]
                 self.delivered.update(act.group_ids)
-                self.trainer_inbox.put(("step", act.step, rest))
+                self._send_step(act.step, rest)
             elif isinstance(act, A.ReportGroupFailed):
                 self.failed_groups.append((act.group_id, act.reason))
             elif isinstance(act, A.ReportError):
                 self.errors.append(act.message)
             else:
                 raise RuntimeError(f"unknown action {act!r}")
+
+    def _send_step(self, step: int, rest: list) -> None:
+        """The groups of `step` not streamed yet, dealt round-robin after the streamed ones, and the
+        step command to every trainer rank."""
+        n = len(self.trainer_inboxes)
+        shares: list[list] = [[] for _ in range(n)]
+        for g in rest:
+            shares[self._next_rank % n].append(g)
+            self._next_rank += 1
+        self._next_rank = 0
+        for inbox, share in zip(self.trainer_inboxes, shares):
+            inbox.put(("step", step, share))
 
     def _dispatch(self, act: A.Dispatch) -> None:
         key = (act.group_id, act.index)
@@ -785,6 +829,7 @@ class Runtime:
             "window_steps": [w, e],
             "max_staleness": self.config.max_staleness,
             "split": self.split,
+            "core_assignment": self.core_assignment(),
         }
         instance_logs = [[(max(0.0, t - z), c) for t, c in st.get("log", ())] for st in stats]
         ledger = {

@@ -266,7 +266,7 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
             stream = torch.cuda.Stream(engine.device)
         loop = InstanceLoop(iid, engine, inbox, outbox, peers, sync=stream.synchronize if stream else (lambda: None),
                             watch_pid=watch_pid)
-        outbox.put(("ready", name, n))
+        outbox.put(("ready", name, n, _affinity()))
         if stream is not None:
             with torch.cuda.stream(stream):
                 loop.run()
@@ -402,11 +402,15 @@ class TrainerLoop:
         self._gids: list[Any] = []
 
     def run(self) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        name = "trainer" if rank == 0 else f"trainer-{rank}"
         while True:
             cmd = next_command(self.inbox, self.watch_pid)
             kind = cmd[0]
             if kind == "stop":
-                self.outbox.put(("stats", "trainer", {"busy": self.busy, "cpu": self.cpu}))
+                self.outbox.put(("stats", name, {"busy": self.busy, "cpu": self.cpu}))
                 return
             t0, c0 = time.perf_counter(), time.thread_time()
             if kind == "group":
@@ -423,11 +427,21 @@ class TrainerLoop:
                     self.trainer.add_group(trajectories)
                     self._gids.append(gid)
                 metrics = self.trainer.finish_step(step)
+                gids, self._gids = self._gids, []
+                if rank > 0:  # data parallel: rank 0 reports the step for every rank
+                    dist.gather_object(gids, None, dst=0)
+                    t1 = time.perf_counter()
+                    self.busy.append((t0, t1))
+                    self.cpu += time.thread_time() - c0
+                    continue
+                if dist.is_available() and dist.is_initialized():
+                    parts: list = [None] * dist.get_world_size()
+                    dist.gather_object(gids, parts, dst=0)
+                    gids = [g for part in parts for g in part]
                 weights = {k: v for k, v in self.trainer.publish().items() if not k.startswith("value_head.")}
                 if self.pack:
                     weights = PackedWeights.pack(weights, shared=True)
                 self.sync()
-                gids, self._gids = self._gids, []
                 t1 = time.perf_counter()
                 self.busy.append((t0, t1))
                 self.cpu += time.thread_time() - c0
@@ -437,34 +451,67 @@ class TrainerLoop:
 
 
 def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, inbox: Any, outbox: Any,
-                   pack: bool, watch_pid: int | None = None) -> None:
-    """Body of the trainer worker (thread or process)."""
+                   pack: bool, watch_pid: int | None = None, rank: int = 0, world: int = 1,
+                   port: int | None = None) -> None:
+    """Body of the trainer worker (thread or process); rank `rank` of `world` data-parallel ranks
+    (gloo over 127.0.0.1:`port`) when world > 1."""
+    name = "trainer" if rank == 0 else f"trainer-{rank}"
     try:
         n = claim_cores(threads, cpus)
+        if world > 1:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=600))
         trainer = build_trainer(spec)
         stream = torch.cuda.Stream(torch.device(spec.device)) if spec.device.startswith("cuda") else None
         loop = TrainerLoop(trainer, inbox, outbox, pack, stream.synchronize if stream else (lambda: None), watch_pid)
-        outbox.put(("ready", "trainer", n))
+        outbox.put(("ready", name, n, _affinity()))
         if stream is not None:
             with torch.cuda.stream(stream):
                 loop.run()
         else:
             loop.run()
     except BaseException as exc:
-        outbox.put(("error", "trainer", repr(exc), traceback.format_exc()))
+        outbox.put(("error", name, repr(exc), traceback.format_exc()))
+
+
+def _affinity() -> list[int]:
+    """The CPUs this process (thread) may run on, as the OS reports them."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, outbox: Any,
-                  backend: str) -> tuple[Any, Any]:
-    """Start the trainer worker. Returns (its inbox, a handle to join)."""
+                  backend: str, ranks: int = 1,
+                  rank_cpus: Sequence[Sequence[int] | None] | None = None) -> tuple[list[Any], list[Any]]:
+    """Start the trainer worker(s): `ranks` > 1 data-parallel processes (process backend only),
+    rank r pinned to `rank_cpus[r]` when given. Returns (their inboxes, handles to join), rank 0 first."""
     if backend == "process":
         ctx = process_context()
-        inbox = ctx.Queue()
-        handle = ctx.Process(target=_serve_trainer, name="dora-trainer", daemon=True,
-                             args=(spec, threads, cpus, inbox, outbox, True, os.getpid()))
+        port = _free_port() if ranks > 1 else None
+        inboxes, handles = [], []
+        for r in range(ranks):
+            inbox = ctx.Queue()
+            own = rank_cpus[r] if rank_cpus else cpus
+            handles.append(ctx.Process(target=_serve_trainer, name=f"dora-trainer-{r}", daemon=True,
+                                       args=(spec, threads, own, inbox, outbox, True, os.getpid(), r, ranks, port)))
+            inboxes.append(inbox)
     else:
-        inbox = queue.SimpleQueue()
-        handle = threading.Thread(target=_serve_trainer, name="trainer", daemon=True,
-                                  args=(spec, threads, cpus, inbox, outbox, False))
-    handle.start()
-    return inbox, handle
+        if ranks != 1:
+            raise ValueError("a data-parallel trainer needs the process backend")
+        inboxes = [queue.SimpleQueue()]
+        handles = [threading.Thread(target=_serve_trainer, name="trainer", daemon=True,
+                                    args=(spec, threads, cpus, inboxes[0], outbox, False))]
+    for h in handles:
+        h.start()
+    return inboxes, handles

@@ -12,7 +12,9 @@ trainer did, the simulator's picture). `compare` runs the modes one after the ot
 seeds and prints a side-by-side table, or with `--json` exactly
 `{"recipe": ..., "modes": {MODE: {throughput_tokens_per_s, speedup_vs_sync, final_reward_mean,
 final_reward_std, staleness_max, c1_ok, c2_ok, c3_ok}}}`; `compare.json`, per-run metrics lines
-and the plots go to `--out` (default `runs/<recipe>-compare`).
+and the plots go to `--out` (default `runs/<recipe>-compare`): `reward_vs_time.png` (reward against
+wall time, every seed: does a mode reach the same reward sooner?), `rewards.png` (per step) and
+`timeline.png`.
 
 This module imports no torch until a command runs.
 """
@@ -224,7 +226,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail("compare", exc)
     from .compare import compare_modes, dump_json
-    from .report import aggregate, json_view, plot_rewards, plot_timeline, table
+    from .report import aggregate, json_view, plot_reward_vs_time, plot_rewards, plot_timeline, table
 
     out = args.out or os.path.join("runs", f"{recipe.name}-compare")
     os.makedirs(out, exist_ok=True)
@@ -246,8 +248,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     title = f"{recipe.name}: {', '.join(modes)}; seeds {seeds[0]}..{seeds[-1]}, {recipe.steps} steps"
     rewards_png, timeline_png = os.path.join(out, "rewards.png"), os.path.join(out, "timeline.png")
     plot_rewards(results, rewards_png, title=title)
+    time_png = os.path.join(out, "reward_vs_time.png")
+    plot_reward_vs_time(results, time_png, title=title)
     plot_timeline({m: runs[0] for m, runs in results.items()}, timeline_png, title=f"{recipe.name}, seed {seeds[0]}")
-    where = f"plots: {rewards_png}, {timeline_png}; data: {os.path.join(out, 'compare.json')}"
+    where = f"plots: {time_png}, {rewards_png}, {timeline_png}; data: {os.path.join(out, 'compare.json')}"
     if args.json:
         print(json.dumps(json_view(recipe.name, agg)))
         print(where, file=sys.stderr)

@@ -36,7 +36,7 @@ def test_compare_json_has_exactly_the_documented_shape(recipe_file, tmp_path, ca
     assert data["modes"]["sync"]["staleness_max"] == 0
     assert data["modes"]["dora"]["staleness_max"] <= 2
     assert "plots:" in captured.err  # says where the plots went
-    for name in ("compare.json", "rewards.png", "timeline.png", "sync-seed0.jsonl", "dora-seed0.jsonl"):
+    for name in ("compare.json", "rewards.png", "reward_vs_time.png", "timeline.png", "sync-seed0.jsonl", "dora-seed0.jsonl"):
         assert (out / name).stat().st_size > 0, name
 
 

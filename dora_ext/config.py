@@ -53,6 +53,10 @@ class DoraConfig:
       migrate: R5 same-version migration in mode `dora`.
       migrate_threshold: R5 fires when an old version's running trajectories fill at most this
         share of the slots of the instances holding it, and fit on fewer of them.
+      max_failed_group_share: the circuit breaker. Once at least `max(batch_size, 4)` groups have
+        failed and failed groups exceed this share of all groups that ended (completed or failed),
+        the scheduler stops with `FailureStorm` instead of replacing failed groups forever.
+        In [0, 1]; 1 disables the breaker.
     """
 
     mode: str = "dora"
@@ -66,6 +70,7 @@ class DoraConfig:
     max_steps: int | None = None
     migrate: bool = True
     migrate_threshold: float = 0.5
+    max_failed_group_share: float = 0.5
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -135,6 +140,9 @@ class DoraConfig:
         thr = data.get("migrate_threshold", 0.5)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 < thr <= 1.0:
             raise ConfigError(f"{pre}migrate_threshold", f"expected a number in (0, 1], got {thr!r}")
+        share = data.get("max_failed_group_share", 0.5)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ConfigError(f"{pre}max_failed_group_share", f"expected a number in [0, 1], got {share!r}")
         return cls(
             mode=mode,
             max_staleness=k,
@@ -145,6 +153,7 @@ class DoraConfig:
             max_steps=steps,
             migrate=migrate,
             migrate_threshold=float(thr),
+            max_failed_group_share=float(share),
         )
 
     @classmethod
@@ -172,6 +181,7 @@ class DoraConfig:
             "max_steps": self.max_steps,
             "migrate": self.migrate,
             "migrate_threshold": self.migrate_threshold,
+            "max_failed_group_share": self.max_failed_group_share,
         }
 
     def with_overrides(self, overrides: Sequence[str] | Mapping[str, Any]) -> "DoraConfig":

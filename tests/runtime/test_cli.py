@@ -64,3 +64,12 @@ def test_recipe_errors_exit_2_naming_the_field(recipe_file, tmp_path, capsys):
     rc = main(["compare", recipe_file, "--modes", "sync,warp", "--out", str(tmp_path / "y")])
     assert rc == 2
     assert "modes" in capsys.readouterr().err
+
+
+def test_train_resume_refuses_what_it_cannot_use(recipe_file, tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no run.json" in capsys.readouterr().err
+    assert main(["train", recipe_file, "--resume", str(tmp_path)]) == 2
+    assert "--resume: takes the run's folder only" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    assert "recipe: give a recipe YAML file, or --resume DIR" in capsys.readouterr().err

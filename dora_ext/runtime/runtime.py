@@ -513,13 +513,17 @@ class Runtime:
             self._send_step(busy, [(g, self._group(g)) for g in gids])
 
     def _died_message(self, what: str) -> str:
-        ckpt = getattr(self, "checkpoint_dir", None)
+        import os
+
+        ckpt = self.checkpoint_dir
         step = len(self.step_end)
-        if ckpt:
-            return (f"{what} at step {step}. The run can continue from its last checkpoint: "
-                    f"dora-ext train {self.recipe.path or 'RECIPE'} --resume {ckpt}")
-        return (f"{what} at step {step}. No checkpoint was written (run with --checkpoint-every N, "
-                f"then continue a broken run with dora-ext train RECIPE --resume DIR)")
+        if ckpt and os.path.exists(os.path.join(ckpt, "latest")):
+            run_dir = os.path.dirname(os.path.abspath(ckpt))
+            how = (f"dora-ext train --resume {run_dir}" if os.path.exists(os.path.join(run_dir, "run.json"))
+                   else f"Runtime(recipe, prepared, checkpoint_dir={ckpt!r}, resume=True).run()")
+            return f"{what} at step {step}. The run can continue from its last checkpoint: {how}"
+        return (f"{what} at step {step}. No checkpoint was completed yet (dora-ext train writes one every "
+                f"--checkpoint-every N steps; a broken run then continues with dora-ext train --resume DIR)")
 
     def _wait_ready(self, count: int, handles: list) -> None:
         ready = 0

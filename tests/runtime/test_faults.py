@@ -62,19 +62,27 @@ def test_a_killed_instance_process_loses_nothing(mode):
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_is_a_clean_error_naming_resume():
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_a_killed_trainer_is_a_clean_error_naming_resume(checkpoints, tmp_path):
     recipe = recipe_from_dict(tiny(steps=6))
     prepared = prepare(recipe)
     holder: list = []
 
     def kill(rec: dict) -> None:
-        if rec["step"] == 1:
+        # the trainer reports "checkpointed" (version 2) before step 2's end: by step 3 it is complete
+        if rec["step"] == 3:
             os.kill(holder[0].trainer_pid, signal.SIGKILL)
 
-    rt = Runtime(recipe, prepared, on_step=kill)
+    kw = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2) if checkpoints else {}
+    rt = Runtime(recipe, prepared, on_step=kill, **kw)
     holder.append(rt)
-    with pytest.raises(WorkerDied, match="trainer process exited.*--resume"):
+    with pytest.raises(WorkerDied, match="trainer process exited.*--resume|trainer process exited.*resume=True") as info:
         rt.run()
+    if checkpoints:
+        assert "can continue from its last checkpoint" in str(info.value)
+        assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+    else:
+        assert "No checkpoint was completed yet" in str(info.value)
 
 
 @pytest.mark.slow

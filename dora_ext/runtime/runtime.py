@@ -15,6 +15,16 @@ What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards
 checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
 engine, timed), same-version migration (the sequence's KV cache moves between engines), and the
 core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
+
+Faults and checkpoints. The coordinator watches its worker processes: an instance that exits is
+reported to the scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned
+version; a sequence it was exporting is retried through `TrajectoryFailed`) and the run goes on
+with the remaining instances; a trainer that exits ends the run with `WorkerDied`. With
+`checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
+optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
+and the weights of the versions work may still be pinned to; `resume=True` continues from the
+newest complete checkpoint, failing and re-registering every instance so that in-flight
+trajectories are re-issued at their pinned version.
 """
 
 from __future__ import annotations

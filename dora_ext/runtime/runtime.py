@@ -316,11 +316,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
-        from .workers import EngineRecipe, PackedWeights, TrainerRecipe, process_context, start_instances, start_trainer
+        from .workers import (EngineRecipe, PackedWeights, PipeHub, TrainerRecipe, process_context, start_instances,
+                              start_trainer)
 
         roll, train, per_inst, t_threads = self._layout()
         procs = self.backend == "process"
-        self.outbox = process_context().Queue() if procs else queue.SimpleQueue()
+        self.outbox = PipeHub(process_context()) if procs else queue.SimpleQueue()
         if procs:
             self.versions = {v: w if isinstance(w, PackedWeights) else PackedWeights.pack(w, shared=True)
                              for v, w in self.versions.items()}

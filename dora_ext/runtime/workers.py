@@ -70,6 +70,70 @@ def next_command(inbox: Any, watch_pid: int | None) -> tuple:
                 os._exit(0)  # no flushing of queues nobody reads
 
 
+# ---------------------------------------------------------------------------------- reports
+class PipeOutbox:
+    """A worker process's own report channel: the write end of a pipe only it writes to.
+
+    Why not one shared `multiprocessing.Queue` for every worker's reports: its writers share one
+    lock, and a worker killed (SIGKILL) while holding it would block every other worker's reports
+    for good. A pipe per worker has no shared lock; a kill can at worst cut that worker's own last
+    message, which the coordinator reads as the end of that pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def put(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+
+class PipeHub:
+    """The coordinator's side of the workers' `PipeOutbox`es: `get(timeout)` returns the next
+    report from any of them (raising `queue.Empty` on timeout), as a queue would. A pipe whose
+    writer is gone (the worker exited or was killed) is dropped."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.readers: list[Any] = []
+        self._pending: list[Any] = []
+
+    def writer(self) -> PipeOutbox:
+        r, w = self.ctx.Pipe(duplex=False)
+        self.readers.append(r)
+        return PipeOutbox(w)
+
+    def get(self, timeout: float | None = None) -> Any:
+        from multiprocessing.connection import wait
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.readers:
+                raise queue.Empty
+            ready = wait(self.readers, timeout=left)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                raise queue.Empty
+            for r in ready:
+                try:
+                    self._pending.append(r.recv())
+                except (EOFError, OSError):
+                    self.readers.remove(r)
+                    r.close()
+        return self._pending.pop(0)
+
+
+def _own_outbox(outbox: Any) -> Any:
+    """A worker process's report channel: its own pipe when the coordinator reads a `PipeHub`."""
+    return outbox.writer() if isinstance(outbox, PipeHub) else outbox
+
+
+def _started(handles_and_outboxes: list) -> None:
+    """After the processes started: the coordinator closes its copies of their pipes' write ends,
+    so that a worker's exit shows as the end of its pipe."""
+    for _, out in handles_and_outboxes:
+        if isinstance(out, PipeOutbox):
+            out.conn.close()
+
+
 # ---------------------------------------------------------------------------------- weights
 @dataclass
 class PackedWeights:
@@ -282,9 +346,14 @@ def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence
     if backend == "process":
         ctx = process_context()
         inboxes = {iid: ctx.Queue() for iid in specs}
+        outs = {iid: _own_outbox(outbox) for iid in specs}
         handles = [ctx.Process(target=_serve_instance, name=f"dora-instance-{iid}", daemon=True,
-                               args=(iid, spec, threads, cpus, inboxes[iid], outbox, inboxes, os.getpid()))
+                               args=(iid, spec, threads, cpus, inboxes[iid], outs[iid], inboxes, os.getpid()))
                    for iid, spec in specs.items()]
+        for h in handles:
+            h.start()
+        _started([(h, outs[iid]) for h, iid in zip(handles, specs)])
+        return inboxes, handles
     else:
         inboxes = {iid: queue.SimpleQueue() for iid in specs}
         handles = [threading.Thread(target=_serve_instance, name=f"instance-{iid}", daemon=True,
@@ -500,12 +569,18 @@ def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None,
         ctx = process_context()
         port = _free_port() if ranks > 1 else None
         inboxes, handles = [], []
+        outs = []
         for r in range(ranks):
             inbox = ctx.Queue()
             own = rank_cpus[r] if rank_cpus else cpus
+            outs.append(_own_outbox(outbox))
             handles.append(ctx.Process(target=_serve_trainer, name=f"dora-trainer-{r}", daemon=True,
-                                       args=(spec, threads, own, inbox, outbox, True, os.getpid(), r, ranks, port)))
+                                       args=(spec, threads, own, inbox, outs[-1], True, os.getpid(), r, ranks, port)))
             inboxes.append(inbox)
+        for h in handles:
+            h.start()
+        _started(list(zip(handles, outs)))
+        return inboxes, handles
     else:
         if ranks != 1:
             raise ValueError("a data-parallel trainer needs the process backend")

@@ -12,6 +12,7 @@ import signal
 
 import pytest
 
+from dora_ext.core.events import InstanceFailed
 from dora_ext.runtime import prepare, recipe_from_dict
 from dora_ext.runtime.runtime import Runtime, WorkerDied
 
@@ -40,25 +41,43 @@ class KillingRuntime(Runtime):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dora", "sync"])
 def test_a_killed_instance_process_loses_nothing(mode):
-    data = tiny(steps=8, task={"median": 8, "cap": 16, "cv": 1.0},
-                dora={"batch_size": 2, "group_size": 4, "instances": 2, "capacity": 4})
-    recipe = recipe_from_dict(data).with_mode(mode)
-    prepared = prepare(recipe)
-    rt = KillingRuntime(recipe, prepared, keep_versions=True)
-    result = rt.run()
-    if not getattr(rt, "killed", False):
-        pytest.fail("instance 0 never had running trajectories after step 1; the kill did not happen")
-    assert rt.failed_instances.keys() == {0}
-    # The scheduler re-dispatched what ran there, to the same version, on the surviving instance.
-    assert result.core_metrics["redispatched"] >= 1
-    led = result.ledger
-    attempts = [t for gid in led["trained"] for t in led["results"][gid]]
-    assert len(attempts) == recipe.steps * recipe.dora.batch_size * recipe.dora.group_size
-    # From the trainer's ledger: every admitted group trained exactly once, none lost or doubled,
-    # and every trajectory's log-probs reproduce under its pinned version.
-    m = result.metrics
-    assert m["dropped"] == m["duplicated"] == 0 and m["c1_ok"] and m["c2_ok"] and m["c3_ok"]
-    _check_ledger(result, recipe, prepared)
+    """Whether the victim's sequences are still unfinished when the coordinator learns of the death
+    is up to real timing (it may report them just before the kill lands), so up to three seeds are
+    tried until one run re-dispatches work; every run must keep the books."""
+    redispatched = 0
+    for seed in range(3):
+        data = tiny(steps=8, seed=seed, task={"median": 8, "cap": 16, "cv": 1.0},
+                    dora={"batch_size": 2, "group_size": 4, "instances": 2, "capacity": 4})
+        recipe = recipe_from_dict(data).with_mode(mode)
+        prepared = prepare(recipe)
+        rt = KillingRuntime(recipe, prepared, keep_versions=True)
+        at_failure: list = []
+        handle = rt.sched.handle
+
+        def spy(event, rt=rt, at_failure=at_failure, handle=handle):
+            if isinstance(event, InstanceFailed):  # what the scheduler still had running there
+                at_failure.append(len(rt.sched.instances[event.instance_id].running))
+            return handle(event)
+
+        rt.sched.handle = spy
+        result = rt.run()
+        if not getattr(rt, "killed", False):
+            pytest.fail("instance 0 never had running trajectories after step 1; the kill did not happen")
+        assert rt.failed_instances.keys() == {0} and len(at_failure) == 1
+        # What ran there was re-dispatched, to the same version, on the surviving instance.
+        assert result.core_metrics["redispatched"] == at_failure[0]
+        led = result.ledger
+        attempts = [t for gid in led["trained"] for t in led["results"][gid]]
+        assert len(attempts) == recipe.steps * recipe.dora.batch_size * recipe.dora.group_size
+        # From the trainer's ledger: every admitted group trained exactly once, none lost or doubled,
+        # and every trajectory's log-probs reproduce under its pinned version.
+        m = result.metrics
+        assert m["dropped"] == m["duplicated"] == 0 and m["c1_ok"] and m["c2_ok"] and m["c3_ok"]
+        _check_ledger(result, recipe, prepared)
+        redispatched += at_failure[0]
+        if redispatched:
+            break
+    assert redispatched > 0
 
 
 @pytest.mark.slow

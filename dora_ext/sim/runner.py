@@ -187,6 +187,7 @@ class Simulation:
         # groups: gid -> (version, prompt tokens, response lengths)
         self._next_gid = 0
         self.groups: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.cut: dict[int, int] = {}  # gid -> responses cut at the response cap (when any)
         self.first_dispatch: dict[int, float] = {}
         self.last_finish: dict[int, float] = {}
         self.finish_log: list[tuple[float, int]] | None = [] if timeline else None
@@ -291,6 +292,8 @@ class Simulation:
             self._next_gid += 1
             draw = self.sampler.draw(gid)
             self.groups[gid] = (act.version, draw.prompt_tokens, draw.response_tokens)
+            if draw.truncated:
+                self.cut[gid] = draw.truncated
             self._pending.append(E.GroupAdmitted(gid, {"prompt_tokens": draw.prompt_tokens}))
 
     def _dispatch(self, act: A.Dispatch) -> None:
@@ -542,7 +545,10 @@ class Simulation:
             "staleness_hist": dict(sorted(hist.items())),
             "c3_violations": c3,
             "dropped": dropped,
-            "truncated": 0,
+            # Responses cut at the response cap, counted from the workload's draws. C2 is not
+            # broken by them: the cap is the run's max length, the same in every mode, not a
+            # cut the scheduler made.
+            "truncated": sum(self.cut.get(g, 0) for g in self.trained_step),
             "duplicated": self.duplicated,
             "c1_ok": multi_trained == 0,
             "c2_ok": dropped == 0 and self.duplicated == 0,

@@ -193,6 +193,8 @@ class Simulation:
         self.finish_log: list[tuple[float, int]] | None = [] if timeline else None
         self.traj: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (attempt, version at dispatch)
         self.multi: dict[tuple[int, int], list[int]] = {}  # key -> versions, once resumed under another
+        self.finished: set[tuple[int, int]] = set()  # trajectories that finished on an instance
+        self.migrations_after_finish = 0
         self.trained_step: dict[int, int] = {}
         self.duplicated = 0
         self.events = 0
@@ -348,6 +350,12 @@ class Simulation:
             if si.loading is not None or si.version != act.version:
                 raise SimError(f"migration of {key!r} between instances not both holding version {act.version}")
         if key not in src.seqs:
+            if key in self.finished:
+                # It finished on `src` at this instant and its report is still queued: a host sees
+                # the same race and the trajectory simply finished where it was (the scheduler's
+                # slot accounting follows its report).
+                self.migrations_after_finish += 1
+                return
             raise SimError(f"migration of {key!r} from instance {src.id}, where it does not run")
         if dst.occupied >= dst.capacity:
             raise SimError(f"migration of {key!r} to instance {dst.id} beyond its capacity")
@@ -370,7 +378,9 @@ class Simulation:
         now = self.now
         traj, groups, last, append = self.traj, self.groups, self.last_finish, self._pending.append
         finished = E.TrajectoryFinished
+        done = self.finished
         for key in si.pop_finished(now):
+            done.add(key)
             gid, idx = key
             # The reward's value does not matter to scheduling; it only has to be a number.
             append(finished(gid, idx, groups[gid][2][idx], float((gid + idx) & 1), traj[key][0]))

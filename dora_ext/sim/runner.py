@@ -213,6 +213,7 @@ class Simulation:
         self.step_groups: list[tuple[int, ...]] = []
         self._slot_marks: dict[int, float] = {}
         self.migration_s = 0.0
+        self.reprefill_tokens = 0.0  # context re-prefilled: partial's resumes, KV-less migrations
         self.reports: list[str] = []
 
     # ------------------------------------------------------------------ main loop
@@ -370,6 +371,7 @@ class Simulation:
         else:
             # The engine cannot move KV: the destination re-prefills the whole context.
             self.migration_s += context * self.engine.prefill_s_per_token
+            self.reprefill_tokens += context
             dst.add(key, remaining, context, self.now, context)
             self._dirty[dst.id] = dst
 
@@ -401,6 +403,8 @@ class Simulation:
             reprefill = self.engine.resume_reprefill
             for key, (remaining, context) in si.paused.items():
                 si.add(key, remaining, context, self.now, context if reprefill else 0)
+                if reprefill:
+                    self.reprefill_tokens += context
                 versions = self.multi.setdefault(key, [self.traj[key][1]])
                 if versions[-1] != version:
                     versions.append(version)
@@ -666,6 +670,7 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "weight_loads": core.get("weight_loads", 0),
         "live_versions_max": core.get("live_versions_max", 0),
         "migration_s": sim.migration_s,
+        "reprefill_tokens": round(sim.reprefill_tokens),
         "max_staleness": sim.K,
         "split": sim.layout.split,
         "window_steps": [w, e],

@@ -2,11 +2,11 @@
 
 from .actions import (
     Action, DeliverGroup, Dispatch, LoadVersion, Migrate, ReportError, ReportGroupFailed,
-    RequestGroups, StartStep,
+    RequestGroups, StartStep, SwitchToRollout, SwitchToTrainer,
 )
 from .events import (
     DataExhausted, Event, GroupAdmitted, GroupsDeclined, InstanceFailed, InstanceLoaded,
-    InstanceReady, RewardReady, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
+    InstanceReady, RewardReady, SwitchedToTrainer, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
     TrajectoryFinished, TrajectoryProgressed, VersionPublished,
 )
 from .scheduler import ProtocolError, Scheduler
@@ -15,6 +15,7 @@ __all__ = [
     "Action", "DataExhausted", "DeliverGroup", "Dispatch", "Event", "GroupAdmitted",
     "GroupsDeclined", "InstanceFailed", "InstanceLoaded", "InstanceReady", "LoadVersion",
     "Migrate", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
-    "RewardReady", "Scheduler", "StartStep", "TrainerStepFinished", "TrainerStepStarted",
+    "RewardReady", "Scheduler", "StartStep", "SwitchToRollout", "SwitchToTrainer",
+    "SwitchedToTrainer", "TrainerStepFinished", "TrainerStepStarted",
     "TrajectoryFailed", "TrajectoryFinished", "TrajectoryProgressed", "VersionPublished",
 ]

@@ -39,6 +39,14 @@ class InstanceFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class SwitchedToTrainer:
+    """Elastic colocation: the trainer now computes on `instance_id`'s accelerators (answer to
+    `SwitchToTrainer`). Until then the scheduler does not move them back."""
+
+    instance_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class GroupAdmitted:
     """The runtime bound a prompt to a new group (answer to `RequestGroups`).
 
@@ -132,6 +140,7 @@ Event = Union[
     InstanceReady,
     InstanceLoaded,
     InstanceFailed,
+    SwitchedToTrainer,
     GroupAdmitted,
     GroupsDeclined,
     DataExhausted,

@@ -112,6 +112,7 @@ class Scheduler:
         self._admission = {"sync": "batch", "pipeline": "batch", "one_step_off": "fleet",
                            "partial": "fill", "dora": "fill"}[self.mode]
         self._migrate = self.mode == "dora" and config.migrate
+        self._spread = self._migrate and config.spread
         self._set_plugins(plugins)
 
         self.newest = 0  # newest published version
@@ -139,6 +140,18 @@ class Scheduler:
         self._targets: dict[int, int] = {}  # version -> instances loaded with or loading it
         self._churn = 0  # deletions from `_free` dicts since they were last compacted
         self._pool_fifo = self.mode != "dora"
+        # Elastic colocation: instance id -> capacity of instances on the trainer side (switchable
+        # to rollout), switching to the trainer, and switching to rollout.
+        self._elastic = config.elastic
+        self._trainer_side: dict[int, int] = {}
+        self._to_trainer: dict[int, int] = {}
+        self._to_rollout: dict[int, int] = {}
+        if self._elastic:
+            first = max(s.id for s in config.instances) + 1
+            cap0 = config.instances[0].capacity
+            self._trainer_side = {first + i: cap0 for i in range(config.elastic_spare)}
+        self._spreading: dict[int, int] = {}  # instance -> version it loads to take stragglers
+        self._min_rollout = max(1, math.ceil(len(config.instances) * (1.0 - config.elastic_max_lent)))
         self.step_log: list[tuple[int, tuple]] = []
         self.m = {
             "staleness_hist": {}, "trajectories_trained": 0, "multi_version_trajectories": 0,
@@ -146,6 +159,7 @@ class Scheduler:
             "retries": 0, "redispatched": 0, "invalid_rewards": 0, "stale_events": 0,
             "migrations": 0, "weight_loads": 0, "live_versions_max": 0, "c1_violations": 0,
             "c3_violations": 0, "trainer_waits_for_older": 0, "tokens_trained": 0,
+            "switches_to_trainer": 0, "switches_to_rollout": 0,
         }
         self._out: list = []
 
@@ -229,7 +243,19 @@ class Scheduler:
             raise ProtocolError(f"instance {ev.instance_id} is already registered")
         if ev.capacity < 1:
             raise ProtocolError(f"instance {ev.instance_id}: capacity must be >= 1")
-        self._add_instance(ev.instance_id, ev.capacity)
+        if ev.instance_id in self._trainer_side or ev.instance_id in self._to_trainer:
+            raise ProtocolError(f"instance {ev.instance_id} reported ready while its accelerators serve the trainer")
+        # An instance back from the trainer (SwitchToRollout) loads a version before anything else.
+        back = self._to_rollout.pop(ev.instance_id, None) is not None
+        if back and self._spread:
+            self._spreading[ev.instance_id] = -1  # it came for the tail: it may take stragglers
+        self._add_instance(ev.instance_id, ev.capacity, lend=not back)
+
+    def _on_switched_to_trainer(self, ev: E.SwitchedToTrainer) -> None:
+        cap = self._to_trainer.pop(ev.instance_id, None)
+        if cap is None:
+            raise ProtocolError(f"instance {ev.instance_id} switched to the trainer without a SwitchToTrainer")
+        self._trainer_side[ev.instance_id] = cap
 
     def _on_instance_loaded(self, ev: E.InstanceLoaded) -> None:
         inst = self._instance(ev.instance_id)
@@ -400,6 +426,7 @@ class Scheduler:
         E.InstanceReady: _on_instance_ready,
         E.InstanceLoaded: _on_instance_loaded,
         E.InstanceFailed: _on_instance_failed,
+        E.SwitchedToTrainer: _on_switched_to_trainer,
         E.GroupAdmitted: _on_group_admitted,
         E.GroupsDeclined: _on_groups_declined,
         E.DataExhausted: _on_data_exhausted,
@@ -444,9 +471,9 @@ class Scheduler:
         return version if self._pinned else _ANY
 
     # ------------------------------------------------------------------ state changes
-    def _add_instance(self, iid: int, capacity: int) -> None:
+    def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
         self.instances[iid] = _Instance(iid, capacity)
-        self._plan_instance(self.instances[iid])
+        self._plan_instance(self.instances[iid], lend=lend)
 
     def _start_load(self, inst: _Instance, version: int, preempt: tuple = ()) -> None:
         if inst.version is not None and inst.loading is None:
@@ -605,14 +632,20 @@ class Scheduler:
                 best = b
         return best
 
-    def _plan_instance(self, inst: _Instance) -> None:
-        """An instance is idle (or new): keep it, or switch it to the version that needs it (R4)."""
+    def _plan_instance(self, inst: _Instance, lend: bool = True) -> None:
+        """An instance is idle (or new): keep it, or switch it to the version that needs it (R4),
+        or (elastic) lend it to the trainer when no work is left for it."""
         if inst.loading is not None or inst.running:
             return
         want = self._orphan_version()
         if want is None:
             if inst.version is not None and self._queued.get(self._bucket(inst.version), 0) > 0:
                 return  # its own version still has queued work
+            if self._spread and self._maybe_spread(inst):
+                return
+            if lend and self._elastic and self._should_lend():
+                self._switch_to_trainer(inst)
+                return
             want = self.newest
         if inst.version == want:
             return
@@ -667,6 +700,61 @@ class Scheduler:
         for i in holders:
             if not i.running:
                 self._plan_instance(i)
+
+    def _gating_crowd(self) -> tuple[int, int] | None:
+        """(version, most running on one of its instances) of the crowded gating version: the
+        oldest version that the step being formed must take (`v + K <= step`) and whose running
+        trajectories share an instance (at least two on one)."""
+        best = None
+        for v, holders in self._by_version.items():
+            if v + self.K > self.step:
+                continue
+            most = max((len(self.instances[i].running) for i in holders), default=0)
+            if most >= 2 and (best is None or v < best[0]):
+                best = (v, most)
+        return best
+
+    def _maybe_spread(self, inst: _Instance) -> bool:
+        """R5 the other way: spread the gating version's stragglers onto an idle instance.
+
+        Only when the instance has nothing else to do (the staleness budget is spent and no work
+        is queued). A decode iteration costs more with every running sequence and every context
+        token on the instance, so stragglers the trainer waits for finish sooner when fewer share
+        an instance. The idle instance loads the gating version if it holds another (R4 allows
+        it: it runs nothing), and takes an even share of that version's running trajectories.
+        """
+        chosen = self._spreading.pop(inst.id, None)
+        if chosen is None:
+            if self._budget_left() > 0 or self._outstanding or any(self._queued.values()):
+                return False
+        crowd = self._gating_crowd()
+        if crowd is None:
+            return False
+        v = crowd[0]
+        if inst.version != v:
+            self._spreading[inst.id] = v
+            self._start_load(inst, v)  # it spreads when loaded (`_plan_instance` again)
+            return True
+        holders = [self.instances[i] for i in self._by_version.get(v, ()) if i != inst.id and self.instances[i].running]
+        total = sum(len(h.running) for h in holders)
+        keep = -(-total // (len(holders) + 1))  # each instance's even share, this one included
+        room = min(inst.capacity, keep)
+        moved = 0
+        for h in sorted(holders, key=lambda h: (-len(h.running), h.id)):
+            excess = len(h.running) - keep
+            for gid, idx in list(h.running)[:max(0, excess)]:
+                if moved >= room:
+                    break
+                del h.running[(gid, idx)]
+                inst.running[(gid, idx)] = None
+                self.groups[gid].trajs[idx].instance = inst.id
+                self._free.setdefault(v, {})[h.id] = None
+                self.m["migrations"] += 1
+                self._out.append(A.Migrate(gid, idx, h.id, inst.id, v))
+                moved += 1
+        if len(inst.running) >= inst.capacity:
+            self._free.get(v, {}).pop(inst.id, None)
+        return moved > 0
 
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
@@ -837,6 +925,8 @@ class Scheduler:
             "targets": [[b, c] for b, c in self._targets.items()],
             "pool": heap(self._pool),
             "step_log": [[k, list(g)] for k, g in self.step_log],
+            "elastic": [[[i, c] for i, c in d.items()]
+                        for d in (self._trainer_side, self._to_trainer, self._to_rollout, self._spreading)],
             "metrics": {**self.m, "staleness_hist": [[k, v] for k, v in self.m["staleness_hist"].items()]},
         }
 
@@ -876,6 +966,9 @@ class Scheduler:
         self._targets = {b: c for b, c in snap["targets"]}
         self._pool = [(tuple(k), s, gid) for k, s, gid in snap["pool"]]
         self.step_log = [(k, tuple(g)) for k, g in snap["step_log"]]
+        if "elastic" in snap:
+            self._trainer_side, self._to_trainer, self._to_rollout, self._spreading = (
+                {i: c for i, c in d} for d in snap["elastic"])
         m = dict(snap["metrics"])
         m["staleness_hist"] = {int(k): v for k, v in m["staleness_hist"]}
         self.m = m
@@ -885,5 +978,52 @@ class Scheduler:
     def _finish(self) -> list:
         self._admit()
         self._form()
+        if self._trainer_side:
+            self._maybe_switch_to_rollout()
         out, self._out = self._out, []
         return out
+
+    # ------------------------------------------------------------------ elastic colocation
+    def _should_lend(self) -> bool:
+        """Rollout -> trainer: the staleness budget is spent and no work waits for a slot, so the
+        trainer is the bottleneck and an idle instance's accelerators serve it better."""
+        if len(self.instances) <= self._min_rollout:
+            return False
+        if self._budget_left() > 0 or self._outstanding:
+            return False
+        return not any(self._queued.values())
+
+    def _switch_to_trainer(self, inst: _Instance) -> None:
+        """Take the idle instance out of the rollout pool and lend its accelerators to the trainer."""
+        if inst.version is not None:
+            b = self._bucket(inst.version)
+            self._cap[b] -= inst.capacity
+            self._free.get(b, {}).pop(inst.id, None)
+            self._by_version.get(inst.version, {}).pop(inst.id, None)
+            c = self._targets[inst.version] - 1
+            if c:
+                self._targets[inst.version] = c
+            else:
+                del self._targets[inst.version]
+        del self.instances[inst.id]
+        self._to_trainer[inst.id] = inst.capacity
+        self.m["switches_to_trainer"] += 1
+        self._out.append(A.SwitchToTrainer(inst.id))
+
+    def _maybe_switch_to_rollout(self) -> None:
+        """Trainer -> rollout: the trainer waits for trajectories (no step runs and none can be
+        formed) while the rollout has more work than slots: the long tail."""
+        if self._trainer_busy is not None or self.done:
+            return
+        b = self._bucket(self.newest)
+        demand = self._queued.get(b, 0) + (self._outstanding + max(0, self._budget_left())) * self.n
+        need = demand - (self._cap.get(b, 0) - self._occupied.get(b, 0)) - sum(self._to_rollout.values())
+        if need <= 0 and self._spread and not self._to_rollout and self._gating_crowd() is not None:
+            need = 1  # the stragglers the trainer waits for share instances: spread them (R5)
+        while need > 0 and self._trainer_side:
+            iid = min(self._trainer_side)
+            cap = self._trainer_side.pop(iid)
+            self._to_rollout[iid] = cap
+            need -= cap
+            self.m["switches_to_rollout"] += 1
+            self._out.append(A.SwitchToRollout(iid, cap))

@@ -67,11 +67,17 @@ class TrainerCost:
     batch. Both divide by the trainer's accelerator count (perfect data-parallel scaling, which
     favours no mode: every mode trains the same tokens). Publishing a version (gathering and
     broadcasting the weights) takes `broadcast_s` of trainer time.
+
+    Elastic colocation (`DoraConfig.elastic`): an accelerator joining the trainer spends `join_s`
+    loading its optimizer-state shard and rebuilding the data-parallel group; one leaving it
+    spends `leave_s` offloading its shard, then loads the rollout weights (`weight_load_s`).
     """
 
     train_acc_s_per_token: float
     optimizer_acc_s: float
     broadcast_s: float
+    join_s: float = 5.0
+    leave_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,11 @@ DAPO_28K = Preset(
         train_acc_s_per_token=5.8e-4,
         optimizer_acc_s=128.0,  # [hw] ~1 s FSDP AdamW step at 128 accelerators
         broadcast_s=2.0,  # [hw] gather + NCCL broadcast of 15 GB
+        # [hw] fp32 AdamW state + master weights, 16 B/param = 122 GB, resharded over the new
+        # data-parallel group at ~5 GB/s per accelerator (~1.5 GB each) plus a communicator
+        # rebuild of a few seconds; leaving offloads the shard the same way
+        join_s=5.0,
+        leave_s=5.0,
     ),
     workload=Workload(
         response_median=3000.0,  # [paper] DAPO responses of a few thousand tokens (mean ~4K)
@@ -175,6 +186,8 @@ ROLLOUTPIPE_8K = Preset(
         train_acc_s_per_token=12 * _P17 / (0.25 * _FLOPS),
         optimizer_acc_s=2.0,  # [hw] ~0.5 s AdamW step on 4 accelerators
         broadcast_s=0.5,  # [hw] 3.4 GB broadcast
+        join_s=4.0,  # [hw] 27 GB of AdamW state over ~4 accelerators at ~5 GB/s (+ rebuild)
+        leave_s=4.0,
     ),
     workload=Workload(
         response_median=1500.0,  # [paper] Qwen3-1.7B reasoning under an 8K cap, long-tailed
@@ -222,6 +235,10 @@ AGENTIC_LONG_TAIL = Preset(
         train_acc_s_per_token=12 * _P32 / (0.35 * _FLOPS),  # [hw] 12*N FLOP/token at 35% MFU
         optimizer_acc_s=64.0,  # [hw] ~1 s sharded AdamW step at 64 accelerators
         broadcast_s=6.0,  # [hw] 64 GB gather + broadcast
+        # [hw] 512 GB of AdamW state over ~24-40 trainer accelerators: ~15 GB per accelerator
+        # at ~5 GB/s, plus the communicator rebuild
+        join_s=10.0,
+        leave_s=10.0,
     ),
     workload=Workload(
         # Multi-turn episodes: the summed generation over turns has a heavier tail than one

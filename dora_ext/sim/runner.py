@@ -27,7 +27,7 @@ from .engine import SimInstance
 from .presets import Preset
 from .workload import LengthSampler, WorkloadError
 
-_FINISH, _LOADED, _ARRIVE, _TRAINER = 0, 1, 2, 3
+_FINISH, _LOADED, _ARRIVE, _TRAINER, _ROLE = 0, 1, 2, 3, 4
 
 
 class SimError(RuntimeError):
@@ -153,6 +153,12 @@ class Simulation:
         self.K = k
         self.steps = steps
         ec = preset.engine
+        extra = dict(config or {})  # other scheduler settings, e.g. {"migrate": False}
+        if extra.get("elastic") and "elastic_spare" not in extra:
+            if self.layout.colocated:
+                raise WorkloadError(f"elastic: mode {mode!r} runs colocated here; elastic colocation needs split pools")
+            # The trainer's accelerators may form instances up to half of them (it keeps the rest).
+            extra["elastic_spare"] = (self.layout.trainer_accelerators // 2) // self.layout.accelerators_per_instance
         self.config = DoraConfig.from_dict(
             {
                 "mode": mode,
@@ -162,7 +168,7 @@ class Simulation:
                 "instances": self.layout.instances,
                 "capacity": ec.capacity,
                 "max_steps": steps,
-                **(config or {}),  # other scheduler settings, e.g. {"migrate": False}
+                **extra,
             }
         )
         self.sched = Scheduler(self.config, plugins)
@@ -193,14 +199,33 @@ class Simulation:
         self.finish_log: list[tuple[float, int]] | None = [] if timeline else None
         self.traj: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (attempt, version at dispatch)
         self.multi: dict[tuple[int, int], list[int]] = {}  # key -> versions, once resumed under another
+        self._transit: dict[tuple[int, int], int] = {}  # migrating trajectory -> destination
         self.finished: set[tuple[int, int]] = set()  # trajectories that finished on an instance
         self.migrations_after_finish = 0
         self.trained_step: dict[int, int] = {}
         self.duplicated = 0
         self.events = 0
 
+        # elastic colocation: instances whose accelerators serve the trainer (or are switching)
+        self.off_rollout: dict[int, str] = {}  # id -> "trainer" | "to_trainer" | "to_rollout"
+        if self.config.elastic:
+            first = max(self.inst) + 1
+            for i in range(self.config.elastic_spare):
+                si = SimInstance(first + i, ec)
+                if timeline:
+                    si.log = []
+                self.inst[first + i] = si
+                self.off_rollout[first + i] = "trainer"
+        self.role_switch_s = 0.0  # accelerator-seconds spent changing role
+        self.tacc_log: list[tuple[float, int]] = [(0.0, self.layout.trainer_accelerators)]
+        self._rcap = sum(si.capacity for i, si in self.inst.items() if i not in self.off_rollout)
+        self._rcap_int = 0.0  # integral of rollout capacity over time (bubble ratio)
+        self._rcap_t = 0.0
+        self._cap_marks: dict[int, float] = {}
+
         # trainer
         self.tacc = self.layout.trainer_accelerators
+        self._tbusy_until = 0.0
         self._tq: deque = deque()
         self._tbusy = False
         self._tbusy_since = 0.0
@@ -237,6 +262,8 @@ class Simulation:
                 self._on_loaded(x, y)
             elif kind == _ARRIVE:
                 self._on_arrive(x, y)
+            elif kind == _ROLE:
+                self._on_role(x, y)
             else:
                 self._on_trainer_done(x)
             self._drain()
@@ -282,6 +309,10 @@ class Simulation:
                 self._deliver(act.group_id)
             elif kind is A.StartStep:
                 self._start_step(act)
+            elif kind is A.SwitchToTrainer:
+                self._switch_to_trainer(act)
+            elif kind is A.SwitchToRollout:
+                self._switch_to_rollout(act)
             elif kind is A.ReportGroupFailed:
                 self.reports.append(f"group {act.group_id!r} failed: {act.reason}")
             elif kind is A.ReportError:
@@ -308,6 +339,8 @@ class Simulation:
             )
         if si.r + si.inbound + len(si.paused) >= si.capacity:
             raise SimError(f"dispatch to instance {si.id} beyond its capacity {si.capacity}")
+        if act.instance_id in self.off_rollout:
+            raise SimError(f"dispatch to instance {si.id}, whose accelerators serve the trainer")
         if self._tbusy and self.layout.colocated:
             raise SimError("colocated sync: a dispatch while the trainer holds the accelerators")
         gid = act.group_id
@@ -344,12 +377,88 @@ class Simulation:
         self._dirty[si.id] = si
         self._push(now + self.engine.weight_load_s, _LOADED, si.id, (act.version, si.load_token))
 
+    # ------------------------------------------------------------------ elastic colocation
+    def _cap_advance(self) -> None:
+        self._rcap_int += self._rcap * (self.now - self._rcap_t)
+        self._rcap_t = self.now
+
+    def _switch_to_trainer(self, act: A.SwitchToTrainer) -> None:
+        iid = act.instance_id
+        si = self.inst.get(iid)
+        if si is None or iid in self.off_rollout:
+            raise SimError(f"SwitchToTrainer({iid}): not a rollout instance")
+        if si.r or si.inbound or si.paused or si.loading is not None:
+            raise SimError(f"SwitchToTrainer({iid}) while it runs {si.r} trajectories or loads weights")
+        si.advance(self.now)
+        self._cap_advance()
+        self._rcap -= si.capacity
+        si.state = -4
+        if si.log is not None:
+            si.log.append((self.now, -4))
+        self.off_rollout[iid] = "to_trainer"
+        # Its weights and KV are dropped; the trainer loads its optimizer-state shard and rebuilds
+        # the data-parallel group: the accelerators do nothing meanwhile.
+        join = self.tc.join_s
+        self.role_switch_s += join * self.layout.accelerators_per_instance
+        self._push(self.now + join, _ROLE, iid, "trainer")
+
+    def _switch_to_rollout(self, act: A.SwitchToRollout) -> None:
+        iid = act.instance_id
+        if self.off_rollout.get(iid) != "trainer":
+            raise SimError(f"SwitchToRollout({iid}): its accelerators are not on the trainer ({self.off_rollout.get(iid)})")
+        tp = self.layout.accelerators_per_instance
+        if self.tacc - tp < 1:
+            raise SimError(f"SwitchToRollout({iid}) would leave the trainer without accelerators")
+        # The accelerators leave after the trainer's current work item, then offload their
+        # optimizer-state shard; the instance then loads weights like any other (LoadVersion).
+        start = max(self.now, self._tbusy_until) if self._tbusy else self.now
+        self.tacc -= tp
+        self.tacc_log.append((start, self.tacc))
+        self.off_rollout[iid] = "to_rollout"
+        leave = self.tc.leave_s
+        self.role_switch_s += (start - self.now + leave) * tp
+        self._push(start + leave, _ROLE, iid, ("rollout", act.capacity))
+
+    def _on_role(self, iid: int, payload: Any) -> None:
+        tp = self.layout.accelerators_per_instance
+        if payload == "trainer":
+            self.off_rollout[iid] = "trainer"
+            self.tacc += tp
+            self.tacc_log.append((self.now, self.tacc))
+            self._pending.append(E.SwitchedToTrainer(iid))
+            return
+        _, cap = payload
+        del self.off_rollout[iid]
+        old = self.inst[iid]
+        si = SimInstance(iid, self.engine)
+        si.capacity = cap
+        si.t_last = self.now
+        si.slot_time = old.slot_time
+        si.log = old.log
+        self.inst[iid] = si
+        self._cap_advance()
+        self._rcap += cap
+        self._dirty[iid] = si
+        self._pending.append(E.InstanceReady(iid, cap))
+
     def _migrate(self, act: A.Migrate) -> None:
         src, dst = self.inst[act.src], self.inst[act.dst]
         key = (act.group_id, act.index)
         for si in (src, dst):
             if si.loading is not None or si.version != act.version:
                 raise SimError(f"migration of {key!r} between instances not both holding version {act.version}")
+        if key in self._transit:
+            # Still on its way to `src` (a second move before the first landed): it lands on
+            # `dst` instead, at the time the first transfer ends (its KV is already in flight).
+            if self._transit[key] != src.id:
+                raise SimError(f"migration of {key!r} from instance {src.id}, but it is in transit to {self._transit[key]}")
+            if dst.occupied >= dst.capacity:
+                raise SimError(f"migration of {key!r} to instance {dst.id} beyond its capacity")
+            src.inbound -= 1
+            dst.inbound += 1
+            self._transit[key] = dst.id
+            self._dirty[src.id] = src
+            return
         if key not in src.seqs:
             if key in self.finished:
                 # It finished on `src` at this instant and its report is still queued: a host sees
@@ -367,6 +476,7 @@ class Simulation:
             delay = context * self.engine.kv_bytes_per_token / bw
             self.migration_s += delay
             dst.inbound += 1
+            self._transit[key] = dst.id
             self._push(self.now + delay, _ARRIVE, key, (dst.id, remaining, context))
         else:
             # The engine cannot move KV: the destination re-prefills the whole context.
@@ -414,7 +524,8 @@ class Simulation:
         self._pending.append(E.InstanceLoaded(iid, version))
 
     def _on_arrive(self, key: tuple[int, int], payload: tuple[int, float, float]) -> None:
-        iid, remaining, context = payload
+        _, remaining, context = payload
+        iid = self._transit.pop(key)
         si = self.inst[iid]
         si.inbound -= 1
         if si.loading is not None:
@@ -462,6 +573,7 @@ class Simulation:
                 raise SimError(f"colocated sync: trainer work while instances {busy[:5]} still roll out or load")
         self._tbusy = True
         self._tbusy_since = self.now
+        self._tbusy_until = self.now + dur
         self._push(self.now + dur, _TRAINER, (kind, x), None)
 
     def _on_trainer_done(self, item: tuple[str, int]) -> None:
@@ -491,6 +603,8 @@ class Simulation:
             si.advance(now)
             total += si.slot_time
         self._slot_marks[step] = total
+        self._cap_advance()
+        self._cap_marks[step] = self._rcap_int
 
     # ------------------------------------------------------------------ results
     def _deadlock_report(self) -> str:
@@ -613,6 +727,25 @@ def ideal_step_work(preset: Preset, groups: list[tuple[int, int, tuple[int, ...]
     return roll * tp, train, tokens
 
 
+def _time_mean(log: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """Time average over [t0, t1] of a step function given as (time, value) changes."""
+    if t1 <= t0:
+        return float(log[-1][1])
+    pts = sorted(log, key=lambda p: p[0])
+    total, cur = 0.0, pts[0][1]
+    prev = t0
+    for t, v in pts:
+        if t <= t0:
+            cur = v
+            continue
+        if t >= t1:
+            break
+        total += cur * (t - prev)
+        prev, cur = t, v
+    total += cur * (t1 - prev)
+    return total / (t1 - t0)
+
+
 def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> dict[str, Any]:
     """The design.md metrics of one run over its steady-state window."""
     steps = len(sim.step_end)
@@ -629,7 +762,7 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
             busy += hi - lo
     slots0 = sim._slot_marks.get(w - 1, 0.0) if w > 0 else 0.0
     slots1 = sim._slot_marks[e - 1]
-    cap = sum(si.capacity for si in sim.inst.values())
+    caps = sim._cap_marks[e - 1] - (sim._cap_marks.get(w - 1, 0.0) if w > 0 else 0.0)
     r2t = []
     for k in range(w, e):
         first = min(sim.first_dispatch[g] for g in sim.step_groups[k])
@@ -651,7 +784,7 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "ideal_throughput": ideal,
         "efficiency": thr / ideal,
         "trainer_wait_ratio": max(0.0, 1.0 - busy / span),
-        "rollout_bubble_ratio": 1.0 - (slots1 - slots0) / (cap * span),
+        "rollout_bubble_ratio": 1.0 - (slots1 - slots0) / max(caps, 1e-12),
         "rollout_to_train_end_s": sum(r2t) / len(r2t),
         "step_time_s": span / (e - w),
         "rollout_s": sum(rollout_s) / len(rollout_s),
@@ -670,6 +803,10 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "weight_loads": core.get("weight_loads", 0),
         "live_versions_max": core.get("live_versions_max", 0),
         "migration_s": sim.migration_s,
+        "elastic": sim.config.elastic,
+        "role_switches": core.get("switches_to_trainer", 0) + core.get("switches_to_rollout", 0),
+        "role_switch_s": sim.role_switch_s,
+        "trainer_accelerators_mean": _time_mean(sim.tacc_log, t0, t1),
         "reprefill_tokens": round(sim.reprefill_tokens),
         "max_staleness": sim.K,
         "split": sim.layout.split,

@@ -67,8 +67,14 @@ class RandomDriver:
         self.to_publish: list[int] = []
         self.requested = 0
         self.next_gid = 0
-        self.next_instance = max(s.id for s in config.instances) + 1
+        # new ids for revived instances, after those the trainer's spare instances use
+        self.next_instance = max(s.id for s in config.instances) + 1 + config.elastic_spare
         self.dead_instances: list[tuple[int, int]] = []
+        # elastic colocation: instances switching role, and those whose accelerators train
+        self.to_trainer: set[int] = set()
+        self.to_rollout: dict[int, int] = {}
+        self.on_trainer: set[int] = set()
+        self.switches = 0
 
     # ------------------------------------------------------------------ executing actions
     def execute(self, actions: list) -> None:
@@ -104,6 +110,19 @@ class RandomDriver:
                 self.trainer = act.step
                 self.stats.steps.append((act.step, tuple(act.group_ids)))
                 self.stats.step_versions[act.step] = {g: self.stats.admitted[g] for g in act.group_ids}
+            elif isinstance(act, A.SwitchToTrainer):
+                iid = act.instance_id
+                assert not [k for k, r in self.running.items() if r[0] == iid], f"lent instance {iid} runs work"
+                assert iid not in self.loading, f"lent instance {iid} is loading"
+                self.loaded.pop(iid, None)
+                self.to_trainer.add(iid)
+                self.switches += 1
+            elif isinstance(act, A.SwitchToRollout):
+                iid = act.instance_id
+                assert iid not in self.loaded and iid not in self.loading and iid not in self.to_trainer
+                self.on_trainer.discard(iid)
+                self.to_rollout[iid] = act.capacity
+                self.switches += 1
             elif isinstance(act, A.ReportGroupFailed):
                 self.stats.failed_groups.append(act.group_id)
             elif isinstance(act, A.ReportError):
@@ -127,6 +146,12 @@ class RandomDriver:
             c.append(("publish", self.to_publish[0]))
         if self.dead_instances:
             c.append(("revive", None))
+        for iid in self.to_trainer:
+            c.append(("join", iid))
+        for iid in self.to_rollout:
+            c.append(("leave", iid))
+        if self.config.elastic and self.trainer is None:
+            c.append(("idle", None))
         return c
 
     def tick(self) -> bool:
@@ -170,6 +195,15 @@ class RandomDriver:
         elif kind == "revive":
             iid, cap = self.dead_instances.pop(0)
             self.execute(self._feed(E.InstanceReady(iid, cap)))
+        elif kind == "join":
+            self.to_trainer.discard(arg)
+            self.on_trainer.add(arg)
+            self.execute(self._feed(E.SwitchedToTrainer(arg)))
+        elif kind == "leave":
+            cap = self.to_rollout.pop(arg)
+            self.execute(self._feed(E.InstanceReady(arg, cap)))
+        elif kind == "idle":
+            self.execute(self._feed(E.TrainerIdle()))
         return True
 
     def _crash(self, inst: int) -> None:

@@ -6,7 +6,7 @@ from .actions import (
 )
 from .events import (
     DataExhausted, Event, GroupAdmitted, GroupsDeclined, InstanceFailed, InstanceLoaded,
-    InstanceReady, RewardReady, SwitchedToTrainer, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
+    InstanceReady, RewardReady, SwitchedToTrainer, TrainerIdle, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
     TrajectoryFinished, TrajectoryProgressed, VersionPublished,
 )
 from .scheduler import ProtocolError, Scheduler
@@ -16,6 +16,6 @@ __all__ = [
     "GroupsDeclined", "InstanceFailed", "InstanceLoaded", "InstanceReady", "LoadVersion",
     "Migrate", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
     "RewardReady", "Scheduler", "StartStep", "SwitchToRollout", "SwitchToTrainer",
-    "SwitchedToTrainer", "TrainerStepFinished", "TrainerStepStarted",
+    "SwitchedToTrainer", "TrainerIdle", "TrainerStepFinished", "TrainerStepStarted",
     "TrajectoryFailed", "TrajectoryFinished", "TrajectoryProgressed", "VersionPublished",
 ]

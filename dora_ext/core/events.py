@@ -130,6 +130,16 @@ class TrainerStepFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainerIdle:
+    """The trainer has processed everything delivered to it and waits for groups.
+
+    Only elastic colocation uses it: the scheduler gives trainer accelerators to the rollout
+    (`SwitchToRollout`) only after this report, and forgets it at the next `DeliverGroup` or
+    `StartStep`. A runtime that never sends it never has accelerators taken from its trainer.
+    """
+
+
+@dataclass(frozen=True, slots=True)
 class VersionPublished:
     """Version `version` may now be loaded by instances (its weights are broadcast)."""
 
@@ -150,5 +160,6 @@ Event = Union[
     RewardReady,
     TrainerStepStarted,
     TrainerStepFinished,
+    TrainerIdle,
     VersionPublished,
 ]

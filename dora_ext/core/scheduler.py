@@ -150,6 +150,7 @@ class Scheduler:
             first = max(s.id for s in config.instances) + 1
             cap0 = config.instances[0].capacity
             self._trainer_side = {first + i: cap0 for i in range(config.elastic_spare)}
+        self._trainer_idle = False  # reported by TrainerIdle, cleared by the next delivery
         self._spreading: dict[int, int] = {}  # instance -> version it loads to take stragglers
         self._min_rollout = max(1, math.ceil(len(config.instances) * (1.0 - config.elastic_max_lent)))
         self.step_log: list[tuple[int, tuple]] = []
@@ -250,6 +251,9 @@ class Scheduler:
         if back and self._spread:
             self._spreading[ev.instance_id] = -1  # it came for the tail: it may take stragglers
         self._add_instance(ev.instance_id, ev.capacity, lend=not back)
+
+    def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
+        self._trainer_idle = self._trainer_busy is None
 
     def _on_switched_to_trainer(self, ev: E.SwitchedToTrainer) -> None:
         cap = self._to_trainer.pop(ev.instance_id, None)
@@ -427,6 +431,7 @@ class Scheduler:
         E.InstanceLoaded: _on_instance_loaded,
         E.InstanceFailed: _on_instance_failed,
         E.SwitchedToTrainer: _on_switched_to_trainer,
+        E.TrainerIdle: _on_trainer_idle,
         E.GroupAdmitted: _on_group_admitted,
         E.GroupsDeclined: _on_groups_declined,
         E.DataExhausted: _on_data_exhausted,
@@ -860,6 +865,7 @@ class Scheduler:
         g.step = k
         self._dec_unassigned(g.version)
         self._forming.append(g.gid)
+        self._trainer_idle = False
         if self._cgp:
             self._out.append(A.DeliverGroup(g.gid, k))
 
@@ -884,6 +890,7 @@ class Scheduler:
         self.m["groups_trained"] += len(gids)
         self.step_log.append((k, gids))
         self._trainer_busy = k
+        self._trainer_idle = False
         self._out.append(A.StartStep(k, gids))
 
     # ------------------------------------------------------------------ snapshot / restore
@@ -1013,7 +1020,7 @@ class Scheduler:
     def _maybe_switch_to_rollout(self) -> None:
         """Trainer -> rollout: the trainer waits for trajectories (no step runs and none can be
         formed) while the rollout has more work than slots: the long tail."""
-        if self._trainer_busy is not None or self.done:
+        if not self._trainer_idle or self._trainer_busy is not None or self.done:
             return
         b = self._bucket(self.newest)
         demand = self._queued.get(b, 0) + (self._outstanding + max(0, self._budget_left())) * self.n

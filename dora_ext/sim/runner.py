@@ -226,6 +226,7 @@ class Simulation:
         # trainer
         self.tacc = self.layout.trainer_accelerators
         self._tbusy_until = 0.0
+        self._idle_report = False  # report TrainerIdle when the trainer next runs dry
         self._tq: deque = deque()
         self._tbusy = False
         self._tbusy_since = 0.0
@@ -275,23 +276,30 @@ class Simulation:
 
     def _drain(self) -> None:
         pending, handle = self._pending, self.sched.handle
-        while pending:
-            self.events += 1
-            self._execute(handle(pending.popleft()))
-        if self._dirty:
-            now = self.now
-            timeline = self.timeline
-            for si in self._dirty.values():
-                if timeline:
-                    si.record(now)
-                if si.gen != si.sched_gen:
-                    si.sched_gen = si.gen
-                    nf = si.next_finish()
-                    if nf is not None:
-                        self._push(nf, _FINISH, si.id, si.gen)
-            self._dirty.clear()
-        if not self._tbusy and self._tq:
-            self._trainer_next()
+        while True:
+            while pending:
+                self.events += 1
+                self._execute(handle(pending.popleft()))
+            if self._dirty:
+                now = self.now
+                timeline = self.timeline
+                for si in self._dirty.values():
+                    if timeline:
+                        si.record(now)
+                    if si.gen != si.sched_gen:
+                        si.sched_gen = si.gen
+                        nf = si.next_finish()
+                        if nf is not None:
+                            self._push(nf, _FINISH, si.id, si.gen)
+                self._dirty.clear()
+            if not self._tbusy and self._tq:
+                self._trainer_next()
+            if self._idle_report and not self._tbusy and not self._tq:
+                # Everything delivered is processed: the trainer waits (elastic colocation).
+                self._idle_report = False
+                pending.append(E.TrainerIdle())
+                continue
+            return
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions: list) -> None:
@@ -572,6 +580,7 @@ class Simulation:
             if busy:
                 raise SimError(f"colocated sync: trainer work while instances {busy[:5]} still roll out or load")
         self._tbusy = True
+        self._idle_report = self.config.elastic
         self._tbusy_since = self.now
         self._tbusy_until = self.now + dur
         self._push(self.now + dur, _TRAINER, (kind, x), None)

@@ -996,9 +996,12 @@ class Scheduler:
         trainer is the bottleneck and an idle instance's accelerators serve it better."""
         if len(self.instances) <= self._min_rollout:
             return False
-        if self._budget_left() > 0 or self._outstanding:
+        if self._budget_left() > 0 or self._outstanding or any(self._queued.values()):
             return False
-        return not any(self._queued.values())
+        # ... and the trainer has work (a step runs, or groups of the step being formed were
+        # delivered and it has not reported running dry): a trainer stalled on stragglers would
+        # gain nothing from more accelerators.
+        return not self._trainer_idle and (self._trainer_busy is not None or bool(self._forming))
 
     def _switch_to_trainer(self, inst: _Instance) -> None:
         """Take the idle instance out of the rollout pool and lend its accelerators to the trainer."""

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         # A core bug, not a user error: say what happened so that it can be reported.
         print(f"dora-ext simulate: the scheduler misbehaved: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    steps = args.steps or preset.default_steps
+    steps = len(next(iter(results.values())).step_end)
     if args.json:
         print(json.dumps(to_json(preset.name, args.seed, steps, results), indent=2))
     else:

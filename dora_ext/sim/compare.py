@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .presets import Preset
 from .optimize import optimise_split
-from .runner import RunResult, layout_for, simulate
+from .runner import RunResult, _staleness, default_steps, layout_for, simulate
 from .workload import LengthSampler
 
 
@@ -35,7 +35,8 @@ def compare(
     With `split="auto"` each split mode's rollout:trainer split is optimised (`optimise_split`,
     every candidate a full-length run); `metrics["split_search"]` lists every split evaluated
     with its throughput and `metrics["split_unimodal"]` whether they rose then fell."""
-    steps = steps or preset.default_steps
+    if steps is None:  # one step count for all: long enough for the largest K among them
+        steps = max(default_steps(preset, _staleness(m, max_staleness)) for m in modes)
     results: dict[str, RunResult] = {}
     for mode in modes:
         if split == "auto" and not layout_for(preset, mode, None).colocated:

@@ -95,7 +95,6 @@ def optimise_split(
     rollout instance counts is scanned whole (exact). A colocated mode (`sync` on a colocated
     preset) has no split: it runs once.
     """
-    steps = steps or preset.default_steps
     run_one = runner or simulate
     tp, g = preset.engine.accelerators, preset.accelerators
     kw = dict(steps=steps, seed=seed, max_staleness=max_staleness, records=records, config=config, plugins=plugins)

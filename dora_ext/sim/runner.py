@@ -706,10 +706,21 @@ def _staleness(mode: str, k: int | None) -> int:
 
 
 # --------------------------------------------------------------------------- metrics
-def window(steps: int) -> tuple[int, int]:
-    """Steady-state steps `[w, e)`: the first and last fifth are warm-up and drain."""
-    w = steps // 5
-    e = steps - w
+def default_steps(preset: Preset, max_staleness: int) -> int:
+    """The preset's step count, or more for a large K: the steady-state window (`window`) skips
+    K + 1 warm-up and K + 2 drain steps and keeps at least as many in between."""
+    return max(preset.default_steps, 5 * (max_staleness + 2))
+
+
+def window(steps: int, max_staleness: int = 0) -> tuple[int, int]:
+    """Steady-state steps `[w, e)`: the first fifth (at least K + 1 steps, while the rollout builds
+    its lead) is warm-up, the last fifth (at least the last `K + 2` steps) is drain: admission stops at `max_steps * B` groups, so in the last K + 1 steps
+    the rollout has less and less to do, and with elastic colocation its accelerators would train.
+    """
+    w = max(steps // 5, max_staleness + 1) if max_staleness else steps // 5
+    e = steps - max(steps // 5, max_staleness + 2) if max_staleness else steps - w
+    if e - w < 1:
+        w, e = steps // 5, steps - steps // 5
     if e - w < 1:
         return 0, steps
     return w, e
@@ -758,7 +769,7 @@ def _time_mean(log: list[tuple[float, int]], t0: float, t1: float) -> float:
 def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> dict[str, Any]:
     """The design.md metrics of one run over its steady-state window."""
     steps = len(sim.step_end)
-    w, e = window(steps)
+    w, e = window(steps, sim.K)
     t0 = sim.step_end[w - 1] if w > 0 else 0.0
     t1 = sim.step_end[e - 1]
     span = max(t1 - t0, 1e-12)
@@ -837,9 +848,11 @@ def simulate(
     plugins: Any = None,
     config: dict[str, Any] | None = None,
 ) -> RunResult:
-    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields."""
+    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields.
+
+    `steps` defaults to `default_steps(preset, K)`."""
     return Simulation(
-        preset, mode, steps=steps or preset.default_steps, seed=seed, max_staleness=max_staleness,
+        preset, mode, steps=steps or default_steps(preset, _staleness(mode, max_staleness)), seed=seed, max_staleness=max_staleness,
         split=split, records=records, instances=instances, timeline=timeline, plugins=plugins,
         config=config,
     ).run()

@@ -20,16 +20,16 @@ def _small(tiny, accelerators, train):
 @pytest.mark.parametrize("mode,k", [("dora", 2), ("dora", 1), ("pipeline", None), ("one_step_off", None)])
 def test_search_finds_the_brute_force_maximum(tiny, accelerators, train, mode, k):
     p = _small(tiny, accelerators, train)
-    scan = brute_force_split(p, mode, steps=10, seed=0, max_staleness=k)
+    scan = brute_force_split(p, mode, steps=20, seed=0, max_staleness=k)
     best = max(scan, key=scan.get)
     # exhaustive=0 forces the bracketing + golden-section path even on a small cluster.
-    s = optimise_split(p, mode, steps=10, seed=0, max_staleness=k, exhaustive=0)
+    s = optimise_split(p, mode, steps=20, seed=0, max_staleness=k, exhaustive=0)
     assert s.split == best, (s.evaluated, scan)
     assert s.runs < len(scan)  # it did not scan everything
     for sp, v in s.evaluated.items():
         assert v == scan[sp]  # the same full-length runs
     # The exhaustive path is the scan itself.
-    full = optimise_split(p, mode, steps=10, seed=0, max_staleness=k)
+    full = optimise_split(p, mode, steps=20, seed=0, max_staleness=k)
     assert full.split == best and full.runs == len(scan)
 
 

@@ -892,6 +892,11 @@ class Scheduler:
         self._trainer_busy = k
         self._trainer_idle = False
         self._out.append(A.StartStep(k, gids))
+        if self._elastic:
+            # The trainer has work now: instances that drained while it waited may be lent.
+            for inst in list(self.instances.values()):
+                if not inst.running and inst.loading is None:
+                    self._plan_instance(inst)
 
     # ------------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> dict[str, Any]:

@@ -86,7 +86,7 @@ def optimise_split(
     start: int | None = None,
     plugins: Any = None,
     runner: Callable[..., RunResult] | None = None,
-    exhaustive: int = 16,
+    exhaustive: int = 8,
 ) -> SplitSearch:
     """The integer split with the highest throughput for `mode` (see the module docstring).
 

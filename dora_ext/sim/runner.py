@@ -15,6 +15,7 @@ simulator itself executed (`sim_checks`), independently of the scheduler's own c
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from .engine import SimInstance
 from .presets import Preset
 from .workload import LengthSampler, WorkloadError
 
-_FINISH, _LOADED, _ARRIVE, _TRAINER, _ROLE = 0, 1, 2, 3, 4
+_FINISH, _LOADED, _ARRIVE, _TRAINER, _ROLE, _SPEED = 0, 1, 2, 3, 4, 5
 
 
 class SimError(RuntimeError):
@@ -244,6 +245,9 @@ class Simulation:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
+        if self.engine.moe_imbalance > 0:
+            self._seed = self.sampler.seed
+            self._on_speed(0)
         self._execute(self.sched.start())
         self._drain()
         heap = self._heap
@@ -265,6 +269,8 @@ class Simulation:
                 self._on_arrive(x, y)
             elif kind == _ROLE:
                 self._on_role(x, y)
+            elif kind == _SPEED:
+                self._on_speed(x)
             else:
                 self._on_trainer_done(x)
             self._drain()
@@ -385,6 +391,18 @@ class Simulation:
         self._dirty[si.id] = si
         self._push(now + self.engine.weight_load_s, _LOADED, si.id, (act.version, si.load_token))
 
+    # ------------------------------------------------------------------ MoE imbalance
+    def _on_speed(self, period: int) -> None:
+        """Redraw every instance's decode cost factor for `period` (see `EngineCost.moe_imbalance`)."""
+        m = self.engine.moe_imbalance
+        for iid, si in self.inst.items():
+            rng = random.Random((self._seed * 1_000_003 + iid) * 1_000_033 + period)
+            si.set_speed(1.0 + m * abs(rng.gauss(0.0, 1.0)), self.now)
+            self._dirty[iid] = si
+        if period == 0 or self._heap or self._pending or self._tbusy:
+            # (with nothing else left to happen the run is stuck: let SimDeadlock say so)
+            self._push((period + 1) * self.engine.moe_period_s, _SPEED, period + 1, None)
+
     # ------------------------------------------------------------------ elastic colocation
     def _cap_advance(self) -> None:
         self._rcap_int += self._rcap * (self.now - self._rcap_t)
@@ -439,6 +457,7 @@ class Simulation:
         del self.off_rollout[iid]
         old = self.inst[iid]
         si = SimInstance(iid, self.engine)
+        si.a, si.b, si.c = old.a, old.b, old.c  # the period's speed factor carries over
         si.capacity = cap
         si.t_last = self.now
         si.slot_time = old.slot_time

@@ -29,7 +29,7 @@ def test_search_finds_the_brute_force_maximum(tiny, accelerators, train, mode, k
     for sp, v in s.evaluated.items():
         assert v == scan[sp]  # the same full-length runs
     # The exhaustive path is the scan itself.
-    full = optimise_split(p, mode, steps=20, seed=0, max_staleness=k)
+    full = optimise_split(p, mode, steps=20, seed=0, max_staleness=k, exhaustive=16)
     assert full.split == best and full.runs == len(scan)
 
 

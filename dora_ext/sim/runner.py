@@ -832,6 +832,8 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "staleness_max": max(hist) if hist else 0,
         "staleness_mean": sum(k * v for k, v in hist.items()) / n_hist if n_hist else 0.0,
         "multi_version_trajectory_share": checks["multi_version_trajectory_share"],
+        "multi_version_trajectories": checks["multi_version_trajectories"],
+        "c3_violations": checks["c3_violations"],
         "dropped": checks["dropped"],
         "truncated": checks["truncated"],
         "duplicated": checks["duplicated"],

@@ -70,6 +70,10 @@ class DoraConfig:
         capacity of the first instance).
       elastic_max_lent: with `elastic`, the largest share of the configured instances lent to the
         trainer at once.
+      max_failed_group_share: the circuit breaker. Once at least `max(batch_size, 4)` groups have
+        failed and failed groups exceed this share of all groups that ended (completed or failed),
+        the scheduler stops with `FailureStorm` instead of replacing failed groups forever.
+        In [0, 1]; 1 disables the breaker.
     """
 
     mode: str = "dora"
@@ -87,6 +91,7 @@ class DoraConfig:
     elastic: bool = False
     elastic_spare: int = 0
     elastic_max_lent: float = 0.5
+    max_failed_group_share: float = 0.5
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -172,6 +177,9 @@ class DoraConfig:
         lent = data.get("elastic_max_lent", 0.5)
         if isinstance(lent, bool) or not isinstance(lent, (int, float)) or not 0.0 <= lent < 1.0:
             raise ConfigError(f"{pre}elastic_max_lent", f"expected a number in [0, 1), got {lent!r}")
+        share = data.get("max_failed_group_share", 0.5)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ConfigError(f"{pre}max_failed_group_share", f"expected a number in [0, 1], got {share!r}")
         return cls(
             mode=mode,
             max_staleness=k,
@@ -186,6 +194,7 @@ class DoraConfig:
             elastic=elastic,
             elastic_spare=spare,
             elastic_max_lent=float(lent),
+            max_failed_group_share=float(share),
         )
 
     @classmethod
@@ -217,6 +226,7 @@ class DoraConfig:
             "elastic": self.elastic,
             "elastic_spare": self.elastic_spare,
             "elastic_max_lent": self.elastic_max_lent,
+            "max_failed_group_share": self.max_failed_group_share,
         }
 
     def with_overrides(self, overrides: Sequence[str] | Mapping[str, Any]) -> "DoraConfig":

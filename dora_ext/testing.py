@@ -1,12 +1,24 @@
 """A seeded, clock-free driver that executes scheduler actions with random event orders.
 
 It is how the property tests (and plugin authors) exercise `dora_ext.core.Scheduler` without an
-engine: every action is executed faithfully (dispatches run, loads complete, the trainer steps and
-publishes), while the *order* in which things happen is chosen by a random generator: arbitrary
-completion order, long tails, trajectory failures, instance crashes and recoveries, publishes at
-any time after a step. The driver also keeps its own ledger (which version generated each token
-of each trajectory, which groups each step trained) so the tests check the scheduler against an
-independent record rather than against the scheduler's own counters.
+engine: every action is executed faithfully (dispatches run, loads complete, migrations land, the
+trainer steps and publishes), while the *order* in which things happen is chosen by a random
+generator. It sends everything a host runtime sends (verl's coordinator, slime's rollout worker,
+the embedded runtime):
+
+- arbitrary completion order and long tails, `TrajectoryProgressed` now and then;
+- rewards in `TrajectoryFinished` or later in `RewardReady` (late rewards), NaN rewards in both;
+- `TrajectoryFailed` while running and while awaiting the reward;
+- instance crashes while running, while loading a version and while a migration is in flight
+  (from either side), and recoveries under a new instance id;
+- stale events after a crash: the dead instance's late `TrajectoryProgressed`/`TrajectoryFinished`
+  (previous attempt), `InstanceLoaded` and a second `InstanceFailed`;
+- `GroupsDeclined` (no prompt ready now) and `DataExhausted` (the dataset ran out);
+- publishes at any time after a step.
+
+The driver keeps its own ledger (which version generated each token of each trajectory, which
+groups each step trained, which groups were reported failed) so the tests check the scheduler
+against an independent record rather than against the scheduler's own counters.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from typing import Any
 from .config import DoraConfig
 from .core import actions as A
 from .core import events as E
-from .core.scheduler import Scheduler
+from .core.scheduler import FailureStorm, Scheduler
 
 
 @dataclass
@@ -32,14 +44,33 @@ class DriverStats:
     errors: list[str] = field(default_factory=list)
     migrations: int = 0
     delivered: dict[Any, int] = field(default_factory=dict)
+    late_rewards: int = 0
+    stale_sent: int = 0
+    crashes: int = 0
+    truncated_sent: int = 0
+    halted: str | None = None  # the FailureStorm message, when the breaker tripped
+    exhausted: bool = False
+
+
+class Deadlock(AssertionError):
+    """No event can be sent, yet the scheduler is not done (work remains)."""
 
 
 class RandomDriver:
     """Drive a scheduler to `target_steps` steps with random (but fair) event orders.
 
     Fairness is what "engines keep progressing" means: every running trajectory eventually
-    finishes, every load completes, the trainer eventually finishes its step. The driver stops
-    with an error if it runs out of things to do before the target (a deadlock).
+    finishes, every load completes, every migration lands, every reward arrives, the trainer
+    eventually finishes its step. The driver raises `Deadlock` if it runs out of things to do
+    while the scheduler still has work (not `done`) before the target.
+
+    Probabilities (all default 0 except `long_tail`, so the plain driver stays simple):
+    `fail_prob` per tick of a running trajectory; `crash_prob` per tick (an instance crash);
+    `nan_prob` per reward; `late_reward` the share of finishes whose reward comes later in
+    `RewardReady`; `fail_awaiting` per late reward (it fails instead); `stale_prob` per crash that
+    the dead instance's late events are sent; `decline_prob` per requested group;
+    `data_limit` the number of prompts in the dataset (then `DataExhausted`); `progress_prob`
+    per tick, a `TrajectoryProgressed`; `truncate_prob` per finish, `truncated_early=True`.
     """
 
     def __init__(
@@ -51,6 +82,13 @@ class RandomDriver:
         crash_prob: float = 0.0,
         nan_prob: float = 0.0,
         long_tail: float = 0.2,
+        late_reward: float = 0.0,
+        fail_awaiting: float = 0.0,
+        stale_prob: float = 0.0,
+        decline_prob: float = 0.0,
+        data_limit: int | None = None,
+        progress_prob: float = 0.0,
+        truncate_prob: float = 0.0,
         plugins: Any = None,
         scheduler: Scheduler | None = None,
     ) -> None:
@@ -58,14 +96,19 @@ class RandomDriver:
         self.config = config
         self.sched = scheduler or Scheduler(config, plugins=plugins)
         self.fail_prob, self.crash_prob, self.nan_prob, self.long_tail = fail_prob, crash_prob, nan_prob, long_tail
+        self.late_reward, self.fail_awaiting, self.stale_prob = late_reward, fail_awaiting, stale_prob
+        self.decline_prob, self.data_limit = decline_prob, data_limit
+        self.progress_prob, self.truncate_prob = progress_prob, truncate_prob
         self.stats = DriverStats()
-        self.running: dict[tuple, list] = {}  # (gid, idx) -> [instance, version, attempt, tokens_left]
+        self.running: dict[tuple, list] = {}  # (gid, idx) -> [instance, version, attempt, tokens_left, done]
+        self.awaiting: dict[tuple, int] = {}  # (gid, idx) -> attempt, reward not sent yet
+        self.migrating: dict[tuple, int] = {}  # (gid, idx) -> source instance, not landed yet
         self.loading: dict[int, int] = {}  # instance -> version
         self.loaded: dict[int, int] = {}
+        self.capacity: dict[int, int] = {s.id: s.capacity for s in config.instances}
         self.paused: set[tuple] = set()
         self.trainer: int | None = None
         self.to_publish: list[int] = []
-        self.requested = 0
         self.next_gid = 0
         # new ids for revived instances, after those the trainer's spare instances use
         self.next_instance = max(s.id for s in config.instances) + 1 + config.elastic_spare
@@ -75,6 +118,8 @@ class RandomDriver:
         self.to_rollout: dict[int, int] = {}
         self.on_trainer: set[int] = set()
         self.switches = 0
+        self.ghosts: list[Any] = []  # stale events a dead instance may still send
+        self.declined = 0  # groups declined: the next tick may offer them again
 
     # ------------------------------------------------------------------ executing actions
     def execute(self, actions: list) -> None:
@@ -82,26 +127,47 @@ class RandomDriver:
         while queue:
             act = queue.pop(0)
             if isinstance(act, A.RequestGroups):
-                for _ in range(act.count):
+                give = act.count
+                if self.data_limit is not None:
+                    give = min(give, self.data_limit - self.next_gid)
+                # A host declines only while something else is going on (a finish will make the
+                # scheduler ask again); a host with nothing running would wait for prompts instead.
+                declined = 0
+                if self.decline_prob and self.running:
+                    declined = sum(1 for _ in range(give) if self.rng.random() < self.decline_prob)
+                for _ in range(give - declined):
                     gid = self.next_gid
                     self.next_gid += 1
                     self.stats.admitted[gid] = self.sched.newest_version
                     queue.extend(self._feed(E.GroupAdmitted(gid, {"len": self.rng.randint(1, 100)})))
+                if self.data_limit is not None and self.next_gid >= self.data_limit:
+                    if not self.stats.exhausted:
+                        self.stats.exhausted = True
+                        queue.extend(self._feed(E.DataExhausted()))
+                elif declined or give < act.count:
+                    queue.extend(self._feed(E.GroupsDeclined(declined + act.count - give)))
             elif isinstance(act, A.Dispatch):
                 key = (act.group_id, act.index)
                 assert self.loaded.get(act.instance_id) == act.version, (act, self.loaded)
+                assert key not in self.running and key not in self.awaiting, (act, "dispatched twice")
+                assert sum(1 for r in self.running.values() if r[0] == act.instance_id) < self.capacity[act.instance_id]
                 tokens = self.rng.randint(1, 3) if self.rng.random() > self.long_tail else self.rng.randint(10, 30)
-                self.running[key] = [act.instance_id, act.version, act.attempt, tokens]
+                self.running[key] = [act.instance_id, act.version, act.attempt, tokens, 0]
                 self.stats.traj_versions[key] = [act.version]
             elif isinstance(act, A.LoadVersion):
+                on = [k for k, r in self.running.items() if r[0] == act.instance_id]
+                assert set(on) == set(act.preempt), (act, on, "load over running work")
                 self.loading[act.instance_id] = act.version
                 self.loaded.pop(act.instance_id, None)
                 for key in act.preempt:
                     self.paused.add(key)
             elif isinstance(act, A.Migrate):
-                r = self.running[(act.group_id, act.index)]
-                assert r[0] == act.src and self.loaded.get(act.dst) == act.version == r[1]
+                key = (act.group_id, act.index)
+                r = self.running[key]
+                assert r[0] == act.src and self.loaded.get(act.dst) == act.version == r[1], (act, r)
+                assert key not in self.migrating
                 r[0] = act.dst
+                self.migrating[key] = act.src
                 self.stats.migrations += 1
             elif isinstance(act, A.DeliverGroup):
                 self.stats.delivered[act.group_id] = act.step
@@ -136,8 +202,12 @@ class RandomDriver:
     def _choices(self) -> list[tuple[str, Any]]:
         c: list[tuple[str, Any]] = []
         for key, r in self.running.items():
-            if key not in self.paused and self.loaded.get(r[0]) is not None:
+            if key not in self.paused and key not in self.migrating and self.loaded.get(r[0]) is not None:
                 c.append(("run", key))
+        for key in self.migrating:
+            c.append(("land", key))
+        for key in self.awaiting:
+            c.append(("reward", key))
         for iid in self.loading:
             c.append(("load", iid))
         if self.trainer is not None:
@@ -152,6 +222,8 @@ class RandomDriver:
             c.append(("leave", iid))
         if self.config.elastic and self.trainer is None:
             c.append(("idle", None))
+        if self.ghosts:
+            c.append(("ghost", None))
         return c
 
     def tick(self) -> bool:
@@ -159,21 +231,45 @@ class RandomDriver:
         if not choices:
             return False
         kind, arg = self.rng.choice(choices)
+        rng = self.rng
         if kind == "run":
-            inst, version, attempt, left = self.running[arg]
-            if self.crash_prob and self.rng.random() < self.crash_prob and len(self.loaded) > 1:
-                self._crash(inst)
+            inst, version, attempt, left, done = self.running[arg]
+            if self.crash_prob and rng.random() < self.crash_prob and len(self.loaded) + len(self.loading) > 1:
+                self._crash(self._crash_target(inst))
                 return True
-            if self.fail_prob and self.rng.random() < self.fail_prob:
+            if self.fail_prob and rng.random() < self.fail_prob:
                 del self.running[arg]
                 self.execute(self._feed(E.TrajectoryFailed(arg[0], arg[1], "injected", attempt)))
                 return True
             if left > 1:
                 self.running[arg][3] = left - 1
+                self.running[arg][4] = done + 1
+                if self.progress_prob and rng.random() < self.progress_prob:
+                    self.execute(self._feed(E.TrajectoryProgressed(arg[0], arg[1], done + 1, attempt)))
                 return True
             del self.running[arg]
-            reward = float("nan") if self.nan_prob and self.rng.random() < self.nan_prob else self.rng.random()
-            self.execute(self._feed(E.TrajectoryFinished(arg[0], arg[1], tokens=1, reward=reward, attempt=attempt)))
+            trunc = bool(self.truncate_prob) and rng.random() < self.truncate_prob
+            self.stats.truncated_sent += trunc
+            if self.late_reward and rng.random() < self.late_reward:
+                self.awaiting[arg] = attempt
+                self.stats.late_rewards += 1
+                self.execute(self._feed(E.TrajectoryFinished(arg[0], arg[1], tokens=done + 1, attempt=attempt,
+                                                             truncated_early=trunc)))
+            else:
+                self.execute(self._feed(E.TrajectoryFinished(arg[0], arg[1], tokens=done + 1, reward=self._reward(),
+                                                             attempt=attempt, truncated_early=trunc)))
+        elif kind == "reward":
+            attempt = self.awaiting.pop(arg)
+            if self.fail_awaiting and rng.random() < self.fail_awaiting:
+                self.execute(self._feed(E.TrajectoryFailed(arg[0], arg[1], "reward model failed", attempt)))
+            else:
+                self.execute(self._feed(E.RewardReady(arg[0], arg[1], self._reward(), attempt)))
+        elif kind == "land":
+            src = self.migrating.pop(arg)
+            if src not in self.loaded and src not in self.loading:
+                # The source crashed before the KV cache left it: the engine lost the trajectory.
+                r = self.running.pop(arg)
+                self.execute(self._feed(E.TrajectoryFailed(arg[0], arg[1], "migration source lost", r[2])))
         elif kind == "load":
             v = self.loading.pop(arg)
             self.loaded[arg] = v
@@ -194,6 +290,7 @@ class RandomDriver:
             self.execute(self._feed(E.VersionPublished(v)))
         elif kind == "revive":
             iid, cap = self.dead_instances.pop(0)
+            self.capacity[iid] = cap
             self.execute(self._feed(E.InstanceReady(iid, cap)))
         elif kind == "join":
             self.to_trainer.discard(arg)
@@ -201,19 +298,46 @@ class RandomDriver:
             self.execute(self._feed(E.SwitchedToTrainer(arg)))
         elif kind == "leave":
             cap = self.to_rollout.pop(arg)
+            self.capacity[arg] = cap
             self.execute(self._feed(E.InstanceReady(arg, cap)))
         elif kind == "idle":
             self.execute(self._feed(E.TrainerIdle()))
+        elif kind == "ghost":
+            ev = self.ghosts.pop(rng.randrange(len(self.ghosts)))
+            self.stats.stale_sent += 1
+            self.execute(self._feed(ev))
         return True
 
+    def _reward(self) -> float:
+        return float("nan") if self.nan_prob and self.rng.random() < self.nan_prob else self.rng.random()
+
+    def _crash_target(self, inst: int) -> int:
+        """Usually the trajectory's instance; sometimes one that is loading or mid-migration."""
+        r = self.rng.random()
+        if r < 0.25 and self.loading:
+            return self.rng.choice(sorted(self.loading))
+        if r < 0.5 and self.migrating:
+            key = self.rng.choice(sorted(self.migrating, key=repr))
+            return self.rng.choice([self.migrating[key], self.running[key][0]])
+        return inst
+
     def _crash(self, inst: int) -> None:
+        self.stats.crashes += 1
+        stale = self.stale_prob and self.rng.random() < self.stale_prob
         for key in [k for k, r in self.running.items() if r[0] == inst]:
-            del self.running[key]
+            r = self.running.pop(key)
             self.paused.discard(key)
+            self.migrating.pop(key, None)
+            if stale:
+                self.ghosts.append(E.TrajectoryProgressed(key[0], key[1], r[4] + 1, r[2]))
+                self.ghosts.append(E.TrajectoryFinished(key[0], key[1], tokens=r[4] + 1, reward=0.5, attempt=r[2]))
+        if stale:
+            if inst in self.loading:
+                self.ghosts.append(E.InstanceLoaded(inst, self.loading[inst]))
+            self.ghosts.append(E.InstanceFailed(inst, "reported twice"))
         self.loaded.pop(inst, None)
         self.loading.pop(inst, None)
-        cap = next((s.capacity for s in self.config.instances if s.id == inst), 2)
-        self.dead_instances.append((self.next_instance, cap))
+        self.dead_instances.append((self.next_instance, self.capacity[inst]))
         self.next_instance += 1
         self.execute(self._feed(E.InstanceFailed(inst, "injected crash")))
 
@@ -221,12 +345,23 @@ class RandomDriver:
         self.execute(self.sched.start())
 
     def run(self, target_steps: int, max_events: int = 200_000) -> DriverStats:
-        """Run until `target_steps` steps finished; raise on deadlock or runaway."""
+        """Run until `target_steps` steps finished or the scheduler is done (data exhausted).
+
+        Raises `Deadlock` when nothing can be sent while work remains, and AssertionError on a
+        runaway. A `FailureStorm` from the circuit breaker ends the run (`stats.halted`).
+        """
         ticks = 0
-        while self.sched.step < target_steps:
-            if not self.tick():
-                raise AssertionError(f"deadlock at step {self.sched.step}: nothing can progress")
-            ticks += 1
-            if ticks > max_events:
-                raise AssertionError(f"no progress after {max_events} ticks at step {self.sched.step}")
+        try:
+            while self.sched.step < target_steps and not self.sched.done:
+                if not self.tick():
+                    raise Deadlock(
+                        f"deadlock at step {self.sched.step}: nothing can progress "
+                        f"(metrics {self.sched.metrics()})"
+                    )
+                ticks += 1
+                if ticks > max_events:
+                    raise AssertionError(f"no progress after {max_events} ticks at step {self.sched.step}")
+        except FailureStorm as exc:
+            self.stats.halted = str(exc)
+            self.execute(exc.actions)
         return self.stats

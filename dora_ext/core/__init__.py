@@ -9,10 +9,10 @@ from .events import (
     InstanceReady, RewardReady, SwitchedToTrainer, TrainerIdle, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
     TrajectoryFinished, TrajectoryProgressed, VersionPublished,
 )
-from .scheduler import ProtocolError, Scheduler
+from .scheduler import FailureStorm, ProtocolError, Scheduler
 
 __all__ = [
-    "Action", "DataExhausted", "DeliverGroup", "Dispatch", "Event", "GroupAdmitted",
+    "Action", "DataExhausted", "DeliverGroup", "Dispatch", "Event", "FailureStorm", "GroupAdmitted",
     "GroupsDeclined", "InstanceFailed", "InstanceLoaded", "InstanceReady", "LoadVersion",
     "Migrate", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
     "RewardReady", "Scheduler", "StartStep", "SwitchToRollout", "SwitchToTrainer",

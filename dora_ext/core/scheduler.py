@@ -51,8 +51,24 @@ class ProtocolError(RuntimeError):
     """
 
 
+class FailureStorm(RuntimeError):
+    """The circuit breaker tripped: too many groups failed (`max_failed_group_share`).
+
+    Raised by `handle()` on the event that tripped it and on every event after; the scheduler's
+    state stays consistent (`snapshot()`, `metrics()` still work) but it admits nothing more.
+    `actions` holds what the tripping event produced (e.g. the `ReportGroupFailed`).
+    """
+
+    def __init__(self, message: str, *, failed: int, completed: int, retries: int, actions: list | None = None):
+        super().__init__(message)
+        self.failed = failed
+        self.completed = completed
+        self.retries = retries
+        self.actions = list(actions or [])
+
+
 class _Traj:
-    __slots__ = ("status", "instance", "attempt", "tokens", "versions", "reward", "retries")
+    __slots__ = ("status", "instance", "attempt", "tokens", "versions", "reward", "retries", "moved")
 
     def __init__(self) -> None:
         self.status = _QUEUED
@@ -62,6 +78,7 @@ class _Traj:
         self.versions: list[int] = []
         self.reward: float | None = None
         self.retries = 0
+        self.moved = False  # migrated once in this attempt (never moved twice: it may be in flight)
 
 
 class _Group:
@@ -126,6 +143,9 @@ class Scheduler:
         self._seq = 0
         self._complete_seq = 0
         self._n_active = 0  # admitted groups neither complete nor failed
+        self._dead: set[int] = set()  # instances declared failed (late events from them are stale)
+        self._orphaned = False  # work was queued for a version no instance holds
+        self._halted: str | None = None  # the circuit breaker's message once it tripped
 
         self.groups: dict[Any, _Group] = {}
         self.instances: dict[int, _Instance] = {}
@@ -161,6 +181,7 @@ class Scheduler:
             "migrations": 0, "weight_loads": 0, "live_versions_max": 0, "c1_violations": 0,
             "c3_violations": 0, "trainer_waits_for_older": 0, "tokens_trained": 0,
             "switches_to_trainer": 0, "switches_to_rollout": 0,
+            "groups_admitted": 0, "groups_completed": 0,
         }
         self._out: list = []
 
@@ -194,12 +215,18 @@ class Scheduler:
         """Feed one event; returns the actions to execute, in order."""
         if not self._started:
             raise ProtocolError("handle() before start()")
+        if self._halted is not None:
+            raise self._storm([])
         try:
             method = self._handlers[type(event)]
         except KeyError:
             raise ProtocolError(f"unknown event {event!r}") from None
         method(self, event)
         return self._finish()
+
+    def _storm(self, actions: list) -> FailureStorm:
+        return FailureStorm(self._halted or "", failed=self.m["failed_groups"],
+                            completed=self.m["groups_completed"], retries=self.m["retries"], actions=actions)
 
     @property
     def done(self) -> bool:
@@ -233,6 +260,13 @@ class Scheduler:
         m["live_versions"] = len(self.live_versions())
         m["newest_version"] = self.newest
         m["steps"] = self.step
+        # Dropped: admitted groups that are neither trained, nor reported failed, nor still held.
+        # Counted from the group table itself, so a group lost from it shows up here.
+        live = sum(1 for g in self.groups.values() if g.state in (_ACTIVE, _COMPLETE))
+        if self._trainer_busy is None:
+            live += len(self._forming)
+        m["dropped"] = m["groups_admitted"] - m["groups_trained"] - m["failed_groups"] - live
+        m["halted"] = self._halted or ""
         m["c1_ok"] = m["c1_violations"] == 0 and m["multi_version_trajectories"] == 0
         m["c2_ok"] = m["dropped"] == 0 and m["truncated"] == 0 and m["duplicated"] == 0
         m["c3_ok"] = m["c3_violations"] == 0
@@ -250,6 +284,7 @@ class Scheduler:
         back = self._to_rollout.pop(ev.instance_id, None) is not None
         if back and self._spread:
             self._spreading[ev.instance_id] = -1  # it came for the tail: it may take stragglers
+        self._dead.discard(ev.instance_id)
         self._add_instance(ev.instance_id, ev.capacity, lend=not back)
 
     def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
@@ -261,7 +296,16 @@ class Scheduler:
             raise ProtocolError(f"instance {ev.instance_id} switched to the trainer without a SwitchToTrainer")
         self._trainer_side[ev.instance_id] = cap
 
+    def _stale_instance(self, iid: int) -> bool:
+        """A late event from an instance declared failed: counted and ignored."""
+        if iid in self._dead and iid not in self.instances:
+            self.m["stale_events"] += 1
+            return True
+        return False
+
     def _on_instance_loaded(self, ev: E.InstanceLoaded) -> None:
+        if self._stale_instance(ev.instance_id):
+            return
         inst = self._instance(ev.instance_id)
         if inst.loading != ev.version:
             raise ProtocolError(
@@ -295,6 +339,8 @@ class Scheduler:
             self.m["live_versions_max"] = live
 
     def _on_instance_failed(self, ev: E.InstanceFailed) -> None:
+        if self._stale_instance(ev.instance_id):
+            return
         inst = self._instance(ev.instance_id)
         b = self._bucket(inst.target) if inst.target is not None else None
         if b is not None:
@@ -306,6 +352,7 @@ class Scheduler:
         if inst.target is not None:
             self._targets[inst.target] -= 1
         del self.instances[inst.id]
+        self._dead.add(inst.id)
         touched = set()
         for gid, idx in inst.running:
             g = self.groups[gid]
@@ -337,6 +384,7 @@ class Scheduler:
         g = _Group(ev.group_id, v, seq, key, ev.meta, self.n)
         self.groups[ev.group_id] = g
         self._admitted += 1
+        self.m["groups_admitted"] += 1
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
         self._n_active += 1
         self._enqueue(g, self.n)
@@ -505,6 +553,8 @@ class Scheduler:
         """`added` trajectories of `g` joined its pending list; make sure the group is queued."""
         b = self._bucket(g.version)
         self._queued[b] = self._queued.get(b, 0) + added
+        if self._pinned and not self._cap.get(b):
+            self._orphaned = True  # no instance holds or loads this version: see `_finish`
         if not g.in_queue and g.pending:
             heapq.heappush(self._queue.setdefault(b, []), (g.key, g.seq, g.gid))
             g.in_queue = True
@@ -549,7 +599,7 @@ class Scheduler:
             skips = 0
             idx = g.pending.popleft()
             t = g.trajs[idx]
-            t.status, t.instance = _RUNNING, iid
+            t.status, t.instance, t.moved = _RUNNING, iid, False
             t.versions = [inst.version]
             inst.running[(gid, idx)] = None
             self._occupied[b] += 1
@@ -600,6 +650,7 @@ class Scheduler:
         g.done += 1
         if g.done == len(g.trajs):
             g.state = _COMPLETE
+            self.m["groups_completed"] += 1
             self._n_active -= 1
             g.complete_seq = self._complete_seq
             self._complete_seq += 1
@@ -627,6 +678,19 @@ class Scheduler:
         g.pending.clear()
         self.m["failed_groups"] += 1
         self._out.append(A.ReportGroupFailed(g.gid, f"trajectory {idx} failed {t.retries + 1} times: {reason}"))
+        self._check_storm(reason)
+
+    def _check_storm(self, reason: str) -> None:
+        """The circuit breaker: stop a failure storm instead of replacing failed groups forever."""
+        failed, completed = self.m["failed_groups"], self.m["groups_completed"]
+        share = self.config.max_failed_group_share
+        if self._halted is None and failed >= max(self.B, 4) and failed > share * (failed + completed):
+            self._halted = (
+                f"failure storm: {failed} groups failed and {completed} completed "
+                f"(failed share {failed / (failed + completed):.2f} > max_failed_group_share {share}); "
+                f"{self.m['retries']} retries, {self.m['invalid_rewards']} invalid rewards; "
+                f"last failure: {reason}"
+            )
 
     # ------------------------------------------------------------------ instance planning (R4, R5)
     def _orphan_version(self) -> int | None:
@@ -694,9 +758,13 @@ class Scheduler:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
             if (gid, idx) not in s.running or len(d.running) >= d.capacity:
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
+            t = self.groups[gid].trajs[idx]
+            if t.moved:
+                continue  # its first move may still be in flight: a trajectory moves at most once
+            t.moved = True
             del s.running[(gid, idx)]
             d.running[(gid, idx)] = None
-            self.groups[gid].trajs[idx].instance = dst
+            t.instance = dst
             if len(d.running) >= d.capacity:
                 self._free.get(v, {}).pop(dst, None)
             self._free.setdefault(v, {})[src] = None
@@ -747,12 +815,17 @@ class Scheduler:
         moved = 0
         for h in sorted(holders, key=lambda h: (-len(h.running), h.id)):
             excess = len(h.running) - keep
-            for gid, idx in list(h.running)[:max(0, excess)]:
-                if moved >= room:
+            for gid, idx in list(h.running):
+                if moved >= room or excess <= 0:
                     break
+                t = self.groups[gid].trajs[idx]
+                if t.moved:
+                    continue  # a trajectory moves at most once (its first move may be in flight)
+                t.moved = True
+                excess -= 1
                 del h.running[(gid, idx)]
                 inst.running[(gid, idx)] = None
-                self.groups[gid].trajs[idx].instance = inst.id
+                t.instance = inst.id
                 self._free.setdefault(v, {})[h.id] = None
                 self.m["migrations"] += 1
                 self._out.append(A.Migrate(gid, idx, h.id, inst.id, v))
@@ -769,7 +842,7 @@ class Scheduler:
         return left
 
     def _admit(self) -> None:
-        if self._exhausted:
+        if self._exhausted or self._halted is not None:
             return
         left = self._budget_left()
         if left <= 0:
@@ -872,14 +945,17 @@ class Scheduler:
     def _start_step(self, k: int) -> None:
         gids = tuple(self._forming)
         hist = self.m["staleness_hist"]
+        seen: set = set()
         for gid in gids:
             g = self.groups[gid]
             s = k - g.version
             hist[s] = hist.get(s, 0) + 1
             if s > self.K or s < 0:
                 self.m["c3_violations"] += 1
-            if g.step != k:
+            # Trained twice: twice in this batch, or not in the state of a group assigned to it.
+            if gid in seen or g.state != _ASSIGNED or g.step != k:
                 self.m["duplicated"] += 1
+            seen.add(gid)
             for t in g.trajs:
                 self.m["trajectories_trained"] += 1
                 self.m["tokens_trained"] += t.tokens
@@ -906,7 +982,7 @@ class Scheduler:
             groups.append([
                 g.gid, g.version, g.seq, list(g.key), g.meta, g.state, g.step, g.complete_seq,
                 g.in_queue, list(g.pending), g.done,
-                [[t.status, t.instance, t.attempt, t.tokens, list(t.versions), t.reward, t.retries]
+                [[t.status, t.instance, t.attempt, t.tokens, list(t.versions), t.reward, t.retries, t.moved]
                  for t in g.trajs],
             ])
         insts = [[i.id, i.capacity, i.version, i.loading, [list(k) for k in i.running]]
@@ -923,7 +999,9 @@ class Scheduler:
                 "started": self._started, "exhausted": self._exhausted,
                 "outstanding": self._outstanding, "admitted": self._admitted, "seq": self._seq,
                 "complete_seq": self._complete_seq, "n_active": self._n_active,
+                "halted": self._halted, "orphaned": self._orphaned,
             },
+            "dead": sorted(self._dead),
             "forming": list(self._forming),
             "groups": groups,
             "instances": insts,
@@ -953,14 +1031,16 @@ class Scheduler:
         self._started, self._exhausted = sc["started"], sc["exhausted"]
         self._outstanding, self._admitted = sc["outstanding"], sc["admitted"]
         self._seq, self._complete_seq, self._n_active = sc["seq"], sc["complete_seq"], sc["n_active"]
+        self._halted, self._orphaned = sc.get("halted"), sc.get("orphaned", False)
+        self._dead = set(snap.get("dead", ()))
         self._forming = list(snap["forming"])
         for (gid, version, seq, key, meta, state, step, cseq, in_queue, pending, done, trajs) in snap["groups"]:
             g = _Group(gid, version, seq, tuple(key), meta, len(trajs))
             g.state, g.step, g.complete_seq, g.in_queue = state, step, cseq, in_queue
             g.pending = deque(pending)
             g.done = done
-            for t, (status, inst, attempt, tokens, versions, reward, retries) in zip(g.trajs, trajs):
-                t.status, t.instance, t.attempt, t.tokens = status, inst, attempt, tokens
+            for t, (status, inst, attempt, tokens, versions, reward, retries, moved) in zip(g.trajs, trajs):
+                t.status, t.instance, t.attempt, t.tokens, t.moved = status, inst, attempt, tokens, moved
                 t.versions, t.reward, t.retries = list(versions), reward, retries
             self.groups[gid] = g
         for iid, cap, version, loading, running in snap["instances"]:
@@ -988,11 +1068,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ pump
     def _finish(self) -> list:
+        if self._orphaned:
+            self._orphaned = False
+            self._plan_idle()
         self._admit()
         self._form()
         if self._trainer_side:
             self._maybe_switch_to_rollout()
         out, self._out = self._out, []
+        if self._halted is not None:
+            raise self._storm(out)
         return out
 
     # ------------------------------------------------------------------ elastic colocation
@@ -1042,3 +1127,12 @@ class Scheduler:
             need -= cap
             self.m["switches_to_rollout"] += 1
             self._out.append(A.SwitchToRollout(iid, cap))
+    def _plan_idle(self) -> None:
+        """Work was queued for a version no instance holds (a retry or a crash re-queued a
+        trajectory of an older version): switch an idle instance to it (R4). Busy instances
+        switch when they drain (`_release`)."""
+        for inst in list(self.instances.values()):
+            if inst.loading is None and not inst.running:
+                self._plan_instance(inst)
+                if self._orphan_version() is None:
+                    return

@@ -32,6 +32,8 @@ def test_group_size_one_is_sao_single_rollout():
         ({"instances": [{"cap": 3}]}, "instances[0]", "capacity"),
         ({"migrate_threshold": 2}, "migrate_threshold", "(0, 1]"),
         ({"max_retries": -1}, "max_retries", ">= 0"),
+        ({"max_failed_group_share": 1.5}, "max_failed_group_share", "[0, 1]"),
+        ({"max_failed_group_share": "half"}, "max_failed_group_share", "[0, 1]"),
     ],
 )
 def test_invalid_values_name_the_field_and_the_accepted_values(data, field, words):

@@ -6,13 +6,14 @@ against the driver's own ledger, not only the scheduler's counters.
 """
 
 import json
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dora_ext.config import MODES, DoraConfig
-from dora_ext.core import Scheduler
+from dora_ext.core import FailureStorm, Scheduler
 from dora_ext.testing import RandomDriver
 
 STALENESS = {"sync": [0], "one_step_off": [1], "partial": [0, 1, 3], "pipeline": [0], "dora": [1, 2, 3]}
@@ -25,14 +26,33 @@ scenario = st.fixed_dictionaries(
         "instances": st.integers(1, 4),
         "capacity": st.integers(1, 6),
         "fail": st.sampled_from([0.0, 0.05]),
-        "crash": st.sampled_from([0.0, 0.01]),
+        "crash": st.sampled_from([0.0, 0.01, 0.03]),
         "nan": st.sampled_from([0.0, 0.02]),
         "tail": st.sampled_from([0.0, 0.2, 0.6]),
         "kpick": st.integers(0, 2),
+        "late": st.sampled_from([0.0, 0.5, 1.0]),
+        "fail_awaiting": st.sampled_from([0.0, 0.1]),
+        "stale": st.sampled_from([0.0, 1.0]),
+        "decline": st.sampled_from([0.0, 0.2]),
+        "data": st.sampled_from([None, None, 5, 13]),
+        "breaker": st.sampled_from([1.0, 1.0, 0.5]),
     }
 )
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def random_scenario(rng: random.Random) -> dict:
+    """The same space as `scenario`, drawn from a seeded generator (for the large slow sweep)."""
+    return {
+        "seed": rng.randrange(2**31), "B": rng.randint(1, 5), "n": rng.randint(1, 4),
+        "instances": rng.randint(1, 4), "capacity": rng.randint(1, 6),
+        "fail": rng.choice([0.0, 0.05]), "crash": rng.choice([0.0, 0.01, 0.03]),
+        "nan": rng.choice([0.0, 0.02]), "tail": rng.choice([0.0, 0.2, 0.6]), "kpick": rng.randint(0, 2),
+        "late": rng.choice([0.0, 0.5, 1.0]), "fail_awaiting": rng.choice([0.0, 0.1]),
+        "stale": rng.choice([0.0, 1.0]), "decline": rng.choice([0.0, 0.2]),
+        "data": rng.choice([None, None, 5, 13]), "breaker": rng.choice([1.0, 1.0, 0.5]),
+    }
 
 
 def _config(mode: str, s: dict, steps: int | None = None) -> DoraConfig:
@@ -47,39 +67,62 @@ def _config(mode: str, s: dict, steps: int | None = None) -> DoraConfig:
             "capacity": s["capacity"],
             "max_retries": 2,
             "max_steps": steps,
+            "max_failed_group_share": s.get("breaker", 1.0),
         }
     )
 
 
+def _driver(mode: str, s: dict, steps: int) -> RandomDriver:
+    return RandomDriver(
+        _config(mode, s, steps), s["seed"], fail_prob=s["fail"], crash_prob=s["crash"], nan_prob=s["nan"],
+        long_tail=s["tail"], late_reward=s.get("late", 0.0), fail_awaiting=s.get("fail_awaiting", 0.0),
+        stale_prob=s.get("stale", 0.0), decline_prob=s.get("decline", 0.0), data_limit=s.get("data"),
+        progress_prob=0.1, truncate_prob=0.0,
+    )
+
+
 def _run(mode: str, s: dict, steps: int = 8) -> RandomDriver:
-    d = RandomDriver(_config(mode, s, steps), s["seed"], fail_prob=s["fail"], crash_prob=s["crash"],
-                     nan_prob=s["nan"], long_tail=s["tail"])
+    d = _driver(mode, s, steps)
     d.start()
-    d.run(steps)  # raises on deadlock: engines progressing => the trainer always gets its batch
+    d.run(steps)  # raises Deadlock: engines progressing => the trainer always gets its batch
     return d
 
 
-@pytest.mark.parametrize("mode", MODES)
-@SETTINGS
-@given(s=scenario)
-def test_constraints_hold_for_every_mode(mode, s):
-    d = _run(mode, s)
+def check_run(mode: str, d: RandomDriver, steps: int) -> None:
+    """Every property of one finished run, on the driver's ledger and the scheduler's metrics."""
     cfg, stats, m = d.config, d.stats, d.sched.metrics()
     trained = [g for _, gids in stats.steps for g in gids]
+    failed = set(stats.failed_groups)
     # C2: every admitted group is trained exactly once or reported failed; never both, never twice.
     assert len(trained) == len(set(trained))
-    assert not set(trained) & set(stats.failed_groups)
-    assert set(trained) | set(stats.failed_groups) == set(stats.admitted)
-    assert all(len(gids) == cfg.batch_size for _, gids in stats.steps)
-    assert m["c2_ok"] and m["dropped"] == m["duplicated"] == m["truncated"] == 0
+    assert len(failed) == len(stats.failed_groups)
+    assert not set(trained) & failed
+    assert set(trained) | failed <= set(stats.admitted)
+    assert m["dropped"] == m["duplicated"] == m["truncated"] == 0 and m["c2_ok"]
+    assert m["groups_trained"] == len(trained) and m["failed_groups"] == len(failed)
+    if stats.halted is None:
+        if d.sched.step >= steps or not stats.exhausted:
+            assert d.sched.step == steps
+        # Nothing admitted is lost: everything admitted was trained or reported failed, except
+        # what the last (running) step has not finished.
+        assert set(trained) | failed == set(stats.admitted), "admitted groups neither trained nor failed"
+        full = [len(gids) == cfg.batch_size for _, gids in stats.steps]
+        # Only the last batch may be short, and only when the data ran out.
+        assert all(full[:-1]) and (full[-1] or stats.exhausted) if full else stats.exhausted
+    else:
+        assert "failure storm" in stats.halted and m["halted"]
     # C3: every group trained in step k has k - v <= K (checked on the driver's ledger).
     for k, versions in stats.step_versions.items():
         assert all(0 <= k - v <= cfg.max_staleness for v in versions.values()), (k, versions)
     assert m["c3_ok"]
     # C1: every trajectory generated by one version, except in mode partial where it is metered.
-    multi = sum(1 for vs in stats.traj_versions.values() if len(set(vs)) > 1)
+    trained_set = set(trained)
+    multi = sum(1 for (gid, _), vs in stats.traj_versions.items() if gid in trained_set and len(set(vs)) > 1)
     if mode == "partial":
-        assert (m["multi_version_trajectories"] > 0) == (m["multi_version_trajectory_share"] > 0)
+        # The scheduler's count must match the driver's ledger of what it executed.
+        assert m["multi_version_trajectories"] == multi
+        share = multi / (len(trained) * cfg.group_size) if trained else 0.0
+        assert m["multi_version_trajectory_share"] == pytest.approx(share)
     else:
         assert multi == 0 and m["c1_ok"]
         # R1: the trajectory ran on its group's admission version.
@@ -88,7 +131,6 @@ def test_constraints_hold_for_every_mode(mode, s):
     # R2: groups admitted at version <= v never exceed (v + K + 1) * B. A group reported failed
     # frees its slot (it is replaced by a new prompt), so it is not counted.
     by_version: dict[int, int] = {}
-    failed = set(stats.failed_groups)
     for gid, v in stats.admitted.items():
         if gid in failed:
             continue
@@ -104,17 +146,69 @@ def test_constraints_hold_for_every_mode(mode, s):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@SETTINGS
+@given(s=scenario)
+def test_constraints_hold_for_every_mode(mode, s):
+    d = _run(mode, s)
+    check_run(mode, d, 8)
+
+
+def sweep(mode: str, runs: int, seed: int, steps: int = 5) -> dict:
+    """`runs` generated sequences of `mode`; returns counts. Any violation or deadlock raises."""
+    rng = random.Random(seed)
+    counts = {"runs": 0, "events": 0, "halted": 0, "exhausted": 0, "late_rewards": 0, "stale": 0,
+              "crashes": 0, "migrations": 0}
+    for _ in range(runs):
+        s = random_scenario(rng)
+        try:
+            d = _run(mode, s, steps)
+            check_run(mode, d, steps)
+        except BaseException as exc:
+            raise AssertionError(f"mode {mode}, scenario {s}: {exc}") from exc
+        st_ = d.stats
+        counts["runs"] += 1
+        counts["events"] += st_.events
+        counts["halted"] += st_.halted is not None
+        counts["exhausted"] += st_.exhausted
+        counts["late_rewards"] += st_.late_rewards
+        counts["stale"] += st_.stale_sent
+        counts["crashes"] += st_.crashes
+        counts["migrations"] += st_.migrations
+    return counts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_generated_sequences_default(mode):
+    c = sweep(mode, 300, seed=1)
+    # The sweep exercised what it claims to (else it could pass vacuously).
+    assert c["late_rewards"] and c["stale"] and c["crashes"] and c["exhausted"]
+    if mode == "dora":
+        assert c["migrations"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_generated_sequences_10k(mode):
+    c = sweep(mode, 10_000, seed=2)
+    assert c["runs"] == 10_000
+    print(mode, c)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(s=scenario, cut=st.integers(1, 400))
 def test_snapshot_restore_yields_the_same_training_stream(mode, s, cut):
     steps = 6
     ref = _run(mode, s, steps)
-    d = RandomDriver(_config(mode, s, steps), s["seed"], fail_prob=s["fail"], crash_prob=s["crash"],
-                     nan_prob=s["nan"], long_tail=s["tail"])
+    d = _driver(mode, s, steps)
     d.start()
     for _ in range(cut):
-        if d.sched.step >= steps or not d.tick():
-            break
+        try:
+            if d.sched.step >= steps or d.sched.done or not d.tick():
+                break
+        except FailureStorm:
+            assert ref.stats.halted  # the breaker trips in the reference run too
+            return
     # JSON round trip, then continue with a fresh scheduler object.
     snap = json.loads(json.dumps(d.sched.snapshot()))
     d.sched = Scheduler.restore(snap)

@@ -281,3 +281,83 @@ def test_protocol_errors_are_raised_not_swallowed():
         h.s.handle(VersionPublished(1))
     with pytest.raises(ProtocolError, match="unknown event"):
         h.s.handle(object())
+
+
+@pytest.mark.parametrize("how", ["nan_reward", "failed_awaiting_reward"])
+def test_retry_of_an_older_version_switches_an_idle_instance_back(how):
+    """Regression (issue 9): a retry re-queued a trajectory of an older version while the only
+    instance sat idle on a newer one; nothing switched it back and the trainer waited forever."""
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=1, instances=1, capacity=1)
+    h.running.pop((0, 0))
+    h.feed_actions(h.s.handle(TrajectoryFinished(0, 0, tokens=3)))  # reward comes later
+    h.finish(1, 0)  # group 1 completes first and is trained in step 0
+    assert h.of(StartStep)[-1] == StartStep(0, (1,))
+    h.train(0)  # version 1 published: the idle instance loads it, group 2 is admitted at v1
+    assert h.s.instances[0].version == 1
+    h.running.pop((2, 0))
+    h.feed_actions(h.s.handle(TrajectoryFinished(2, 0, tokens=3)))  # the instance is idle now
+    mark = len(h.log)
+    if how == "nan_reward":
+        h.feed_actions(h.s.handle(RewardReady(0, 0, float("nan"))))
+    else:
+        h.feed_actions(h.s.handle(TrajectoryFailed(0, 0, "reward model timed out")))
+    # group 0 (version 0) must be trained by step 1 (K=1): the idle instance goes back to v0.
+    assert LoadVersion(0, 0) in h.log[mark:]
+    assert [a for a in h.of(Dispatch, mark)] == [Dispatch(0, 0, 0, 0, attempt=1)]
+    h.finish(0, 0)
+    h.feed_actions(h.s.handle(RewardReady(2, 0, 1.0)))
+    assert h.of(StartStep)[-1] == StartStep(1, (0,))
+
+
+def test_failure_storm_trips_the_circuit_breaker_with_counts():
+    from dora_ext.core import FailureStorm
+
+    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=2, instances=2, capacity=2,
+                max_retries=0, max_failed_group_share=0.5)
+    err = None
+    for _ in range(200):
+        key = sorted(h.running)[0]
+        h.running.pop(key)
+        try:
+            if key[1] == 0:  # half the trajectories fail
+                h.feed_actions(h.s.handle(TrajectoryFailed(*key, "engine error")))
+            else:
+                h.feed_actions(h.s.handle(TrajectoryFinished(*key, tokens=2, reward=1.0)))
+        except FailureStorm as exc:
+            err = exc
+            break
+    assert err is not None, "replacement admission went on forever"
+    m = h.s.metrics()
+    assert "failure storm" in str(err) and "max_failed_group_share" in str(err)
+    assert f"{m['failed_groups']} groups failed" in str(err) and err.failed == m["failed_groups"] >= 4
+    assert any(isinstance(a, ReportGroupFailed) for a in err.actions)
+    # the state stays consistent: nothing lost, the snapshot works, and it stays halted
+    assert m["dropped"] == 0 and m["halted"]
+    Scheduler.restore(h.s.snapshot())
+    with pytest.raises(FailureStorm):
+        h.s.handle(TrainerStepFinished(0))
+
+
+def test_breaker_disabled_at_share_one():
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=1, instances=1, capacity=1,
+                max_retries=0, max_failed_group_share=1.0)
+    for _ in range(20):
+        key = next(iter(h.running))
+        h.running.pop(key)
+        h.feed_actions(h.s.handle(TrajectoryFailed(*key, "engine error")))
+    assert h.s.metrics()["failed_groups"] == 20 and not h.s.metrics()["halted"]
+
+
+def test_late_events_from_a_failed_instance_are_stale_not_errors():
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=2, instances=2, capacity=1)
+    lost = [k for k, (inst, _) in h.running.items() if inst == 0]
+    for k in lost:
+        del h.running[k]
+    h.feed_actions(h.s.handle(InstanceFailed(0, "oom")))
+    before = h.s.metrics()["stale_events"]
+    assert h.s.handle(InstanceFailed(0, "oom again")) == []
+    assert h.s.handle(InstanceLoaded(0, 0)) == []
+    assert h.s.handle(TrajectoryFinished(*lost[0], tokens=1, reward=1.0, attempt=0)) == []
+    assert h.s.metrics()["stale_events"] == before + 3
+    with pytest.raises(ProtocolError, match="unknown"):
+        h.s.handle(InstanceLoaded(7, 0))  # never registered: a protocol error, not a stale event

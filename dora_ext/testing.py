@@ -89,6 +89,7 @@ class RandomDriver:
         data_limit: int | None = None,
         progress_prob: float = 0.0,
         truncate_prob: float = 0.0,
+        landed_prob: float = 0.0,
         plugins: Any = None,
         scheduler: Scheduler | None = None,
     ) -> None:
@@ -99,6 +100,7 @@ class RandomDriver:
         self.late_reward, self.fail_awaiting, self.stale_prob = late_reward, fail_awaiting, stale_prob
         self.decline_prob, self.data_limit = decline_prob, data_limit
         self.progress_prob, self.truncate_prob = progress_prob, truncate_prob
+        self.landed_prob = landed_prob  # chance a landed migration is reported (MigrationLanded)
         self.stats = DriverStats()
         self.running: dict[tuple, list] = {}  # (gid, idx) -> [instance, version, attempt, tokens_left, done]
         self.awaiting: dict[tuple, int] = {}  # (gid, idx) -> attempt, reward not sent yet
@@ -270,6 +272,9 @@ class RandomDriver:
                 # The source crashed before the KV cache left it: the engine lost the trajectory.
                 r = self.running.pop(arg)
                 self.execute(self._feed(E.TrajectoryFailed(arg[0], arg[1], "migration source lost", r[2])))
+            elif arg in self.running and self.landed_prob and rng.random() < self.landed_prob:
+                # The runtime may say the move landed: the scheduler may then move it again.
+                self.execute(self._feed(E.MigrationLanded(arg[0], arg[1], self.running[arg][2])))
         elif kind == "load":
             v = self.loading.pop(arg)
             self.loaded[arg] = v

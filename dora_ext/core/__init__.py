@@ -6,7 +6,7 @@ from .actions import (
 )
 from .events import (
     DataExhausted, Event, GroupAdmitted, GroupsDeclined, InstanceFailed, InstanceLoaded,
-    InstanceReady, RewardReady, SwitchedToTrainer, TrainerIdle, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
+    InstanceReady, MigrationLanded, RewardReady, SwitchedToTrainer, TrainerIdle, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
     TrajectoryFinished, TrajectoryProgressed, VersionPublished,
 )
 from .scheduler import FailureStorm, ProtocolError, Scheduler
@@ -14,7 +14,7 @@ from .scheduler import FailureStorm, ProtocolError, Scheduler
 __all__ = [
     "Action", "DataExhausted", "DeliverGroup", "Dispatch", "Event", "FailureStorm", "GroupAdmitted",
     "GroupsDeclined", "InstanceFailed", "InstanceLoaded", "InstanceReady", "LoadVersion",
-    "Migrate", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
+    "Migrate", "MigrationLanded", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
     "RewardReady", "Scheduler", "StartStep", "SwitchToRollout", "SwitchToTrainer",
     "SwitchedToTrainer", "TrainerIdle", "TrainerStepFinished", "TrainerStepStarted",
     "TrajectoryFailed", "TrajectoryFinished", "TrajectoryProgressed", "VersionPublished",

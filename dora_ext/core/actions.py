@@ -7,7 +7,7 @@ A runtime executes each action and reports back with events (see `events.py`):
 | RequestGroups   | `GroupAdmitted` per prompt bound (or `GroupsDeclined`/`DataExhausted`) |
 | Dispatch        | `TrajectoryProgressed`*, then `TrajectoryFinished` or `TrajectoryFailed` |
 | LoadVersion     | `InstanceLoaded` (preempted trajectories then continue under the new version) |
-| Migrate         | nothing: the trajectory continues on `dst` and reports as before      |
+| Migrate         | optionally `MigrationLanded` once it runs on `dst`; it reports as before |
 | DeliverGroup    | nothing: the trainer may start forward/backward on the group (R7)     |
 | SwitchToTrainer | `SwitchedToTrainer` once the trainer computes on its accelerators     |
 | SwitchToRollout | `InstanceReady` once its accelerators left the trainer (then a `LoadVersion`) |

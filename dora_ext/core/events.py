@@ -130,6 +130,19 @@ class TrainerStepFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class MigrationLanded:
+    """The migrated trajectory `(group_id, index)` runs on its destination (answer to `Migrate`).
+
+    Optional: until it arrives the scheduler never moves the trajectory again (its transfer may be
+    in flight); a runtime that never sends it gets at most one move per trajectory attempt.
+    """
+
+    group_id: GroupId
+    index: int
+    attempt: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TrainerIdle:
     """The trainer has processed everything delivered to it and waits for groups.
 
@@ -161,5 +174,6 @@ Event = Union[
     TrainerStepStarted,
     TrainerStepFinished,
     TrainerIdle,
+    MigrationLanded,
     VersionPublished,
 ]

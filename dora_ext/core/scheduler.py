@@ -287,6 +287,14 @@ class Scheduler:
         self._dead.discard(ev.instance_id)
         self._add_instance(ev.instance_id, ev.capacity, lend=not back)
 
+    def _on_migration_landed(self, ev: E.MigrationLanded) -> None:
+        g = self._group(ev.group_id)
+        t = self._traj(g, ev.index)
+        if (ev.attempt is not None and ev.attempt != t.attempt) or t.status != _RUNNING:
+            self.m["stale_events"] += 1  # it finished, failed or was re-dispatched meanwhile
+            return
+        t.moved = False  # it runs on its destination: it may move again (R5)
+
     def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
         self._trainer_idle = self._trainer_busy is None
 
@@ -480,6 +488,7 @@ class Scheduler:
         E.InstanceFailed: _on_instance_failed,
         E.SwitchedToTrainer: _on_switched_to_trainer,
         E.TrainerIdle: _on_trainer_idle,
+        E.MigrationLanded: _on_migration_landed,
         E.GroupAdmitted: _on_group_admitted,
         E.GroupsDeclined: _on_groups_declined,
         E.DataExhausted: _on_data_exhausted,
@@ -1017,6 +1026,7 @@ class Scheduler:
             "step_log": [[k, list(g)] for k, g in self.step_log],
             "elastic": [[[i, c] for i, c in d.items()]
                         for d in (self._trainer_side, self._to_trainer, self._to_rollout, self._spreading)],
+            "trainer_idle": self._trainer_idle,
             "metrics": {**self.m, "staleness_hist": [[k, v] for k, v in self.m["staleness_hist"].items()]},
         }
 
@@ -1061,6 +1071,7 @@ class Scheduler:
         if "elastic" in snap:
             self._trainer_side, self._to_trainer, self._to_rollout, self._spreading = (
                 {i: c for i, c in d} for d in snap["elastic"])
+        self._trainer_idle = snap.get("trainer_idle", False)
         m = dict(snap["metrics"])
         m["staleness_hist"] = {int(k): v for k, v in m["staleness_hist"]}
         self.m = m

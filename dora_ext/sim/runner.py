@@ -475,17 +475,8 @@ class Simulation:
             if si.loading is not None or si.version != act.version:
                 raise SimError(f"migration of {key!r} between instances not both holding version {act.version}")
         if key in self._transit:
-            # Still on its way to `src` (a second move before the first landed): it lands on
-            # `dst` instead, at the time the first transfer ends (its KV is already in flight).
-            if self._transit[key] != src.id:
-                raise SimError(f"migration of {key!r} from instance {src.id}, but it is in transit to {self._transit[key]}")
-            if dst.occupied >= dst.capacity:
-                raise SimError(f"migration of {key!r} to instance {dst.id} beyond its capacity")
-            src.inbound -= 1
-            dst.inbound += 1
-            self._transit[key] = dst.id
-            self._dirty[src.id] = src
-            return
+            # The scheduler moves a trajectory again only after `MigrationLanded`.
+            raise SimError(f"migration of {key!r} from instance {src.id} while its previous move is in flight")
         if key not in src.seqs:
             if key in self.finished:
                 # It finished on `src` at this instant and its report is still queued: a host sees
@@ -511,6 +502,7 @@ class Simulation:
             self.reprefill_tokens += context
             dst.add(key, remaining, context, self.now, context)
             self._dirty[dst.id] = dst
+            self._pending.append(E.MigrationLanded(act.group_id, act.index, self.traj[key][0]))
 
     # ------------------------------------------------------------------ engine events
     def _on_finish(self, si: SimInstance) -> None:
@@ -559,6 +551,7 @@ class Simulation:
             raise SimError(f"migration of {key!r} landed on instance {iid}, which started loading meanwhile")
         si.add(key, remaining, context, self.now, 0)
         self._dirty[iid] = si
+        self._pending.append(E.MigrationLanded(key[0], key[1], self.traj[key][0]))
 
     # ------------------------------------------------------------------ trainer
     def _deliver(self, gid: int) -> None:

@@ -160,7 +160,7 @@ scenario = st.fixed_dictionaries({
     "instances": st.integers(1, 4), "capacity": st.integers(1, 5), "spare": st.integers(0, 2),
     "lent": st.sampled_from([0.0, 0.5, 0.75]), "tail": st.sampled_from([0.0, 0.3]),
     "crash": st.sampled_from([0.0, 0.01]), "mode": st.sampled_from(["dora", "pipeline"]),
-    "k": st.integers(1, 3),
+    "k": st.integers(1, 3), "landed": st.sampled_from([0.0, 1.0]),
 })
 
 
@@ -170,7 +170,7 @@ def _driver(s, steps=8):
         "group_size": s["n"], "instances": s["instances"], "capacity": s["capacity"], "max_steps": steps,
         "elastic": True, "elastic_spare": s["spare"], "elastic_max_lent": s["lent"],
     })
-    return RandomDriver(cfg, s["seed"], long_tail=s["tail"], crash_prob=s["crash"])
+    return RandomDriver(cfg, s["seed"], long_tail=s["tail"], crash_prob=s["crash"], landed_prob=s.get("landed", 0.0))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -219,3 +219,26 @@ def test_snapshot_restore_with_elastic_state(s, cut):
     d.run(6)
     assert d.stats.steps == ref.stats.steps
     assert d.sched.metrics() == ref.sched.metrics()
+
+
+def test_a_trajectory_moves_again_only_after_its_migration_landed():
+    cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
+                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False})
+    d = RandomDriver(cfg, 3, long_tail=0.6)
+    d.start()
+    while not d.migrating:  # run until a move is in flight
+        assert d.tick() and d.sched.step < 50
+    key = next(iter(d.migrating))
+    t = d.sched.groups[key[0]].trajs[key[1]]
+    assert t.moved  # until it lands it is never moved again (the driver asserts that too)
+    d.sched.handle(E.MigrationLanded(key[0], key[1], t.attempt))
+    assert not t.moved
+    d.sched.handle(E.MigrationLanded(key[0], key[1], t.attempt + 1))  # another attempt's report: stale
+    assert d.sched.metrics()["stale_events"] >= 1
+
+
+def test_migration_landed_for_a_finished_trajectory_is_stale():
+    s = _sched(spread=False)
+    _to_first_step(s)
+    s.handle(E.MigrationLanded(1, 0))  # group 1 finished long ago
+    assert s.metrics()["stale_events"] == 1

@@ -10,7 +10,7 @@ seed and cost model (a baseline is never given other constants); splits are opti
 (`dora_ext.sim.optimize.optimise_split`, full-length runs) unless the preset states its pools.
 
 - `dapo-28k`: every mode with K=4 for the modes that take one (the others have a fixed K), then
-  dora and partial at K=1..4 (split optimised per K), partial's multi-version share and
+  dora and partial at K=1..4 (each at its K=4 split), partial's multi-version share and
   re-prefilled tokens beside dora, and the goals: dora efficiency >= 0.95 with C1-C3 held and no
   multi-version trajectory, dora >= every peer mode's throughput at the same K.
 - `rolloutpipe-8k`: 4:4 pools for every mode; pipeline vs sync cuts of rollout-to-train-end and
@@ -19,10 +19,10 @@ seed and cost model (a baseline is never given other constants); splits are opti
   perfect pipeline's 1 - T/R, so the trainer-wait cut is at most rho^2.
 - `agentic-long-tail`: dora at K=1..4 with and without elastic colocation, then the recommender
   (every mode, K <= 4, elastic included) and its pick against the 0.8 goal.
-- `moe-imbalance`: every mode with and without the expert-load imbalance at the same split.
+- `moe-imbalance`: every mode with and without the expert-load imbalance, at the preset's 16:16.
 
 Goals are reported, never asserted; every number is a ratio measured side by side in this run.
-Finally it times a 1,000-instance, 100-step `dapo-28k` run of `dora`.
+With `--scale` it also times a 1,000-instance, 100-step `dapo-28k` run of `dora`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from dora_ext.config import MODES
 from dora_ext.sim import get_preset, simulate
 from dora_ext.sim.compare import compare
 from dora_ext.sim.optimize import format_recommendation, optimise_split, recommend
+
+CACHE: dict = {}  # runs shared between sections (same preset, mode, steps, seed, K, config, split)
 
 PRESET_ORDER = ("dapo-28k", "rolloutpipe-8k", "agentic-long-tail", "moe-imbalance")
 COLS = [
@@ -84,14 +86,21 @@ def with_steps(r: dict, res) -> dict:
 
 
 # --------------------------------------------------------------------------- presets
+def _best(p, mode, k, seed, quick, start=None, config=None):
+    """One mode at K: its split optimised (or the preset's in --quick)."""
+    if quick:
+        return simulate(p, mode, seed=seed, max_staleness=k, steps=10, config=config)
+    return optimise_split(p, mode, seed=seed, max_staleness=k, start=start, config=config, cache=CACHE).result
+
+
 def bench_dapo(seed: int, quick: bool) -> dict:
     p = get_preset("dapo-28k")
     k = 2 if quick else 4
-    res = compare(p, MODES, seed=seed, max_staleness=k, split=None if quick else "auto",
-                  steps=10 if quick else None)
+    res = {m: _best(p, m, k if m in ("partial", "dora") else None, seed, quick) for m in MODES}
+    steps = {len(r.step_end) for r in res.values()}
     rows = [with_steps(row(m, r.metrics), r) for m, r in res.items()]
     print(f"\n== dapo-28k: K={k} for partial and dora (fixed K for the others), split optimised per mode, "
-          f"{rows[0]['steps']} steps; ideal {rows[0]['ideal_throughput']:.0f} tok/s")
+          f"{'/'.join(map(str, sorted(steps)))} steps; ideal {rows[0]['ideal_throughput']:.0f} tok/s")
     print(table(rows))
     d, pa = res["dora"].metrics, res["partial"].metrics
     out: dict = {"rows": rows}
@@ -103,29 +112,27 @@ def bench_dapo(seed: int, quick: bool) -> dict:
     print(f"  dora C1-C3 held with 0 multi-version trajectories: {ok}")
     sweep = {}
     if not quick:
-        print("  K sweep (split optimised per mode and K; peers with a fixed K shown at theirs):")
-        hint = {}
+        print(f"  K sweep, each mode at its K={k} split (equal hardware; peers with a fixed K at theirs):")
         for kk in (1, 2, 3, 4):
             sweep[kk] = {}
             for mode in ("dora", "partial"):
                 if kk == k:
                     r = res[mode]
                 else:
-                    r = optimise_split(p, mode, seed=seed, max_staleness=kk, start=hint.get(mode)).result
-                hint[mode] = int(r.metrics["split"].split(":")[0]) // p.engine.accelerators
+                    sp = tuple(int(x) for x in res[mode].metrics["split"].split(":"))
+                    r = simulate(p, mode, seed=seed, max_staleness=kk, split=sp)
                 sweep[kk][mode] = row(mode, r.metrics)
-            peers = {"partial": sweep[kk]["partial"]["throughput_tokens_per_s"]}
-            if kk >= 1:
-                peers["one_step_off (K=1)"] = res["one_step_off"].metrics["throughput_tokens_per_s"]
-            peers["pipeline (K=0)"] = res["pipeline"].metrics["throughput_tokens_per_s"]
-            peers["sync (K=0)"] = res["sync"].metrics["throughput_tokens_per_s"]
+            peers = {"partial": sweep[kk]["partial"]["throughput_tokens_per_s"],
+                     "one_step_off (K=1)": res["one_step_off"].metrics["throughput_tokens_per_s"],
+                     "pipeline (K=0)": res["pipeline"].metrics["throughput_tokens_per_s"],
+                     "sync (K=0)": res["sync"].metrics["throughput_tokens_per_s"]}
             dt = sweep[kk]["dora"]["throughput_tokens_per_s"]
             best_peer = max(peers, key=peers.get)
-            sd, sp = sweep[kk]["dora"], sweep[kk]["partial"]
+            sd, sp_ = sweep[kk]["dora"], sweep[kk]["partial"]
             print(f"    K={kk}: dora {sd['split']} eff {sd['efficiency']:.3f} ({dt:.0f} tok/s, C1-C3 "
-                  f"{sd['c1_ok'] and sd['c2_ok'] and sd['c3_ok']}); partial {sp['split']} eff {sp['efficiency']:.3f} "
-                  f"(multi-version share {sp['multi_version_trajectory_share']:.3f}, {sp['reprefill_tokens']} re-prefilled "
-                  f"tokens); dora / best peer ({best_peer}) {dt / peers[best_peer]:.3f}")
+                  f"{sd['c1_ok'] and sd['c2_ok'] and sd['c3_ok']}); partial {sp_['split']} eff {sp_['efficiency']:.3f} "
+                  f"(multi-version share {sp_['multi_version_trajectory_share']:.3f}, {sp_['reprefill_tokens']} "
+                  f"re-prefilled tokens); dora / best peer ({best_peer}) {dt / peers[best_peer]:.3f}")
             sweep[kk]["dora_over_best_peer"] = dt / peers[best_peer]
         out["k_sweep"] = sweep
         worst = min(v["dora_over_best_peer"] for v in sweep.values())
@@ -172,7 +179,7 @@ def bench_agentic(seed: int, quick: bool) -> dict:
     for k in ks:
         for el in (False, True):
             r = optimise_split(p, "dora", seed=seed, max_staleness=k, config={"elastic": True} if el else None,
-                               steps=10 if quick else None).result
+                               steps=10 if quick else None, cache=CACHE).result
             rows.append(with_steps(row("dora", r.metrics), r))
             out["per_k"].setdefault(k, {})["elastic" if el else "static"] = rows[-1]
     print(f"\n== agentic-long-tail: dora per K with and without elastic colocation (split optimised each); "
@@ -184,13 +191,14 @@ def bench_agentic(seed: int, quick: bool) -> dict:
               f"({b['split']}, {b['role_switches']} role switches)")
     if quick:
         return out
-    rec = recommend(p, max_staleness=4, seed=seed, elastic=True)
+    rec = recommend(p, max_staleness=4, seed=seed, elastic=True, cache=CACHE)
     print(format_recommendation(rec, p.name, 4))
     print(goal(rec.pick.metrics["efficiency"], 0.8, "recommender's pick (K <= 4)"))
     out["recommendation"] = rec.to_json()
     # Beyond the budget: what K the tail would need.
     for el in (False, True):
-        r = optimise_split(p, "dora", seed=seed, max_staleness=8, config={"elastic": True} if el else None).result
+        r = optimise_split(p, "dora", seed=seed, max_staleness=8, config={"elastic": True} if el else None,
+                           cache=CACHE).result
         out.setdefault("k8", {})["elastic" if el else "static"] = row("dora", r.metrics)
         print(f"  for reference, dora K=8 {'elastic' if el else 'static '}: efficiency {r.metrics['efficiency']:.3f} "
               f"at {r.metrics['split']} ({len(r.step_end)} steps)")
@@ -200,7 +208,7 @@ def bench_agentic(seed: int, quick: bool) -> dict:
 def bench_moe(seed: int, quick: bool) -> dict:
     p = get_preset("moe-imbalance")
     flat = dataclasses.replace(p, engine=dataclasses.replace(p.engine, moe_imbalance=0.0))
-    res = compare(p, MODES, seed=seed, split=None if quick else "auto", steps=10 if quick else None)
+    res = compare(p, MODES, seed=seed, steps=10 if quick else None)  # the preset's 16:16 for every mode
     rows, effect = [], {}
     for mode, r in res.items():
         m = r.metrics
@@ -210,7 +218,7 @@ def bench_moe(seed: int, quick: bool) -> dict:
         rows.append(with_steps(row(mode + " (balanced)", base), r))
         effect[mode] = m["throughput_tokens_per_s"] / base["throughput_tokens_per_s"]
     print(f"\n== moe-imbalance: every mode with the expert-load imbalance (moe_imbalance {p.engine.moe_imbalance}) "
-          f"and balanced at the same split; ideal {rows[0]['ideal_throughput']:.0f} tok/s")
+          f"and balanced, at the preset's split; ideal {rows[0]['ideal_throughput']:.0f} tok/s")
     print(table(rows))
     print("  throughput with imbalance / balanced: " + ", ".join(f"{m} {v:.3f}" for m, v in effect.items()))
     return {"rows": rows, "imbalance_effect": effect}
@@ -225,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="10 steps, stated splits, no sweeps, recommender or scale run")
     ap.add_argument("--presets", default=",".join(PRESET_ORDER), help="comma-separated presets to run")
+    ap.add_argument("--scale", action="store_true", help="also time a 1,000-instance dapo-28k dora run")
     ap.add_argument("--scale-steps", type=int, default=100)
     ap.add_argument("--json", metavar="OUT", help="write every number to this file")
     args = ap.parse_args(argv)
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         report["presets"][name] = BENCHES[name](args.seed, args.quick)
         report["presets"][name]["wall_s"] = time.perf_counter() - t0
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    if not args.quick:
+    if args.scale:
         preset = get_preset("dapo-28k")
         t0, c0 = time.perf_counter(), time.process_time()
         r = simulate(preset, "dora", steps=args.scale_steps, seed=args.seed, instances=1000)

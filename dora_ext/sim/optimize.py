@@ -87,13 +87,15 @@ def optimise_split(
     plugins: Any = None,
     runner: Callable[..., RunResult] | None = None,
     exhaustive: int = 8,
+    cache: dict | None = None,
 ) -> SplitSearch:
     """The integer split with the highest throughput for `mode` (see the module docstring).
 
     `start` (rollout instances) seeds the search, e.g. the best split of a neighbouring K; by
     default the balance point of the workload. A cluster with at most `exhaustive` possible
     rollout instance counts is scanned whole (exact). A colocated mode (`sync` on a colocated
-    preset) has no split: it runs once.
+    preset) has no split: it runs once. `cache` (a dict the caller keeps) reuses runs with the
+    same preset, mode, steps, seed, K and config across calls.
     """
     run_one = runner or simulate
     tp, g = preset.engine.accelerators, preset.accelerators
@@ -107,9 +109,18 @@ def optimise_split(
     thr: dict[int, float] = {}
     res_by_n: dict[int, RunResult] = {}
 
+    memo = None
+    if cache is not None and runner is None and records is None and plugins is None:
+        memo = (id(preset), mode, steps, seed, max_staleness, tuple(sorted((config or {}).items())))
+
     def f(n: int) -> float:
         if n not in thr:
-            r = run_one(preset, mode, split=(n * tp, g - n * tp), **kw)
+            key = None if memo is None else (*memo, n)
+            r = cache.get(key) if key is not None else None
+            if r is None:
+                r = run_one(preset, mode, split=(n * tp, g - n * tp), **kw)
+                if key is not None:
+                    cache[key] = r
             res_by_n[n] = r
             thr[n] = r.metrics["throughput_tokens_per_s"]
         return thr[n]
@@ -278,6 +289,8 @@ def recommend(
     records: Any = None,
     elastic: bool = False,
     progress: Callable[[str], None] | None = None,
+    cache: dict | None = None,
+    start: dict[tuple[str, bool], int] | None = None,
 ) -> Recommendation:
     """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`.
 
@@ -286,12 +299,12 @@ def recommend(
     modes of `ELASTIC_MODES` are also evaluated with elastic colocation.
     """
     cands: list[Candidate] = []
-    hint: dict[tuple[str, bool], int] = {}
+    hint: dict[tuple[str, bool], int] = dict(start or {})
     tp = preset.engine.accelerators
     for mode, k, el in candidates_for(max_staleness, modes, elastic):
         cfg = {"elastic": True} if el else None
         s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=k, records=records,
-                           config=cfg, start=hint.get((mode, el)))
+                           config=cfg, start=hint.get((mode, el)), cache=cache)
         if s.split is not None:
             hint[(mode, el)] = s.split[0] // tp
         c = Candidate(mode, s.max_staleness, el, s)

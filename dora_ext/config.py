@@ -14,9 +14,10 @@ from typing import Any, Mapping, Sequence
 
 MODES = ("sync", "one_step_off", "partial", "pipeline", "dora")
 
-#: Modes that take `elastic` colocation: pinned versions with a streamed trainer. (`sync` already
-#: time-shares all accelerators when colocated; `partial` and `one_step_off` never leave an
-#: instance idle while the trainer works long enough to lend it.)
+#: Modes that take `elastic` colocation: pinned versions with a streamed trainer, where single
+#: instances drain and can change role one at a time. (`sync` time-shares every accelerator when
+#: colocated; `one_step_off` admits a batch for the whole fleet at once; `partial` preempts
+#: instead of draining. The option is not implemented for them.)
 ELASTIC_MODES = ("pipeline", "dora")
 
 #: The staleness bound each mode takes when `max_staleness` is not given.

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..config import MODES
+from ..config import ELASTIC_MODES, MODES
 from .presets import Preset
 from .runner import RunResult, layout_for, simulate
 from .workload import LengthSampler, WorkloadError
@@ -275,8 +275,6 @@ def candidates_for(max_staleness: int, modes: Sequence[str] = MODES, elastic: bo
     return out
 
 
-#: modes that take the `elastic` option (see `DoraConfig.elastic`)
-ELASTIC_MODES = ("pipeline", "dora")
 
 
 def recommend(

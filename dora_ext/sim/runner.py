@@ -24,7 +24,7 @@ from ..config import MODES, DEFAULT_STALENESS, DoraConfig
 from ..core import actions as A
 from ..core import events as E
 from ..core import Scheduler
-from .engine import SimInstance
+from .engine import STATE_EMPTY, SimInstance
 from .presets import Preset
 from .workload import LengthSampler, WorkloadError
 
@@ -418,9 +418,9 @@ class Simulation:
         si.advance(self.now)
         self._cap_advance()
         self._rcap -= si.capacity
-        si.state = -4
-        if si.log is not None:
-            si.log.append((self.now, -4))
+        if si.log is not None and si.state != STATE_EMPTY:
+            si.log.append((self.now, STATE_EMPTY))  # drawn as "no rollout instance" while lent
+        si.state = STATE_EMPTY
         self.off_rollout[iid] = "to_trainer"
         # Its weights and KV are dropped; the trainer loads its optimizer-state shard and rebuilds
         # the data-parallel group: the accelerators do nothing meanwhile.

@@ -124,7 +124,6 @@ class RandomDriver:
         self.on_trainer: set[int] = set()
         self.switches = 0
         self.ghosts: list[Any] = []  # stale events a dead instance may still send
-        self.declined = 0  # groups declined: the next tick may offer them again
 
     # ------------------------------------------------------------------ executing actions
     def execute(self, actions: list) -> None:

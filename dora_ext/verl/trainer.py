@@ -111,6 +111,7 @@ def configure(config: Any) -> Any:
         _check_split(config)
     dcfg = dora_config(config)
     with open_dict(config):
+        _check_weight_store(config, dcfg.max_staleness)
         sampler = v1.sampler
         custom = sampler.get("custom_sampler") or {}
         if custom.get("path") or custom.get("name"):
@@ -130,6 +131,31 @@ def configure(config: Any) -> Any:
         else:
             agent.agent_loop_manager_class = MANAGER_CLASS
     return dcfg
+
+
+def _check_weight_store(config: Any, max_staleness: int) -> None:
+    """The ``dora_cpu`` store must keep every version a load can ask for: the newest K + 1 and the
+    one being published (K + 2). Unset: ``max(8, K + 2)``; a smaller user value fails here."""
+    from dora_ext.config import ConfigError
+
+    from .cpu import BACKEND as CPU_BACKEND
+
+    ce = config.actor_rollout_ref.rollout.checkpoint_engine
+    if ce.get("backend") != CPU_BACKEND:
+        return
+    need = int(max_staleness) + 2
+    if ce.get("engine_kwargs") is None:
+        ce.engine_kwargs = {}
+    kwargs = ce.engine_kwargs.get(CPU_BACKEND) or {}
+    keep = kwargs.get("keep_versions")
+    if keep is None:
+        ce.engine_kwargs[CPU_BACKEND] = {**kwargs, "keep_versions": max(8, need)}
+    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{CPU_BACKEND}.keep_versions",
+            f"is {keep!r}; with dora.max_staleness={max_staleness} the weight store must keep at least "
+            f"{need} versions (K + 1 loadable and the one being published): set it to >= {need} or leave it unset",
+        )
 
 
 def _check_manager(fqn: str) -> None:

@@ -196,6 +196,15 @@ def _checkpoint_folder(config: Any, global_steps: int) -> str:
     return os.path.join(folder, f"global_step_{global_steps}")
 
 
+def _resume_folder(config: Any, global_steps: int) -> str:
+    """The checkpoint folder verl resumed from (``PPOTrainer._load_checkpoint``'s choice)."""
+    trainer = config.trainer
+    if trainer.get("resume_mode") == "resume_path" and isinstance(trainer.get("resume_from_path"), str):
+        folder = trainer.resume_from_path
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+    return _checkpoint_folder(config, global_steps)
+
+
 STATE_FILE = "dora_state.json"
 
 
@@ -291,7 +300,7 @@ class DoraTrainer(PPOTrainerSeparateAsync):
                 tq.kv_clear(keys=old, partition_id="train")
             tags = [{"is_prompt": True, "status": "pending", "global_steps": int(self.global_steps)} for _ in finished]
             tq.kv_batch_put(keys=finished, partition_id="train", tags=tags)
-        state_path = os.path.join(_checkpoint_folder(self.config, int(self.global_steps)), STATE_FILE)
+        state_path = os.path.join(_resume_folder(self.config, int(self.global_steps)), STATE_FILE)
         lost: list[str] = []
         if os.path.exists(state_path):
             with open(state_path) as f:

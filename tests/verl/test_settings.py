@@ -229,3 +229,20 @@ def test_dora_cpu_store_keeps_every_version_the_staleness_bound_can_ask_for():
     cfg = _bare(*_cpu_pool("+dora.max_staleness=1"))
     configure(cfg)
     assert int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions) == 8
+
+
+def test_resume_reads_dora_state_from_the_folder_verl_resumed_from(tmp_path, monkeypatch):
+    """``trainer.resume_mode=resume_path`` resumes from ``trainer.resume_from_path``, not from
+    ``default_local_dir``: the dora state must be read there (it was looked up in
+    ``default_local_dir/global_step_N``, missing, and the lost-group check silently skipped)."""
+    from dora_ext.verl.trainer import _resume_folder
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=resume_path",
+                f"trainer.resume_from_path={tmp_path / 'elsewhere' / 'global_step_7'}")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "elsewhere" / "global_step_7")
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=resume_path",
+                "trainer.resume_from_path=rel/global_step_7")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "rel" / "global_step_7")
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=auto")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "ckpts" / "global_step_7")

@@ -54,7 +54,10 @@ def _work(assets: str, tmp_path) -> str:
 def _run(work: str, mode: str, *, env: dict | None = None, args: tuple = (), tag: str = "",
          kill_after_checkpoint: int | None = None, timeout: float = 600) -> tuple[int, str]:
     """Run ``recipes/verl/tiny_cpu.sh``; optionally SIGKILL verl's TaskRunner once the checkpoint of
-    step `kill_after_checkpoint` is complete. Returns (exit code, log path)."""
+    step `kill_after_checkpoint` is complete and that step's metrics are logged. Returns (exit code,
+    log path)."""
+    from dora_ext.verl.cpu.evidence import read_metrics
+
     tag = tag or mode
     full = dict(os.environ)
     full.update({
@@ -79,7 +82,15 @@ def _run(work: str, mode: str, *, env: dict | None = None, args: tuple = (), tag
             if kill_after_checkpoint is not None and not killed:
                 folder = os.path.join(work, f"ckpt_{mode}")
                 latest = os.path.join(folder, "latest_checkpointed_iteration.txt")
-                if os.path.exists(latest) and open(latest).read().strip() == str(kill_after_checkpoint):
+                # verl writes the checkpoint inside the step, before on_step_end and the step's
+                # metrics line: kill once both are there (killing at the checkpoint alone lost the
+                # step's metrics line when the poll landed in between).
+                try:
+                    logged = [m["step"] for m in read_metrics(full["VERL_FILE_LOGGER_PATH"])]
+                except ValueError:  # a line being written
+                    logged = []
+                if (os.path.exists(latest) and open(latest).read().strip() == str(kill_after_checkpoint)
+                        and kill_after_checkpoint in logged):
                     pids = re.findall(r"TaskRunnerV1 pid=(\d+)", open(log).read())
                     if pids:
                         os.kill(int(pids[0]), signal.SIGKILL)

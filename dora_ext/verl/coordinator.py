@@ -234,12 +234,11 @@ class DoraCoordinator:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What verl's checkpoint keeps of the coordinator (``dora_state.json``): the groups admitted
-        and not trained (by the steps finished so far), the base version, the scheduler snapshot, and
-        ``saved_at`` (this process's clock, the same as its ``admit`` reports): admissions after it
-        (between verl's checkpoint and a crash) are rolled back by a resume from this checkpoint."""
+        and not trained (by the steps finished so far), the base version, the scheduler snapshot."""
         import time
 
-        return {"base": self.base, "saved_at": time.time(), "admitted": [str(g) for g in self.admitted],
+        # "time": admissions reported (``admit``) after this instant are not in this state.
+        return {"base": self.base, "time": time.time(), "admitted": [str(g) for g in self.admitted],
                 "failed": {str(g): r for g, r in self.failed.items()}, "scheduler": self.sched.snapshot()}
 
     def get_log(self) -> list[tuple]:

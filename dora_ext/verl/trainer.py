@@ -11,16 +11,24 @@ and update code untouched and changes four things:
    ``LoadVersion`` for replicas that have drained (R4), and the trainer syncs exactly those
    replicas with a ``CheckpointEngineManager`` over that subset. The other replicas keep
    generating their trajectories to the end under their old version (C1).
-2. **Old versions stay loadable.** A version may be needed after the actor moved on (its groups
-   are queued but no replica holds it yet). The actor keeps a CPU copy of each of the last K + 1
-   versions (``DetachActorWorker.save_model_to_cpu``) and loads an old version by restoring it for
-   the duration of the sync.
+2. **Old versions stay loadable, always as published.** A version may be needed after the actor
+   moved on (its groups are queued but no replica holds it yet), and with
+   ``parameter_sync_step`` > 1 loads happen between mini-batches, after optimizer steps. With a
+   publishing backend (``dora_cpu``: each version copied once into a weight store at publish
+   time) replicas load any kept version from the store, from the coordinator, without the actor.
+   With NCCL-style backends the actor keeps a CPU copy of each of the last K + 1 versions
+   (``DetachActorWorker.save_model_to_cpu``) and a load uses the live parameters only while they
+   still are that version, else restores the copy for the duration of the sync.
 3. **R3 sampling** (``sampler.DoraReplayBuffer``) and **version-pinned, frontier-first routing**
    (``coordinator`` + ``manager``) are wired in by setting verl's own config keys
    ``trainer.v1.sampler.custom_sampler`` and ``actor_rollout_ref.rollout.agent.
    agent_loop_manager_class`` (a user's explicit values win).
 4. **Admission follows R2.** The trainer's prompt feed (K warm-up batches, then one batch per
    step) is the supply; the scheduler admits from it when it has budget and free slots.
+
+Resume (``trainer.resume_mode``): see ``_prepare_resume``; ``dora_state.json`` is written into
+each verl checkpoint. Config errors verl would raise deep inside its trainer are raised first,
+naming the keys (``_check_split``).
 
 Hybrid replicas on the trainer GPUs are disabled (verl's ``hybrid_engine=False`` path): lending
 them to rollout aborts their requests on every switch back.

@@ -36,12 +36,13 @@ class SimInstance:
     __slots__ = (
         "id", "a", "b", "c", "prefill", "capacity", "it", "S", "r", "heap", "seqs", "t_last",
         "busy_until", "version", "loading", "paused", "inbound", "gen", "sched_gen", "load_token",
-        "slot_time", "log", "state",
+        "slot_time", "log", "state", "base",
     )
 
     def __init__(self, iid: int, cost: EngineCost) -> None:
         self.id = iid
         self.a, self.b, self.c = cost.decode_a_s, cost.decode_b_s, cost.decode_c_s
+        self.base = (self.a, self.b, self.c)
         self.prefill = cost.prefill_s_per_token
         self.capacity = cost.capacity
         self.it = 0.0  # iterations executed (fractional between events)
@@ -99,6 +100,13 @@ class SimInstance:
                 h = self.a + self.b * r + self.c * (self.S + r * self.it) - 0.5 * beta
                 self.it += 2.0 * dt / (h + math.sqrt(h * h + 2.0 * beta * dt))
         self.t_last = t
+
+    def set_speed(self, factor: float, t: float) -> None:
+        """From time `t` on, a decode iteration costs `factor` times the base (MoE imbalance)."""
+        self.advance(t)
+        a, b, c = self.base
+        self.a, self.b, self.c = a * factor, b * factor, c * factor
+        self.gen += 1
 
     def next_finish(self) -> float | None:
         """Virtual time at which the next running sequence finishes (None when idle)."""

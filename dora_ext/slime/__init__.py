@@ -3,6 +3,7 @@
 | slime plug point              | dora-ext                                                  |
 |-------------------------------|-----------------------------------------------------------|
 | `--rollout-function-path`     | `dora_ext.slime.rollout.generate_rollout` (the scheduler)  |
+| `--eval-function-path`        | the same function: slime's eval on the newest version      |
 | `--data-source-path`          | `dora_ext.slime.data_source.DoraDataSource` (resumable)    |
 | `--custom-config-path`        | the `dora:` / `dora_slime:` YAML (`settings.py`)           |
 | `--custom-loss-function-path` | `dora_ext.slime.loss.sao_loss` (SAO double-side mask)      |

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import ConfigError
 from .settings import (
-    DATA_SOURCE_PATH, ROLLOUT_FUNCTION_PATH, SLIME_EVAL_FUNCTION_PATH, WEIGHT_RELOAD_HOOK_PATH,
+    DATA_SOURCE_PATH, ROLLOUT_FUNCTION_PATH, WEIGHT_RELOAD_HOOK_PATH,
     SlimeSettings, dora_config,
 )
 
@@ -66,21 +66,23 @@ def slime_flags(data: dict, config_path: str | None, weights_dir: str | None = N
             "reloading every engine",
         )
     wd = weights_dir or settings.weights_dir
-    if not wd:
-        raise ConfigError("dora_slime.weights_dir", "required: the shared directory engines load versions from")
     flags = [
         "--rollout-function-path", ROLLOUT_FUNCTION_PATH,
-        "--eval-function-path", SLIME_EVAL_FUNCTION_PATH,
+        # Evaluation through ours too: slime's eval on one engine holding the newest version.
+        "--eval-function-path", ROLLOUT_FUNCTION_PATH,
         "--data-source-path", DATA_SOURCE_PATH,
         "--update-weight-transport", "disk",
-        "--update-weight-disk-dir", wd,
-        "--update-weights-interval", "1",
     ]
+    if wd:
+        flags += ["--update-weight-disk-dir", wd]
+    flags += ["--update-weights-interval", "1"]
     if config_path is not None:
         flags += ["--custom-config-path", config_path]
     if settings.loss == "sao":
         flags += ["--loss-type", "custom_loss", "--custom-loss-function-path", "dora_ext.slime.loss.sao_loss"]
-    if settings.staleness_correction != "none" and config.max_staleness > 0:
+    if settings.staleness_correction != "none" and config.max_staleness > 0 and settings.loss != "sao":
+        # slime applies --custom-tis-function-path inside its own policy loss only; SAO's loss
+        # replaces that loss and already weighs by pi_theta / pi_rollout (masked), its correction.
         flags += ["--use-tis", "--custom-tis-function-path", "dora_ext.slime.loss.staleness_tis"]
     return flags
 
@@ -112,6 +114,10 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     loop = "train.py" if k == 0 else "train_async.py (or train.py)"
     print(f"# K={k}: launch with {loop}; apply patches/slime first", file=sys.stderr)
+    if "--update-weight-disk-dir" not in flags:
+        print("# no dora_slime.weights_dir or --weights-dir: engines load each version from slime's own "
+              "--update-weight-disk-dir, which the launch script must set (a directory the trainer and "
+              "every engine share; slime refuses disk weight sync without it)", file=sys.stderr)
     if ns.format == "array":
         pairs, i = [], 0
         while i < len(flags):

@@ -78,12 +78,16 @@ class DoraDataSource:
         self.base.add_samples(samples)
 
     def save(self, rollout_id: int) -> None:
-        """slime's checkpoint of step `rollout_id`: slime's cursor plus the groups not yet trained."""
-        self.base.save(rollout_id)
+        """slime's checkpoint of step `rollout_id`: slime's cursor plus the groups not yet trained.
+
+        slime's cursor and the ledger are taken under one lock: a prompt the rollout worker takes
+        in between would be both after the saved cursor and in the saved ledger (resumed twice).
+        """
         root = getattr(self.args, "save", None)
-        if not root:
-            return
         with self._lock:
+            self.base.save(rollout_id)
+            if not root:
+                return
             pending = [
                 copy.deepcopy(group)
                 for _, (group, step) in sorted(self._ledger.items())

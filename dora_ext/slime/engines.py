@@ -2,11 +2,20 @@
 
 The scheduler pins every trajectory to one instance (R1), so requests go to an engine directly
 rather than through the router, which would spread them over engines holding other versions.
-Generation still goes through slime's own code path: `generate_and_rm(args_i, sample, params)`
-with `args_i` a copy of `args` whose router address is that engine's address. slime's
-`generate` (or the user's `--custom-generate-function-path`) and its reward models run unchanged
-and never notice. Weights are loaded with SGLang's `/update_weights_from_disk`, tagged with the
-version so that SGLang reports it in every response (`Sample.weight_versions`).
+Generation still goes through slime's own functions with `args_i`, a copy of `args` whose router
+address is that engine's address: slime's `generate` (or the user's
+`--custom-generate-function-path`), its rollout sample hooks and its reward models run unchanged
+and never notice. What is not slime's is the concurrency bound: slime's `generate_and_rm` takes
+a process-wide semaphore (`--sglang-server-concurrency` x engines) that the scheduler's
+per-engine capacity already enforces; taking it too would make slime's evaluation queue behind
+training rollouts. `generate_and_reward` is slime's `generate_and_rm` without that semaphore.
+Weights are loaded with SGLang's `/update_weights_from_disk`, tagged with the version so that
+SGLang reports it in every response (`Sample.weight_versions`).
+
+Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health`, so
+an engine that died leaves (its trajectories go back to the same version elsewhere) and one that
+slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
+weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
 
 `SglangEngines` takes its HTTP client and its `generate_and_rm` as arguments: slime's by default,
 a stand-in in tests (where no SGLang server can exist).
@@ -14,6 +23,7 @@ a stand-in in tests (where no SGLang server can exist).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib
 from typing import Any, Awaitable, Callable, Protocol
@@ -24,6 +34,10 @@ from .settings import SlimeSettings
 
 class AdapterError(RuntimeError):
     """Something the adapter cannot recover from; raised to slime from the rollout function."""
+
+
+class EngineGone(RuntimeError):
+    """The engine an action was meant for has left (died, or slime's fault tolerance replaced it)."""
 
 
 class Engines(Protocol):
@@ -38,6 +52,9 @@ class Engines(Protocol):
     async def load(self, instance_id: int, version_tag: str, path: str | None) -> None:
         """Load the checkpoint at `path` on an idle instance, reporting `version_tag` from now on."""
 
+    async def refresh(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """(instances that died or left, new instances as (id, capacity)) since the last call."""
+
 
 GenerateAndRm = Callable[..., Awaitable[Any]]
 
@@ -49,10 +66,46 @@ def slime_generate_and_rm() -> GenerateAndRm:
     by `args.custom_generate_function_path`, with its reward filled, as slime's contract allows.
     """
     try:
-        from slime.rollout.sglang_rollout import generate_and_rm
+        import slime.rollout.sglang_rollout  # noqa: F401
     except ImportError:
         return _custom_generate_only
-    return generate_and_rm
+    return generate_and_reward
+
+
+async def generate_and_reward(args: Any, sample: Any, sampling_params: dict, evaluation: bool = False) -> Any:
+    """slime's `generate_and_rm` (slime/rollout/sglang_rollout.py) without its process-wide
+    semaphore: the scheduler bounds each engine's concurrency. Calls slime's own functions."""
+    import inspect
+
+    from slime.rollout.rm_hub import async_rm, batched_async_rm
+    from slime.rollout.sample_hooks import apply_rollout_sample_hooks
+    from slime.rollout.sglang_rollout import generate
+    from slime.utils.types import Sample
+
+    if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
+        return sample
+    path = getattr(sample, "generate_function_path", None) or args.custom_generate_function_path
+    if path is not None:
+        fn = load_object(path)
+        if "evaluation" in inspect.signature(fn).parameters:
+            sample = await fn(args, sample, sampling_params, evaluation=evaluation)
+        else:
+            sample = await fn(args, sample, sampling_params)
+    else:
+        sample = await generate(args, sample, sampling_params)
+    sample = await apply_rollout_sample_hooks(args, sample, evaluation=evaluation)
+    if args.group_rm:
+        return sample
+    samples = sample if isinstance(sample, list) else [sample]
+    if any(s.status == Sample.Status.ABORTED for s in samples):
+        return sample
+    if isinstance(sample, list):
+        need = [s for s in samples if s.reward is None]
+        for s, r in zip(need, await batched_async_rm(args, need)):
+            s.reward = r
+    elif sample.reward is None:
+        sample.reward = await async_rm(args, sample)
+    return sample
 
 
 async def _custom_generate_only(args: Any, sample: Any, sampling_params: dict, evaluation: bool = False) -> Any:
@@ -100,21 +153,74 @@ class SglangEngines:
         self.settings = settings
         self.http = http if http is not None else slime_http()
         self._generate_and_rm = generate_and_rm if generate_and_rm is not None else slime_generate_and_rm()
-        self.urls: list[str] = []
-        self._args: list[Any] = []
+        self.urls: dict[int, str] = {}
+        self._args: dict[int, Any] = {}
+        self._cap = 0
+        self._next_id = 0
+        self.health_timeout_s = 5.0
+        # Instances with /update_weights_from_disk in flight. SGLang's /health runs a one-token
+        # generation by default, which waits for the load (up to 20 s): their health is not asked
+        # (slime pauses its own health monitor around weight updates too). A load that fails
+        # sends the worker to refresh() again, and then the engine is checked.
+        self._loading: set[int] = set()
+        self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
 
-    async def discover(self) -> list[int]:
+    async def _listed(self) -> list[str]:
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
         reply = await self.http.get(f"{router}/workers")
         workers = [w for w in reply.get("workers", []) if w.get("worker_type", "regular") == "regular"]
-        if not workers:
-            raise AdapterError(f"slime's router at {router} lists no regular SGLang worker")
-        self.urls = sorted(w["url"].rstrip("/") for w in workers)
+        return sorted({w["url"].rstrip("/") for w in workers})
+
+    def _add(self, url: str) -> int:
+        iid = self._next_id
+        self._next_id += 1
+        self.urls[iid] = url
+        self._args[iid] = self._args_for(url)
+        return iid
+
+    async def discover(self) -> list[int]:
+        listed = await self._listed()
+        if not listed:
+            raise AdapterError(
+                f"slime's router at {self.args.sglang_router_ip}:{self.args.sglang_router_port} lists no regular SGLang worker"
+            )
         cap = self.settings.capacity or getattr(self.args, "sglang_server_concurrency", None)
         if not isinstance(cap, int) or cap < 1:
             raise AdapterError(f"no engine capacity: set dora_slime.capacity (got sglang_server_concurrency={cap!r})")
-        self._args = [self._args_for(url) for url in self.urls]
-        return [cap] * len(self.urls)
+        self._cap = cap
+        for url in listed:
+            self._add(url)
+        return [cap] * len(listed)
+
+    async def healthy(self, url: str) -> bool:
+        try:
+            await asyncio.wait_for(self.http.get(f"{url}/health"), self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - unreachable, refused, timed out or an error status: not healthy
+            return False
+        return True
+
+    async def refresh(self) -> tuple[list[int], list[tuple[int, int]]]:
+        listed = await self._listed()
+        gone = []
+        for iid, url in list(self.urls.items()):
+            if url in listed and iid in self._loading:
+                continue
+            started = self._loads_started.get(iid, 0)
+            if url not in listed or not (await self.healthy(url) or iid in self._loading
+                                         or self._loads_started.get(iid, 0) != started):
+                gone.append(iid)
+                del self.urls[iid]
+                del self._args[iid]
+        known = set(self.urls.values())
+        new = []
+        for url in listed:
+            if url not in known and await self.healthy(url):
+                new.append((self._add(url), self._cap))
+        return gone, new
+
+    def args_for_instance(self, instance_id: int) -> Any:
+        """slime's args aimed at one engine (what slime's own generate and eval read)."""
+        return self._args[instance_id]
 
     def _args_for(self, url: str) -> Any:
         # generate() builds its URL from args.sglang_router_ip/port: point them at one engine.
@@ -126,13 +232,23 @@ class SglangEngines:
         return a
 
     async def generate(self, instance_id: int, sample: Any, sampling_params: dict) -> Any:
-        return await self._generate_and_rm(self._args[instance_id], sample, sampling_params, evaluation=False)
+        args = self._args.get(instance_id)
+        if args is None:
+            raise EngineGone(f"instance {instance_id} left")
+        return await self._generate_and_rm(args, sample, sampling_params, evaluation=False)
 
     async def load(self, instance_id: int, version_tag: str, path: str | None) -> None:
-        url = self.urls[instance_id]
-        reply = await self.http.post(
-            f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
-        )
+        url = self.urls.get(instance_id)
+        if url is None:
+            raise EngineGone(f"instance {instance_id} left")
+        self._loading.add(instance_id)
+        self._loads_started[instance_id] = self._loads_started.get(instance_id, 0) + 1
+        try:
+            reply = await self.http.post(
+                f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
+            )
+        finally:
+            self._loading.discard(instance_id)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise AdapterError(f"engine {url} failed to load {path}: {reply.get('message')}")
 
@@ -162,3 +278,6 @@ class PassThroughEngines:
 
     async def load(self, instance_id: int, version_tag: str, path: str | None) -> None:
         return None
+
+    async def refresh(self) -> tuple[list[int], list[tuple[int, int]]]:
+        return [], []

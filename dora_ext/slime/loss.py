@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..algo.losses import double_side_mask, truncated_is_weights
+from ..algo.losses import double_side_mask, kl_penalty, truncated_is_weights
 from .settings import slime_settings
 
 
@@ -31,29 +31,42 @@ def sao_loss(
     """slime's custom-loss signature: `func(args, batch, logits, sum_of_sample_mean) -> (loss, log)`."""
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
 
+    with_entropy = float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0
     _, out = get_log_probs_and_entropy(
         logits,
         args=args,
         unconcat_tokens=batch["unconcat_tokens"],
         total_lengths=batch["total_lengths"],
         response_lengths=batch["response_lengths"],
-        with_entropy=False,
+        with_entropy=with_entropy,
         **get_rollout_top_p_logprob_kwargs(args, batch),
     )
-    loss, log = sao_loss_from_log_probs(args, batch, out["log_probs"], sum_of_sample_mean)
+    loss, log = sao_loss_from_log_probs(args, batch, out["log_probs"], sum_of_sample_mean,
+                                        entropy=out.get("entropy") if with_entropy else None)
     if not out["log_probs"] or sum(lp.numel() for lp in out["log_probs"]) == 0:
         loss = loss + 0 * logits.sum()  # keep every rank in the backward graph, as slime does
     return loss, log
 
 
 def sao_loss_from_log_probs(
-    args: Any, batch: dict, log_probs: list[Tensor], sum_of_sample_mean: Callable[[Tensor], Tensor]
+    args: Any,
+    batch: dict,
+    log_probs: list[Tensor],
+    sum_of_sample_mean: Callable[[Tensor], Tensor],
+    *,
+    entropy: list[Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAO's loss on slime's per-sample tensors.
 
         r_t  = pi_theta(a_t) / pi_rollout(a_t)
         M_t  = 1[1 - eps_low <= r_t <= 1 + eps_high]     (detached; eps = --eps-clip, --eps-clip-high)
         loss = sum_of_sample_mean(-A_t r_t M_t)
+               - entropy_coef * sum_of_sample_mean(H_t)            (slime's --entropy-coef)
+               + kl_loss_coef * sum_of_sample_mean(KL_t)           (slime's --use-kl-loss)
+
+    The entropy and KL terms are added as slime's own policy loss adds them: KL_t is slime's
+    `--kl-loss-type` estimator (k1, k2, k3, low_var_kl) of pi_theta against `ref_log_probs`,
+    times pi_theta / pi_old with `--use-unbiased-kl`.
 
     `batch` needs `advantages`, `rollout_log_probs` and `loss_masks` (slime fills them; SGLang
     returns the rollout log-probs with every sample).
@@ -76,13 +89,40 @@ def sao_loss_from_log_probs(
     keep = double_side_mask(ratio.detach(), mask if mask.shape == ratio.shape else torch.ones_like(ratio),
                             eps_low, eps_high)
     pg_loss = sum_of_sample_mean(-adv * ratio * keep)
+    loss = pg_loss
     log = {
-        "loss": pg_loss.clone().detach(),
         "pg_loss": pg_loss.clone().detach(),
         "sao_masked_frac": sum_of_sample_mean(1.0 - keep).detach(),
         "sao_ratio": sum_of_sample_mean(ratio.detach()),
     }
-    return pg_loss, log
+    entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
+    if entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy: --entropy-coef is set but no per-token entropy was computed")
+        entropy_loss = sum_of_sample_mean(torch.cat(entropy, dim=0).to(logp.dtype))
+        loss = loss - entropy_coef * entropy_loss
+        log["entropy_loss"] = entropy_loss.clone().detach()
+    if getattr(args, "use_kl_loss", False):
+        if not batch.get("ref_log_probs"):
+            raise ValueError("batch['ref_log_probs']: --use-kl-loss needs the reference model's log-probs")
+        ref = torch.cat(batch["ref_log_probs"], dim=0).to(logp.dtype).detach()
+        kind = getattr(args, "kl_loss_type", "k1")
+        if kind in ("k1", "k2", "k3", "low_var_kl"):
+            kl = kl_penalty(logp, ref, "k3" if kind == "low_var_kl" else kind)
+        else:
+            raise ValueError(f"kl_loss_type: unknown KL estimator {kind!r}; accepted: k1, k2, k3, low_var_kl")
+        if getattr(args, "use_unbiased_kl", False):
+            old = batch["rollout_log_probs"] if getattr(args, "use_rollout_logprobs", False) else batch.get("log_probs")
+            old_t = torch.cat(old, dim=0).to(logp.dtype).detach() if old else rollout_logp.detach()
+            kl = torch.exp(logp - old_t) * kl
+        if kind == "low_var_kl":
+            # slime's compute_approx_kl clamps the estimate after the importance ratio.
+            kl = kl.clamp(-10.0, 10.0)
+        kl_loss = sum_of_sample_mean(kl)
+        loss = loss + float(getattr(args, "kl_loss_coef", 0.0)) * kl_loss
+        log["kl_loss"] = kl_loss.clone().detach()
+    log = {"loss": loss.clone().detach(), **log}
+    return loss, log
 
 
 def staleness_tis(

@@ -44,11 +44,12 @@ from typing import Any
 
 from ..config import DoraConfig
 from ..core import (
-    DataExhausted, DeliverGroup, Dispatch, GroupAdmitted, InstanceLoaded, LoadVersion, Migrate,
+    DataExhausted, DeliverGroup, Dispatch, GroupAdmitted, InstanceFailed, InstanceLoaded, InstanceReady,
+    LoadVersion, Migrate,
     ReportError, ReportGroupFailed, RequestGroups, RewardReady, Scheduler, StartStep,
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
-from .engines import AdapterError, Engines, PassThroughEngines, SglangEngines
+from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines
 from .settings import SlimeSettings, check_launch, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 
@@ -60,15 +61,15 @@ __all__ = ["generate_rollout", "RolloutSession", "close_session", "install_sessi
 _METRICS = (
     "staleness_mean", "staleness_max", "multi_version_trajectory_share", "dropped", "truncated",
     "duplicated", "live_versions", "live_versions_max", "migrations", "weight_loads",
-    "failed_groups", "retries", "trainer_waits_for_older", "newest_version", "c1_ok", "c2_ok", "c3_ok",
+    "failed_groups", "retries", "redispatched", "trainer_waits_for_older", "newest_version", "c1_ok", "c2_ok", "c3_ok",
 )
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
     """slime's rollout-function signature. Returns batch `rollout_id` as a `RolloutFnTrainOutput`.
 
-    With `evaluation=True` it runs slime's default evaluation (eval datasets need no scheduling;
-    `dora-ext slime-args` also points `--eval-function-path` there).
+    With `evaluation=True` it runs slime's own evaluation (`eval_rollout`) on one engine that
+    holds the newest published version (see `RolloutSession.evaluate`).
     """
     from ._compat import RolloutFnTrainOutput
 
@@ -82,6 +83,13 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         from .engines import load_object
 
         load_object(path)(args, groups)
+    path = getattr(args, "rollout_all_samples_process_path", None)
+    if path:
+        # slime hands this hook every sample of the rollout, kept or filtered; nothing is
+        # filtered out of a dora batch, so that is the batch (slime's call: (args, groups, data_source)).
+        from .engines import load_object
+
+        load_object(path)(args, groups, data_source)
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
 
@@ -89,9 +97,7 @@ def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
     from ._compat import RolloutFnEvalOutput
 
     if args is not None:
-        from slime.rollout.sglang_rollout import generate_rollout as slime_generate_rollout
-
-        return slime_generate_rollout(args, rollout_id, data_source, evaluation=True)
+        return _session_for(args, data_source, rollout_id).evaluate(rollout_id)
     # args=None: slime's contract harness, no engines. Report one data-source batch as it is,
     # refusing samples that would need generating (see PassThroughEngines).
     samples = [s for group in data_source.get_samples(1) for s in group]
@@ -256,11 +262,22 @@ class RolloutSession:
         self._params: dict | None = None
         self._started = False
         self._closed = False
+        self._next_step = 0  # the step slime asks for next (relative to first_step)
+        #: Test probe: called on the worker loop as probe(name, value) at "request" (a rollout
+        #: id was asked for), "published" (a version was fed to the scheduler) and "batch"
+        #: (a batch was formed). Tests use it to force event orders without sleeping.
+        self.probe: Any = None
+        # The instance slime's evaluation runs on, and the event set when it ends: the scheduler
+        # does not see eval requests, so a load it asks for on that instance waits for them.
+        self._eval_on: int | None = None
+        self._eval_over: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def for_slime(cls, args: Any, data_source: Any, first_step: int) -> "RolloutSession":
-        """The session slime's loop gets: its engines and weight channel, or pass-through for args=None."""
+    def for_slime(cls, args: Any, data_source: Any, first_step: int, *, engines: Engines | None = None) -> "RolloutSession":
+        """The session slime's loop gets: its engines and weight channel, or pass-through for args=None.
+
+        `engines` replaces slime's SGLang engines (tests give them a stand-in HTTP client)."""
         settings = slime_settings(args)
         if args is None:
             sess = cls(args, data_source, first_step=first_step, engines=PassThroughEngines([8] * 4),
@@ -272,10 +289,13 @@ class RolloutSession:
         weights_dir = settings.weights_dir or getattr(args, "update_weight_disk_dir", None)
         if not weights_dir:
             raise AdapterError("no weights directory: pass --update-weight-disk-dir (or dora_slime.weights_dir)")
-        board = DiskWeightBoard(weights_dir, delete_old=settings.delete_old_weights)
+        keep = bool(getattr(args, "update_weight_disk_keep_files", False))
+        board = DiskWeightBoard(weights_dir, delete_old=settings.delete_old_weights and not keep)
         from ..plugins import get_plugin_manager
 
-        return cls(args, data_source, first_step=first_step, engines=SglangEngines(args, settings),
+        if engines is None:
+            engines = SglangEngines(args, settings)
+        return cls(args, data_source, first_step=first_step, engines=engines,
                    board=board, settings=settings, plugins=get_plugin_manager())
 
     # ------------------------------------------------------------------ slime's thread
@@ -284,6 +304,18 @@ class RolloutSession:
         if self._closed:
             raise AdapterError("the rollout session is closed")
         return asyncio.run_coroutine_threadsafe(self._next_batch(rollout_id), self.loop).result()
+
+    def evaluate(self, rollout_id: int) -> Any:
+        """slime's evaluation on the newest published version, on one engine that holds it.
+
+        Through slime's router eval requests would land on engines holding older versions; they
+        go to one engine holding the newest instead (waiting until one does; once the scheduler
+        has nothing left to run, an idle engine loads it). slime's `eval_rollout` runs unchanged
+        with its own semaphore, which the rollout worker does not take (see `engines.py`).
+        """
+        if self._closed:
+            raise AdapterError("the rollout session is closed")
+        return asyncio.run_coroutine_threadsafe(self._evaluate(rollout_id), self.loop).result()
 
     def close(self) -> None:
         if self._closed:
@@ -324,10 +356,12 @@ class RolloutSession:
         self.sched = Scheduler(config, plugins=self._plugins)
         self._pending.extend(self.sched.start())
         self._drain()
+        self._refresh_lock = asyncio.Lock()
         self._spawn(self._watch_weights())
+        self._spawn(self._watch_engines())
         logger.info("dora: rollout worker started at step %d: %s", self.first_step, config.to_dict())
 
-    async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
+    async def _ensure_started(self) -> None:
         if not self._started:
             self._started = True
             try:
@@ -335,20 +369,92 @@ class RolloutSession:
             except BaseException as exc:
                 self._fatal = exc
                 raise
+
+    async def _evaluate(self, rollout_id: int) -> Any:
+        from slime.rollout.sglang_rollout import eval_rollout
+
+        from ._compat import RolloutFnEvalOutput
+
+        await self._ensure_started()
+        waited = time.monotonic()
+        for _attempt in range(3):
+            iid, newest = await self._eval_instance()
+            tag = str(self.first_step + newest)
+            args = self.engines.args_for_instance(iid)
+            self._probe("eval_start", (rollout_id, iid, tag))
+            # slime's eval retries a dead engine for a minute; the engine watcher notices sooner:
+            # then the eval starts again on another engine holding the version.
+            # The scheduler does not see eval requests: a load it sends to this engine waits (_load).
+            self._eval_on, self._eval_over = iid, asyncio.Event()
+            task = asyncio.ensure_future(eval_rollout(args, rollout_id))
+            try:
+                while not task.done():
+                    await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
+                    if not task.done() and iid not in self.sched.instances:
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)
+                        break
+            finally:
+                self._eval_on = None
+                self._eval_over.set()
+            if task.cancelled():
+                logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again", iid, rollout_id)
+                continue
+            try:
+                out, _ = task.result()
+            except Exception:
+                await self._refresh()
+                if iid in self.sched.instances:
+                    raise
+                continue
+            break
+        else:
+            raise AdapterError(f"evaluation of rollout {rollout_id}: engines kept dying")
+        seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
+        if seen - {tag}:
+            raise AdapterError(f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
+        metrics = dict(out.metrics or {})
+        metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid,
+                        "dora/eval_wait_s": time.monotonic() - waited})
+        return RolloutFnEvalOutput(data=out.data, metrics=metrics)
+
+    async def _eval_instance(self) -> tuple[int, int]:
+        """An engine holding the newest published version (waits for one), and that version."""
+        while True:
+            if self._fatal is not None:
+                raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
+            sched = self.sched
+            newest = self.board.poll() - 1
+            if newest >= 0 and sched.newest_version >= newest:
+                iid = next((i for i, inst in sorted(sched.instances.items())
+                            if inst.version == newest and inst.loading is None), None)
+                if iid is None and sched.done and sched.instances and all(
+                        not inst.running and inst.loading is None for inst in sched.instances.values()):
+                    # Nothing left to schedule: an idle engine loads the newest version for eval.
+                    iid = min(sched.instances)
+                    await self.engines.load(iid, str(self.first_step + newest), self.board.path(newest))
+                if iid is not None:
+                    return iid, newest
+            await asyncio.sleep(self.settings.poll_interval_s)
+
+    async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
+        await self._ensure_started()
         if self._fatal is not None:
             raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
         sched = self.sched
-        busy = sched.trainer_busy
-        expected = self.first_step + (busy + 1 if busy is not None else sched.step)
-        if rollout_id != expected:
-            raise AdapterError(
-                f"slime asked for rollout {rollout_id}, the scheduler is at {expected}: the adapter "
-                "serves each rollout id once, in order (restart the run to resume from a checkpoint)"
-            )
-        if busy is not None:
-            # slime asks for the next batch: the previous one is the trainer's now.
-            self._feed(TrainerStepFinished(busy))
         step = rollout_id - self.first_step
+        if step != self._next_step:
+            raise AdapterError(
+                f"slime asked for rollout {rollout_id}, the adapter serves rollout {self.first_step + self._next_step} "
+                "next: each rollout id is served once, in order (restart the run to resume from a checkpoint)"
+            )
+        busy = sched.trainer_busy
+        if busy is not None and busy < step:
+            # slime asks for the next batch: the previous one is the trainer's now. (In train.py's
+            # order the weight push may have told the scheduler first; then it may already have
+            # formed this batch, and busy == step.)
+            self._feed(TrainerStepFinished(busy))
+        self._probe("request", rollout_id)
         forget = getattr(self.data_source, "dora_forget_before", None)
         if forget is not None:
             forget(rollout_id)
@@ -368,6 +474,7 @@ class RolloutSession:
         if self._fatal is not None:
             raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
         gids = self._batches.pop(step)
+        self._next_step = step + 1
         groups = [self._groups.pop(g) for g in gids]
         versions = [sched.groups[g].version for g in gids]
         for g in gids:
@@ -389,6 +496,10 @@ class RolloutSession:
         out["dora/delivered_groups"] = self._delivered
         out["dora/batch_wait_s"] = waited
         return out
+
+    def _probe(self, name: str, value: Any) -> None:
+        if self.probe is not None:
+            self.probe(name, value)
 
     # ------------------------------------------------------------------ action execution
     def _feed(self, event: Any) -> None:
@@ -419,14 +530,18 @@ class RolloutSession:
         elif isinstance(a, StartStep):
             self._batches[a.step] = a.group_ids
             self._changed.set()
+            self._probe("batch", self.first_step + a.step)
         elif isinstance(a, ReportGroupFailed):
             logger.error("dora: group %s failed and will not be trained: %s", a.group_id, a.reason)
             self._failed.append((a.group_id, a.reason))
-            group = self._groups.pop(a.group_id, None)
-            self._pristine.pop(a.group_id, None)
+            # Siblings still running finish into nothing: `_run_trajectory` checks the group is here.
+            group = self._pristine.pop(a.group_id, None)
+            self._groups.pop(a.group_id, None)
+            self._finished.pop(a.group_id, None)
             fail = getattr(self.data_source, "dora_fail", None)
             if fail is not None and group is not None:
                 fail(_ledger_id(group))
+            self._probe("group_failed", a.group_id)
         elif isinstance(a, ReportError):
             logger.warning("dora: %s", a.message)
         elif isinstance(a, Migrate):
@@ -469,19 +584,39 @@ class RolloutSession:
 
     async def _run_trajectory(self, d: Dispatch) -> None:
         gid, idx = d.group_id, d.index
+        if gid not in self._groups:
+            return  # the group was reported failed while this dispatch was queued
         if d.attempt > 0:
             # A retry starts from the prompt again: nothing of a failed attempt is kept (C1, C2).
             self._groups[gid][idx] = copy.deepcopy(self._pristine[gid][idx])
         self._attempt[(gid, idx)] = d.attempt
         sample = self._groups[gid][idx]
+        params = dict(self._params)
+        if getattr(self.args, "sglang_enable_deterministic_inference", False):
+            # slime's per-sample seed: the sample's index in its group (generate_and_rm_group).
+            params["sampling_seed"] = self.args.rollout_seed + idx
         try:
-            out = await self.engines.generate(d.instance_id, sample, dict(self._params))
+            out = await self.engines.generate(d.instance_id, sample, params)
         except AdapterError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed request is retried by the scheduler
+            if d.instance_id in self.sched.instances:
+                # Did the engine die? Then its trajectories (this one too) go back to the same
+                # version through InstanceFailed, and this failure is stale.
+                await self._refresh()
             self._feed(TrajectoryFailed(gid, idx, reason=repr(exc), attempt=d.attempt))
             return
         samples = _flat(out)
+        if self._attempt.get((gid, idx)) != d.attempt:
+            # Superseded (its engine was declared dead and the trajectory re-dispatched): the
+            # scheduler ignores the stale event; the newer attempt owns the slot.
+            self._feed(TrajectoryFinished(gid, idx, tokens=0, reward=None, attempt=d.attempt))
+            return
+        if gid not in self._groups:
+            # A sibling failed for good and the group was reported (C2) while this one ran: the
+            # scheduler only needs the slot back.
+            self._feed(TrajectoryFinished(gid, idx, tokens=0, reward=None, attempt=d.attempt))
+            return
         self._groups[gid][idx] = out
         tag = str(self.first_step + d.version)
         reason = None
@@ -501,7 +636,7 @@ class RolloutSession:
         group_rm = bool(getattr(self.args, "group_rm", False))
         reward = None if group_rm else _reward_value(self.args, samples[-1])
         self._feed(TrajectoryFinished(gid, idx, tokens=tokens, reward=reward, attempt=d.attempt))
-        if group_rm:
+        if group_rm and gid in self._groups:
             done = self._finished.setdefault(gid, set())
             done.add(idx)
             if len(done) == self.sched.n:
@@ -513,6 +648,8 @@ class RolloutSession:
         group = self._groups[gid]
         flat = [_flat(o)[-1] for o in group]
         rewards = await batched_async_rm(self.args, flat)
+        if gid not in self._groups:
+            return  # reported failed while the reward model ran
         for idx, (s, r) in enumerate(zip(flat, rewards)):
             s.reward = r
             self._feed(RewardReady(gid, idx, _reward_value(self.args, s), attempt=self._attempt[(gid, idx)]))
@@ -520,8 +657,25 @@ class RolloutSession:
     async def _load(self, a: LoadVersion) -> None:
         while self.board.poll() <= a.version:
             await asyncio.sleep(self.settings.poll_interval_s)
-        await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
+        while self._eval_on == a.instance_id:
+            # slime's evaluation runs on this engine (requests the scheduler does not see): an
+            # idle-looking engine sent back to an older version (its trajectories lost their
+            # engine) would load under them (R4) and mix versions in the eval. Load after it.
+            self._probe("load_waits_for_eval", (a.instance_id, self.first_step + a.version))
+            await self._eval_over.wait()
+        try:
+            await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
+        except AdapterError:
+            raise
+        except Exception:
+            await self._refresh()
+            if a.instance_id in self.sched.instances:
+                raise
+            return  # the engine died while loading; InstanceFailed told the scheduler
+        if a.instance_id not in self.sched.instances:
+            return
         self._feed(InstanceLoaded(a.instance_id, a.version))
+        self._probe("loaded", (a.instance_id, self.first_step + a.version))
         # A version older than every instance's and every unfinished group's is never loaded
         # again (an idle instance may go back to an old version that still has queued work).
         sched = self.sched
@@ -531,6 +685,29 @@ class RolloutSession:
             if v not in self._released:
                 self._released.add(v)
                 self.board.release(v)
+
+    async def _refresh(self) -> None:
+        """Re-read slime's router and the engines' health; tell the scheduler who left or joined."""
+        async with self._refresh_lock:
+            try:
+                gone, new = await self.engines.refresh()
+            except Exception:  # noqa: BLE001 - the router itself unreachable: try again next time
+                logger.warning("dora: could not re-read slime's router", exc_info=True)
+                return
+        for iid in gone:
+            if iid in self.sched.instances:
+                logger.warning("dora: engine %s is gone; its trajectories go back to their versions", iid)
+                self._feed(InstanceFailed(iid, reason="the engine left slime's router or fails /health"))
+                self._probe("engine_failed", iid)
+        for iid, cap in new:
+            logger.info("dora: engine %s joined (capacity %d)", iid, cap)
+            self._feed(InstanceReady(iid, cap))
+            self._probe("engine_joined", iid)
+
+    async def _watch_engines(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.engine_check_interval_s)
+            await self._refresh()
 
     async def _watch_weights(self) -> None:
         while True:
@@ -544,6 +721,7 @@ class RolloutSession:
                 if v > sched.step:
                     raise AdapterError(f"version {v} was published before batch {v - 1} was handed out")
                 self._feed(VersionPublished(v))
+                self._probe("published", self.first_step + v)
             await asyncio.sleep(self.settings.poll_interval_s)
 
 

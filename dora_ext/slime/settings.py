@@ -21,6 +21,7 @@ naming the key, before any GPU time is spent.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -30,7 +31,7 @@ from ..config import ConfigError, DoraConfig
 ROLLOUT_FUNCTION_PATH = "dora_ext.slime.rollout.generate_rollout"
 DATA_SOURCE_PATH = "dora_ext.slime.data_source.DoraDataSource"
 WEIGHT_RELOAD_HOOK_PATH = "dora_ext.slime.weights.publish_weights"
-SLIME_EVAL_FUNCTION_PATH = "slime.rollout.sglang_rollout.generate_rollout"
+SAO_LOSS_PATH = "dora_ext.slime.loss.sao_loss"
 SLIME_BASE_DATA_SOURCE_PATH = "slime.rollout.data_source.RolloutDataSourceWithBuffer"
 
 LOSSES = ("slime", "sao")
@@ -50,13 +51,18 @@ class SlimeSettings:
         (default slime's own `RolloutDataSourceWithBuffer`, so prompt loading, shuffling and its
         cursor checkpoint stay slime's).
       delete_old_weights: remove a version's directory once no engine can need it again
-        (slime deletes each version after its push unless `--update-weight-disk-keep-files`).
+        (slime deletes each version after its push; with slime's `--update-weight-disk-keep-files`
+        nothing is deleted, whatever this says).
       loss: `slime` keeps slime's policy loss; `sao` selects SAO's double-side masked loss
         (`dora-ext slime-args` then prints `--loss-type custom_loss`).
       staleness_correction: `none`, `tis` (truncated importance weights pi_old / pi_rollout, cap
         `is_cap`) or `mask` (drop tokens whose ratio leaves [1/is_cap, is_cap]); through
         `--use-tis --custom-tis-function-path`.
       is_cap: the cap C of the correction (> 1).
+      engine_check_interval_s: how often the rollout worker re-reads slime's router and checks
+        each engine's `/health` (a dead engine's trajectories go back to the same version on
+        other engines; an engine restarted by `--use-fault-tolerance` joins again). Engines
+        loading weights are skipped (SGLang's `/health` waits for the load).
     """
 
     weights_dir: str | None = None
@@ -67,6 +73,7 @@ class SlimeSettings:
     loss: str = "slime"
     staleness_correction: str = "tis"
     is_cap: float = 2.0
+    engine_check_interval_s: float = 2.0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "dora_slime") -> "SlimeSettings":
@@ -104,7 +111,10 @@ class SlimeSettings:
         is_cap = data.get("is_cap", d.is_cap)
         if isinstance(is_cap, bool) or not isinstance(is_cap, (int, float)) or not is_cap > 1.0:
             raise ConfigError(f"{where}.is_cap", f"expected a number > 1, got {is_cap!r}")
-        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap))
+        check = data.get("engine_check_interval_s", d.engine_check_interval_s)
+        if isinstance(check, bool) or not isinstance(check, (int, float)) or not 0 < check <= 600:
+            raise ConfigError(f"{where}.engine_check_interval_s", f"expected a number in (0, 600], got {check!r}")
+        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap), float(check))
 
 
 def dora_section(args: Any) -> Mapping[str, Any]:
@@ -193,6 +203,39 @@ def check_launch(args: Any) -> None:
         raise ConfigError(
             "update_weight_transport",
             f"must be 'disk': engines load each version from disk when they drain (got {transport!r})",
+        )
+    if getattr(args, "loss_type", None) == "custom_loss" and getattr(args, "use_tis", False) and \
+            getattr(args, "custom_loss_function_path", None) == SAO_LOSS_PATH:
+        raise ConfigError(
+            "use_tis",
+            "has no effect with --loss-type custom_loss: slime applies --custom-tis-function-path inside its own "
+            "policy loss, which dora-ext's SAO loss replaces (SAO already weighs tokens by pi_theta / pi_rollout); "
+            "drop --use-tis, or use dora_slime.loss: slime",
+        )
+    mode = getattr(args, "update_weight_mode", None)
+    if mode not in (None, "full"):
+        raise ConfigError(
+            "update_weight_mode",
+            f"must be 'full' (got {mode!r}): 'delta' patches one checkpoint per host in place, and the "
+            "patched reload hook is skipped for it; engines that hold different versions at once "
+            "need each version as a complete checkpoint",
+        )
+    local = getattr(args, "update_weight_local_checkpoint_dir", None)
+    if local:
+        raise ConfigError(
+            "update_weight_local_checkpoint_dir",
+            "not supported by dora-ext: it keeps one checkpoint per host, pulled into by every engine "
+            "at once, while dora-ext loads each version onto an engine only once that engine drained "
+            "(engines on one host hold different versions); drop the flag so engines load from "
+            "--update-weight-disk-dir",
+        )
+    wd = slime_settings(args).weights_dir
+    disk_dir = getattr(args, "update_weight_disk_dir", None)
+    if wd and disk_dir and os.path.abspath(wd) != os.path.abspath(disk_dir):
+        raise ConfigError(
+            "dora_slime.weights_dir",
+            f"{wd!r} differs from slime's --update-weight-disk-dir {disk_dir!r}: slime writes versions there, so "
+            "leave dora_slime.weights_dir out or make them equal",
         )
     hook = getattr(args, "custom_rollout_weight_reload_path", None)
     if transport == "disk" and hook is None:

@@ -11,7 +11,13 @@ Modules (only `plugin` is imported on ``import verl``; the rest load when verl's
 * ``trainer``  -- ``DoraTrainer`` (separate-async V1 trainer with multi-version replicas).
 * ``losses``   -- ``dora_sao`` and ``dora_decoupled`` in verl's policy-loss registry.
 * ``engine_server`` -- verl's rollout-server contract over ``dora_ext.engines.TorchEngine``
-                  (stands in for vLLM where there is no GPU: tests, CPU experiments).
+                  (stands in for vLLM in the coordinator and agent-loop tests).
+* ``cpu``      -- verl on a CPU-only machine (``VERL_PLATFORM=cpu``): platform, gloo process
+                  groups, the ``dora_cpu`` rollout replica (the HF model the actor trains) and the
+                  ``dora_cpu`` weight-store backend, tiny local assets, run evidence.
+
+Imports run one way: ``plugin`` -> ``trainer`` -> ``coordinator`` -> ``dora_ext.core``
+(``cpu`` is a leaf that only verl's registries and the reports use).
 
 verl 0.9.1 interfaces this package relies on (read from the installed wheel; a verl upgrade that
 changes one of them must be re-checked here first):

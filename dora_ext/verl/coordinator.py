@@ -36,6 +36,26 @@ from dora_ext.core import events as E
 logger = logging.getLogger("dora_ext.verl")
 
 
+def _report(kind: str, **fields: Any) -> None:
+    from .cpu.report import report
+
+    report(kind, **fields)
+
+
+def plugin_manager() -> Any:
+    """dora-ext's pluggy manager (built-in policies plus the ``dora_ext`` entry points), or None.
+
+    None (with a warning) when pluggy or the hook modules are unavailable: the core then uses
+    its built-in policies.
+    """
+    try:
+        from dora_ext.plugins import get_plugin_manager
+    except Exception as exc:
+        logger.warning("dora-ext: pluggy hooks unavailable (%s); using built-in policies", exc)
+        return None
+    return get_plugin_manager()
+
+
 class GroupFailedError(RuntimeError):
     """The scheduler gave up on a group (retries exhausted); its trajectories stop."""
 
@@ -55,8 +75,6 @@ class DoraCoordinator:
         self.server_of = {iid: sid for sid, iid in self.instance_of.items()}
         plugins = None
         if use_plugins:
-            from .plugin import plugin_manager
-
             plugins = plugin_manager()
         self.sched = Scheduler(self.config, plugins=plugins)
         self.base = 0
@@ -73,7 +91,11 @@ class DoraCoordinator:
         self.loads: list[tuple[int, int]] = []  # (instance, verl version) to load
         self.aborts: list[int] = []
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
-        self.counts = {"delivered": 0, "errors": 0}
+        self.counts = {"delivered": 0, "errors": 0, "load_errors": 0}
+        self.load_error_text = ""
+        self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
+        self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ scheduler plumbing
     def _feed(self, event: Any) -> None:
@@ -93,7 +115,10 @@ class DoraCoordinator:
             elif isinstance(act, A.LoadVersion):
                 if act.preempt:
                     raise RuntimeError("dora: preempting loads (mode 'partial') are verl's own separate_async")
-                self.loads.append((act.instance_id, act.version + self.base))
+                if act.instance_id in self.loaders and self._loop is not None:
+                    asyncio.run_coroutine_threadsafe(self._load(act.instance_id, act.version + self.base), self._loop)
+                else:
+                    self.loads.append((act.instance_id, act.version + self.base))
             elif isinstance(act, A.Migrate):
                 self.route[(act.group_id, act.index)] = act.dst
                 if act.src not in self.aborts:
@@ -105,6 +130,8 @@ class DoraCoordinator:
                 self.counts["delivered"] += 1  # verl trains whole batches; kept as a metric
             elif isinstance(act, A.ReportGroupFailed):
                 self.failed[act.group_id] = act.reason
+                self.admitted.pop(act.group_id, None)
+                _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
                 for key in [k for k in self.waiters if k[0] == act.group_id]:
                     for fut in self.waiters.pop(key):
@@ -120,6 +147,8 @@ class DoraCoordinator:
             gid, meta = self.pool.pop(0)
             self.owed -= 1
             self._record(("admit", gid, self.sched.newest_version + self.base))
+            self.admitted[gid] = self.sched.newest_version + self.base
+            _report("admit", group=str(gid), version=self.sched.newest_version + self.base)
             self._apply(self.sched.handle(E.GroupAdmitted(gid, meta)))
 
     def _record(self, item: tuple) -> None:
@@ -128,8 +157,25 @@ class DoraCoordinator:
             del self.log[: len(self.log) // 2]
 
     # ------------------------------------------------------------------ trainer side
-    def start(self, base_version: int = 0, preloaded: bool = True) -> None:
+    def set_loaders(self, loaders: dict[int, list]) -> None:
+        """Rollout workers per instance: loads of published versions are then run here, each
+        ``update_weights(global_steps=v)`` on the instance's workers (a publishing backend such as
+        ``dora_cpu`` fetches ``v`` from its store), without the trainer or the actor."""
+        self.loaders = {int(k): list(v) for k, v in loaders.items()}
+
+    async def _load(self, instance: int, verl_version: int) -> None:
+        try:
+            await asyncio.gather(*[w.update_weights.remote(global_steps=verl_version) for w in self.loaders[instance]])
+        except Exception as exc:  # surfaced to the trainer by metrics(); the instance stays unloaded
+            self.counts["load_errors"] += 1
+            self.load_error_text = f"instance {instance} version {verl_version}: {exc!r}"[:500]
+            logger.error("dora: load failed: %s", self.load_error_text)
+            return
+        self.loaded([instance], verl_version)
+
+    async def start(self, base_version: int = 0, preloaded: bool = True) -> None:
         """Start the scheduler. `preloaded`: verl already loaded `base_version` on every replica."""
+        self._loop = asyncio.get_running_loop()
         self.base = int(base_version)
         self.started = True
         acts = self.sched.start()
@@ -160,6 +206,7 @@ class DoraCoordinator:
         """The actor finished the step that produced `actor_version` (verl units)."""
         k = actor_version - 1 - self.base
         for gid in self.steps.pop(k, ()):
+            self.admitted.pop(gid, None)
             for idx in range(self.config.group_size):
                 self.route.pop((gid, idx), None)
         self._feed(E.TrainerStepFinished(k))
@@ -180,9 +227,19 @@ class DoraCoordinator:
     def metrics(self) -> dict[str, Any]:
         m = self.sched.metrics()
         m.update(self.counts)
+        m["load_error_text"] = self.load_error_text
         m["pool"] = len(self.pool)
         m["waiting_requests"] = sum(len(v) for v in self.waiters.values())
         return m
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What verl's checkpoint keeps of the coordinator (``dora_state.json``): the groups admitted
+        and not trained (by the steps finished so far), the base version, the scheduler snapshot."""
+        import time
+
+        # "time": admissions reported (``admit``) after this instant are not in this state.
+        return {"base": self.base, "time": time.time(), "admitted": [str(g) for g in self.admitted],
+                "failed": {str(g): r for g, r in self.failed.items()}, "scheduler": self.sched.snapshot()}
 
     def get_log(self) -> list[tuple]:
         return list(self.log)

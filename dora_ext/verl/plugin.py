@@ -18,9 +18,8 @@ If a module was imported already (``VERL_USE_EXTERNAL_PLUGINS=none`` and a later
 ``install()``), its callback runs at once. A callback that fails (a missing optional piece, a
 changed verl) is logged as a warning and verl goes on without that piece.
 
-``plugin_manager()`` is the bridge to dora-ext's pluggy hooks (``dora_ext.hookspecs``): the
-trainer and the coordinator take the admission, batch and migration policies and the metric
-sinks from it.
+Imports run one way: ``plugin`` -> ``trainer`` -> ``coordinator`` -> ``dora_ext.core`` (the
+bridge to dora-ext's pluggy hooks, ``plugin_manager``, lives in ``coordinator``).
 """
 
 from __future__ import annotations
@@ -59,7 +58,31 @@ def _register_losses() -> None:
     register()
 
 
-_CALLBACKS: dict[str, Callable[[], None]] = {_V1: _register_trainer, _CORE_ALGOS: _register_losses}
+def _register_cpu_platform() -> None:
+    from .cpu import register_platform
+
+    register_platform()
+
+
+def _register_cpu_replica() -> None:
+    from .cpu import register_replica
+
+    register_replica()
+
+
+def _register_cpu_adapter() -> None:
+    from .cpu import register_adapter
+
+    register_adapter()
+
+
+_CALLBACKS: dict[str, Callable[[], None]] = {
+    _V1: _register_trainer,
+    _CORE_ALGOS: _register_losses,
+    "verl.plugin.platform.platform_manager": _register_cpu_platform,
+    "verl.workers.rollout.replica": _register_cpu_replica,
+    "verl.workers.rollout.base": _register_cpu_adapter,
+}
 
 
 def _run(name: str) -> None:
@@ -131,20 +154,16 @@ def install() -> None:
 
 
 def plugin_manager() -> Any:
-    """dora-ext's pluggy manager (built-in policies plus the ``dora_ext`` entry points), or None.
+    """dora-ext's pluggy manager (see ``dora_ext.verl.coordinator.plugin_manager``)."""
+    from .coordinator import plugin_manager as _pm
 
-    None (with a warning) when pluggy or the hook modules are unavailable: the core then uses
-    its built-in policies.
-    """
-    try:
-        from dora_ext.plugins import get_plugin_manager
-    except Exception as exc:
-        logger.warning("dora-ext: pluggy hooks unavailable (%s); using built-in policies", exc)
-        return None
-    return get_plugin_manager()
+    return _pm()
 
 
 try:
+    from .cpu import install_process_fixes
+
+    install_process_fixes()
     install()
 except Exception as _exc:  # pragma: no cover - a broken interpreter state; never break verl
     logger.warning("dora-ext: verl plugin not installed: %s", _exc)

@@ -1,29 +1,28 @@
 """``DoraReplayBuffer``: the ``trainer.v1.sampler.custom_sampler`` of trainer mode ``dora``.
 
 It reads group state from TransferQueue exactly as verl's own replay buffer does (prompt keys
-``{uid}`` with a ``status`` tag, trajectory keys ``{uid}_{session}_{index}``) and implements R3:
+``{uid}`` with a ``status`` tag, trajectory keys ``{uid}_{session}_{index}``) and hands out, for
+each trainer step, the batch the scheduler (``dora_ext.core`` in the coordinator) formed for it
+(``step_source``), in chunks of the requested size once each group is complete (R3: only complete
+groups, oldest version first, never beyond the staleness bound is the scheduler's rule).
 
-* only complete groups are taken (status ``finished``);
-* the step takes every group that is due (version <= k - K, the mandatory set) and never trains a
-  group beyond its deadline: a completed group is taken only if, afterwards, every group still
-  waiting (pending, running or completed) can be trained by its deadline in the remaining slots
-  of this and the following steps (an earliest-deadline-first test, as in ``dora_ext.core``).
-  When no completed group passes the test the sampler *waits* for the older running group
-  instead of dropping anything, and the wait is measured;
-* among the groups that pass, oldest version first, then completion order;
-* nothing is ever evicted for staleness (C2); a group whose rollout failed is evicted, replaced
-  through ``refill_fn`` and counted (verl's ``training/rollout_failure/evicted_samples`` and
-  ``dora/failed_groups``), never silently lost.
+Every constraint metric is computed here from what TransferQueue shows, not from the scheduler's
+bookkeeping:
 
-Versions are verl weight versions (the ``global_steps`` stamped by ``update_weights``): step
-``global_steps = g`` trains with the weights of version ``g - 1`` and publishes ``g``, so the
-staleness of a group of version ``v`` trained at ``g`` is ``g - 1 - v``. A group's version is,
-in order: the ``dora_version`` tag the coordinator writes when it admits the group, the oldest
-``min_global_steps`` of its trajectories (the version that generated its oldest tokens), or
-``global_steps - 1`` of its prompt tag (the newest version when it was submitted).
+* C1 (``dora/c1_ok``): every trained trajectory carries one engine-reported weight version, i.e.
+  its ``min_global_steps`` and ``max_global_steps`` tags (written by verl from the versions the
+  rollout servers returned with the tokens) are set and equal;
+* C2 (``dora/c2_ok``): no group is trained twice (``dora/duplicated``), none trained with fewer
+  than ``group_size`` trajectories (``dora/truncated``), and none vanished: a prompt group seen in
+  TransferQueue that disappeared without being trained here or reported failed is counted in
+  ``dora/dropped``;
+* C3 (``dora/c3_ok``): staleness ``(global_steps - 1) - version`` of each trained group is in
+  ``[0, K]``; a group's version is the oldest engine-reported ``min_global_steps`` of its
+  trajectories.
 
-``select_groups`` is the selection as a pure function (no TransferQueue, no clock) so that the
-rule is tested on its own.
+A group whose rollout failed is evicted, replaced through ``refill_fn`` and counted
+(verl's ``training/rollout_failure/evicted_samples`` and ``dora/failed_groups``), never silently
+lost.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 logger = logging.getLogger("dora_ext.verl")
 
-SAMPLER_KWARGS = ("max_staleness", "step_batch_size", "poll_interval", "max_wait_s")
+SAMPLER_KWARGS = ("max_staleness", "step_batch_size", "group_size", "poll_interval", "max_wait_s")
 
 
 @dataclass(frozen=True)
@@ -50,67 +49,15 @@ class GroupState:
 
 @dataclass(frozen=True)
 class Selection:
-    """``uids`` to train now, or ``uids == ()`` and ``waiting_for`` the groups that block."""
+    """``uids`` to hand out now, or ``uids == ()`` and ``waiting_for`` the groups that block."""
 
     uids: tuple[str, ...]
     waiting_for: tuple[str, ...] = ()
-    mandatory: int = 0
-
-
-def _feasible(counts: dict[int, int], step: int, K: int, B: int, slots_after: int) -> bool:
-    """Can the groups in `counts` (version -> count) all meet their deadlines ``version + K``
-    with `slots_after` slots left in step `step` and `B` in each later step?"""
-    cum = 0
-    for v in sorted(counts):
-        c = counts[v]
-        if c <= 0:
-            continue
-        cum += c
-        if cum > slots_after + max(v + K - step, 0) * B:
-            return False
-    return True
-
-
-def select_groups(
-    groups: Iterable[GroupState], *, step: int, K: int, size: int, slots_left: int, step_size: int
-) -> Selection:
-    """R3 for step `step` (a version index): pick up to `size` complete groups, or say what blocks.
-
-    `slots_left` is how many groups the step still takes (>= size; more when the step is sampled in
-    several mini-batches) and `step_size` the groups per step (B). Returns a full selection of
-    `size` groups or an empty one with the uids it waits for.
-    """
-    groups = list(groups)
-    counts: dict[int, int] = {}
-    for g in groups:
-        counts[g.version] = counts.get(g.version, 0) + 1
-    mandatory = sum(1 for g in groups if g.version <= step - K)
-    candidates = sorted((g for g in groups if g.complete), key=lambda g: (g.version, g.order))
-    chosen: list[str] = []
-    slots = slots_left
-    for g in candidates:
-        if len(chosen) == size:
-            break
-        counts[g.version] -= 1
-        if not _feasible(counts, step, K, step_size, slots - 1):
-            counts[g.version] += 1
-            break  # a newer candidate cannot be more feasible than this older one
-        chosen.append(g.uid)
-        slots -= 1
-    if len(chosen) == size:
-        return Selection(tuple(chosen), (), mandatory)
-    chosen_set = set(chosen)
-    # Block on the oldest incomplete groups: those are what an older-first step needs next.
-    blocking = sorted(
-        (g for g in groups if not g.complete and g.uid not in chosen_set), key=lambda g: (g.version, g.order)
-    )
-    return Selection((), tuple(g.uid for g in blocking[: max(size - len(chosen), 1)]), mandatory)
 
 
 def group_version(prompt_tag: dict, trajectory_tags: Sequence[dict]) -> int:
-    """The weight version of a group (see the module docstring for the order of sources)."""
-    if prompt_tag.get("dora_version") is not None:
-        return int(prompt_tag["dora_version"])
+    """The weight version of a group: the oldest engine-reported ``min_global_steps`` of its
+    trajectories, or (no trajectory yet) ``global_steps - 1`` of its prompt tag."""
     starts = [int(t["min_global_steps"]) for t in trajectory_tags if t.get("min_global_steps") is not None]
     if starts:
         return min(starts)
@@ -158,6 +105,7 @@ class DoraReplayBuffer:
         self.trainer_mode = trainer_mode
         self.max_staleness = K
         self.step_batch_size = kwargs.get("step_batch_size")
+        self.group_size = kwargs.get("group_size")
         self.poll_interval = float(kwargs.get("poll_interval", 0.2))
         self.max_wait_s = kwargs.get("max_wait_s")
         self.refill_fn = refill_fn
@@ -166,9 +114,26 @@ class DoraReplayBuffer:
         self._completion: dict[str, int] = {}  # uid -> completion order
         self._seen: dict[str, int] = {}  # uid -> admission order (first seen)
         self._trained: set[str] = set()
+        self._evicted: set[str] = set()
+        self._gone: set[str] = set()
+        self._seen_train: set[str] = set()  # seen in TransferQueue, vanished untrained and unreported
         self._taken_in_step: dict[int, int] = {}
         self._from_source: dict[int, list[str]] = {}
-        self.totals = {"duplicated": 0, "failed_groups": 0, "c3_violations": 0, "dropped": 0}
+        self.totals = {"duplicated": 0, "failed_groups": 0, "c3_violations": 0, "dropped": 0, "truncated": 0,
+                       "c1_violations": 0}
+
+    def trained_uids(self) -> set[str]:
+        return set(self._trained)
+
+    def _count_dropped(self, prompts: dict[str, dict]) -> int:
+        """Groups seen in TransferQueue earlier that are gone now, neither trained nor evicted."""
+        gone = [u for u in self._seen_train if u not in prompts and u not in self._trained and u not in self._evicted
+                and u not in self._gone]
+        self._gone.update(gone)
+        if gone:
+            logger.error("dora sampler: %d admitted group(s) vanished from TransferQueue untrained: %s",
+                         len(gone), gone[:8])
+        return len(gone)
 
     # ------------------------------------------------------------------ TransferQueue view
     def _snapshot(self, partition_id: str) -> tuple[dict[str, dict], dict[str, list[tuple[str, dict]]]]:
@@ -187,6 +152,8 @@ class DoraReplayBuffer:
         for uid in prompts:
             if uid not in self._seen:
                 self._seen[uid] = len(self._seen)
+        if partition_id == "train":
+            self._seen_train.update(prompts)
         return prompts, trajs
 
     def _states(self, prompts: dict[str, dict], trajs: dict[str, list]) -> list[GroupState]:
@@ -211,6 +178,10 @@ class DoraReplayBuffer:
             return 0
         keys = failed + [k for uid in failed for k, _ in trajs.get(uid, ())]
         tq.kv_clear(keys=keys, partition_id=partition_id)
+        self._evicted.update(failed)
+        from .cpu.report import report
+
+        report("evicted", groups=failed)
         for uid in failed:
             prompts.pop(uid, None)
             trajs.pop(uid, None)
@@ -263,11 +234,9 @@ class DoraReplayBuffer:
         while True:
             prompts, trajs = self._snapshot(partition_id)
             failed += self._evict_failed(partition_id, prompts, trajs)
+            self.totals["dropped"] += self._count_dropped(prompts)
             states = self._states(prompts, trajs)
-            if self.step_source is not None:
-                sel = self._from_scheduler(step, batch_size, states)
-            else:
-                sel = select_groups(states, step=step, K=K, size=batch_size, slots_left=B - taken, step_size=B)
+            sel = self._from_scheduler(step, batch_size, states)
             if sel.uids:
                 break
             if any(s.complete for s in states):
@@ -289,6 +258,12 @@ class DoraReplayBuffer:
                 "dora sampler: %d group(s) trained beyond max_staleness=%d at step %d (admission exceeded the R2 "
                 "budget: keep num_warmup_batches <= max_staleness)", c3, K, global_steps,
             )
+        n = int(self.group_size or 0)
+        truncated = sum(1 for u in sel.uids if n and len({k.rsplit("_", 1)[0] for k, _ in trajs.get(u, ())}) < n)
+        c1 = sum(1 for u in sel.uids for _, t in trajs.get(u, ())
+                 if t.get("min_global_steps") is None or t.get("min_global_steps") != t.get("max_global_steps"))
+        self.totals["truncated"] += truncated
+        self.totals["c1_violations"] += c1
         self.totals["duplicated"] += dup
         self.totals["failed_groups"] += failed
         self.totals["c3_violations"] += c3
@@ -300,14 +275,17 @@ class DoraReplayBuffer:
         metrics: dict[str, Any] = {
             "dora/staleness_mean": sum(staleness) / len(staleness),
             "dora/staleness_max": max(staleness),
-            "dora/mandatory_groups": sel.mandatory,
             "dora/sample_wait_s": time.perf_counter() - start,
             "dora/waited_for_older": waited_for_older,
             "dora/dropped": self.totals["dropped"],
             "dora/duplicated": self.totals["duplicated"],
             "dora/failed_groups": self.totals["failed_groups"],
             "dora/c3_violations": self.totals["c3_violations"],
-            "dora/c2_ok": float(self.totals["duplicated"] == 0 and self.totals["dropped"] == 0),
+            "dora/truncated": self.totals["truncated"],
+            "dora/c1_violations": self.totals["c1_violations"],
+            "dora/c1_ok": float(self.totals["c1_violations"] == 0),
+            "dora/c2_ok": float(self.totals["duplicated"] == 0 and self.totals["dropped"] == 0
+                                and self.totals["truncated"] == 0),
             "dora/c3_ok": float(self.totals["c3_violations"] == 0),
             "dora/multi_version_trajectory_share": multi / len(spans) if spans else 0.0,
             "dora/live_versions": len(pending_versions | {by_uid[u].version for u in sel.uids}),
@@ -316,23 +294,47 @@ class DoraReplayBuffer:
             metrics[f"dora/staleness_hist/{s}"] = staleness.count(s)
         if failed:
             metrics["training/rollout_failure/evicted_samples"] = failed
+        from .cpu.report import report
+
+        report("train", global_steps=int(global_steps), groups=list(sel.uids), staleness=staleness,
+               versions=[by_uid[u].version for u in sel.uids])
         return self._materialize(partition_id, sel.uids, trajs), metrics
 
     def _from_scheduler(self, step: int, size: int, states: list[GroupState]) -> Selection:
         """Hand out the scheduler's batch for `step` in chunks of `size`, once each is complete."""
+        if self.step_source is None:
+            raise RuntimeError(
+                "DoraReplayBuffer takes each step's batch from the dora scheduler: use it with "
+                "trainer.v1.trainer_mode=dora (DoraTrainer sets step_source)"
+            )
         if step not in self._from_source:
-            uids = self.step_source(step) if self.step_source is not None else None
+            uids = self.step_source(step)
             if uids is None:
                 return Selection((), ())
-            self._from_source = {step: list(uids)}
+            # C2: a group listed again (already trained here, or twice in this batch) is counted
+            # and skipped. Trained groups left TransferQueue, so waiting for one would hang forever.
+            fresh: list[str] = []
+            dups: list[str] = []
+            for uid in uids:
+                (dups if uid in self._trained or uid in fresh else fresh).append(uid)
+            if dups:
+                self.totals["duplicated"] += len(dups)
+                logger.error("dora sampler: the scheduler's batch for step %d lists %d group(s) already trained or "
+                             "twice: %s (counted in dora/duplicated, skipped)", step + 1, len(dups), dups[:8])
+                if not fresh:
+                    raise RuntimeError(f"dora sampler: the scheduler's batch for step {step + 1} holds only groups "
+                                       f"already trained: {dups[:8]}")
+            self._from_source = {step: fresh}
         queue = self._from_source[step]
+        if not queue:
+            raise RuntimeError(f"dora sampler: step {step + 1} asked for more groups than the scheduler's batch holds")
         complete = {s.uid for s in states if s.complete}
         chunk = queue[:size]
         missing = [u for u in chunk if u not in complete]
         if missing:
             return Selection((), tuple(missing))
         del queue[: len(chunk)]
-        return Selection(tuple(chunk), (), 0)
+        return Selection(tuple(chunk), ())
 
     def _sample_val(self, partition_id: str, batch_size: int):
         while True:

@@ -11,10 +11,14 @@ and update code untouched and changes four things:
    ``LoadVersion`` for replicas that have drained (R4), and the trainer syncs exactly those
    replicas with a ``CheckpointEngineManager`` over that subset. The other replicas keep
    generating their trajectories to the end under their old version (C1).
-2. **Old versions stay loadable.** A version may be needed after the actor moved on (its groups
-   are queued but no replica holds it yet). The actor keeps a CPU copy of each of the last K + 1
-   versions (``DetachActorWorker.save_model_to_cpu``) and loads an old version by restoring it for
-   the duration of the sync.
+2. **Old versions stay loadable, always as published.** A version may be needed after the actor
+   moved on (its groups are queued but no replica holds it yet), and with
+   ``parameter_sync_step`` > 1 loads happen between mini-batches, after optimizer steps. With a
+   publishing backend (``dora_cpu``: each version copied once into a weight store at publish
+   time) replicas load any kept version from the store, from the coordinator, without the actor.
+   With NCCL-style backends the actor keeps a CPU copy of each of the last K + 1 versions
+   (``DetachActorWorker.save_model_to_cpu``) and a load uses the live parameters only while they
+   still are that version, else restores the copy for the duration of the sync.
 3. **R3 sampling** (``sampler.DoraReplayBuffer``) and **version-pinned, frontier-first routing**
    (``coordinator`` + ``manager``) are wired in by setting verl's own config keys
    ``trainer.v1.sampler.custom_sampler`` and ``actor_rollout_ref.rollout.agent.
@@ -22,13 +26,19 @@ and update code untouched and changes four things:
 4. **Admission follows R2.** The trainer's prompt feed (K warm-up batches, then one batch per
    step) is the supply; the scheduler admits from it when it has budget and free slots.
 
+Resume (``trainer.resume_mode``): see ``_prepare_resume``; ``dora_state.json`` is written into
+each verl checkpoint. Config errors verl would raise deep inside its trainer are raised first,
+naming the keys (``_check_split``).
+
 Hybrid replicas on the trainer GPUs are disabled (verl's ``hybrid_engine=False`` path): lending
 them to rollout aborts their requests on every switch back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -36,14 +46,64 @@ from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
-from .plugin import TRAINER_NAME, plugin_manager
+from .coordinator import plugin_manager
 from .settings import dora_config
 
 logger = logging.getLogger("dora_ext.verl")
 
+TRAINER_NAME = "dora"
 SAMPLER_PATH = "pkg://dora_ext.verl.sampler"
 SAMPLER_NAME = "DoraReplayBuffer"
 MANAGER_CLASS = "dora_ext.verl.manager.DoraAgentLoopManager"
+
+
+def _check_split(config: Any) -> None:
+    """Defect 5: verl's separate-async checks, made first with our own message (or derived).
+
+    * ``actor_rollout_ref.rollout.nnodes`` / ``n_gpus_per_node`` (the rollout pool): required,
+      there is nothing sensible to derive them from;
+    * ``actor_rollout_ref.rollout.checkpoint_engine.backend``: ``naive`` only works colocated; on the
+      CPU platform (``VERL_PLATFORM=cpu``) it becomes ``dora_cpu`` (with its module), elsewhere
+      the user must name a transport;
+    * ``data.train_batch_size == parameter_sync_step * actor.ppo_mini_batch_size``.
+    """
+    from dora_ext.config import ConfigError
+
+    from .cpu import BACKEND as CPU_BACKEND
+    from .cpu import BACKEND_MODULE, cpu_platform_selected
+
+    rollout = config.actor_rollout_ref.rollout
+    missing = [k for k in ("nnodes", "n_gpus_per_node") if int(rollout.get(k) or 0) <= 0]
+    if missing:
+        raise ConfigError(
+            "actor_rollout_ref.rollout." + missing[0],
+            "trainer_mode=dora runs rollout on its own pool: add actor_rollout_ref.rollout.nnodes=<nodes> "
+            "actor_rollout_ref.rollout.n_gpus_per_node=<rollout GPUs per node> (and trainer.n_gpus_per_node "
+            "for the trainer's GPUs)",
+        )
+    ce = rollout.checkpoint_engine
+    if ce.get("backend") in (None, "", "naive"):
+        if cpu_platform_selected():
+            ce.backend = CPU_BACKEND
+            if not ce.get("custom_backend_module"):
+                ce.custom_backend_module = BACKEND_MODULE
+            logger.info("dora: checkpoint_engine.backend=naive -> %s on the CPU platform", CPU_BACKEND)
+        else:
+            raise ConfigError(
+                "actor_rollout_ref.rollout.checkpoint_engine.backend",
+                f"is {ce.get('backend')!r}; trainer_mode=dora syncs weights to a separate rollout pool: add "
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or nixl, mooncake, hccl; "
+                f"{CPU_BACKEND} with VERL_PLATFORM=cpu)",
+            )
+    sync_step = int(config.trainer.v1[TRAINER_NAME].parameter_sync_step)
+    mini = int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
+    batch = int(config.data.train_batch_size)
+    if batch != sync_step * mini:
+        raise ConfigError(
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            f"is {mini} but data.train_batch_size={batch} must equal "
+            f"trainer.v1.separate_async.parameter_sync_step ({sync_step}) x ppo_mini_batch_size",
+        )
 
 
 def configure(config: Any) -> Any:
@@ -51,9 +111,15 @@ def configure(config: Any) -> Any:
 
     Returns the ``DoraConfig``. Keys a user set explicitly are kept (with a log line).
     """
-    dcfg = dora_config(config)
     v1 = config.trainer.v1
     with open_dict(config):
+        # The base trainer reads trainer.v1.<mode>.parameter_sync_step; dora shares separate_async's.
+        sep = v1.get("separate_async") or {}
+        v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
+        _check_split(config)
+    dcfg = dora_config(config)
+    with open_dict(config):
+        _check_weight_store(config, dcfg.max_staleness)
         sampler = v1.sampler
         custom = sampler.get("custom_sampler") or {}
         if custom.get("path") or custom.get("name"):
@@ -64,6 +130,7 @@ def configure(config: Any) -> Any:
             kwargs = dict(sampler.get("sampler_kwargs") or {})
             kwargs.setdefault("max_staleness", dcfg.max_staleness)
             kwargs.setdefault("step_batch_size", dcfg.batch_size)
+            kwargs.setdefault("group_size", dcfg.group_size)
             sampler.sampler_kwargs = kwargs
         agent = config.actor_rollout_ref.rollout.agent
         if agent.get("agent_loop_manager_class"):
@@ -71,10 +138,32 @@ def configure(config: Any) -> Any:
             logger.info("dora: keeping the user's agent_loop_manager_class %s", agent.agent_loop_manager_class)
         else:
             agent.agent_loop_manager_class = MANAGER_CLASS
-        # The base trainer reads trainer.v1.<mode>.parameter_sync_step; dora shares separate_async's.
-        sep = v1.get("separate_async") or {}
-        v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
     return dcfg
+
+
+def _check_weight_store(config: Any, max_staleness: int) -> None:
+    """The ``dora_cpu`` store must keep every version a load can ask for: the newest K + 1 and the
+    one being published (K + 2). Unset: ``max(8, K + 2)``; a smaller user value fails here."""
+    from dora_ext.config import ConfigError
+
+    from .cpu import BACKEND as CPU_BACKEND
+
+    ce = config.actor_rollout_ref.rollout.checkpoint_engine
+    if ce.get("backend") != CPU_BACKEND:
+        return
+    need = int(max_staleness) + 2
+    if ce.get("engine_kwargs") is None:
+        ce.engine_kwargs = {}
+    kwargs = ce.engine_kwargs.get(CPU_BACKEND) or {}
+    keep = kwargs.get("keep_versions")
+    if keep is None:
+        ce.engine_kwargs[CPU_BACKEND] = {**kwargs, "keep_versions": max(8, need)}
+    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{CPU_BACKEND}.keep_versions",
+            f"is {keep!r}; with dora.max_staleness={max_staleness} the weight store must keep at least "
+            f"{need} versions (K + 1 loadable and the one being published): set it to >= {need} or leave it unset",
+        )
 
 
 def _check_manager(fqn: str) -> None:
@@ -91,6 +180,40 @@ def _check_manager(fqn: str) -> None:
             "actor_rollout_ref.rollout.agent.agent_loop_manager_class",
             f"{fqn} must be {MANAGER_CLASS} or a subclass in trainer_mode=dora (it offers prompts to the scheduler)",
         )
+
+
+@contextlib.contextmanager
+def _quiet_info(logger_name: str):
+    """verl 0.9.1's separate-async ``_setup`` calls ``logger.info(..., flush=True)`` when
+    ``hybrid_engine=False``, a TypeError whenever INFO is enabled; raise that logger to WARNING
+    while it runs."""
+    lg = logging.getLogger(logger_name)
+    level = lg.level
+    if lg.isEnabledFor(logging.INFO):
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        lg.setLevel(level)
+
+
+def _checkpoint_folder(config: Any, global_steps: int) -> str:
+    folder = config.trainer.default_local_dir
+    if not os.path.isabs(folder):
+        folder = os.path.join(os.getcwd(), folder)
+    return os.path.join(folder, f"global_step_{global_steps}")
+
+
+def _resume_folder(config: Any, global_steps: int) -> str:
+    """The checkpoint folder verl resumed from (``PPOTrainer._load_checkpoint``'s choice)."""
+    trainer = config.trainer
+    if trainer.get("resume_mode") == "resume_path" and isinstance(trainer.get("resume_from_path"), str):
+        folder = trainer.resume_from_path
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+    return _checkpoint_folder(config, global_steps)
+
+
+STATE_FILE = "dora_state.json"
 
 
 class DoraTrainer(PPOTrainerSeparateAsync):
@@ -116,16 +239,25 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         self.coordinator = None
         self._base_version = 0
         self._actor_version = 0
+        # The version the actor's live parameters are exactly (None once an optimizer step ran
+        # since the last publish: mini-batches 2..N of a step with parameter_sync_step > 1).
+        self._live_version: int | None = None
         self._cpu_versions: list[int] = []
+        self._publishes = False
+        self._resume_info: dict[str, Any] = {}
         self._plugins = plugin_manager()
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        super()._setup()
+        with _quiet_info("verl.trainer.ppo.v1.trainer_separate_async"):
+            super()._setup()
         import ray
+        from verl.checkpoint_engine import CheckpointEngineRegistry
 
         from .coordinator import create_coordinator
 
+        backend_cls = CheckpointEngineRegistry.get(self.config.actor_rollout_ref.rollout.checkpoint_engine.backend)
+        self._publishes = bool(getattr(backend_cls, "publishes_versions", False))
         manager = self.standalone_server_manager
         servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
         old = manager.global_load_balancer
@@ -135,6 +267,10 @@ class DoraTrainer(PPOTrainerSeparateAsync):
             # Resumed from a checkpoint: the scheduler counts the steps still to run.
             self.dora = replace(self.dora, max_steps=max(1, self.dora.max_steps - int(self.global_steps)))
         self.coordinator = create_coordinator(self.dora, servers)
+        if self._publishes:
+            # Loads of published versions run in the coordinator, off the trainer thread.
+            loaders = {i: list(r.workers) for i, r in enumerate(manager.rollout_replicas)}
+            ray.get(self.coordinator.set_loaders.remote(loaders))
         manager.global_load_balancer = self.coordinator
         try:
             ray.kill(old)
@@ -142,6 +278,52 @@ class DoraTrainer(PPOTrainerSeparateAsync):
             pass
         self.replay_buffer.step_source = self._scheduler_batch
         self.replay_buffer.on_wait = self._service
+        if self.global_steps:
+            self._prepare_resume()
+
+    def _prepare_resume(self) -> None:
+        """Defect 3: resumed from verl's checkpoint at step ``global_steps``.
+
+        The checkpoint holds the actor at version ``global_steps`` only, so groups that were
+        admitted under older versions and not trained cannot continue under their version. verl
+        restored them into TransferQueue (finished ones with their trajectories; pending and
+        running ones are re-issued by ``fit``). Here finished-but-untrained groups are turned back
+        into pending prompts (their old trajectories cleared), so that ``fit`` re-issues them too:
+        every admitted group is then offered to the new scheduler (version ``global_steps``),
+        generated once more and trained exactly once. Groups the saved dora state lists as
+        admitted and untrained but that verl did not restore are reported (``dora/resume_lost``).
+        """
+        import json
+
+        import transfer_queue as tq
+
+        data = tq.kv_list("train") or {}
+        items = data.get("train", {})
+        prompts = {k: t for k, t in items.items() if t.get("is_prompt", False)}
+        finished = [k for k, t in prompts.items() if t.get("status") == "finished"]
+        if finished:
+            fin = set(finished)
+            old = [k for k, t in items.items() if not t.get("is_prompt", False) and k.split("_", 1)[0] in fin]
+            if old:
+                tq.kv_clear(keys=old, partition_id="train")
+            tags = [{"is_prompt": True, "status": "pending", "global_steps": int(self.global_steps)} for _ in finished]
+            tq.kv_batch_put(keys=finished, partition_id="train", tags=tags)
+        state_path = os.path.join(_resume_folder(self.config, int(self.global_steps)), STATE_FILE)
+        lost: list[str] = []
+        if os.path.exists(state_path):
+            with open(state_path) as f:
+                state = json.load(f)
+            lost = [u for u in state.get("untrained", []) if u not in prompts]
+            if lost:
+                logger.warning("dora resume: %d admitted, untrained group(s) not in verl's checkpoint: %s",
+                               len(lost), lost[:8])
+        else:
+            logger.warning("dora resume: %s not found; groups of the first run are not accounted", state_path)
+        self._resume_info = {"regenerated": len(finished), "lost": lost, "restored": len(prompts)}
+        from .cpu.report import report
+
+        report("resume", global_steps=int(self.global_steps), regenerated=finished, lost=lost,
+               restored=sorted(prompts))
 
     def on_init_end(self) -> None:
         import ray
@@ -149,7 +331,9 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         # verl loads the checkpoint's weights on every replica once; that is version 0 to the scheduler.
         super().on_init_end()
         self._base_version = self._actor_version = int(self.global_steps)
-        self._keep_cpu_copy(self._base_version)
+        self._live_version = self._actor_version
+        if not self._publishes:
+            self._keep_cpu_copy(self._base_version)
         ray.get(self.coordinator.start.remote(self._base_version))
         self._service()
 
@@ -169,6 +353,27 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         self._service()
         return ray.get(self.coordinator.step_batch.remote(step))
 
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        self._live_version = None  # the live parameters are no published version any more
+        return super()._update_actor(batch, metrics)
+
+    def _save_checkpoint(self) -> None:
+        """verl's checkpoint plus ``dora_state.json`` (admitted groups not trained yet, the
+        scheduler's snapshot), written first so that a checkpoint verl marks complete has it."""
+        import json
+
+        import ray
+
+        folder = _checkpoint_folder(self.config, int(self.global_steps))
+        os.makedirs(folder, exist_ok=True)
+        state = ray.get(self.coordinator.checkpoint_state.remote())
+        trained = self.replay_buffer.trained_uids()
+        state["untrained"] = [u for u in state.pop("admitted") if u not in trained]
+        state["global_steps"] = int(self.global_steps)
+        with open(os.path.join(folder, STATE_FILE), "w") as f:
+            json.dump(state, f)
+        super()._save_checkpoint()
+
     def on_step_end(self) -> None:
         import ray
 
@@ -177,20 +382,43 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         if self.prev_step_profile:
             self._stop_rollout_profiling()
         self._actor_version = int(self.global_steps)
-        self._keep_cpu_copy(self._actor_version)
+        self._live_version = self._actor_version
+        sync_metrics: dict[str, float] = {}
         with marked_timer("update_weights", self.timing_raw, color="red"):
+            if self._publishes:
+                sync_metrics.update(self._publish(self._actor_version))
+            else:
+                self._keep_cpu_copy(self._actor_version)
             ray.get(self.coordinator.step_finished.remote(self._actor_version))
             self._service()
         metrics = ray.get(self.coordinator.metrics.remote())
+        if metrics.get("load_errors"):
+            raise RuntimeError(f"dora: weight loads failed: {metrics.get('load_error_text')}")
         # The sampler logs dora/<name> per batch; the scheduler's run totals go under dora/scheduler/.
         self._pending_sync_metrics = {
             f"dora/scheduler/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))
         }
+        self._pending_sync_metrics.update(sync_metrics)
+        if self._resume_info:
+            self._pending_sync_metrics["dora/resume_regenerated"] = float(self._resume_info["regenerated"])
+            self._pending_sync_metrics["dora/resume_lost"] = float(len(self._resume_info["lost"]))
         if self._plugins is not None:
             step = int(self.global_steps)
             self._plugins.hook.dora_metrics.call_historic(kwargs={"step": step, "metrics": dict(metrics)})
 
     # ------------------------------------------------------------------ weights
+    def _publish(self, version: int) -> dict:
+        """Publish the actor's weights as `version` through a publishing backend (``dora_cpu``)."""
+        import ray
+
+        backend = self.config.actor_rollout_ref.rollout.checkpoint_engine.backend
+        results = ray.get(self.actor_rollout_wg.update_weights(global_steps=version, mode=backend))
+        out: dict[str, float] = {}
+        for r in results:
+            if isinstance(r, dict):
+                out.update({k: float(v) for k, v in r.items() if isinstance(v, (int, float))})
+        return out
+
     def _keep_cpu_copy(self, version: int) -> None:
         """Keep the last K + 1 versions restorable on the actor (CPU memory)."""
         self.actor_rollout_wg.save_model_to_cpu(f"dora_v{version}")
@@ -199,7 +427,13 @@ class DoraTrainer(PPOTrainerSeparateAsync):
             self.actor_rollout_wg.clear_cpu_model(f"dora_v{self._cpu_versions.pop(0)}")
 
     def _service(self) -> None:
-        """Execute the coordinator's pending LoadVersion and Migrate actions (trainer thread only)."""
+        """Execute the coordinator's pending R5 aborts and (backends that cannot publish) loads.
+
+        Loads are always of the weights taken when the version was published: straight from the
+        live parameters only while they still are that version (``_live_version``), otherwise from
+        the CPU copy kept at publish time (defect 1: with ``parameter_sync_step`` > 1 this runs
+        between mini-batches, after an optimizer step).
+        """
         import ray
 
         from verl.checkpoint_engine import CheckpointEngineManager
@@ -221,7 +455,7 @@ class DoraTrainer(PPOTrainerSeparateAsync):
             return
         for version, instances in sorted(by_version.items()):
             manager = CheckpointEngineManager(cfg, self.actor_rollout_wg, [replicas[i] for i in instances])
-            if version == self._actor_version:
+            if version == self._live_version:
                 manager.update_weights(version)
             elif version in self._cpu_versions:
                 self.actor_rollout_wg.save_model_to_cpu("dora_current")

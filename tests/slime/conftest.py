@@ -46,3 +46,12 @@ def fresh_driver(monkeypatch):
 @pytest.fixture
 def standins():
     return slime_standins
+
+
+# ---------------------------------------------------------------- slime checkout (DORA_SLIME_PATH)
+@pytest.fixture(scope="session")
+def patched_slime(tmp_path_factory):
+    """A copy of the slime checkout with patches/slime applied (the checkout itself is untouched)."""
+    from slime_helpers import patched_slime_copy
+
+    return patched_slime_copy(tmp_path_factory.mktemp("slime") / "slime")

@@ -5,10 +5,13 @@ slime is absent in CI; see `slime_standins.py` for what stands in for it and why
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from dora_ext.slime import rollout as slime_rollout
 from dora_ext.slime import weights
@@ -88,19 +91,53 @@ class SimulatedSlimeDriver:
 
 
 def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, first_step: int) -> Any:
-    """A session like `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client."""
-    from dora_ext.plugins import get_plugin_manager
+    """The session `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client."""
     from dora_ext.slime.engines import SglangEngines
     from dora_ext.slime.settings import slime_settings
 
-    settings = slime_settings(args)
-    session = slime_rollout.RolloutSession(
-        args, data_source, first_step=first_step,
-        engines=SglangEngines(args, settings, http=fleet),
-        board=weights.DiskWeightBoard(args.update_weight_disk_dir, delete_old=settings.delete_old_weights),
-        settings=settings, plugins=get_plugin_manager(),
-    )
+    engines = SglangEngines(args, slime_settings(args), http=fleet)
+    session = slime_rollout.RolloutSession.for_slime(args, data_source, first_step, engines=engines)
     slime_rollout.install_session(session)
     return session
 
 
+# ---------------------------------------------------------------- slime checkout (DORA_SLIME_PATH)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HARNESS = os.path.join(ROOT, "tests", "slime", "harness")
+
+
+def slime_checkout_or_skip() -> str:
+    import importlib.util
+    import shutil
+
+    path = os.environ.get("DORA_SLIME_PATH")
+    if not path or not os.path.isfile(os.path.join(path, "train_async.py")):
+        pytest.skip("DORA_SLIME_PATH does not name a slime checkout (slime is not on PyPI; scripts/test.sh unpacks it)")
+    missing = [m for m in ("ray", "sglang", "sglang_router", "megatron", "safetensors", "tokenizers")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"slime's client-side dependencies are missing: {missing} (scripts/test.sh installs them)")
+    if shutil.which("git") is None:
+        pytest.skip("git is needed to apply patches/slime")
+    return path
+
+
+def patched_slime_copy(dst):
+    """Copy the slime checkout to `dst` and apply patches/slime (the checkout stays untouched)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    src = slime_checkout_or_skip()
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".git", "docs", "imgs", "examples"))
+    for patch in sorted((Path(ROOT) / "patches" / "slime").glob("*.patch")):
+        subprocess.run(["git", "apply", str(patch)], cwd=dst, check=True)
+    return dst
+
+
+def harness_env(patched) -> dict:
+    """Environment for a process that imports the patched slime and the harness."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [os.path.join(HARNESS, "no_torchcodec"), str(patched), HARNESS, ROOT]))
+    env.pop("SLIME_ACCELERATOR", None)
+    return env

@@ -28,6 +28,7 @@ import copy
 import json
 import os
 import random
+import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -111,6 +112,21 @@ class StandinBaseDataSource:
         return self.num_prompts
 
 
+class HoldingSaveBaseDataSource(StandinBaseDataSource):
+    """The stand-in base data source whose `save` waits, after writing its cursor, until
+    `SAVE_GO` is set or `SAVE_HOLD_S` passed (an injected delay that opens the race window)."""
+
+    def save(self, rollout_id: int) -> None:
+        super().save(rollout_id)
+        SAVE_IN.set()
+        SAVE_GO.wait(SAVE_HOLD_S)
+
+
+SAVE_IN = threading.Event()
+SAVE_GO = threading.Event()
+SAVE_HOLD_S = 2.0
+
+
 class FakeEngine:
     def __init__(self, url: str, port: int) -> None:
         self.url = url
@@ -120,6 +136,8 @@ class FakeEngine:
         self.max_running = 0
         self.loads: list[str] = []
         self.wrong_version_once = False
+        self.alive = True
+        self.started = 0
 
 
 # port -> engine: the stand-in generate finds its engine by the address slime puts in args.
@@ -140,6 +158,13 @@ class FakeSglangFleet:
         self.violations: list[str] = []
         self.live_version_sets: list[frozenset] = []
 
+    def add_engine(self, port: int) -> FakeEngine:
+        """A new engine registered with the router (what slime's fault tolerance does on restart)."""
+        e = FakeEngine(f"http://127.0.0.1:{port}", port)
+        ENGINES[port] = e
+        self.engines.append(e)
+        return e
+
     def observe(self) -> None:
         self.live_version_sets.append(frozenset(e.version for e in self.engines))
         for e in self.engines:
@@ -149,6 +174,11 @@ class FakeSglangFleet:
     async def get(self, url: str) -> dict:
         if url.endswith("/workers"):
             return {"workers": [{"url": e.url, "worker_type": "regular"} for e in self.engines]}
+        if url.endswith("/health"):
+            engine = next(e for e in self.engines if url.startswith(e.url))
+            if not engine.alive:
+                raise ConnectionError(f"{engine.url} is down")
+            return {}
         raise AssertionError(f"unexpected GET {url}")
 
     async def post(self, url: str, payload: dict) -> dict:
@@ -173,18 +203,50 @@ def response_length(sample: Any) -> int:
 
 TICK_S = 0.0005
 
+# Fault injection (tests reset them): requests that fail every time, and requests held until
+# their event is set (or HOLD_TIMEOUT_S passed: an injected delay, never a hang).
+FAIL_ALWAYS: set[tuple[str, int]] = set()
+HOLD: dict[tuple[str, int], Any] = {}
+HOLD_TIMEOUT_S = 5.0
+# Called with the engine each time a request starts on it (fault injection).
+ON_START: Any = None
+# (prompt, sample index) -> the sampling params its last request was sent with.
+PARAMS: dict[tuple[str, int], dict] = {}
+# Calls of `record_all_samples` (slime's --rollout-all-samples-process-path signature).
+ALL_SAMPLES_CALLS: list[tuple[Any, list, Any]] = []
+
+
+def record_all_samples(args: Any, samples: list, data_source: Any) -> None:
+    ALL_SAMPLES_CALLS.append((args, samples, data_source))
+
 
 async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
     """slime's custom-generate signature; stands in for one SGLang /generate request."""
     engine = ENGINES[int(args.sglang_router_port)]
+    if not engine.alive:
+        raise ConnectionError(f"{engine.url} is down")
     fleet_capacity = getattr(args, "standin_capacity", None)
     engine.running += 1
     engine.max_running = max(engine.max_running, engine.running)
     STARTS.append((sample.prompt, sample.index))
     version = engine.version
     try:
+        key = (sample.prompt, sample.index)
+        PARAMS[key] = dict(sampling_params)
+        if key in FAIL_ALWAYS:
+            raise ConnectionError(f"injected: request {key} fails on every attempt")
+        if key in HOLD:
+            try:
+                await asyncio.wait_for(HOLD[key].wait(), HOLD_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
+        engine.started += 1
+        if ON_START is not None:
+            ON_START(engine)
         n = response_length(sample)
         await asyncio.sleep(n * TICK_S)
+        if not engine.alive:
+            raise ConnectionError(f"{engine.url} died with this request running")
         if engine.version != version:
             raise AssertionError(f"{engine.url} changed version {version} -> {engine.version} mid-request")
         reported = version

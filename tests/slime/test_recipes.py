@@ -42,14 +42,15 @@ def _fake_slime(tmp_path: Path) -> Path:
     return slime
 
 
-def _run(script: str, tmp_path: Path, slime: Path, run_name: str) -> list[str]:
+def _run(script: str, tmp_path: Path, slime: Path, run_name: str, extra_env: dict | None = None) -> list[str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / f"ray-{run_name}.log"
     (bin_dir / "ray").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> "{log}"\necho --- >> "{log}"\n')
     (bin_dir / "ray").chmod(0o755)
     env = dict(os.environ, SLIME_DIR=str(slime), RUN_DIR=str(tmp_path / run_name), RUN_NAME=run_name,
-               PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]))
+               PATH=os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ["PATH"]]),
+               **(extra_env or {}))
     r = subprocess.run(["bash", str(RECIPES / script)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     calls = log.read_text().split("---\n")
@@ -87,3 +88,48 @@ def test_recipe_configs_are_valid(name, k):
     data = yaml.safe_load((RECIPES / name).read_text())
     flags = slime_flags(data, str(RECIPES / name), "/shared/w")
     assert ("--use-tis" in flags) == (k > 0)
+
+
+SCRIPTS = ["qwen3-1.7B-grpo-baseline.sh", "qwen3-1.7B-grpo-dora.sh", "qwen3-4B-dapo-baseline.sh", "qwen3-4B-dapo-dora.sh"]
+
+
+@pytest.mark.slow
+def test_recipe_flags_pass_slimes_own_argument_parser(tmp_path, patched_slime):
+    """Each script's `ray job submit ... -- python3 train*.py FLAGS`, with SLIME_DIR a real
+    (patched) slime checkout, parsed by slime's own `parse_args` (slime/utils/arguments.py),
+    Megatron-LM's parser standing in (tests/slime/harness/slime_cpu/parse_flags.py). The model and
+    data paths point at empty stand-ins (slime checks that they exist)."""
+    import json
+
+    from slime_helpers import harness_env
+
+    models, data = tmp_path / "models", tmp_path / "data"
+    for d in ("Qwen3-1.7B", "Qwen3-1.7B_torch_dist", "Qwen3-4B", "Qwen3-4B_torch_dist"):
+        (models / d).mkdir(parents=True)
+    for f in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
+        (data / f).parent.mkdir(parents=True, exist_ok=True)
+        (data / f).write_text("")
+    argvs = []
+    for script in SCRIPTS:
+        run_name = script.rsplit("-", 1)[1].removesuffix(".sh")
+        (tmp_path / script).mkdir()
+        argv = _run(script, tmp_path / script, patched_slime, run_name,
+                    {"MODEL_ROOT": str(models), "DATA_ROOT": str(data)})
+        assert argv[0] == "python3" and argv[1] in ("train.py", "train_async.py")
+        argvs.append(argv[2:])
+    r = subprocess.run([sys.executable, "-m", "slime_cpu.parse_flags"], input=json.dumps(argvs), text=True,
+                       capture_output=True, env=harness_env(patched_slime), cwd=patched_slime, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    outs = json.loads(r.stdout.strip().splitlines()[-1])
+    for script, out in zip(SCRIPTS, outs):
+        assert out["unknown"] == [], f"{script}: flags no parser knows: {out['unknown']}"
+        a = out["args"]
+        if script.endswith("-dora.sh"):
+            assert a["rollout_function_path"] == a["eval_function_path"] == "dora_ext.slime.rollout.generate_rollout"
+            assert a["data_source_path"] == "dora_ext.slime.data_source.DoraDataSource"
+            assert a["update_weight_transport"] == "disk" and a["update_weight_disk_dir"].endswith("/weights")
+            assert a["custom_rollout_weight_reload_path"] == "dora_ext.slime.weights.publish_weights"
+            assert out["dora_config"]["mode"] in ("pipeline", "dora")
+        else:
+            assert a["rollout_function_path"] == "slime.rollout.sglang_rollout.generate_rollout"
+            assert "dora_config" not in out

@@ -281,7 +281,13 @@ def test_slime_args_prints_flags_for_a_valid_file(tmp_path, capsys):
     assert pairs["--update-weight-transport"] == "disk" and pairs["--update-weight-disk-dir"] == "/shared/w"
     assert pairs["--custom-loss-function-path"] == "dora_ext.slime.loss.sao_loss"
     assert pairs["--loss-type"] == "custom_loss"
-    assert "--use-tis" in words
+    # slime applies the TIS hook inside its own policy loss only, which SAO replaces.
+    assert "--use-tis" not in words
+    cfg.write_text(cfg.read_text().replace("loss: sao", "loss: slime"))
+    assert main(["slime-args", "--config", str(cfg)]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[words.index("--custom-tis-function-path") + 1] == "dora_ext.slime.loss.staleness_tis"
+    assert "--use-tis" in words and "--loss-type" not in words
 
 
 def test_slime_args_rejects_a_file_without_the_weight_hook(tmp_path, capsys):

@@ -102,3 +102,29 @@ def test_staleness_correction_rejects_misaligned_tensors():
     with pytest.raises(ValueError, match="line up"):
         staleness_tis(SimpleNamespace(), pg_loss=torch.ones(4), train_log_probs=old, rollout_log_probs=behav,
                       loss_masks=masks)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+def test_sao_loss_adds_slimes_kl_and_entropy_terms(kind):
+    """Defect 7: `--use-kl-loss` and `--entropy-coef` were silently dropped by `sao_loss`."""
+    from dora_ext.algo.losses import kl_penalty
+
+    logp, rollout, adv, mask, batch = _batch(seed=2)
+    g = torch.Generator().manual_seed(3)
+    ref = logp.detach() + torch.randn(logp.shape, generator=g) * 0.3
+    ent = torch.rand(logp.shape, generator=g)
+    batch["ref_log_probs"] = list(ref.unbind(0))
+    reduce = slime_sum_of_sample_mean([5, 5, 5], batch["loss_masks"])
+    base, _ = sao_loss_from_log_probs(SimpleNamespace(eps_clip=0.2), batch, list(logp.unbind(0)), reduce)
+    args = SimpleNamespace(eps_clip=0.2, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type=kind, entropy_coef=0.01)
+    loss, log = sao_loss_from_log_probs(args, batch, list(logp.unbind(0)), reduce, entropy=list(ent.unbind(0)))
+    kl = kl_penalty(logp.detach(), ref, "k3" if kind == "low_var_kl" else kind)
+    if kind == "low_var_kl":
+        kl = kl.clamp(-10, 10)
+    expected = base - 0.01 * reduce(ent.reshape(-1)) + 0.5 * reduce(kl.reshape(-1))
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert torch.allclose(log["kl_loss"], reduce(kl.reshape(-1)), atol=1e-6)
+    assert "entropy_loss" in log and torch.allclose(log["loss"], loss.detach())
+    with pytest.raises(ValueError, match="ref_log_probs"):
+        del batch["ref_log_probs"]
+        sao_loss_from_log_probs(args, batch, list(logp.unbind(0)), reduce, entropy=list(ent.unbind(0)))

@@ -74,7 +74,8 @@ def test_configure_wires_verl_plug_points_and_verl_builds_the_sampler():
     from dora_ext.verl.sampler import DoraReplayBuffer
     from dora_ext.verl.trainer import MANAGER_CLASS, configure
 
-    cfg = _compose("+dora.max_staleness=2")
+    cfg = _compose("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=4", "+dora.max_staleness=2")
     d = configure(cfg)
     assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == MANAGER_CLASS
     assert cfg.trainer.v1.sampler.custom_sampler.name == "DoraReplayBuffer"
@@ -103,7 +104,7 @@ def test_unknown_sampler_kwarg_names_it():
 def test_foreign_agent_loop_manager_is_refused():
     from dora_ext.verl.trainer import configure
 
-    cfg = _compose("+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
+    cfg = _compose(*_trainer_overrides(), "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
                    "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ")
     with pytest.raises(ConfigError) as err:
         configure(cfg)
@@ -136,3 +137,112 @@ def test_dora_trainer_refuses_a_foreign_sampler():
     with pytest.raises(ConfigError) as err:
         DoraTrainer(cfg)
     assert err.value.field == "trainer.v1.sampler.custom_sampler"
+
+
+# --------------------------------------------------------------------------- defect 5: the flag alone
+def _bare(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    import verl
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=["trainer.v1.trainer_mode=dora", *overrides])
+
+
+def test_flag_alone_fails_first_naming_the_rollout_pool_keys():
+    from dora_ext.verl.trainer import DoraTrainer
+
+    with pytest.raises(ConfigError) as err:
+        DoraTrainer(_bare())
+    assert err.value.field == "actor_rollout_ref.rollout.nnodes"
+    assert "actor_rollout_ref.rollout.n_gpus_per_node" in str(err.value)
+
+
+def test_naive_backend_names_the_key_or_becomes_dora_cpu_on_the_cpu_platform(monkeypatch):
+    from dora_ext.verl.trainer import configure
+
+    pool = ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1")
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*pool))
+    assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    cfg = _bare(*pool)
+    configure(cfg)
+    ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
+    assert ce.backend == "dora_cpu" and ce.custom_backend_module == "dora_ext.verl.cpu.weights"
+
+
+def test_batch_split_mismatch_names_the_keys():
+    from dora_ext.verl.trainer import configure
+
+    cfg = _bare("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=1")
+    with pytest.raises(ConfigError) as err:
+        configure(cfg)
+    assert err.value.field == "actor_rollout_ref.actor.ppo_mini_batch_size"
+    assert "parameter_sync_step" in str(err.value)
+
+
+def _cpu_pool(*extra):
+    return ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_cpu",
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.cpu.weights", *extra)
+
+
+def test_dora_cpu_store_keeps_every_version_the_staleness_bound_can_ask_for():
+    """The ``dora_cpu`` store keeps ``keep_versions`` (default 8) versions; the scheduler may load any
+    of the newest K + 1. With K >= 8 and the default, a load of version newest-8 raised KeyError in
+    the middle of training (``dora: weight loads failed``). The default now covers K + 1 (plus the
+    version being published), and a user's smaller value fails first, naming the key."""
+    from dora_ext.verl.cpu.weights import WeightStore
+    from dora_ext.verl.trainer import configure
+
+    cfg = _bare(*_cpu_pool("+dora.max_staleness=9"))
+    configure(cfg)
+    keep = int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions)
+    assert keep >= 9 + 1
+    # The store with that setting still holds version newest-K after newest is published.
+    import asyncio
+
+    store = WeightStore(keep)
+
+    async def run():
+        for v in range(12):
+            await store.publish(v, {}, f"c{v}")
+        return await store.fetch(11 - 9)
+
+    assert asyncio.run(run())[0] == 2
+
+    cfg = _bare(*_cpu_pool("+dora.max_staleness=9",
+                           "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions=4"))
+    with pytest.raises(ConfigError) as err:
+        configure(cfg)
+    assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions"
+    # Small K keeps the default.
+    cfg = _bare(*_cpu_pool("+dora.max_staleness=1"))
+    configure(cfg)
+    assert int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions) == 8
+
+
+def test_resume_reads_dora_state_from_the_folder_verl_resumed_from(tmp_path, monkeypatch):
+    """``trainer.resume_mode=resume_path`` resumes from ``trainer.resume_from_path``, not from
+    ``default_local_dir``: the dora state must be read there (it was looked up in
+    ``default_local_dir/global_step_N``, missing, and the lost-group check silently skipped)."""
+    from dora_ext.verl.trainer import _resume_folder
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=resume_path",
+                f"trainer.resume_from_path={tmp_path / 'elsewhere' / 'global_step_7'}")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "elsewhere" / "global_step_7")
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=resume_path",
+                "trainer.resume_from_path=rel/global_step_7")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "rel" / "global_step_7")
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=auto")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "ckpts" / "global_step_7")

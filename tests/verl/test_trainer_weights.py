@@ -85,6 +85,8 @@ def _trainer(ray, monkeypatch, work, actor_version, kept):
         t.actor_rollout_wg.saved[f"dora_v{v}"] = f"w{v}"
     t._cpu_versions = list(kept)
     t._actor_version = actor_version
+    t._live_version = actor_version
+    t._publishes = False
     t.standalone_server_manager = type("M", (), {"rollout_replicas": ["rep0", "rep1"]})()
     t.coordinator = ray.remote(_Coordinator).remote(work)
     return t, syncs
@@ -101,6 +103,31 @@ def test_subset_loads_and_old_version_from_cpu_copy(ray_tq, monkeypatch):
     assert ("update", ["rep1"], 2, "w2") in syncs and ("update", ["rep0"], 3, "w3") in syncs
     assert t.actor_rollout_wg.current == "w3" and "dora_current" not in t.actor_rollout_wg.saved
     assert sorted(ray.get(t.coordinator.get_loads.remote())) == [([0], 3), ([1], 2)]
+
+
+def test_published_version_loads_from_its_copy_after_an_optimizer_step(ray_tq, monkeypatch):
+    """Defect 1: with parameter_sync_step > 1 the sampler's wait loop runs between mini-batches, when
+    the actor has already taken an optimizer step; a load of the published version must come from
+    the copy taken at publish time, not from the live parameters."""
+    import ray
+
+    t, syncs = _trainer(ray, monkeypatch, {"load": [(0, 3)], "abort": []}, 3, [2, 3])
+    t.actor_rollout_wg.current = "w3+minibatch0"  # what _update_actor did to the live parameters
+    t._live_version = None  # DoraTrainer._update_actor marks it
+    t._service()
+    assert ("update", ["rep0"], 3, "w3") in syncs
+    assert t.actor_rollout_wg.current == "w3+minibatch0"  # the live parameters are put back
+
+
+def test_update_actor_marks_live_parameters(monkeypatch):
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    from dora_ext.verl.trainer import DoraTrainer
+
+    monkeypatch.setattr(PPOTrainerSeparateAsync, "_update_actor", lambda self, batch, metrics: batch)
+    t = DoraTrainer.__new__(DoraTrainer)
+    t._live_version = 3
+    assert t._update_actor("b", {}) == "b" and t._live_version is None
 
 
 def test_version_no_longer_kept_is_an_error(ray_tq, monkeypatch):

@@ -34,7 +34,7 @@ def test_dora_plugin_active_in_this_session():
 
     assert get_trainer_cls("dora").__name__ == "DoraTrainer"
     assert get_policy_loss_fn("dora_sao").__module__ == "dora_ext.verl.losses"
-    assert plugin.status == {"verl.trainer.ppo.v1": "ok", "verl.trainer.ppo.core_algos": "ok"}
+    assert plugin.status["verl.trainer.ppo.v1"] == "ok" and plugin.status["verl.trainer.ppo.core_algos"] == "ok"
 '''
 
 

@@ -1,0 +1,175 @@
+"""Checks of a verl run from its own evidence: verl's logged metrics (``trainer.logger`` ``file``,
+one JSON line per step) and the run reports (``dora_ext.verl.cpu.report``).
+
+Used by ``tests/verl/test_main_ppo_cpu.py`` and ``benchmarks/verl_cpu_compare.py``; nothing here
+trusts the scheduler's own bookkeeping:
+
+* ``max_live_versions``: the most weight versions generating at the same moment on the replicas
+  (from each request's start and end and the version the replica reported for it);
+* ``c1_ok``: every trained trajectory spans one engine-reported version (verl's
+  ``training/off_policy/trajectory_spans/max`` == 1, computed from the TransferQueue tags that
+  carry the versions the servers returned) and, in mode ``dora``, the sampler's ``dora/c1_ok``;
+* ``c2_ok``: mode ``dora``: the sampler's ``dora/c2_ok`` (duplicates, truncations and vanished
+  groups counted from TransferQueue) on every step and no group trained twice in the train
+  reports; verl's modes: no metric reporting dropped or evicted samples;
+* ``c3_ok``: verl's ``training/off_policy/trajectory_staleness_worst/max`` <= K on every step
+  (and ``dora/c3_ok`` in mode ``dora``);
+* ``weights_checksum_ok``: every load a replica reported holds the checksum published for that
+  version, and at least one version after the first was loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from .report import read_reports
+
+
+def read_metrics(path: str) -> list[dict]:
+    """verl's file-logger lines as ``[{"step": n, **metrics}]`` (validation lines skipped)."""
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            data = rec.get("data", {})
+            if "timing_s/step" in data:
+                out.append({"step": rec.get("step"), **data})
+    return out
+
+
+def max_live_versions(reports: list[dict]) -> int:
+    events = []
+    for r in reports:
+        if r.get("kind") == "generate" and r.get("version") is not None and r.get("start") is not None:
+            events.append((float(r["start"]), 1, r["version"]))
+            events.append((float(r["time"]), -1, r["version"]))
+    events.sort(key=lambda e: (e[0], e[1]))  # ends before starts at the same instant
+    active: dict[Any, int] = {}
+    best = 0
+    for _, delta, version in events:
+        active[version] = active.get(version, 0) + delta
+        if active[version] <= 0:
+            active.pop(version)
+        best = max(best, len(active))
+    return best
+
+
+def checksum_check(reports: list[dict]) -> tuple[bool, list[str]]:
+    published: dict[Any, str] = {}
+    problems: list[str] = []
+    loads = []
+    for r in reports:
+        if r.get("kind") == "publish":
+            prev = published.setdefault(r["version"], r["checksum"])
+            if prev != r["checksum"]:
+                problems.append(f"version {r['version']} published twice with different weights")
+        elif r.get("kind") == "load":
+            loads.append(r)
+    for r in loads:
+        want = published.get(r["version"])
+        if want is None:
+            problems.append(f"replica {r['replica']} loaded version {r['version']}, never published")
+        elif want != r["checksum"]:
+            problems.append(f"replica {r['replica']} version {r['version']}: checksum {r['checksum']} != published {want}")
+    versions = {r["version"] for r in loads}
+    if len(versions) < 2:
+        problems.append(f"loads of only {sorted(versions, key=str)}")
+    return not problems, problems
+
+
+def published_checksums(reports: list[dict]) -> dict[Any, str]:
+    """Version -> checksum of its first publication (what the replicas must hold)."""
+    out: dict[Any, str] = {}
+    for r in reports:
+        if r.get("kind") == "publish":
+            out.setdefault(r["version"], r["checksum"])
+    return out
+
+
+def reference_checksum(path: str) -> str:
+    """:func:`dora_ext.verl.cpu.weights.checksum` of weights written to disk by someone else than the
+    publisher: a Hugging Face model folder (``*.safetensors``) or verl's FSDP actor checkpoint
+    folder (``model_world_size_1_rank_0.pt``; one trainer rank only, whose DTensors hold whole
+    tensors). A reference the published checksums can be compared with: the publisher's own
+    checksum is taken from what it sends, so it would match wrong weights it sent."""
+    import glob
+
+    import torch
+
+    from .weights import checksum
+
+    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if shards:
+        from safetensors.torch import load_file
+
+        named: dict[str, Any] = {}
+        for shard in shards:
+            named.update(load_file(shard))
+        return checksum(named)
+    ckpt = os.path.join(path, "model_world_size_1_rank_0.pt")
+    if not os.path.exists(ckpt):
+        raise FileNotFoundError(f"no *.safetensors and no model_world_size_1_rank_0.pt under {path}")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    named = {}
+    for name, t in state.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if tuple(local.shape) != tuple(t.shape):
+            raise ValueError(f"{ckpt}: {name} is a shard {tuple(local.shape)} of {tuple(t.shape)}")
+        named[name] = local
+    return checksum(named)
+
+
+def _all(metrics: list[dict], key: str, pred) -> bool | None:
+    vals = [m[key] for m in metrics if key in m]
+    if not vals:
+        return None
+    return all(pred(v) for v in vals)
+
+
+def analyze(metrics: list[dict], reports: list[dict], *, mode: str, max_staleness: int) -> dict[str, Any]:
+    """The per-run numbers and checks (see the module docstring)."""
+    steps = len(metrics)
+    timed = metrics[1:] if steps > 1 else metrics  # the first step includes warm-up
+    step_s = sum(float(m["timing_s/step"]) for m in timed)
+    tokens = sum(float(m.get("perf/total_num_tokens", 0)) for m in timed)
+    spans_ok = _all(metrics, "training/off_policy/trajectory_spans/max", lambda v: int(v) == 1)
+    c1 = bool(spans_ok) and all(r.get("version") is not None for r in reports if r.get("kind") == "generate")
+    stale_ok = _all(metrics, "training/off_policy/trajectory_staleness_worst/max", lambda v: int(v) <= max_staleness)
+    c3 = bool(stale_ok)
+    if mode in ("dora", "pipeline"):
+        c1 = c1 and bool(_all(metrics, "dora/c1_ok", lambda v: v == 1.0))
+        c3 = c3 and bool(_all(metrics, "dora/c3_ok", lambda v: v == 1.0))
+        trained = [g for r in reports if r.get("kind") == "train" for g in r["groups"]]
+        c2 = bool(_all(metrics, "dora/c2_ok", lambda v: v == 1.0)) and len(trained) == len(set(trained))
+    else:
+        lossy = [k for m in metrics for k, v in m.items()
+                 if any(w in k for w in ("dropped", "evicted", "drop_")) and isinstance(v, (int, float)) and v > 0]
+        c2 = not lossy
+    ok, problems = checksum_check(reports)
+    losses = [m["actor/pg_loss"] for m in metrics if "actor/pg_loss" in m]
+    return {
+        "mode": mode,
+        "steps": steps,
+        "steps_per_s": (len(timed) / step_s) if step_s > 0 else 0.0,
+        "tokens_per_s": (tokens / step_s) if step_s > 0 else 0.0,
+        "max_live_versions": max_live_versions(reports),
+        "c1_ok": c1,
+        "c2_ok": c2,
+        "c3_ok": c3,
+        "weights_checksum_ok": ok,
+        "checksum_problems": problems[:10],
+        "finite_loss": bool(losses) and all(math.isfinite(float(v)) for v in losses),
+        "loads": sum(1 for r in reports if r.get("kind") == "load"),
+    }
+
+
+def load_run(work: str, mode: str) -> tuple[list[dict], list[dict]]:
+    """Metrics and reports of a ``recipes/verl/tiny_cpu.sh`` run in `work` (its default paths)."""
+    return read_metrics(os.path.join(work, f"metrics_{mode}.jsonl")), read_reports(os.path.join(work, f"reports_{mode}"))

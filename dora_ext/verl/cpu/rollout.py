@@ -1,0 +1,359 @@
+"""A CPU rollout for verl 0.9.1: ``actor_rollout_ref.rollout.name=dora_cpu``.
+
+It serves **the Hugging Face model the actor trains** (``actor_rollout_ref.model.path``, loaded
+with transformers' own model code, ``sdpa`` attention) and speaks the contracts verl's
+rollout side uses with vLLM/SGLang:
+
+* ``DoraCpuReplica`` (``RolloutReplicaRegistry``): ``init_standalone`` starts one Ray actor per
+  replica, a ``CpuRolloutWorker`` that is both verl's ``CheckpointEngineWorker`` (weights arrive
+  through the configured checkpoint-engine backend: ``update_weights``,
+  ``execute_checkpoint_engine``) and the server (``generate``, ``abort_all_requests``,
+  ``resume_generation``, ``sleep``/``wake_up``, ``release/resume_kv_cache``, ``clear_kv_cache``,
+  profiling no-ops). ``init_hybrid`` (verl's colocated ``sync`` trainer) starts a
+  ``CpuLLMServer`` actor and the actor workers push weights into it through
+  ``CpuServerAdapter`` (verl's ``BaseRollout``, found through the rollout registry).
+* ``generate`` returns verl's ``TokenOutput`` whose ``extra_fields`` carry the weight version the
+  tokens were sampled with (``global_steps``, ``min_global_steps``, ``max_global_steps``): these
+  are the engine-reported versions verl writes to TransferQueue and the dora sampler checks (C1).
+* ``DORA_CPU_TOKEN_DELAY_S`` adds a delay per decoded token (generation slow next to training).
+* Every weight load records the checksum of the weights now in the model
+  (:func:`dora_ext.verl.cpu.weights.checksum`), and every finished request its version; with
+  ``DORA_CPU_REPORT_DIR`` set both go to JSON lines there (one file per process), which the tests
+  and ``benchmarks/verl_cpu_compare.py`` read.
+
+One request decodes at a time per replica (no batching): tiny models on a laptop, not speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from .report import report
+
+logger = logging.getLogger("dora_ext.verl")
+
+ROLLOUT_NAME = "dora_cpu"
+
+
+def _model_path(model_config: Any) -> str:
+    for key in ("local_path", "path"):
+        value = getattr(model_config, key, None)
+        if value is None and hasattr(model_config, "get"):
+            value = model_config.get(key)
+        if value:
+            return str(value)
+    raise ValueError("actor_rollout_ref.model.path is not set")
+
+
+class ServerCore:
+    """The model and the generation loop (shared by the standalone worker and the hybrid server)."""
+
+    def _init_server(self, model_config: Any, replica_rank: int, rollout_config: Any = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(int(os.environ.get("DORA_CPU_THREADS", "1")))
+        path = _model_path(model_config)
+        self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
+        self.model.eval()
+        self.replica_rank = int(replica_rank)
+        self.version: int | None = None
+        self.checksum_value: str | None = None
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        self.default_max_tokens = int(getattr(rollout_config, "response_length", 0) or 16) if rollout_config else 16
+        self._lock = asyncio.Lock()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._abort = False
+        self.loads: list[dict] = []
+        self.served = 0
+        # Seconds added per decoded token (DORA_CPU_TOKEN_DELAY_S): makes generation slow next to
+        # training, as on real hardware with long responses, so that replicas drain at different times.
+        self.token_delay = float(os.environ.get("DORA_CPU_TOKEN_DELAY_S", "0") or 0)
+
+    # ------------------------------------------------------------------ weights
+    async def load_named_weights(self, named: dict, version: int | None) -> str:
+        """Load `named` (HF parameter names -> tensors) as weight version `version`; returns the
+        checksum of the weights now in the model (over the same names, read back)."""
+        import torch
+
+        from .weights import checksum
+
+        async with self._lock:
+            params = dict(self.model.named_parameters())
+            buffers = dict(self.model.named_buffers())
+            unknown = [n for n in named if n not in params and n not in buffers]
+            if unknown:
+                raise KeyError(f"dora_cpu rollout: weights {unknown[:5]} are not in the served model")
+            with torch.no_grad():
+                for name, tensor in named.items():
+                    target = params.get(name)
+                    if target is None:
+                        target = buffers[name]
+                    target.copy_(tensor.to(target.dtype))
+            loaded = {n: (params.get(n) if n in params else buffers[n]) for n in named}
+            self.checksum_value = checksum(loaded)
+            self.version = None if version is None else int(version)
+            rec = {"replica": self.replica_rank, "version": self.version, "checksum": self.checksum_value,
+                   "tensors": len(named)}
+            self.loads.append(rec)
+            report("load", **rec)
+            return self.checksum_value
+
+    def get_load_reports(self) -> list[dict]:
+        return list(self.loads)
+
+    def get_version(self) -> int | None:
+        return self.version
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: Any = None, video_data: Any = None, **_: Any):
+        from verl.workers.rollout.replica import TokenOutput
+
+        await self._gate.wait()
+        async with self._lock:
+            if not self._gate.is_set():  # aborted while queued: resumed later by the client
+                return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted", num_preempted=0,
+                                   extra_fields={"global_steps": self.version, "min_global_steps": self.version,
+                                                 "max_global_steps": self.version})
+            version = self.version
+            started = time.time()
+            tokens, logprobs, reason = await self._decode(list(prompt_ids), dict(sampling_params or {}))
+            self.served += 1
+            report("generate", replica=self.replica_rank, request_id=str(request_id), version=version,
+                   tokens=len(tokens), stop=reason, start=started)
+            return TokenOutput(
+                token_ids=tokens, log_probs=logprobs, stop_reason=reason, num_preempted=0,
+                extra_fields={"global_steps": version, "min_global_steps": version, "max_global_steps": version},
+            )
+
+    async def _decode(self, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], list[float], str]:
+        import torch
+
+        max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or self.default_max_tokens)
+        limit = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        max_tokens = max(0, min(max_tokens, limit - len(prompt)))
+        temperature = float(params.get("temperature", 1.0) or 0.0)
+        top_p = float(params.get("top_p", 1.0) or 1.0)
+        top_k = int(params.get("top_k", -1) or -1)
+        seed = params.get("seed")
+        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        out: list[int] = []
+        lps: list[float] = []
+        past = None
+        ids = torch.tensor([prompt], dtype=torch.long)
+        reason = "length"
+        with torch.no_grad():
+            for i in range(max_tokens):
+                if self._abort:
+                    return out, lps, "aborted"
+                res = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                logits = res.logits[0, -1].float()
+                if temperature <= 0:
+                    logp = torch.log_softmax(logits, -1)
+                    tok = int(torch.argmax(logits))
+                else:
+                    scaled = logits / temperature
+                    if top_k > 0:
+                        kth = torch.topk(scaled, min(top_k, scaled.numel())).values[-1]
+                        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                    if top_p < 1.0:
+                        sorted_logits, order = torch.sort(scaled, descending=True)
+                        cum = torch.cumsum(torch.softmax(sorted_logits, -1), -1)
+                        cut = cum - torch.softmax(sorted_logits, -1) > top_p
+                        scaled[order[cut]] = float("-inf")
+                    logp = torch.log_softmax(scaled, -1)
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                out.append(tok)
+                lps.append(float(logp[tok]))
+                if tok in self.eos_ids:
+                    reason = "completed"
+                    break
+                ids = torch.tensor([[tok]], dtype=torch.long)
+                if self.token_delay > 0:
+                    await asyncio.sleep(self.token_delay)
+                elif i % 4 == 3:
+                    await asyncio.sleep(0)  # let control calls (abort, reports) in between tokens
+        return out, lps, reason
+
+    # ------------------------------------------------------------------ control (verl's server API)
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        self._gate.clear()
+        self._abort = True
+        async with self._lock:  # the running request has returned "aborted"
+            self._abort = False
+
+    async def resume_generation(self) -> None:
+        self._abort = False
+        self._gate.set()
+
+    async def wake_up(self) -> None:
+        return None
+
+    async def sleep(self) -> None:
+        return None
+
+    async def clear_kv_cache(self) -> None:
+        return None
+
+    async def release_kv_cache(self) -> None:
+        return None
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def start_profile(self, **_: Any) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+
+class CpuLLMServer(ServerCore):
+    """The server actor of a hybrid (colocated ``sync``) replica; weights come from the actor
+    workers' ``CpuServerAdapter``."""
+
+    def __init__(self, model_config: Any, replica_rank: int, rollout_config: Any = None) -> None:
+        self._init_server(model_config, replica_rank, rollout_config)
+
+
+def _server_name(replica_rank: int) -> str:
+    return f"dora_cpu_server_{replica_rank}"
+
+
+def _adapter_base():
+    from verl.workers.rollout.base import BaseRollout
+
+    return BaseRollout
+
+
+class CpuServerAdapter(_adapter_base()):
+    """verl's ``BaseRollout`` for ``dora_cpu``: receives weights and loads them into the server.
+
+    In a standalone replica it lives in the ``CpuRolloutWorker`` next to the model (``server`` is
+    that object); in a hybrid replica it lives in each actor worker and sends the weights to the
+    ``CpuLLMServer`` actor of its replica (leader rank only; all ranks drain the generator, whose
+    FSDP gathers are collective)."""
+
+    def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, server: Any = None,
+                 replica_rank: int | None = None, **_: Any) -> None:
+        super().__init__(config, model_config, device_mesh)
+        self._local = server
+        self._remote = None
+        if replica_rank is None:
+            rank = int(os.environ.get("RANK", "0"))
+            per = max(1, int(self.config.tensor_model_parallel_size) * int(self.config.data_parallel_size)
+                      * int(self.config.pipeline_model_parallel_size))
+            replica_rank, self.is_leader_rank = rank // per, rank % per == 0
+        else:
+            self.is_leader_rank = True
+        self.replica_rank = int(replica_rank)
+
+    async def resume(self, tags: list[str]) -> None:
+        return None
+
+    async def release(self) -> None:
+        return None
+
+    async def update_weights(self, weights: Any, wire_format: str = "named_tensors", global_steps: int | None = None,
+                             **kwargs: Any) -> None:
+        from verl.workers.rollout.utils import ensure_async_iterator
+
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"dora_cpu rollout: wire format {wire_format!r} is not supported")
+        named = {}
+        async for name, tensor in ensure_async_iterator(weights):
+            if self.is_leader_rank:
+                named[name] = tensor.detach().to("cpu").clone()
+        if not self.is_leader_rank:
+            return
+        if self._local is not None:
+            await self._local.load_named_weights(named, global_steps)
+            return
+        from .weights import checksum
+
+        # Colocated (verl's sync trainer, naive sync): what the actor hands over is the published
+        # version; the server reports the checksum of what it then holds.
+        report("publish", version=global_steps, checksum=checksum(named), replica=self.replica_rank)
+        if self._remote is None:
+            import ray
+
+            self._remote = ray.get_actor(_server_name(self.replica_rank))
+        await self._remote.load_named_weights.remote(named, global_steps)
+
+
+def _worker_base():
+    from verl.checkpoint_engine.base import CheckpointEngineWorker
+
+    return CheckpointEngineWorker
+
+
+class CpuRolloutWorker(ServerCore, _worker_base()):
+    """verl's ``CheckpointEngineWorker`` and the ``dora_cpu`` server in one Ray actor (standalone)."""
+
+    def __init__(self, rollout_config: Any, model_config: Any, replica_rank: int = 0, **kwargs: Any) -> None:
+        self._init_server(model_config, replica_rank, rollout_config)
+        adapter = CpuServerAdapter(rollout_config, model_config, None, server=self, replica_rank=replica_rank)
+        super().__init__(rollout_config, model_config, adapter)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replica_base():
+    from verl.workers.rollout.replica import RolloutReplica
+
+    return RolloutReplica
+
+
+class DoraCpuReplica(_replica_base()):
+    """``RolloutReplica`` of ``actor_rollout_ref.rollout.name=dora_cpu`` (see the module docstring)."""
+
+    async def init_standalone(self):
+        import ray
+        from verl.workers.rollout.replica import RolloutMode
+
+        self.rollout_mode = RolloutMode.STANDALONE
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(_free_port())}
+        worker = ray.remote(CpuRolloutWorker).options(
+            name=f"dora_cpu_rollout_{self.replica_rank}{self.name_suffix}",
+            num_cpus=0, max_concurrency=self.max_concurrency, runtime_env={"env_vars": env},
+        ).remote(rollout_config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
+        self.workers = [worker]
+        await self.launch_servers()
+
+    async def launch_servers(self):
+        import ray
+        from verl.workers.rollout.replica import RolloutMode
+
+        if self.rollout_mode == RolloutMode.STANDALONE:
+            server = self.workers[0]
+        else:
+            server = ray.remote(CpuLLMServer).options(
+                name=_server_name(self.replica_rank), num_cpus=0, max_concurrency=self.max_concurrency,
+            ).remote(self.model_config, self.replica_rank, self.config)
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"dora-cpu-{self.replica_rank}{self.name_suffix}"
+        await server.get_version.remote()  # constructed (model loaded) before the first request
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+
+def load_replica_class():
+    return DoraCpuReplica

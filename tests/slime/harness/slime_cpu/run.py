@@ -1,0 +1,285 @@
+"""Run slime's own `train.py` or `train_async.py` loop on CPU, with dora-ext applied as a user
+applies it (the flags `dora-ext slime-args` prints, the `--custom-config-path` YAML, and
+`patches/slime` applied to the slime checkout this process imports).
+
+slime's code that runs unchanged: the loop (`train()` of train.py / train_async.py), argument
+parsing and validation (`slime.utils.arguments.parse_args`, with the sglang and router flags of
+sglang 0.5.23 / sglang-router), Ray placement groups, `RolloutManager` (data-source and
+rollout-function loading, sample -> train-data conversion, DP split, eval, checkpoint of the data
+source), external-engine discovery (`--rollout-external-engine-addrs`) and its `SGLangEngine`
+actors registering with a real sglang-router (the Rust router from PyPI, launched with slime's
+`run_router`), `RayTrainGroup` and its patched disk weight-update path, slime's generate /
+reward / eval code, its loss plumbing (`loss_function`, `compute_advantages_and_returns`,
+`get_log_probs_and_entropy` on megatron-core over gloo).
+
+What stands in, because it cannot exist on a CPU machine (each module says so):
+* `server.py`: an SGLang server (CPU, tiny torch model, SGLang's HTTP API);
+* `train_actor.py`: the Megatron train actor (created by slime's `RayTrainGroup` through its
+  `actor_cls` argument; `create_training_models` is called with it, the only change to slime's
+  loop);
+* `megatron_args.py`: Megatron-LM's argument parser (Megatron-LM is not on PyPI);
+* the harness relaunches a killed engine when `--restart-engines` is given: slime relaunches
+  engines it started itself, but its `recover()` is a no-op for external engines, so the harness
+  starts a new server and registers it with the router as slime's `SGLangEngine` does.
+
+    python -m slime_cpu.run --workdir W --loop train|train_async --mode M --k K [options]
+writes W/result.json; the logs in W (engine*.jsonl, rollouts.jsonl, evals.jsonl, train.jsonl)
+are the evidence the tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import multiprocessing
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60.0) -> None:
+    import requests
+
+    t = time.monotonic()
+    while True:
+        try:
+            requests.get(url, timeout=2).raise_for_status()
+            return
+        except Exception:
+            if time.monotonic() - t > timeout:
+                raise
+            time.sleep(0.2)
+
+
+class Engines:
+    """The CPU SGLang servers: started, watched, relaunched (when asked), stopped."""
+
+    def __init__(self, work: Path, hf: Path, n: int, die_after: dict[int, int], restart: bool) -> None:
+        self.work, self.hf, self.restart = work, hf, restart
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.router: str | None = None
+        self.events: list[dict] = []
+        self._stop = threading.Event()
+        for i in range(n):
+            self.start(i, die_after.get(i))
+
+    def start(self, i: int, die_after: int | None = None) -> int:
+        port = free_port()
+        cmd = [sys.executable, "-m", "slime_cpu.server", "--port", str(port), "--model-path", str(self.hf),
+               "--log", str(self.work / f"engine{i}.jsonl")]
+        if die_after:
+            cmd += ["--die-after", str(die_after)]
+        self.procs[port] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.work / f"engine{i}.err", "a"))
+        wait_http(f"http://127.0.0.1:{port}/health")
+        return port
+
+    @property
+    def addrs(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.procs]
+
+    def watch(self) -> None:
+        def loop() -> None:
+            import requests
+
+            while not self._stop.wait(0.2):
+                for port, p in list(self.procs.items()):
+                    if p.poll() is None or port not in self.procs:
+                        continue
+                    del self.procs[port]
+                    self.events.append({"t": time.time(), "event": "died", "port": port, "rc": p.returncode})
+                    if self.restart and self.router:
+                        new = self.start(len(self.events) + 10)
+                        requests.post(f"{self.router}/workers",
+                                      json={"url": f"http://127.0.0.1:{new}", "worker_type": "regular"}).raise_for_status()
+                        self.events.append({"t": time.time(), "event": "restarted", "port": new})
+
+        threading.Thread(target=loop, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for p in self.procs.values():
+            p.kill()
+        for p in self.procs.values():
+            p.wait()
+
+
+def start_router(args_ns) -> tuple[multiprocessing.Process, int]:
+    """slime's own router launch (`slime.utils.http_utils.run_router` with slime's RouterArgs
+    handling from `_start_router`), owned by this process so that it is stopped with it."""
+    from sglang_router.launch_router import RouterArgs
+
+    from slime.utils.http_utils import run_router
+
+    port = free_port()
+    ra = RouterArgs.from_cli_args(args_ns, use_router_prefix=True)
+    ra.host, ra.port, ra.prometheus_port = "127.0.0.1", port, free_port()
+    ra.request_timeout_secs = args_ns.sglang_router_request_timeout_secs
+    ra.disable_circuit_breaker = True
+    if hasattr(ra, "disable_health_check"):
+        ra.disable_health_check = True
+    proc = multiprocessing.Process(target=run_router, args=(ra,), daemon=True)
+    proc.start()
+    return proc, port
+
+
+def write_data(work: Path, n_prompts: int, fail_prompt: bool) -> tuple[Path, Path]:
+    rng = random.Random(0)
+    letters = "abcdefghij"
+    prompts = work / "prompts.jsonl"
+    with open(prompts, "w") as fh:
+        for i in range(n_prompts):
+            text = f"{letters[i // 10]} {letters[i % 10]} {rng.choice(letters)} ="  # unique per prompt
+            if fail_prompt and i == 1:
+                text = "zz " + text  # the engine aborts this request on every attempt
+            fh.write(json.dumps({"text": text, "label": rng.choice(letters), "pid": i}) + "\n")
+    evals = work / "eval.jsonl"
+    with open(evals, "w") as fh:
+        for i in range(2):
+            fh.write(json.dumps({"text": f"{letters[i]} {letters[i]} =", "label": letters[i]}) + "\n")
+    return prompts, evals
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--loop", choices=("train", "train_async"), required=True)
+    ap.add_argument("--mode", default="dora")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--num-rollout", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--n", type=int, default=2)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--capacity", type=int, default=2)
+    ap.add_argument("--eval-interval", type=int, default=2)
+    ap.add_argument("--loss", default="sao")
+    ap.add_argument("--fault-tolerance", action="store_true")
+    ap.add_argument("--restart-engines", action="store_true")
+    ap.add_argument("--kill-engine-after", type=int, default=None, help="engine 0 dies as its N-th request starts")
+    ap.add_argument("--fail-prompt", action="store_true")
+    ap.add_argument("--crash-at-rollout", type=int, default=None)
+    ap.add_argument("--load-from", default=None, help="resume from this slime checkpoint directory (--load)")
+    ap.add_argument("--save-interval", type=int, default=2)
+    ap.add_argument("--slime-args-only", action="store_true", help="parse slime's args and exit")
+    o = ap.parse_args()
+    work = Path(o.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+
+    os.environ["SLIME_ACCELERATOR"] = "cpu"
+    from slime_cpu import accel, megatron_args, model as tiny
+
+    megatron_args.install()
+    accel.setup()
+    from slime_cpu.train_actor import CpuTrainRayActor
+
+    hf = work / "hf"
+    if not hf.exists():
+        tiny.make_hf_checkpoint(hf)
+    prompts, evals = write_data(work, 64, o.fail_prompt)
+
+    import yaml
+
+    from dora_ext.slime.cli import slime_flags
+
+    cfg = {
+        "dora": {"mode": o.mode, "max_staleness": o.k},
+        "dora_slime": {"capacity": o.capacity, "poll_interval_s": 0.05, "engine_check_interval_s": 0.5,
+                       "loss": o.loss, "staleness_correction": "tis" if o.k else "none"},
+        "custom_rollout_weight_reload_path": "dora_ext.slime.weights.publish_weights",
+        "harness_dir": str(work),
+    }
+    if o.crash_at_rollout is not None:
+        cfg["harness_crash_at_rollout"] = o.crash_at_rollout
+    cfg_path = work / "dora.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    dora_flags = slime_flags(cfg, str(cfg_path), str(work / "weights"))
+
+    engines = Engines(work, hf, o.engines, {0: o.kill_engine_after} if o.kill_engine_after else {}, o.restart_engines)
+    router_proc = None
+    try:
+        argv = [
+            "--hf-checkpoint", str(hf), "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
+            "--num-attention-heads", "4", "--rotary-base", "10000", "--norm-epsilon", "1e-5", "--vocab-size", "64",
+            "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--distributed-backend", "gloo",
+            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+            "--rollout-external-engine-addrs", *engines.addrs,
+            "--prompt-data", str(prompts), "--input-key", "text", "--label-key", "label",
+            "--rollout-batch-size", str(o.batch), "--n-samples-per-prompt", str(o.n), "--num-rollout", str(o.num_rollout),
+            "--global-batch-size", str(o.batch * o.n), "--rollout-max-response-len", "6", "--rollout-temperature", "1.0",
+            "--sglang-server-concurrency", str(o.capacity),
+            "--custom-rm-path", "slime_cpu.hooks.reward", "--advantage-estimator", "grpo", "--lr", "1e-3",
+            "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+            "--custom-rollout-log-function-path", "slime_cpu.hooks.log_rollout",
+            "--custom-eval-rollout-log-function-path", "slime_cpu.hooks.log_eval",
+            "--eval-prompt-data", "probe", str(evals), "--eval-interval", str(o.eval_interval),
+            "--n-samples-per-eval-prompt", "1", "--eval-max-response-len", "6",
+            "--save", str(work / "ckpt"), "--save-interval", str(o.save_interval), "--seed", "1",
+            *dora_flags,
+        ]
+        if o.load_from:
+            argv += ["--load", o.load_from]
+        if o.fault_tolerance:
+            argv += ["--use-fault-tolerance"]
+        import ray
+
+        from slime.utils.arguments import parse_args
+
+        sys.argv = [f"{o.loop}.py", *argv]
+        args = parse_args()
+        result = {"unknown_megatron_flags": list(megatron_args.UNKNOWN)}
+        if o.slime_args_only:
+            (work / "result.json").write_text(json.dumps(result))
+            return 0
+        router_proc, port = start_router(args)
+        args.sglang_router_ip, args.sglang_router_port = "127.0.0.1", port
+        engines.router = f"http://127.0.0.1:{port}"
+        wait_http(f"{engines.router}/workers")
+        engines.watch()
+
+        ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+                                           "SLIME_ACCELERATOR": "cpu"},
+                              "worker_process_setup_hook": "slime_cpu.accel.setup"})
+        import slime
+
+        loop_file = Path(slime.__file__).resolve().parent.parent / f"{o.loop}.py"
+        spec = importlib.util.spec_from_file_location(f"slime_{o.loop}_loop", loop_file)
+        loop = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loop)
+        # The one change to slime's loop: the train group gets the CPU actor (RayTrainGroup's actor_cls).
+        loop.create_training_models = functools.partial(loop.create_training_models, actor_cls=CpuTrainRayActor)
+        t0 = time.time()
+        try:
+            loop.train(args)
+            result["status"] = "finished"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            result["status"] = "crashed"
+            result["error"] = repr(exc)[:2000]
+        result["wall_s"] = time.time() - t0
+        result["engine_events"] = engines.events
+        ray.shutdown()
+        (work / "result.json").write_text(json.dumps(result))
+        return 0
+    finally:
+        engines.stop()
+        if router_proc is not None:
+            router_proc.kill()
+            router_proc.join(5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

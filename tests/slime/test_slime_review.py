@@ -1,0 +1,270 @@
+"""Regression tests for defects found reviewing issue 11 (slime's loops driving dora-ext).
+
+slime is ABSENT here (CI): like `test_slime_defects.py` these run the adapter against the
+stand-ins of `slime_standins.py` (fake SGLang fleet, custom generate function with slime's
+signature). Event orders are forced with held requests and the session's probe, never by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+
+from dora_ext.slime import rollout as slime_rollout
+from dora_ext.slime._compat import RolloutFnEvalOutput
+from dora_ext.slime.data_source import DoraDataSource
+
+
+def _install_eval_rollout(monkeypatch, fn) -> None:
+    """slime's `eval_rollout(args, rollout_id)` (slime/rollout/sglang_rollout.py) replaced by `fn`:
+    slime's own sends its eval requests to the engine `args` names, as `fn` does."""
+    try:
+        import slime.rollout.sglang_rollout as mod  # a real checkout (DORA_SLIME_PATH)
+    except ImportError:
+        mod = types.ModuleType("slime.rollout.sglang_rollout")
+        monkeypatch.setitem(sys.modules, "slime", types.ModuleType("slime"))
+        monkeypatch.setitem(sys.modules, "slime.rollout", types.ModuleType("slime.rollout"))
+        monkeypatch.setitem(sys.modules, "slime.rollout.sglang_rollout", mod)
+    monkeypatch.setattr(mod, "eval_rollout", fn, raising=False)
+
+
+def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(tmp_path, standins, monkeypatch):
+    """Eval runs on engine E holding the newest version (1). The other engine, holding version 0
+    with a straggler running (held), dies during the eval: the straggler goes back to version 0,
+    which no engine holds, and the scheduler, which does not see eval requests, sends the
+    idle-looking E back to version 0. That load used to run under the eval request (R4; the eval
+    saw two versions and slime's job died); it now waits until the eval is over."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 0.02
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31300)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    probes: list = []
+    release_eval = asyncio.Event()
+
+    def probe(name, value):
+        probes.append((name, value))
+        if name == "load_waits_for_eval":
+            release_eval.set()
+
+    session.probe = probe
+    post = fleet.post
+    seen: dict = {}
+
+    async def watched_post(url, payload):
+        reply = await post(url, payload)
+        if seen.get("eval_url") and url.startswith(seen["eval_url"]):
+            release_eval.set()  # a load on the eval's engine went through (the defect)
+        return reply
+
+    fleet.post = watched_post
+    straggler = asyncio.Event()
+
+    async def eval_rollout(eval_args, rollout_id):
+        port = int(eval_args.sglang_router_port)
+        engine = standins.ENGINES[port]
+        seen["eval_url"] = engine.url
+        seen["at_start"] = {i: (inst.version, len(inst.running)) for i, inst in session.sched.instances.items()}
+        for other in fleet.engines:
+            if other is not engine:
+                other.alive = False  # dies with the straggler running
+        standins.HOLD[("eval", 0)] = release_eval
+        try:
+            s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        finally:
+            straggler.set()
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    standins.HOLD[("p2", 4)] = straggler  # p2's first sample: dispatched at version 0, kept running
+    try:
+        driver = SimulatedSlimeDriver(args, ds)
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        driver.push_weights()
+        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        standins.HOLD.clear()
+    # the forced state: eval on version 1 while the other engine held version 0 with work running
+    (old_version, old_running), (new_version, _) = sorted(seen["at_start"].values())
+    assert (old_version, new_version) == (0, 1) and old_running >= 1, seen
+    assert any(n == "load_waits_for_eval" for n, _ in probes), f"no load was sent to the eval's engine: {probes}"
+    assert fleet.violations == []
+    samples = ev.data["probe"]["samples"]
+    assert [s.weight_versions for s in samples] == [["1"]] and ev.metrics["dora/eval_version"] == 1
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2 and "p2" in prompts  # the straggler's group was trained
+    for step, out in outs.items():
+        for group in out.samples:
+            (v,) = {s.weight_versions[0] for s in group}
+            assert 0 <= step - int(v) <= 1
+
+
+@pytest.mark.parametrize("death", ["request_fails", "request_hangs"])
+def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp_path, standins, monkeypatch, death):
+    """The engine slime's eval is pinned to dies under it. Its requests either fail at once, or
+    hang (slime's `post` retries a dead engine for a minute; held here until the engine is
+    declared gone, 5 s at most). The eval used to fail and end slime's job; it now runs again on
+    another engine holding the newest version, and training goes on."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 0.02
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31400)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    probes: list = []
+    engine_gone = asyncio.Event()
+
+    def probe(name, value):
+        probes.append((name, value))
+        if name == "engine_failed":
+            engine_gone.set()
+
+    session.probe = probe
+    calls: list = []
+
+    async def eval_rollout(eval_args, rollout_id):
+        engine = standins.ENGINES[int(eval_args.sglang_router_port)]
+        calls.append(engine.port)
+        if len(calls) == 1:
+            engine.alive = False
+            if death == "request_hangs":
+                standins.HOLD[("eval", 0)] = engine_gone
+        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    try:
+        driver = SimulatedSlimeDriver(args, ds)
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        driver.push_weights()
+        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        standins.HOLD.clear()
+    assert len(calls) == 2 and calls[0] != calls[1], calls
+    dead = [v for n, v in probes if n == "engine_failed"]
+    assert len(dead) == 1 and ev.metrics["dora/eval_instance"] != dead[0]
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
+    assert ev.metrics["dora/eval_version"] == 1
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2
+
+
+def _kl_batch():
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    logp = (torch.randn(2, 6, generator=g) * 0.3 - 1.0).requires_grad_(True)
+    rollout = logp.detach() + torch.randn(2, 6, generator=g) * 0.4
+    ref = logp.detach() + 4.0 + torch.randn(2, 6, generator=g)  # far away: k3 estimates well above 10
+    masks = [torch.ones(6), torch.ones(6)]
+    batch = {"advantages": [torch.full((6,), 0.5), torch.full((6,), -0.5)],
+             "rollout_log_probs": list(rollout.unbind(0)), "loss_masks": masks,
+             "ref_log_probs": list(ref.unbind(0))}
+
+    def reduce(x):
+        return sum((xi * mi).sum() / mi.sum() for xi, mi in zip(x.split([6, 6]), masks))
+
+    return logp, rollout, ref, batch, reduce
+
+
+def test_sao_low_var_kl_with_unbiased_kl_clamps_after_the_importance_ratio_as_slime_does():
+    """`sao_loss` with `--kl-loss-type low_var_kl --use-unbiased-kl` clamped the k3 estimate to
+    [-10, 10] before multiplying by pi_theta / pi_old; slime's `compute_approx_kl`
+    (slime/utils/ppo_utils.py) multiplies first and clamps the product."""
+    import torch
+
+    from dora_ext.slime.loss import sao_loss_from_log_probs
+
+    logp, rollout, ref, batch, reduce = _kl_batch()
+    args = SimpleNamespace(eps_clip=0.2, use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="low_var_kl",
+                           use_unbiased_kl=True, use_rollout_logprobs=True)
+    _, log = sao_loss_from_log_probs(args, batch, list(logp.unbind(0)), reduce)
+    lr = -(logp.detach() - ref).reshape(-1)
+    k3 = lr.exp() - 1 - lr
+    ratio = torch.exp(logp.detach() - rollout).reshape(-1)
+    assert (k3 > 10).any() and ((ratio * k3).clamp(-10, 10) != ratio * k3.clamp(-10, 10)).any()  # the case bites
+    assert torch.allclose(log["kl_loss"], reduce((ratio * k3).clamp(-10, 10)), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_sao_kl_term_is_slimes_compute_approx_kl(kind, unbiased):
+    """With a slime checkout (DORA_SLIME_PATH): the KL term equals slime's own estimator."""
+    import torch
+
+    ppo_utils = pytest.importorskip("slime.utils.ppo_utils", reason="needs a slime checkout (DORA_SLIME_PATH)")
+    from dora_ext.slime.loss import sao_loss_from_log_probs
+
+    logp, rollout, ref, batch, reduce = _kl_batch()
+    args = SimpleNamespace(eps_clip=0.2, use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type=kind,
+                           use_unbiased_kl=unbiased, use_rollout_logprobs=True)
+    _, log = sao_loss_from_log_probs(args, batch, list(logp.unbind(0)), reduce)
+    ratio = torch.exp(logp.detach() - rollout).reshape(-1) if unbiased else None
+    expected = ppo_utils.compute_approx_kl(logp.detach().reshape(-1), ref.reshape(-1), kind, importance_ratio=ratio)
+    assert torch.allclose(log["kl_loss"], reduce(expected), atol=1e-5)
+
+
+def test_an_engine_loading_weights_is_not_declared_dead_by_the_health_check(tmp_path, standins):
+    """SGLang's `/health` runs a one-token generation by default
+    (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`): while `/update_weights_from_disk` holds the
+    engine's scheduler, `/health` answers only after the load (SGLang waits up to 20 s). A real
+    checkpoint takes longer to load than the worker's health timeout, so the watcher declared
+    every loading engine dead; it rejoined, loaded again, and never served. Here each load on
+    engine 0 lasts until the watcher has run one full check during it (forced: the load returns
+    after the 2nd router read it saw), and `/health` hangs while a load runs. One engine, so the
+    run needs it; its first two loads are slow (bounded: a broken watcher cannot hang the test)."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 0.02
+    fleet = standins.FakeSglangFleet(1, capacity=2, base_port=31500)
+    slow = fleet.engines[0]
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session.engines.health_timeout_s = 0.05
+    probes: list = []
+    session.probe = lambda name, value: probes.append((name, value))
+    state = {"loading": None, "reads": 0, "slow_left": 2}
+    get, post = fleet.get, fleet.post
+
+    async def sglang_get(url):
+        if url.endswith("/workers") and state["loading"] is not None:
+            state["reads"] += 1
+            if state["reads"] >= 2:
+                state["loading"].set()
+        if url.endswith("/health") and url.startswith(slow.url) and state["loading"] is not None:
+            await state["loading"].wait()  # SGLang: no health answer while the load holds the scheduler
+        return await get(url)
+
+    async def slow_load(url, payload):
+        if url.startswith(slow.url) and url.endswith("/update_weights_from_disk") and state["slow_left"]:
+            state["slow_left"] -= 1
+            state["loading"], state["reads"] = asyncio.Event(), 0
+            try:
+                await asyncio.wait_for(state["loading"].wait(), 5)
+            finally:
+                state["loading"] = None
+        return await post(url, payload)
+
+    fleet.get, fleet.post = sglang_get, slow_load
+    outs = SimulatedSlimeDriver(args, ds).run_async(0, 4)
+    assert slow.loads, f"engine 0 never loaded: {probes}"
+    assert [v for n, v in probes if n == "engine_failed"] == [], "a loading engine was declared dead"
+    assert len(slow.loads) == len(set(slow.loads)), f"engine 0 loaded a version twice: {slow.loads}"
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 4 * 2

@@ -622,6 +622,9 @@ class Runtime:
         checkpoint = bool(self.checkpoint_dir and self.checkpoint_every and v % self.checkpoint_every == 0
                           and v < self.recipe.steps)
         if checkpoint:  # first in the trainer's inbox: it saves version v before any later step starts
+            import os
+
+            os.makedirs(self.checkpoint_dir, exist_ok=True)
             self.trainer_inbox.put(("checkpoint", self._ckpt_path(v, "trainer")))
         t -= self.t0
         self.step_end.append(t)

@@ -431,6 +431,7 @@ def save_trainer_checkpoint(trainer: Any, path: str) -> None:
     state = {"version": trainer.version, "policy": trainer.policy.state_dict(),
              "value_head": trainer.value_head.state_dict() if hasattr(trainer.value_head, "state_dict") else None,
              "optimizer": trainer.optimizer.state_dict()}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 

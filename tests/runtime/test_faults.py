@@ -99,7 +99,9 @@ def test_a_killed_trainer_is_a_clean_error_naming_resume(checkpoints, tmp_path):
         rt.run()
     if checkpoints:
         assert "can continue from its last checkpoint" in str(info.value)
-        assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+        # version 2 was complete before the kill; version 4's was requested at the end of step 3,
+        # just before the kill, and is complete only if the trainer wrote it before dying
+        assert (tmp_path / "ckpt" / "latest").read_text().strip() in ("2", "4")
     else:
         assert "No checkpoint was completed yet" in str(info.value)
 

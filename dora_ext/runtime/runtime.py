@@ -192,13 +192,17 @@ class Runtime:
 
     on_step(record) is called in the coordinator after every trainer step with that step's
     metrics line; keep_versions keeps every published version's weights in the result (tests use
-    them to recompute log-probs under the version each trajectory claims).
+    them to recompute log-probs under the version each trajectory claims). checkpoint_dir,
+    checkpoint_every: write a checkpoint there every that many steps (a run without `resume`
+    clears an earlier run's checkpoint from the folder); resume: continue from its last complete
+    checkpoint (the recipe must be the run's own); resume_command: how a user continues the run,
+    named in `WorkerDied` when a checkpoint exists.
     """
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
                  keep_versions: bool = False, device: torch.device | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-                 on_checkpoint: Callable[[int], None] | None = None) -> None:
+                 on_checkpoint: Callable[[int], None] | None = None, resume_command: str | None = None) -> None:
         from ..engines import SamplingParams, default_device
 
         self.recipe = recipe
@@ -244,6 +248,7 @@ class Runtime:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.on_checkpoint = on_checkpoint
+        self.resume_command = resume_command  # how a user continues this run, named when a worker dies
         self.t_offset = 0.0  # wall time of the run before a resume
         self.resumed_from: int | None = None
         self._trainer_resume: str | None = None
@@ -555,13 +560,21 @@ class Runtime:
             self._send_step(busy, [(g, self._group(g)) for g in gids])
 
     def _died_message(self, what: str) -> str:
-        ckpt = getattr(self, "checkpoint_dir", None)
+        """What ended the run and how to continue it: from the last *complete* checkpoint if there
+        is one (`resume_command`, e.g. the CLI's `dora-ext train --resume OUT`), else how to get one."""
+        import os
+
         step = len(self.step_end)
-        if ckpt:
-            return (f"{what} at step {step}. The run can continue from its last checkpoint: "
-                    f"dora-ext train {self.recipe.path or 'RECIPE'} --resume {ckpt}")
-        return (f"{what} at step {step}. No checkpoint was written (run with --checkpoint-every N, "
-                f"then continue a broken run with dora-ext train RECIPE --resume DIR)")
+        latest = os.path.join(self.checkpoint_dir, "latest") if self.checkpoint_dir else None
+        if latest and os.path.exists(latest):
+            with open(latest, encoding="utf-8") as fh:
+                version = fh.read().strip()
+            how = self.resume_command or (f"Runtime(recipe, prepared, checkpoint_dir={self.checkpoint_dir!r}, "
+                                          f"resume=True).run()")
+            return f"{what} at step {step}. The run can continue from its last checkpoint (version {version}): {how}"
+        return (f"{what} at step {step}. No checkpoint was written, so this run cannot be resumed; to be able to "
+                f"continue a broken run, write checkpoints (dora-ext train RECIPE --checkpoint-every N) and "
+                f"continue it with dora-ext train --resume OUT")
 
     def _wait_ready(self, count: int, handles: list) -> None:
         ready = 0

@@ -186,3 +186,38 @@ def test_resume_registers_every_instance_again_also_one_that_failed_before(tmp_p
     assert set(rt.sched.instances) == {0}  # what the snapshot holds
     rt._restart_from_checkpoint()
     assert set(rt.sched.instances) == {0, 1}
+
+
+def test_a_dead_worker_names_a_resume_command_that_works(tmp_path, monkeypatch):
+    """`WorkerDied` names how to continue only when a complete checkpoint exists, and then the
+    command the CLI really accepts (`dora-ext train --resume OUT`: the run folder, no recipe)."""
+    recipe = recipe_from_dict(tiny())
+    prepared = prepare(recipe)
+    ckpt = tmp_path / "run" / "checkpoint"
+    rt = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume_command=f"dora-ext train --resume {tmp_path / 'run'}")
+    msg = rt._died_message("the trainer process exited (exit code -9)")
+    assert "No checkpoint was written" in msg and "cannot be resumed" in msg
+    _coordinator_checkpoint(recipe, prepared, ckpt)
+    rt = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume=True,
+                 resume_command=f"dora-ext train --resume {tmp_path / 'run'}")
+    msg = rt._died_message("the trainer process exited (exit code -9)")
+    assert msg.endswith(f"(version 1): dora-ext train --resume {tmp_path / 'run'}"), msg
+
+    # the CLI hands the runtime that command for its run folder
+    seen = {}
+
+    def fake_runtime(recipe, prepared, **kw):
+        seen.update(kw)
+        raise ValueError("stopped before the run")
+
+    import yaml
+
+    from dora_ext.cli import main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny()))
+    monkeypatch.setattr("dora_ext.runtime.runtime.Runtime", fake_runtime)
+    monkeypatch.setattr("dora_ext.runtime.runtime.prepare", lambda recipe: None)
+    assert main(["train", str(path), "--out", str(tmp_path / "cli"), "--no-progress"]) == 1
+    assert seen["resume_command"] == f"dora-ext train --resume {tmp_path / 'cli'}"
+    assert seen["checkpoint_dir"] == str(tmp_path / "cli" / "checkpoint")

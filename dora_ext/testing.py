@@ -71,6 +71,7 @@ class RandomDriver:
     the dead instance's late events are sent; `decline_prob` per requested group;
     `data_limit` the number of prompts in the dataset (then `DataExhausted`); `progress_prob`
     per tick, a `TrajectoryProgressed`; `truncate_prob` per finish, `truncated_early=True`.
+    `group_id(n)` names the n-th admitted group (default: `n`; verl uses uuid strings).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class RandomDriver:
         truncate_prob: float = 0.0,
         plugins: Any = None,
         scheduler: Scheduler | None = None,
+        group_id: Any = None,
     ) -> None:
         self.rng = random.Random(seed)
         self.config = config
@@ -110,6 +112,7 @@ class RandomDriver:
         self.trainer: int | None = None
         self.to_publish: list[int] = []
         self.next_gid = 0
+        self.group_id = group_id or (lambda n: n)  # the n-th admitted group's id (hosts: ints or uids)
         self.next_instance = max(s.id for s in config.instances) + 1
         self.dead_instances: list[tuple[int, int]] = []
         self.ghosts: list[Any] = []  # stale events a dead instance may still send
@@ -130,7 +133,7 @@ class RandomDriver:
                 if self.decline_prob and self.running:
                     declined = sum(1 for _ in range(give) if self.rng.random() < self.decline_prob)
                 for _ in range(give - declined):
-                    gid = self.next_gid
+                    gid = self.group_id(self.next_gid)
                     self.next_gid += 1
                     self.stats.admitted[gid] = self.sched.newest_version
                     queue.extend(self._feed(E.GroupAdmitted(gid, {"len": self.rng.randint(1, 100)})))

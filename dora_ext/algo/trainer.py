@@ -1,4 +1,5 @@
-"""A small streaming RL trainer: complete groups in, one optimizer step per batch, weights out.
+"""A small streaming RL trainer: complete groups in, one (or, PPO-style, several) optimizer steps per
+batch, weights out.
 
     trainer = Trainer(policy, TrainerConfig(algorithm="grpo"))
     for group in groups_of_step_k:            # as the core delivers them (DeliverGroup, R7)
@@ -6,7 +7,8 @@
     metrics = trainer.finish_step(k)          # AdamW step on the batch-mean gradient -> version k+1
     weights = trainer.publish()               # a copy of the new weights for the engines
 
-Why streaming is exact: every loss here is a sum over tokens (or sequences) divided by the
+Why streaming is exact (one update per batch; several updates store the groups instead, see
+below): every loss here is a sum over tokens (or sequences) divided by the
 batch's token (or sequence) count. `add_group` back-propagates the *sum* over its own tokens and
 remembers how many there were; `finish_step` divides the accumulated gradient by the batch total
 before clipping and stepping. Gradients are linear, so this equals the gradient of the batch

@@ -1,11 +1,11 @@
 """Everything in dora-ext revolves around this: one `Scheduler` owns the scheduling state.
 
 It is a pure state machine in the sans-I/O style of h11: a runtime feeds it events
-(`handle(event)`) and executes the actions it returns. It never touches a thread, socket, clock,
-tensor or host, so the simulator, the embedded runtime and the verl/slime adapters all run this
-same code, and what the simulator measures is what users run.
+(`handle(event)` or `handle_many(events)`) and executes the actions it returns. It never touches
+a thread, socket, clock, tensor or host, so the simulator, the embedded runtime and the
+verl/slime adapters all run this same code, and what the simulator measures is what users run.
 
-The five modes of design.md are policies over one state:
+The five modes are policies over one state (see `docs/design.md`):
 
 | mode         | admission                          | versions on instances        | trainer          |
 |--------------|------------------------------------|------------------------------|------------------|
@@ -15,9 +15,22 @@ The five modes of design.md are policies over one state:
 | pipeline     | a whole batch per version (K=0)    | switch when drained          | streamed (R7)    |
 | dora         | keep slots full within R2          | R1 pinning, R4 drain-then-switch, R5 migration | streamed (R7) |
 
-Invariants are checked where state changes: a group trained twice, a group trained beyond the
-staleness bound or a trajectory spanning versions outside `partial` would flip `c2_ok`/`c3_ok`/
-`c1_ok` in `metrics()`; the property tests assert they never do.
+Only live state is kept: a group leaves the scheduler when its trainer step finishes (or, once
+reported failed, when none of its trajectories runs any more); totals live on in `metrics()`.
+So memory, snapshot size and per-event cost do not grow with the length of a run.
+
+Every per-event path is O(1) in the number of groups and instances (amortised), except where a
+whole fleet must act (a publish in `partial` preempts every instance):
+
+- queued work: one heap per version of groups with pending trajectories (R6, group-major);
+- free slots: per version, an insertion-ordered dict of instances with a free slot, rotated
+  round robin with a fair-share cap (`_dispatch`);
+- completed groups: one heap per version (R3 looks at each live version's head only), and batch
+  formation runs only when one of its inputs changed (`_form_dirty`);
+- R5: per version, instances bucketed by how many trajectories they run, so consolidation is
+  considered in O(1) on every release and acts only when the version could be held by fewer
+  instances than hold it (`_maybe_consolidate`);
+- idle instances: a set, so that a publish or a re-queued old trajectory plans only those.
 
 A note on R3. Taking "the mandatory set, then the oldest completed groups" is not enough to keep
 C3: a step that takes a newer group while two older ones still run can leave the next step with
@@ -41,6 +54,9 @@ from . import events as E
 _QUEUED, _RUNNING, _AWAIT_REWARD, _DONE, _DEAD = "Q", "R", "F", "D", "X"
 _ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = "active", "complete", "assigned", "trained", "failed"
 _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing is pinned
+
+#: `snapshot()` writes this format; `restore()` reads only this format.
+SNAPSHOT_FORMAT = 2
 
 
 class ProtocolError(RuntimeError):
@@ -83,7 +99,7 @@ class _Traj:
 
 class _Group:
     __slots__ = ("gid", "version", "seq", "key", "meta", "trajs", "pending", "done", "state",
-                 "step", "complete_seq", "in_queue")
+                 "step", "complete_seq", "in_queue", "live")
 
     def __init__(self, gid: Any, version: int, seq: int, key: tuple, meta: Any, n: int) -> None:
         self.gid = gid
@@ -98,6 +114,7 @@ class _Group:
         self.step: int | None = None
         self.complete_seq: int | None = None
         self.in_queue = False
+        self.live = 0  # trajectories running or awaiting their reward
 
 
 class _Instance:
@@ -145,21 +162,29 @@ class Scheduler:
         self._dead: set[int] = set()  # instances declared failed (late events from them are stale)
         self._orphaned = False  # work was queued for a version no instance holds
         self._halted: str | None = None  # the circuit breaker's message once it tripped
+        self._form_dirty = True  # an input of batch formation changed since it last ran
 
-        self.groups: dict[Any, _Group] = {}
+        self.groups: dict[Any, _Group] = {}  # live groups only
         self.instances: dict[int, _Instance] = {}
         self._unassigned: dict[int, int] = {}  # version -> admitted groups not yet in a step
         self._queue: dict[int, list] = {}  # bucket -> heap of (key, seq, gid)
         self._queued: dict[int, int] = {}  # bucket -> queued trajectories
-        self._free: dict[int, dict[int, None]] = {}  # bucket -> instances with a free slot
         self._cap: dict[int, int] = {}  # bucket -> capacity of instances loaded or loading it
         self._occupied: dict[int, int] = {}  # bucket -> running on instances targeting it
-        self._pool: list = []  # heap of (batch key, complete_seq, gid)
-        self._by_version: dict[int, dict[int, None]] = {}  # version -> loaded instances (pinned modes)
+        self._pools: dict[int, list] = {}  # version -> heap of (batch key, complete_seq, gid)
+        self._pool_n = 0  # completed groups not yet in a step
         self._targets: dict[int, int] = {}  # version -> instances loaded with or loading it
-        self._churn = 0  # deletions from `_free` dicts since they were last compacted
+        self._idle: dict[int, None] = {}  # instances running nothing and loading nothing
+        self._n_loading = 0  # instances loading a version
+        # Loaded instances by bucket and running count (level), each level in arrival order:
+        # dispatch serves the least loaded first (R6 fair share), R5 finds holders by level.
+        self._lv: dict[int, dict[int, dict[int, None]]] = {}
+        self._lo: dict[int, int] = {}  # bucket -> a level <= the lowest non-empty one
+        self._nhold: dict[int, int] = {}  # bucket -> loaded instances running at least one trajectory
+        self._uniform = True  # every instance has the same capacity (fair share is O(1) then)
+        self._r5_tried: dict[int, tuple[int, int]] = {}  # R5: version -> (occupied, holders) of a fruitless try
+        self._cap_max = 1  # the largest instance capacity seen (R5's packing bound)
         self._pool_fifo = self.mode != "dora"
-        self.step_log: list[tuple[int, tuple]] = []
         self.m = {
             "staleness_hist": {}, "trajectories_trained": 0, "multi_version_trajectories": 0,
             "groups_trained": 0, "dropped": 0, "truncated": 0, "duplicated": 0, "failed_groups": 0,
@@ -179,11 +204,13 @@ class Scheduler:
             self._admission_key = defaults.dora_admission_key
             self._batch_key = defaults.dora_batch_key
             self._plan_migration = defaults.dora_plan_migration
+            self._builtin_r5 = True
         else:
             hook = plugins.hook
             self._admission_key = lambda **kw: hook.dora_admission_key(**kw)
             self._batch_key = lambda **kw: hook.dora_batch_key(**kw)
             self._plan_migration = lambda **kw: hook.dora_plan_migration(**kw)
+            self._builtin_r5 = False
         self._plugins = plugins
 
     # ------------------------------------------------------------------ public API
@@ -209,6 +236,28 @@ class Scheduler:
         method(self, event)
         return self._finish()
 
+    def handle_many(self, events: Iterable[Any]) -> list:
+        """Feed events in order; returns the actions for all of them.
+
+        Equivalent to calling `handle` on each event, except that admission, batch formation
+        and idle-instance planning run once at the end instead of after every event (so, e.g.,
+        one `RequestGroups` may ask for what several calls would have asked for one by one).
+        A runtime draining an inbox of engine reports uses this; a `ProtocolError` leaves the
+        events before the offending one applied.
+        """
+        if not self._started:
+            raise ProtocolError("handle_many() before start()")
+        if self._halted is not None:
+            raise self._storm([])
+        handlers = self._handlers
+        for event in events:
+            try:
+                method = handlers[type(event)]
+            except KeyError:
+                raise ProtocolError(f"unknown event {event!r}") from None
+            method(self, event)
+        return self._finish()
+
     def _storm(self, actions: list) -> FailureStorm:
         return FailureStorm(self._halted or "", failed=self.m["failed_groups"],
                             completed=self.m["groups_completed"], retries=self.m["retries"], actions=actions)
@@ -219,7 +268,7 @@ class Scheduler:
             return False
         if self.config.max_steps is not None and self.step >= self.config.max_steps:
             return True
-        return self._exhausted and self._n_active == 0 and not self._pool and not self._forming
+        return self._exhausted and self._n_active == 0 and not self._pool_n and not self._forming
 
     @property
     def newest_version(self) -> int:
@@ -247,10 +296,11 @@ class Scheduler:
         m["steps"] = self.step
         # Dropped: admitted groups that are neither trained, nor reported failed, nor still held.
         # Counted from the group table itself, so a group lost from it shows up here.
-        live = sum(1 for g in self.groups.values() if g.state in (_ACTIVE, _COMPLETE))
+        held = sum(1 for g in self.groups.values() if g.state in (_ACTIVE, _COMPLETE))
         if self._trainer_busy is None:
-            live += len(self._forming)
-        m["dropped"] = m["groups_admitted"] - m["groups_trained"] - m["failed_groups"] - live
+            held += len(self._forming)
+        m["dropped"] = m["groups_admitted"] - m["groups_trained"] - m["failed_groups"] - held
+        m["live_groups"] = len(self.groups)
         m["halted"] = self._halted or ""
         m["c1_ok"] = m["c1_violations"] == 0 and m["multi_version_trajectories"] == 0
         m["c2_ok"] = m["dropped"] == 0 and m["truncated"] == 0 and m["duplicated"] == 0
@@ -281,7 +331,6 @@ class Scheduler:
             raise ProtocolError(
                 f"instance {inst.id} reported version {ev.version} loaded, but was asked for {inst.loading}"
             )
-        inst.loading = None
         inst.version = ev.version
         self.m["weight_loads"] += 1
         if not self._pinned:
@@ -290,18 +339,18 @@ class Scheduler:
                 t = self.groups[gid].trajs[idx]
                 if t.versions[-1] != ev.version:
                     t.versions.append(ev.version)
-        if self._pinned:
-            self._by_version.setdefault(ev.version, {})[inst.id] = None
-        elif ev.version < self.newest:
-            # partial: a newer version was published while this one loaded; load it too.
-            self._start_load(inst, self.newest, preempt=tuple(inst.running))
-            return
+            if ev.version < self.newest:
+                # A newer version was published while this one loaded: load it too (the
+                # instance stays in the loading state throughout).
+                self._start_load(inst, self.newest, preempt=tuple(inst.running))
+                return
+        inst.loading = None
+        self._n_loading -= 1
         b = self._bucket(ev.version)
-        first = None
-        if len(inst.running) < inst.capacity:
-            self._free.setdefault(b, {})[inst.id] = None
-            first = inst.id  # the freshly loaded instance is the emptiest: serve it first
-        self._dispatch(b, first)
+        self._lv_set(b, inst.id, None, len(inst.running))
+        if not inst.running:
+            self._idle[inst.id] = None
+        self._dispatch(b)
         if not inst.running:
             self._plan_instance(inst)
         live = sum(1 for c in self._targets.values() if c > 0)
@@ -312,28 +361,33 @@ class Scheduler:
         if self._stale_instance(ev.instance_id):
             return
         inst = self._instance(ev.instance_id)
-        b = self._bucket(inst.target) if inst.target is not None else None
-        if b is not None:
+        target = inst.target
+        if target is not None:
+            b = self._bucket(target)
             self._cap[b] -= inst.capacity
             self._occupied[b] -= len(inst.running)
-            self._free.get(b, {}).pop(inst.id, None)
-        if inst.version is not None:
-            self._by_version.get(inst.version, {}).pop(inst.id, None)
-        if inst.target is not None:
-            self._targets[inst.target] -= 1
+            self._dec_target(target)
+        if inst.loading is not None:
+            self._n_loading -= 1
+        elif inst.version is not None:
+            self._lv_set(self._bucket(inst.version), inst.id, len(inst.running), None)
+        self._idle.pop(inst.id, None)
         del self.instances[inst.id]
         self._dead.add(inst.id)
         touched = set()
         for gid, idx in inst.running:
             g = self.groups[gid]
             t = g.trajs[idx]
-            t.status, t.instance = _QUEUED, None
+            t.instance = None
             t.attempt += 1
             t.tokens = 0
             t.versions = []
             self.m["redispatched"] += 1
             if g.state == _FAILED:
+                self._retire(g, t)
                 continue
+            t.status = _QUEUED
+            g.live -= 1
             g.pending.appendleft(idx)
             self._enqueue(g, 1)
             touched.add(self._bucket(g.version))
@@ -357,6 +411,7 @@ class Scheduler:
         self.m["groups_admitted"] += 1
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
         self._n_active += 1
+        self._form_dirty = True
         self._enqueue(g, self.n)
         self._dispatch(self._bucket(v))
 
@@ -368,6 +423,7 @@ class Scheduler:
     def _on_data_exhausted(self, ev: E.DataExhausted) -> None:
         self._exhausted = True
         self._outstanding = 0
+        self._form_dirty = True
 
     def _on_progressed(self, ev: E.TrajectoryProgressed) -> None:
         t = self._running_traj(ev.group_id, ev.index, ev.attempt)
@@ -375,34 +431,50 @@ class Scheduler:
             t.tokens = ev.tokens
 
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
-        t = self._running_traj(ev.group_id, ev.index, ev.attempt)
-        if t is None:
-            return
-        g = self.groups[ev.group_id]
+        g = self.groups.get(ev.group_id)
+        idx = ev.index
+        if g is None or ev.attempt is not None or not 0 <= idx < len(g.trajs) or g.trajs[idx].status != _RUNNING:
+            # the general path: errors and stale reports
+            t = self._running_traj(ev.group_id, idx, ev.attempt)
+            if t is None:
+                return
+            g = self.groups[ev.group_id]
+        else:
+            t = g.trajs[idx]
         t.tokens = ev.tokens
         if ev.truncated_early:
             self.m["truncated"] += 1
         self._release(g, ev.index, t)
+        if g.state == _FAILED and ev.reward is not None:
+            self._retire(g, t)
+            return
+        # (A trajectory of a failed group without its reward yet stays until the runtime sends
+        # the reward or a failure for it, so that those events are still understood.)
+        t.status = _AWAIT_REWARD
         if g.state == _FAILED:
             return
-        t.status = _AWAIT_REWARD
         if ev.reward is not None:
             self._set_reward(g, ev.index, t, ev.reward)
 
     def _on_reward(self, ev: E.RewardReady) -> None:
-        g = self._group(ev.group_id)
+        g = self._group(ev.group_id, ev.attempt)
+        if g is None:
+            return
         t = self._traj(g, ev.index)
         if ev.attempt is not None and ev.attempt != t.attempt:
             self.m["stale_events"] += 1
             return
         if g.state == _FAILED:
+            self._retire(g, t)
             return
         if t.status != _AWAIT_REWARD:
             raise ProtocolError(f"reward for trajectory {g.gid!r}/{ev.index}, which is not awaiting one ({t.status})")
         self._set_reward(g, ev.index, t, ev.reward)
 
     def _on_failed(self, ev: E.TrajectoryFailed) -> None:
-        g = self._group(ev.group_id)
+        g = self._group(ev.group_id, ev.attempt)
+        if g is None:
+            return
         t = self._traj(g, ev.index)
         if ev.attempt is not None and ev.attempt != t.attempt:
             self.m["stale_events"] += 1
@@ -412,7 +484,7 @@ class Scheduler:
         elif t.status != _AWAIT_REWARD:
             raise ProtocolError(f"trajectory {g.gid!r}/{ev.index} failed but is not running ({t.status})")
         if g.state == _FAILED:
-            t.status = _DEAD  # its group was already reported failed
+            self._retire(g, t)  # its group was already reported failed
             return
         self._fail_traj(g, ev.index, t, ev.reason)
 
@@ -423,11 +495,14 @@ class Scheduler:
     def _on_step_finished(self, ev: E.TrainerStepFinished) -> None:
         if self._trainer_busy != ev.step:
             raise ProtocolError(f"trainer finished step {ev.step}, but the running step is {self._trainer_busy}")
+        groups = self.groups
         for gid in self._forming:
-            self.groups[gid].state = _TRAINED
+            groups[gid].state = _TRAINED
+            del groups[gid]  # trained: it leaves the scheduler (its totals are in the metrics)
         self._forming = []
         self._trainer_busy = None
         self.step += 1
+        self._form_dirty = True
 
     def _on_published(self, ev: E.VersionPublished) -> None:
         if ev.version != self.newest + 1:
@@ -435,9 +510,15 @@ class Scheduler:
         if ev.version > self.step:
             raise ProtocolError(f"version {ev.version} published before trainer step {ev.version - 1} finished")
         self.newest = ev.version
+        for b in [b for b, c in self._queued.items() if not c and not self._queue.get(b) and b != _ANY]:
+            del self._queued[b]  # versions with nothing queued leave (live state only)
+            self._queue.pop(b, None)
+        for b in [b for b, c in self._cap.items() if not c and not self._occupied.get(b)]:
+            del self._cap[b]  # versions no instance holds any more
+            self._occupied.pop(b, None)
         if not self._pinned:
             # partial: every instance switches now; running work is preempted and resumed.
-            for inst in self.instances.values():
+            for inst in list(self.instances.values()):
                 if inst.version is None or inst.loading is not None or inst.version == ev.version:
                     continue
                 self._start_load(inst, ev.version, preempt=tuple(inst.running))
@@ -467,11 +548,16 @@ class Scheduler:
         except KeyError:
             raise ProtocolError(f"unknown (or failed) instance {iid!r}") from None
 
-    def _group(self, gid: Any) -> _Group:
-        try:
-            return self.groups[gid]
-        except KeyError:
-            raise ProtocolError(f"unknown group {gid!r}") from None
+    def _group(self, gid: Any, attempt: int | None = None) -> _Group | None:
+        """The live group `gid`. A trajectory event carrying an `attempt` for a group that is no
+        longer held (trained, or failed and retired) is a late report: counted and ignored."""
+        g = self.groups.get(gid)
+        if g is None:
+            if attempt is not None:
+                self.m["stale_events"] += 1
+                return None
+            raise ProtocolError(f"unknown group {gid!r} (never admitted, or already trained/failed)")
+        return g
 
     def _traj(self, g: _Group, idx: int) -> _Traj:
         if not 0 <= idx < len(g.trajs):
@@ -479,7 +565,9 @@ class Scheduler:
         return g.trajs[idx]
 
     def _running_traj(self, gid: Any, idx: int, attempt: int | None) -> _Traj | None:
-        g = self._group(gid)
+        g = self._group(gid, attempt)
+        if g is None:
+            return None
         t = self._traj(g, idx)
         if attempt is not None and attempt != t.attempt:
             self.m["stale_events"] += 1
@@ -493,28 +581,38 @@ class Scheduler:
 
     # ------------------------------------------------------------------ state changes
     def _add_instance(self, iid: int, capacity: int) -> None:
-        self.instances[iid] = _Instance(iid, capacity)
-        self._plan_instance(self.instances[iid])
+        self.instances[iid] = inst = _Instance(iid, capacity)
+        if capacity != self._cap_max and self.instances.keys() - {iid}:
+            self._uniform = False
+        if capacity > self._cap_max:
+            self._cap_max = capacity
+        self._idle[iid] = None
+        self._plan_instance(inst)
+
+    def _dec_target(self, version: int) -> None:
+        c = self._targets[version] - 1
+        if c:
+            self._targets[version] = c
+        else:
+            del self._targets[version]
 
     def _start_load(self, inst: _Instance, version: int, preempt: tuple = ()) -> None:
-        if inst.version is not None and inst.loading is None:
-            self._by_version.get(inst.version, {}).pop(inst.id, None)
         old = inst.target
         if old is not None:
-            c = self._targets[old] - 1
-            if c:
-                self._targets[old] = c
-            else:
-                del self._targets[old]
+            self._dec_target(old)
             ob = self._bucket(old)
             self._cap[ob] -= inst.capacity
             self._occupied[ob] -= len(inst.running)
-            self._free.get(ob, {}).pop(inst.id, None)
+            if inst.loading is None:
+                self._lv_set(ob, inst.id, len(inst.running), None)
         nb = self._bucket(version)
         self._cap[nb] = self._cap.get(nb, 0) + inst.capacity
         self._occupied[nb] = self._occupied.get(nb, 0) + len(inst.running)
         self._targets[version] = self._targets.get(version, 0) + 1
+        if inst.loading is None:
+            self._n_loading += 1
         inst.loading = version
+        self._idle.pop(inst.id, None)
         self._out.append(A.LoadVersion(inst.id, version, preempt))
 
     def _enqueue(self, g: _Group, added: int) -> None:
@@ -527,64 +625,101 @@ class Scheduler:
             heapq.heappush(self._queue.setdefault(b, []), (g.key, g.seq, g.gid))
             g.in_queue = True
 
-    def _dispatch(self, b: int, first: int | None = None) -> None:
-        """Give free slots of bucket `b` to its queued trajectories, group-major (R6).
+    def _lv_set(self, b: int, iid: int, old: int | None, new: int | None) -> None:
+        """Loaded instance `iid` of bucket `b` went from `old` to `new` running trajectories
+        (None: not loaded in `b`). Keeps the levels, the low-level hint and the holder count."""
+        lv = self._lv.get(b)
+        if lv is None:
+            lv = self._lv[b] = {}
+            self._lo[b] = new if new is not None else 0
+        if old is not None:
+            d = lv[old]
+            del d[iid]
+            if not d:
+                del lv[old]
+            if old:
+                c = self._nhold[b] - 1
+                if c:
+                    self._nhold[b] = c
+                else:
+                    del self._nhold[b]
+                    self._r5_tried.pop(b, None)
+        if new is not None:
+            d = lv.get(new)
+            if d is None:
+                lv[new] = {iid: None}
+            else:
+                d[iid] = None
+            if new < self._lo[b]:
+                self._lo[b] = new
+            if new:
+                self._nhold[b] = self._nhold.get(b, 0) + 1
+        elif not lv:
+            del self._lv[b], self._lo[b]
 
-        Instances take work round robin, each up to its fair share of the bucket's work
-        (running + queued, in proportion to its capacity, counting instances still loading the
-        version). Otherwise the first instance to finish loading would take a whole batch and
-        leave the others idle: a colocated `sync` fleet would run at half width. `first` (a
-        freshly loaded instance, the emptiest) is served before the round robin.
-        """
+    def _pick(self, b: int, lv: dict, work: int, share_of: int) -> _Instance | None:
+        """The instance of bucket `b` that takes the next trajectory: the least loaded one (the
+        first to arrive at that level), unless it is full or at its fair share of the bucket's
+        work (`work` running + queued, shared in proportion to capacity, counting instances still
+        loading the version: otherwise the first instance to finish loading would take a whole
+        batch and leave the others idle)."""
+        lo = self._lo[b]
+        while lo not in lv:
+            lo += 1
+        self._lo[b] = lo
+        inst = self.instances[next(iter(lv[lo]))]
+        cap = inst.capacity
+        if lo < cap and lo < -(-work * cap // share_of):
+            return inst
+        if self._uniform:
+            return None  # everyone else runs at least as much and has the same capacity and share
+        for level in sorted(lv):
+            for iid in lv[level]:
+                inst = self.instances[iid]
+                cap = inst.capacity
+                if level < cap and level < -(-work * cap // share_of):
+                    return inst
+        return None
+
+    def _dispatch(self, b: int, first: int | None = None) -> None:
+        """Give free slots of bucket `b` to its queued trajectories, group-major (R6): the group
+        at the head of the queue fills first, each trajectory going to `_pick`'s instance.
+        (`first` is accepted for compatibility; the least loaded instance is served first.)"""
         heap = self._queue.get(b)
-        free = self._free.get(b)
-        if not heap or not free:
+        lv = self._lv.get(b)
+        if not heap or not lv:
             return
-        out = self.groups
+        groups = self.groups
         share_of = self._cap[b]
-        work = self._occupied[b] + self._queued[b]
-        skips = 0
-        while heap and free:
+        work = self._occupied[b] + self._queued[b]  # constant here: each dispatch moves one over
+        out = self._out
+        pick = self._pick
+        while heap:
             gid = heap[0][2]
-            g = out[gid]
-            if not g.pending:
+            g = groups.get(gid)
+            if g is None or not g.pending:
                 heapq.heappop(heap)
-                g.in_queue = False
+                if g is not None:
+                    g.in_queue = False
                 continue
-            iid = first if first is not None else next(iter(free))
-            inst = self.instances[iid]
-            if len(inst.running) >= -(-work * inst.capacity // share_of):
-                if first is not None:
-                    first = None  # the fresh instance has its share; on to the round robin
-                    continue
-                del free[iid]  # at its fair share: rotate it to the back
-                free[iid] = None
-                self._churn += 1
-                skips += 1
-                if skips >= len(free):
-                    break
-                continue
-            skips = 0
+            inst = pick(b, lv, work, share_of)
+            if inst is None:
+                break
+            iid = inst.id
+            running = inst.running
+            n_run = len(running)
             idx = g.pending.popleft()
             t = g.trajs[idx]
             t.status, t.instance, t.moved = _RUNNING, iid, False
             t.versions = [inst.version]
-            inst.running[(gid, idx)] = None
+            g.live += 1
+            running[(gid, idx)] = None
+            if not n_run:
+                self._idle.pop(iid, None)
+            self._lv_set(b, iid, n_run, n_run + 1)
             self._occupied[b] += 1
             self._queued[b] -= 1
-            if len(inst.running) >= inst.capacity:
-                del free[iid]  # full
-                first = None
-            elif first is None:
-                del free[iid]  # round robin: move the instance to the back
-                free[iid] = None
-            self._churn += 1
-            self._out.append(A.Dispatch(gid, idx, iid, inst.version, t.attempt))
-        if self._churn > 4 * len(free) + 64:
-            # Deleted dict entries stay as dummies at the front until the dict is rebuilt, and
-            # `next(iter(free))` walks over them: compact now and then (order is kept).
-            self._free[b] = dict(free)
-            self._churn = 0
+            out.append(A.Dispatch(gid, idx, iid, inst.version, t.attempt))
         if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
             del self._queue[b], self._queued[b]  # keep per-version dicts as short as the live set
 
@@ -594,20 +729,57 @@ class Scheduler:
         t.instance = None
         if inst is None:
             return
-        del inst.running[(g.gid, idx)]
-        if inst.target is not None:
-            b = self._bucket(inst.target)
+        running = inst.running
+        del running[(g.gid, idx)]
+        n_run = len(running)
+        if inst.loading is None:
+            v = inst.version
+            b = self._bucket(v)
             self._occupied[b] -= 1
-            if inst.loading is None:
-                self._free.setdefault(b, {})[inst.id] = None
+            # one level down (the `_lv_set` common case, inlined: this runs on every finish)
+            lv = self._lv[b]
+            iid = inst.id
+            d = lv[n_run + 1]
+            del d[iid]
+            if not d:
+                del lv[n_run + 1]
+            d = lv.get(n_run)
+            if d is None:
+                lv[n_run] = {iid: None}
+            else:
+                d[iid] = None
+            if n_run < self._lo[b]:
+                self._lo[b] = n_run
+            if not n_run:
+                c = self._nhold[b] - 1
+                if c:
+                    self._nhold[b] = c
+                else:
+                    del self._nhold[b]
+                    self._r5_tried.pop(b, None)
+            if self._queue.get(b):
                 self._dispatch(b)
-        if not inst.running:
-            self._plan_instance(inst)
-        elif self._migrate and inst.version is not None and inst.version < self.newest:
-            self._maybe_consolidate(inst.version)
+            if not running:
+                self._idle[inst.id] = None
+                self._plan_instance(inst)
+            elif self._migrate and v < self.newest:
+                self._maybe_consolidate(v)
+        else:
+            # partial: preempted while loading; it stops counting against the version it loads.
+            self._occupied[self._bucket(inst.loading)] -= 1
+
+    def _retire(self, g: _Group, t: _Traj) -> None:
+        """A trajectory of a failed group stopped running (or got its late reward): once none of
+        them runs, the group leaves the scheduler."""
+        if t.status in (_RUNNING, _AWAIT_REWARD):
+            g.live -= 1
+        t.status = _DEAD
+        if g.live == 0 and self.groups.get(g.gid) is g:
+            del self.groups[g.gid]
 
     def _set_reward(self, g: _Group, idx: int, t: _Traj, reward: Any) -> None:
-        if reward is None or not isinstance(reward, (int, float)) or math.isnan(reward) or math.isinf(reward):
+        if (reward is None or (type(reward) is not float and not isinstance(reward, (int, float)))
+                or not math.isfinite(reward)):
             self.m["invalid_rewards"] += 1
             msg = f"invalid reward {reward!r} for trajectory {g.gid!r}/{idx} (version {g.version})"
             self._out.append(A.ReportError(g.gid, idx, msg))
@@ -615,6 +787,7 @@ class Scheduler:
             return
         t.reward = float(reward)
         t.status = _DONE
+        g.live -= 1
         g.done += 1
         if g.done == len(g.trajs):
             g.state = _COMPLETE
@@ -623,29 +796,36 @@ class Scheduler:
             g.complete_seq = self._complete_seq
             self._complete_seq += 1
             key = tuple(self._batch_key(group_id=g.gid, version=g.version, complete_seq=g.complete_seq, mode=self.mode))
-            heapq.heappush(self._pool, (key, g.complete_seq, g.gid))
+            heapq.heappush(self._pools.setdefault(g.version, []), (key, g.complete_seq, g.gid))
+            self._pool_n += 1
+            self._form_dirty = True
 
     def _fail_traj(self, g: _Group, idx: int, t: _Traj, reason: str) -> None:
+        """Trajectory `idx` (running before, already released, or awaiting its reward) failed."""
         if t.retries < self.config.max_retries:
             t.retries += 1
             t.attempt += 1
             t.status, t.tokens, t.versions, t.reward = _QUEUED, 0, [], None
+            g.live -= 1
             self.m["retries"] += 1
             g.pending.appendleft(idx)
             self._enqueue(g, 1)
             self._dispatch(self._bucket(g.version))
             return
         # Retries exhausted: the group is reported, never silently dropped (C2).
-        t.status = _DEAD
         g.state = _FAILED
         self._admitted -= 1
         self._n_active -= 1
         self._dec_unassigned(g.version)
+        self._form_dirty = True
         b = self._bucket(g.version)
         self._queued[b] = self._queued.get(b, 0) - len(g.pending)
+        for i in g.pending:
+            g.trajs[i].status = _DEAD
         g.pending.clear()
         self.m["failed_groups"] += 1
         self._out.append(A.ReportGroupFailed(g.gid, f"trajectory {idx} failed {t.retries + 1} times: {reason}"))
+        self._retire(g, t)
         self._check_storm(reason)
 
     def _check_storm(self, reason: str) -> None:
@@ -685,29 +865,108 @@ class Scheduler:
         self._start_load(inst, want)
 
     def _plan_all(self) -> None:
-        for inst in list(self.instances.values()):
-            self._plan_instance(inst)
+        """Something changed for every instance (a publish, a failure): plan the idle ones, and
+        consider R5 for every old version that still runs somewhere."""
+        instances = self.instances
+        for iid in list(self._idle):
+            inst = instances.get(iid)
+            if inst is not None:
+                self._plan_instance(inst)
         if self._migrate:
-            for v in sorted({i.version for i in self.instances.values() if i.version is not None}):
+            for v in sorted(self._nhold):
                 if v < self.newest:
                     self._maybe_consolidate(v)
 
+    def _plan_idle(self) -> None:
+        """Work was queued for a version no instance holds (a retry or a crash re-queued a
+        trajectory of an older version): switch an idle instance to it (R4). Busy instances
+        switch when they drain (`_release`)."""
+        instances = self.instances
+        for iid in list(self._idle):
+            self._plan_instance(instances[iid])
+            if self._orphan_version() is None:
+                return
+
     def _maybe_consolidate(self, v: int) -> None:
-        """R5: when an old version's running work is spread thin, move it onto fewer instances."""
+        """R5: when an old version's running work is spread thin, move it onto fewer instances.
+
+        Called on every release of an old-version trajectory, so every test before the plan is
+        O(1): the version must not gate the step being formed, its running work must fill at
+        most `migrate_threshold` of its slots, it must run on more instances than the work needs
+        when each is filled to `migrate_threshold` (the occupancy levels `_lv` count holders),
+        and the newest version must be able to use the freed instances.
+        """
         if self._queued.get(v, 0) > 0 or v + self.K <= self.step:
             # A version the step being formed must take gates the trainer: its stragglers keep
             # their instances (packing them would slow each one down).
             return
-        occ, cap = self._occupied.get(v, 0), self._cap.get(v, 0)
-        if occ == 0 or occ > self.config.migrate_threshold * cap:
+        nh = self._nhold.get(v, 0)
+        if nh < 2:
             return
+        fill = self.config.migrate_threshold
+        occ = self._occupied.get(v, 0)
+        if occ > fill * self._cap.get(v, 0):
+            return
+        limit = max(1, int(fill * self._cap_max))
+        if nh <= -(-occ // limit):
+            return  # already on as few instances as the plan could use
+        if self._r5_tried.get(v) == (occ, nh):
+            return  # tried in this very state and could not move (trajectories already moved once)
         # Only worth it when the newest version could use the freed slots.
-        demand = self._budget_left() > 0 or self._queued.get(self._bucket(self.newest), 0) > 0
-        if not demand:
+        if self._budget_left() <= 0 and self._queued.get(self._bucket(self.newest), 0) <= 0:
             return
-        holders = [self.instances[i] for i in self._by_version.get(v, ()) if self.instances[i].running]
-        if len(holders) < 2:
-            return
+        if self._builtin_r5:
+            self._consolidate_builtin(v)
+        else:
+            self._consolidate_plugin(v)
+        if self._nhold.get(v, 0) == nh and self._occupied.get(v, 0) == occ:
+            self._r5_tried[v] = (occ, nh)
+
+    def _consolidate_builtin(self, v: int) -> None:
+        """The built-in plan, applied incrementally: empty the least loaded holders into the most
+        loaded ones that are below `migrate_threshold` of their capacity (fewest moves, as few
+        instances as can hold the work, none packed tighter than the threshold)."""
+        fill = self.config.migrate_threshold
+        instances = self.instances
+        top = max(1, int(fill * self._cap_max))  # no instance takes more than this
+        emptied = []
+        dst = None
+        while True:
+            lv = self._lv.get(v)
+            if not lv or self._nhold.get(v, 0) <= -(-self._occupied.get(v, 0) // top):
+                break
+            src = instances[next(iter(lv[min(n for n in lv if n)]))]
+            progressed = False
+            for gid, idx in list(src.running):
+                t = self.groups[gid].trajs[idx]
+                if t.moved:
+                    continue  # its first move may still be in flight: a trajectory moves at most once
+                if dst is None or dst is src or len(dst.running) >= max(1, int(fill * dst.capacity)):
+                    # The most loaded holder still below the threshold (the previous destination
+                    # stays the best until it reaches it, so this search runs once per filled one).
+                    dst = None
+                    for level in sorted((n for n in lv if 0 < n < top), reverse=True):
+                        for iid in lv[level]:
+                            if iid != src.id and level < max(1, int(fill * instances[iid].capacity)):
+                                dst = instances[iid]
+                                break
+                        if dst is not None:
+                            break
+                    if dst is None:
+                        break
+                self._move(v, gid, idx, t, src, dst)
+                progressed = True
+            if src.running or not progressed:
+                break
+            emptied.append(src)
+        for i in emptied:
+            self._plan_instance(i)
+
+    def _consolidate_plugin(self, v: int) -> None:
+        """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan."""
+        instances = self.instances
+        holders = [instances[i] for n, level in self._lv.get(v, {}).items() if n for i in level]
+        holders.sort(key=lambda i: i.id)
         plan = self._plan_migration(
             version=v,
             instances=[{"id": i.id, "capacity": i.capacity, "running": list(i.running)} for i in holders],
@@ -715,7 +974,7 @@ class Scheduler:
             fill=self.config.migrate_threshold,
         )
         for gid, idx, src, dst in plan or ():
-            s, d = self.instances.get(src), self.instances.get(dst)
+            s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
             if (gid, idx) not in s.running or len(d.running) >= d.capacity:
@@ -723,18 +982,23 @@ class Scheduler:
             t = self.groups[gid].trajs[idx]
             if t.moved:
                 continue  # its first move may still be in flight: a trajectory moves at most once
-            t.moved = True
-            del s.running[(gid, idx)]
-            d.running[(gid, idx)] = None
-            t.instance = dst
-            if len(d.running) >= d.capacity:
-                self._free.get(v, {}).pop(dst, None)
-            self._free.setdefault(v, {})[src] = None
-            self.m["migrations"] += 1
-            self._out.append(A.Migrate(gid, idx, src, dst, v))
+            self._move(v, gid, idx, t, s, d)
         for i in holders:
             if not i.running:
                 self._plan_instance(i)
+
+    def _move(self, v: int, gid: Any, idx: int, t: _Traj, s: _Instance, d: _Instance) -> None:
+        ns, nd = len(s.running), len(d.running)
+        del s.running[(gid, idx)]
+        d.running[(gid, idx)] = None
+        self._lv_set(v, s.id, ns, ns - 1)
+        self._lv_set(v, d.id, nd, nd + 1)
+        t.instance = d.id
+        t.moved = True
+        if ns == 1:
+            self._idle[s.id] = None
+        self.m["migrations"] += 1
+        self._out.append(A.Migrate(gid, idx, s.id, d.id, v))
 
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
@@ -754,9 +1018,8 @@ class Scheduler:
         elif self._admission == "fleet":
             if self._outstanding or any(self._occupied.values()) or any(self._queued.values()):
                 return
-            if any(i.target != self.newest or i.loading is not None for i in self.instances.values()):
-                return
-            if not self.instances:
+            # The whole fleet holds the newest version and nothing loads.
+            if self._n_loading or not self.instances or self._targets.get(self.newest, 0) != len(self.instances):
                 return
             want = min(self.B, left)
         else:
@@ -796,44 +1059,56 @@ class Scheduler:
         return True
 
     def _form(self) -> None:
-        if self._trainer_busy is not None or (not self._pool and not self._exhausted) or self.done:
+        """Fill the step being formed from the completed groups (R3); start it when full, or
+        short when nothing more can come. Runs only when one of its inputs changed."""
+        if not self._form_dirty or self._trainer_busy is not None:
+            return
+        self._form_dirty = False
+        if (not self._pool_n and not self._exhausted) or self.done:
             return
         k = self.step
         r = self.B - len(self._forming)
-        if r > 0 and self._pool:
-            if self._pool_fifo:
-                self._take_fifo(k, r)
+        pools = self._pools
+        fifo = self._pool_fifo
+        while r > 0 and self._pool_n:
+            # Each version's pool is ordered by the batch key, and feasibility depends only on
+            # the version: the candidates are the heads of the live versions' pools.
+            best = None
+            waited = False
+            if fifo:
+                # The smallest key among the versions that can be taken now.
+                for v, heap in pools.items():
+                    if best is not None and heap[0] >= best[0]:
+                        continue
+                    if self._feasible(v, r):
+                        best = (heap[0], v)
+                    else:
+                        waited = True
             else:
-                while r > 0 and self._pool:
-                    _, _, gid = self._pool[0]
-                    g = self.groups[gid]
-                    if not self._feasible(g.version, r):
-                        self.m["trainer_waits_for_older"] += 1
-                        break
-                    heapq.heappop(self._pool)
-                    self._assign(g, k)
-                    r -= 1
+                # dora: the global head (oldest version first by default), or wait for it.
+                v = min(pools, key=lambda u: pools[u][0])
+                if self._feasible(v, r):
+                    best = (pools[v][0], v)
+                else:
+                    waited = True
+            if waited:
+                self.m["trainer_waits_for_older"] += 1
+            if best is None:
+                break
+            v = best[1]
+            heap = pools[v]
+            _, _, gid = heapq.heappop(heap)
+            if not heap:
+                del pools[v]
+            self._pool_n -= 1
+            self._assign(self.groups[gid], k)
+            r -= 1
         r = self.B - len(self._forming)
         if r == 0 or (r > 0 and self._forming and self._nothing_more_coming()):
             self._start_step(k)
 
-    def _take_fifo(self, k: int, r: int) -> None:
-        skipped = []
-        while r > 0 and self._pool:
-            item = heapq.heappop(self._pool)
-            g = self.groups[item[2]]
-            if self._feasible(g.version, r):
-                self._assign(g, k)
-                r -= 1
-            else:
-                skipped.append(item)
-        if skipped:
-            self.m["trainer_waits_for_older"] += 1
-            for item in skipped:
-                heapq.heappush(self._pool, item)
-
     def _nothing_more_coming(self) -> bool:
-        return self._exhausted and not self._pool and self._n_active == 0
+        return self._exhausted and not self._pool_n and self._n_active == 0
 
     def _assign(self, g: _Group, k: int) -> None:
         g.state = _ASSIGNED
@@ -846,56 +1121,81 @@ class Scheduler:
     def _start_step(self, k: int) -> None:
         gids = tuple(self._forming)
         hist = self.m["staleness_hist"]
+        m = self.m
         seen: set = set()
+        pinned = self._pinned
+        trajs = tokens = multi = c1 = 0
         for gid in gids:
             g = self.groups[gid]
             s = k - g.version
             hist[s] = hist.get(s, 0) + 1
             if s > self.K or s < 0:
-                self.m["c3_violations"] += 1
+                m["c3_violations"] += 1
             # Trained twice: twice in this batch, or not in the state of a group assigned to it.
             if gid in seen or g.state != _ASSIGNED or g.step != k:
-                self.m["duplicated"] += 1
+                m["duplicated"] += 1
             seen.add(gid)
+            v = g.version
             for t in g.trajs:
-                self.m["trajectories_trained"] += 1
-                self.m["tokens_trained"] += t.tokens
-                if len(set(t.versions)) > 1:
-                    self.m["multi_version_trajectories"] += 1
-                elif self._pinned and t.versions != [g.version]:
-                    self.m["c1_violations"] += 1
-        self.m["groups_trained"] += len(gids)
-        self.step_log.append((k, gids))
+                tokens += t.tokens
+                vs = t.versions  # versions only grow and are appended only when they differ
+                if len(vs) > 1:
+                    multi += 1
+                elif pinned and (not vs or vs[0] != v):
+                    c1 += 1
+            trajs += len(g.trajs)
+        m["trajectories_trained"] += trajs
+        m["tokens_trained"] += tokens
+        m["multi_version_trajectories"] += multi
+        m["c1_violations"] += c1
+        m["groups_trained"] += len(gids)
         self._trainer_busy = k
         self._out.append(A.StartStep(k, gids))
 
     # ------------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> dict[str, Any]:
-        """The whole state as JSON-serialisable data; `restore` rebuilds an identical scheduler."""
+        """The whole live state as JSON-serialisable data; `restore` rebuilds an identical
+        scheduler (same actions for the same events from then on).
+
+        Small and bounded: it holds live groups and instances only (never the run's history),
+        so its size does not grow with the number of steps. `format` is `SNAPSHOT_FORMAT`.
+        Runtimes store it in their own checkpoints and resume from it.
+        """
         groups = []
         for g in self.groups.values():
+            v = g.version
+            # Compact (delta-coded, so the size does not grow with the counters' digits): version,
+            # seq, step and completion order relative to the scheduler's own counters, the
+            # admission key only when it is not the default `(seq,)`, trajectory versions
+            # relative to the group's version (almost always `[0]`).
             groups.append([
-                g.gid, g.version, g.seq, list(g.key), g.meta, g.state, g.step, g.complete_seq,
-                g.in_queue, list(g.pending), g.done,
-                [[t.status, t.instance, t.attempt, t.tokens, list(t.versions), t.reward, t.retries, t.moved]
-                 for t in g.trajs],
+                g.gid, self.newest - v, self._seq - g.seq, None if g.key == (g.seq,) else list(g.key), g.meta,
+                g.state, None if g.step is None else self.step - g.step,
+                None if g.complete_seq is None else self._complete_seq - g.complete_seq,
+                g.in_queue, list(g.pending), g.done, g.live,
+                [[t.status, t.instance, t.attempt, t.tokens, [x - v for x in t.versions], t.reward, t.retries,
+                  t.moved] for t in g.trajs],
             ])
         insts = [[i.id, i.capacity, i.version, i.loading, [list(k) for k in i.running]]
                  for i in self.instances.values()]
+        live = self.groups
 
         def heap(h):
-            return [[list(e[0]), e[1], e[2]] for e in h]
+            return [[list(e[0]), e[1], e[2]] for e in h if e[2] in live]
 
         return {
-            "format": 1,
+            "format": SNAPSHOT_FORMAT,
             "config": self.config.to_dict(),
             "scalars": {
                 "newest": self.newest, "step": self.step, "trainer_busy": self._trainer_busy,
                 "started": self._started, "exhausted": self._exhausted,
                 "outstanding": self._outstanding, "admitted": self._admitted, "seq": self._seq,
                 "complete_seq": self._complete_seq, "n_active": self._n_active,
-                "halted": self._halted, "orphaned": self._orphaned,
+                "halted": self._halted, "orphaned": self._orphaned, "form_dirty": self._form_dirty,
+                "cap_max": self._cap_max, "uniform": self._uniform,
             },
+            "idle": list(self._idle),
+            "levels": [[b, self._lo[b], [[n, list(d)] for n, d in lv.items()]] for b, lv in self._lv.items()],
             "dead": sorted(self._dead),
             "forming": list(self._forming),
             "groups": groups,
@@ -903,54 +1203,72 @@ class Scheduler:
             "unassigned": [[v, c] for v, c in self._unassigned.items()],
             "queue": [[b, heap(h)] for b, h in self._queue.items()],
             "queued": [[b, c] for b, c in self._queued.items()],
-            "free": [[b, list(d)] for b, d in self._free.items()],
-            "cap": [[b, c] for b, c in self._cap.items()],
-            "occupied": [[b, c] for b, c in self._occupied.items()],
-            "by_version": [[b, list(d)] for b, d in self._by_version.items()],
-            "targets": [[b, c] for b, c in self._targets.items()],
-            "pool": heap(self._pool),
-            "step_log": [[k, list(g)] for k, g in self.step_log],
+            "pools": [[v, heap(h)] for v, h in self._pools.items()],
+            "r5_tried": [[v, list(x)] for v, x in self._r5_tried.items()],
             "metrics": {**self.m, "staleness_hist": [[k, v] for k, v in self.m["staleness_hist"].items()]},
         }
 
     @classmethod
     def restore(cls, snap: dict[str, Any], plugins: Any = None) -> "Scheduler":
         """Rebuild a scheduler from `snapshot()` output (possibly after a JSON round trip)."""
-        if snap.get("format") != 1:
-            raise ProtocolError(f"unknown snapshot format {snap.get('format')!r}")
+        fmt = snap.get("format") if isinstance(snap, dict) else None
+        if fmt != SNAPSHOT_FORMAT:
+            raise ProtocolError(
+                f"snapshot format {fmt!r} is not supported: this dora-ext reads format {SNAPSHOT_FORMAT} "
+                f"(a snapshot from another dora-ext version cannot be resumed)"
+            )
         self = cls(DoraConfig.from_dict(snap["config"]), plugins=plugins)
         sc = snap["scalars"]
         self.newest, self.step, self._trainer_busy = sc["newest"], sc["step"], sc["trainer_busy"]
         self._started, self._exhausted = sc["started"], sc["exhausted"]
         self._outstanding, self._admitted = sc["outstanding"], sc["admitted"]
         self._seq, self._complete_seq, self._n_active = sc["seq"], sc["complete_seq"], sc["n_active"]
-        self._halted, self._orphaned = sc.get("halted"), sc.get("orphaned", False)
-        self._dead = set(snap.get("dead", ()))
+        self._halted, self._orphaned = sc["halted"], sc["orphaned"]
+        self._form_dirty, self._uniform = sc["form_dirty"], sc["uniform"]
+        self._dead = set(snap["dead"])
         self._forming = list(snap["forming"])
-        for (gid, version, seq, key, meta, state, step, cseq, in_queue, pending, done, trajs) in snap["groups"]:
-            g = _Group(gid, version, seq, tuple(key), meta, len(trajs))
+        for (gid, dv, dseq, key, meta, state, dstep, dcseq, in_queue, pending, done, live, trajs) in snap["groups"]:
+            version, seq = self.newest - dv, self._seq - dseq
+            step = None if dstep is None else self.step - dstep
+            cseq = None if dcseq is None else self._complete_seq - dcseq
+            g = _Group(gid, version, seq, (seq,) if key is None else tuple(key), meta, len(trajs))
             g.state, g.step, g.complete_seq, g.in_queue = state, step, cseq, in_queue
             g.pending = deque(pending)
-            g.done = done
+            g.done, g.live = done, live
             for t, (status, inst, attempt, tokens, versions, reward, retries, moved) in zip(g.trajs, trajs):
                 t.status, t.instance, t.attempt, t.tokens, t.moved = status, inst, attempt, tokens, moved
-                t.versions, t.reward, t.retries = list(versions), reward, retries
+                t.versions, t.reward, t.retries = [x + version for x in versions], reward, retries
             self.groups[gid] = g
         for iid, cap, version, loading, running in snap["instances"]:
             inst = _Instance(iid, cap)
             inst.version, inst.loading = version, loading
             inst.running = {(gid, idx): None for gid, idx in running}
             self.instances[iid] = inst
+            target = inst.target
+            if target is not None:
+                b = self._bucket(target)
+                self._cap[b] = self._cap.get(b, 0) + cap
+                self._occupied[b] = self._occupied.get(b, 0) + len(inst.running)
+                self._targets[target] = self._targets.get(target, 0) + 1
+            if loading is not None:
+                self._n_loading += 1
+        self._cap_max = sc["cap_max"]
+        # Insertion orders matter (round robin, R5's choice among equals): restored as saved.
+        self._idle = dict.fromkeys(snap["idle"])
+        self._lv = {b: {n: dict.fromkeys(d) for n, d in lv} for b, _, lv in snap["levels"]}
+        self._lo = {b: lo for b, lo, _ in snap["levels"]}
+        self._nhold = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._lv.items()}
+        self._nhold = {b: c for b, c in self._nhold.items() if c}
         self._unassigned = {v: c for v, c in snap["unassigned"]}
         self._queue = {b: [(tuple(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
+        for h in self._queue.values():
+            heapq.heapify(h)
         self._queued = {b: c for b, c in snap["queued"]}
-        self._free = {b: dict.fromkeys(d) for b, d in snap["free"]}
-        self._cap = {b: c for b, c in snap["cap"]}
-        self._occupied = {b: c for b, c in snap["occupied"]}
-        self._by_version = {b: dict.fromkeys(d) for b, d in snap["by_version"]}
-        self._targets = {b: c for b, c in snap["targets"]}
-        self._pool = [(tuple(k), s, gid) for k, s, gid in snap["pool"]]
-        self.step_log = [(k, tuple(g)) for k, g in snap["step_log"]]
+        self._pools = {v: [(tuple(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
+        for h in self._pools.values():
+            heapq.heapify(h)
+        self._pool_n = sum(len(h) for h in self._pools.values())
+        self._r5_tried = {v: tuple(x) for v, x in snap["r5_tried"]}
         m = dict(snap["metrics"])
         m["staleness_hist"] = {int(k): v for k, v in m["staleness_hist"]}
         self.m = m
@@ -967,13 +1285,3 @@ class Scheduler:
         if self._halted is not None:
             raise self._storm(out)
         return out
-
-    def _plan_idle(self) -> None:
-        """Work was queued for a version no instance holds (a retry or a crash re-queued a
-        trajectory of an older version): switch an idle instance to it (R4). Busy instances
-        switch when they drain (`_release`)."""
-        for inst in list(self.instances.values()):
-            if inst.loading is None and not inst.running:
-                self._plan_instance(inst)
-                if self._orphan_version() is None:
-                    return

@@ -154,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     metrics_path = os.path.join(out, "metrics.jsonl")
     try:
         runtime = Runtime(recipe, prepared, checkpoint_dir=ckpt_dir, checkpoint_every=every,
-                          resume=resume, resume_command=f"dora-ext train --resume {out}",
+                          resume=resume,
                           on_checkpoint=lambda v: print(f"checkpoint: version {v} in {ckpt_dir}", file=sys.stderr,
                                                         flush=True))
     except (FileNotFoundError, ValueError) as exc:

@@ -154,10 +154,12 @@ def smoothed(values: Sequence[float], window: int) -> list[float]:
 
 
 def time_to_reward(result: RunResult, target: float, window: int) -> float | None:
-    """Wall time at which the run's smoothed training-batch reward first reaches `target` (None if never)."""
+    """Wall time at which the run's smoothed training-batch reward first reaches `target` (None if
+    never). Only full windows count: the first batches of an asynchronous mode hold the groups
+    that finished first (short answers, higher reward), which a partial window would overweight."""
     ys = smoothed([s["reward_mean"] for s in result.steps], window)
-    for s, y in zip(result.steps, ys):
-        if y >= target:
+    for i, (s, y) in enumerate(zip(result.steps, ys)):
+        if i + 1 >= min(window, len(ys)) and y >= target:
             return s["time_s"]
     return None
 

@@ -15,6 +15,16 @@ What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards
 checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
 engine, timed), same-version migration (the sequence's KV cache moves between engines), and the
 core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
+
+Faults and checkpoints. The coordinator watches its worker processes: an instance that exits is
+reported to the scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned
+version; a sequence it was exporting is retried through `TrajectoryFailed`) and the run goes on
+with the remaining instances; a trainer that exits ends the run with `WorkerDied`. With
+`checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
+optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
+and the weights of the versions work may still be pinned to; `resume=True` continues from the
+newest complete checkpoint, failing and re-registering every instance so that in-flight
+trajectories are re-issued at their pinned version.
 """
 
 from __future__ import annotations
@@ -196,14 +206,13 @@ class Runtime:
     them to recompute log-probs under the version each trajectory claims). checkpoint_dir,
     checkpoint_every: write a checkpoint there every that many steps (a run without `resume`
     clears an earlier run's checkpoint from the folder); resume: continue from its last complete
-    checkpoint (the recipe must be the run's own); resume_command: how a user continues the run,
-    named in `WorkerDied` when a checkpoint exists.
+    checkpoint (the recipe must be the run's own).
     """
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
                  keep_versions: bool = False, device: torch.device | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-                 on_checkpoint: Callable[[int], None] | None = None, resume_command: str | None = None) -> None:
+                 on_checkpoint: Callable[[int], None] | None = None) -> None:
         from ..engines import SamplingParams, default_device
 
         self.recipe = recipe
@@ -249,7 +258,6 @@ class Runtime:
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.on_checkpoint = on_checkpoint
-        self.resume_command = resume_command  # how a user continues this run, named when a worker dies
         self.t_offset = 0.0  # wall time of the run before a resume
         self.resumed_from: int | None = None
         self._trainer_resume: str | None = None
@@ -590,21 +598,17 @@ class Runtime:
             self._send_step(busy, [(g, self._group(g)) for g in gids])
 
     def _died_message(self, what: str) -> str:
-        """What ended the run and how to continue it: from the last *complete* checkpoint if there
-        is one (`resume_command`, e.g. the CLI's `dora-ext train --resume OUT`), else how to get one."""
         import os
 
+        ckpt = self.checkpoint_dir
         step = len(self.step_end)
-        latest = os.path.join(self.checkpoint_dir, "latest") if self.checkpoint_dir else None
-        if latest and os.path.exists(latest):
-            with open(latest, encoding="utf-8") as fh:
-                version = fh.read().strip()
-            how = self.resume_command or (f"Runtime(recipe, prepared, checkpoint_dir={self.checkpoint_dir!r}, "
-                                          f"resume=True).run()")
-            return f"{what} at step {step}. The run can continue from its last checkpoint (version {version}): {how}"
-        return (f"{what} at step {step}. No checkpoint was written, so this run cannot be resumed; to be able to "
-                f"continue a broken run, write checkpoints (dora-ext train RECIPE --checkpoint-every N) and "
-                f"continue it with dora-ext train --resume OUT")
+        if ckpt and os.path.exists(os.path.join(ckpt, "latest")):
+            run_dir = os.path.dirname(os.path.abspath(ckpt))
+            how = (f"dora-ext train --resume {run_dir}" if os.path.exists(os.path.join(run_dir, "run.json"))
+                   else f"Runtime(recipe, prepared, checkpoint_dir={ckpt!r}, resume=True).run()")
+            return f"{what} at step {step}. The run can continue from its last checkpoint: {how}"
+        return (f"{what} at step {step}. No checkpoint was completed yet (dora-ext train writes one every "
+                f"--checkpoint-every N steps; a broken run then continues with dora-ext train --resume DIR)")
 
     def _wait_ready(self, count: int, handles: list) -> None:
         ready = 0

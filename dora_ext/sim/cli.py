@@ -46,6 +46,10 @@ def register(subparsers: Any) -> None:
                    help="rollout:trainer accelerators of the asynchronous modes, or auto (best per mode)")
     p.add_argument("--instances", type=int, default=None, help="override the rollout instance count (scale runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--checkpoint", metavar="FILE", help="with --stop-after-events: write a checkpoint there (one mode)")
+    p.add_argument("--stop-after-events", type=int, default=None, metavar="N",
+                   help="stop after N scheduler events and write --checkpoint (one mode)")
+    p.add_argument("--resume", metavar="FILE", help="continue a run from a --checkpoint file and print its result")
     p.add_argument("--plot", metavar="FILE.png", help="write a timeline plot (needs matplotlib)")
     p.set_defaults(func=run)
 
@@ -59,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         print(list_presets(PRESETS))
         return 0
+    if args.resume or args.checkpoint or args.stop_after_events is not None:
+        return _stop_or_resume(args)
     try:
         if args.preset is None:
             raise WorkloadError(f"--preset: required; accepted: {', '.join(PRESETS)}")
@@ -167,3 +173,51 @@ def list_presets(presets: dict) -> str:
         for s in p.sources:
             out.append(f"  source: {s}")
     return "\n".join(out)
+
+
+def _stop_or_resume(args: argparse.Namespace) -> int:
+    """`--stop-after-events N --checkpoint FILE` and `--resume FILE` (one mode at a time)."""
+    from ..core import ProtocolError
+    from . import SimError, WorkloadError, get_preset, load_lengths
+    from .runner import Simulation, parse_split
+
+    try:
+        if args.resume:
+            if args.checkpoint or args.stop_after_events is not None:
+                raise WorkloadError("--resume: runs to the end; it takes no --checkpoint/--stop-after-events")
+            sim = Simulation.load(args.resume)
+            result = sim.run()
+        else:
+            if not args.checkpoint or args.stop_after_events is None:
+                raise WorkloadError("--checkpoint and --stop-after-events go together")
+            if args.stop_after_events < 0:
+                raise WorkloadError(f"--stop-after-events: expected an integer >= 0, got {args.stop_after_events}")
+            if args.preset is None:
+                raise WorkloadError("--preset: required")
+            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+            if len(modes) != 1 or modes[0] not in MODES:
+                raise WorkloadError(f"--modes: a checkpointed run takes exactly one mode of {', '.join(MODES)}")
+            split = parse_split(args.split)
+            preset = get_preset(args.preset)
+            sim = Simulation(preset, modes[0], steps=args.steps or preset.default_steps, seed=args.seed,
+                             max_staleness=args.max_staleness, split=split if isinstance(split, tuple) else None,
+                             records=load_lengths(args.lengths) if args.lengths else None,
+                             instances=args.instances)
+            result = sim.run(stop_after_events=args.stop_after_events)
+            if result is None:
+                sim.save(args.checkpoint)
+                print(f"stopped after {sim.events} scheduler events at step {sim.sched.step}; "
+                      f"checkpoint written to {args.checkpoint} (continue with --resume {args.checkpoint})")
+                return 0
+    except (WorkloadError, ConfigError, OSError) as exc:
+        print(f"dora-ext simulate: error: {exc}", file=sys.stderr)
+        return 2
+    except (SimError, ProtocolError) as exc:
+        print(f"dora-ext simulate: the scheduler misbehaved: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    results = {result.mode: result}
+    if args.json:
+        print(json.dumps(to_json(sim.preset.name, getattr(sim, "seed", args.seed), sim.steps, results), indent=2))
+    else:
+        print(format_table(sim.preset.name, getattr(sim, "seed", args.seed), sim.steps, results))
+    return 0

@@ -29,6 +29,9 @@ from .workload import LengthSampler, WorkloadError
 
 _FINISH, _LOADED, _ARRIVE, _TRAINER = 0, 1, 2, 3
 
+#: `Simulation.save` writes this checkpoint format; `Simulation.load` reads only this one.
+CHECKPOINT_FORMAT = 1
+
 
 class SimError(RuntimeError):
     """The scheduler asked for something the simulated hardware cannot do (a core bug)."""
@@ -152,6 +155,7 @@ class Simulation:
         k = _staleness(mode, max_staleness)
         self.K = k
         self.steps = steps
+        self.seed = seed
         ec = preset.engine
         self.config = DoraConfig.from_dict(
             {
@@ -213,13 +217,19 @@ class Simulation:
         self.reports: list[str] = []
 
     # ------------------------------------------------------------------ main loop
-    def run(self) -> RunResult:
-        self._execute(self.sched.start())
-        self._drain()
+    def run(self, stop_after_events: int | None = None) -> RunResult | None:
+        """Run to the end and return the result; or, with `stop_after_events`, stop once that
+        many scheduler events were handled and return None (`save` the state, `load` it and
+        `run()` again to resume: the run is deterministic, so it ends exactly as it would have)."""
+        if not self.sched._started:
+            self._execute(self.sched.start())
+            self._drain()
         heap = self._heap
         pop = heapq.heappop
         sched = self.sched
         while not sched.done:
+            if stop_after_events is not None and self.events >= stop_after_events:
+                return None
             if not heap:
                 raise SimDeadlock(self._deadlock_report())
             t, _, kind, x, y = pop(heap)
@@ -237,6 +247,36 @@ class Simulation:
                 self._on_trainer_done(x)
             self._drain()
         return self._result()
+
+    # ------------------------------------------------------------------ stop / resume
+    def save(self, path: str) -> None:
+        """Write a checkpoint: the scheduler as `Scheduler.snapshot()` (JSON data, what every
+        runtime resumes from) and the simulator's own state (its virtual clock, event heap,
+        engines, sampler). The simulator part is pickled: load checkpoints you wrote yourself."""
+        import pickle
+
+        state = dict(self.__dict__)
+        state.pop("sched")
+        with open(path, "wb") as fh:
+            pickle.dump({"format": CHECKPOINT_FORMAT, "scheduler": self.sched.snapshot(), "simulation": state}, fh)
+
+    @classmethod
+    def load(cls, path: str, plugins: Any = None) -> "Simulation":
+        """Read a checkpoint written by `save`; `run()` continues where it stopped."""
+        import pickle
+
+        with open(path, "rb") as fh:
+            try:
+                data = pickle.load(fh)
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as exc:
+                raise WorkloadError(f"--resume: {path} is not a simulator checkpoint ({exc})") from None
+        fmt = data.get("format") if isinstance(data, dict) else None
+        if fmt != CHECKPOINT_FORMAT:
+            raise WorkloadError(f"--resume: {path} is not a simulator checkpoint of format {CHECKPOINT_FORMAT} (format {fmt!r})")
+        self = cls.__new__(cls)
+        self.__dict__.update(data["simulation"])
+        self.sched = Scheduler.restore(data["scheduler"], plugins)
+        return self
 
     def _push(self, t: float, kind: int, x: Any, y: Any) -> None:
         self._seq += 1

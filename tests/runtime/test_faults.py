@@ -100,19 +100,27 @@ def test_an_instance_killed_while_writing_a_report_silences_only_itself(monkeypa
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_is_a_clean_error_naming_resume():
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_a_killed_trainer_is_a_clean_error_naming_resume(checkpoints, tmp_path):
     recipe = recipe_from_dict(tiny(steps=6))
     prepared = prepare(recipe)
     holder: list = []
 
     def kill(rec: dict) -> None:
-        if rec["step"] == 1:
+        # the trainer reports "checkpointed" (version 2) before step 2's end: by step 3 it is complete
+        if rec["step"] == 3:
             os.kill(holder[0].trainer_pid, signal.SIGKILL)
 
-    rt = Runtime(recipe, prepared, on_step=kill)
+    kw = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2) if checkpoints else {}
+    rt = Runtime(recipe, prepared, on_step=kill, **kw)
     holder.append(rt)
-    with pytest.raises(WorkerDied, match="trainer process exited.*--resume"):
+    with pytest.raises(WorkerDied, match="trainer process exited.*--resume|trainer process exited.*resume=True") as info:
         rt.run()
+    if checkpoints:
+        assert "can continue from its last checkpoint" in str(info.value)
+        assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+    else:
+        assert "No checkpoint was completed yet" in str(info.value)
 
 
 @pytest.mark.slow
@@ -224,38 +232,3 @@ def test_resume_registers_every_instance_again_also_one_that_failed_before(tmp_p
     assert set(rt.sched.instances) == {0}  # what the snapshot holds
     rt._restart_from_checkpoint()
     assert set(rt.sched.instances) == {0, 1}
-
-
-def test_a_dead_worker_names_a_resume_command_that_works(tmp_path, monkeypatch):
-    """`WorkerDied` names how to continue only when a complete checkpoint exists, and then the
-    command the CLI really accepts (`dora-ext train --resume OUT`: the run folder, no recipe)."""
-    recipe = recipe_from_dict(tiny())
-    prepared = prepare(recipe)
-    ckpt = tmp_path / "run" / "checkpoint"
-    rt = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume_command=f"dora-ext train --resume {tmp_path / 'run'}")
-    msg = rt._died_message("the trainer process exited (exit code -9)")
-    assert "No checkpoint was written" in msg and "cannot be resumed" in msg
-    _coordinator_checkpoint(recipe, prepared, ckpt)
-    rt = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume=True,
-                 resume_command=f"dora-ext train --resume {tmp_path / 'run'}")
-    msg = rt._died_message("the trainer process exited (exit code -9)")
-    assert msg.endswith(f"(version 1): dora-ext train --resume {tmp_path / 'run'}"), msg
-
-    # the CLI hands the runtime that command for its run folder
-    seen = {}
-
-    def fake_runtime(recipe, prepared, **kw):
-        seen.update(kw)
-        raise ValueError("stopped before the run")
-
-    import yaml
-
-    from dora_ext.cli import main
-
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(tiny()))
-    monkeypatch.setattr("dora_ext.runtime.runtime.Runtime", fake_runtime)
-    monkeypatch.setattr("dora_ext.runtime.runtime.prepare", lambda recipe: None)
-    assert main(["train", str(path), "--out", str(tmp_path / "cli"), "--no-progress"]) == 1
-    assert seen["resume_command"] == f"dora-ext train --resume {tmp_path / 'cli'}"
-    assert seen["checkpoint_dir"] == str(tmp_path / "cli" / "checkpoint")

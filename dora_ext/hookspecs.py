@@ -65,8 +65,11 @@ def dora_plan_migration(
     """Plan R5 same-version migration for an old `version` whose running work is spread thin.
 
     Called only when the version's running trajectories fill at most ``migrate_threshold`` of the
-    slots of the instances holding it. `instances` lists those instances as dicts with keys
-    ``id``, ``capacity`` and ``running`` (a list of ``(group_id, index)``).
+    slots of the instances holding it, run on more instances than they would need at
+    ``migrate_threshold`` of the largest capacity, and the version does not gate the step being
+    formed. `instances` lists the instances running that version as dicts with keys ``id``,
+    ``capacity`` and ``running`` (a list of ``(group_id, index)``). A move of a trajectory that
+    was already moved once in its attempt is skipped (its first move may still be in flight).
 
     Return a list of ``(group_id, index, src_instance, dst_instance)`` moves (each destination must
     hold `version` and have room), or an empty list for no migration. Instances emptied by the
@@ -77,7 +80,8 @@ def dora_plan_migration(
     version the trainer waits for decode much slower.
 
     Default: keep the fewest instances that can hold the work within `fill` (those already
-    running the most), move everything else onto them.
+    running the most), move everything else onto them. (Without plugins the scheduler applies
+    this policy incrementally, emptying the least loaded holders first, instead of calling it.)
     """
 
 

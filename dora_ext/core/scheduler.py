@@ -23,13 +23,12 @@ Every per-event path is O(1) in the number of groups and instances (amortised), 
 whole fleet must act (a publish in `partial` preempts every instance):
 
 - queued work: one heap per version of groups with pending trajectories (R6, group-major);
-- free slots: per version, an insertion-ordered dict of instances with a free slot, rotated
-  round robin with a fair-share cap (`_dispatch`);
+- occupancy levels: per version, the loaded instances bucketed by how many trajectories they run
+  (`_lv`), so dispatch takes the least loaded instance within its fair share in O(1) (`_dispatch`,
+  `_pick`), and R5 is considered in O(1) on every release and acts only when the version runs on
+  more instances than its work needs (`_maybe_consolidate`);
 - completed groups: one heap per version (R3 looks at each live version's head only), and batch
   formation runs only when one of its inputs changed (`_form_dirty`);
-- R5: per version, instances bucketed by how many trajectories they run, so consolidation is
-  considered in O(1) on every release and acts only when the version could be held by fewer
-  instances than hold it (`_maybe_consolidate`);
 - idle instances: a set, so that a publish or a re-queued old trajectory plans only those.
 
 A note on R3. Taking "the mandatory set, then the oldest completed groups" is not enough to keep
@@ -690,10 +689,13 @@ class Scheduler:
         if not heap or not lv:
             return
         groups = self.groups
+        instances = self.instances
         share_of = self._cap[b]
         work = self._occupied[b] + self._queued[b]  # constant here: each dispatch moves one over
         out = self._out
-        pick = self._pick
+        uniform = self._uniform
+        lo_of = self._lo
+        idle = self._idle
         while heap:
             gid = heap[0][2]
             g = groups.get(gid)
@@ -702,10 +704,22 @@ class Scheduler:
                 if g is not None:
                     g.in_queue = False
                 continue
-            inst = pick(b, lv, work, share_of)
-            if inst is None:
-                break
-            iid = inst.id
+            # `_pick`, inlined for the common case (equal capacities): the least loaded instance
+            lo = lo_of[b]
+            while lo not in lv:
+                lo += 1
+            lo_of[b] = lo
+            level = lv[lo]
+            iid = next(iter(level))
+            inst = instances[iid]
+            cap = inst.capacity
+            if lo >= cap or lo >= -(-work * cap // share_of):
+                if uniform:
+                    break
+                inst = self._pick(b, lv, work, share_of)
+                if inst is None:
+                    break
+                iid = inst.id
             running = inst.running
             n_run = len(running)
             idx = g.pending.popleft()
@@ -714,9 +728,20 @@ class Scheduler:
             t.versions = [inst.version]
             g.live += 1
             running[(gid, idx)] = None
-            if not n_run:
-                self._idle.pop(iid, None)
-            self._lv_set(b, iid, n_run, n_run + 1)
+            if n_run:
+                # one level up (the `_lv_set` common case, inlined)
+                d = lv[n_run]
+                del d[iid]
+                if not d:
+                    del lv[n_run]
+                d = lv.get(n_run + 1)
+                if d is None:
+                    lv[n_run + 1] = {iid: None}
+                else:
+                    d[iid] = None
+            else:
+                idle.pop(iid, None)
+                self._lv_set(b, iid, 0, 1)
             self._occupied[b] += 1
             self._queued[b] -= 1
             out.append(A.Dispatch(gid, idx, iid, inst.version, t.attempt))

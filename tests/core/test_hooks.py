@@ -100,3 +100,52 @@ def test_plugin_installed_through_a_real_entry_point(tmp_path):
     assert "reverse" in plugged["plugins"] and "reverse" not in plain["plugins"]
     assert plain["first"] == [0]  # default: admission order, group 0 takes the only slot
     assert plugged["first"] == [2]  # the plugin reverses it
+
+
+def test_a_migration_plugin_is_called_and_its_plan_applied():
+    """R5 through the hook: the plugin gets the holders of the thin old version and its moves are
+    applied (the built-in path applies the same policy incrementally: same packing here)."""
+    import importlib.util
+    import pathlib
+
+    from dora_ext.core import LoadVersion, Migrate, Scheduler
+
+    spec = importlib.util.spec_from_file_location("rules", pathlib.Path(__file__).with_name("test_rules.py"))
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+    Harness = rules.Harness
+
+    calls = []
+
+    class Recorder:
+        @hookimpl
+        def dora_plan_migration(self, version, instances, newest_version, fill):
+            from dora_ext.defaults import dora_plan_migration
+
+            calls.append((version, sorted(len(d["running"]) for d in instances)))
+            return dora_plan_migration(version=version, instances=instances, newest_version=newest_version,
+                                       fill=fill)
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Recorder())
+    packs = {}
+    for name, plugins in (("hook", pm), ("builtin", None)):
+        h = Harness.__new__(Harness)
+        h.s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 2,
+                                              "group_size": 2, "instances": 4, "capacity": 8}), plugins)
+        h.log, h.next_gid, h.running = [], 0, {}
+        h.feed_actions(h.s.start())
+        h.finish_group(0)
+        h.finish_group(1)
+        mark = len(h.log)
+        h.train(0)
+        assert h.of(Migrate, mark)
+        per: dict = {}
+        for inst, v in h.running.values():
+            if v == 0:
+                per[inst] = per.get(inst, 0) + 1
+        packs[name] = sorted(per.values())
+        freed = {m.src for m in h.of(Migrate, mark)}
+        assert {a.instance_id for a in h.of(LoadVersion, mark) if a.version == 1} == freed
+    assert calls and calls[0] == (0, [2, 2, 2, 2])
+    assert packs["hook"] == packs["builtin"] == [4, 4]

@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import json
 import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -324,17 +323,11 @@ class Runtime:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
-        from .workers import EngineRecipe, PackedWeights, TrainerRecipe, start_instances, start_trainer
+        from .workers import EngineRecipe, PackedWeights, TrainerRecipe, process_context, start_instances, start_trainer
 
         roll, train, per_inst, t_threads = self._layout()
         procs = self.backend == "process"
-        # Reports come in on one local queue. With processes every worker writes into its own
-        # channel, drained into it by a forwarding thread: a multiprocessing queue's writers share
-        # one lock, and a worker killed while writing a message would hold it forever, silencing
-        # every other worker; with a channel each it silences only itself.
-        self.outbox = queue.SimpleQueue()
-        self._channels: dict[str, Any] = {}
-        self._channels_stop = threading.Event()
+        self.outbox = process_context().Queue() if procs else queue.SimpleQueue()
         if procs:
             self.versions = {v: w if isinstance(w, PackedWeights) else PackedWeights.pack(w, shared=True)
                              for v, w in self.versions.items()}
@@ -366,12 +359,11 @@ class Runtime:
                 os.sched_setaffinity(0, set(roll))
             ranks = self.trainer_ranks
             rank_cpus = [[train[r % len(train)]] for r in range(ranks)] if (ranks > 1 and train) else None
-            reports = self._channel if procs else self.outbox
-            self.trainer_inboxes, ths = start_trainer(trainer_spec, 1 if ranks > 1 else t_threads, train, reports,
+            self.trainer_inboxes, ths = start_trainer(trainer_spec, 1 if ranks > 1 else t_threads, train, self.outbox,
                                                       self.backend, ranks, rank_cpus)
             self.trainer_inbox, th = self.trainer_inboxes[0], ths[0]
             handles.extend(ths)
-            self.inboxes, ih = start_instances(specs, per_inst, roll, reports, self.backend)
+            self.inboxes, ih = start_instances(specs, per_inst, roll, self.outbox, self.backend)
             handles.extend(ih)
             instance_handles = dict(zip(specs, ih))
             self.instance_pids = {iid: getattr(h, "pid", None) for iid, h in instance_handles.items()}
@@ -417,32 +409,10 @@ class Runtime:
                 if h.is_alive() and hasattr(h, "terminate"):
                     h.terminate()
                     h.join(timeout=10)
-            self._channels_stop.set()
             for q in [*self.trainer_inboxes, *self.inboxes.values()]:
                 if hasattr(q, "cancel_join_thread"):
                     q.cancel_join_thread()  # never block interpreter exit on a queue nobody reads
         return self._result(t_end)
-
-    def _channel(self, name: str) -> Any:
-        """A new report channel for worker process `name`, forwarded into `self.outbox`."""
-        from .workers import process_context
-
-        ch = process_context().Queue()
-        self._channels[name] = ch
-        stop = self._channels_stop
-
-        def forward() -> None:
-            while not stop.is_set():
-                try:
-                    msg = ch.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                except (EOFError, OSError, ValueError):
-                    return
-                self.outbox.put(msg)
-
-        threading.Thread(target=forward, name=f"reports-{name}", daemon=True).start()
-        return ch
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0

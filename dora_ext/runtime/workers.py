@@ -278,14 +278,12 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
 
 def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence[int] | None, outbox: Any,
                     backend: str) -> tuple[dict[int, Any], list[Any]]:
-    """Start one worker per instance. Returns (inboxes by instance id, handles to join). `outbox`: a
-    queue, or (process backend) a callable giving each worker's own report channel by name."""
+    """Start one worker per instance. Returns (inboxes by instance id, handles to join)."""
     if backend == "process":
         ctx = process_context()
         inboxes = {iid: ctx.Queue() for iid in specs}
         handles = [ctx.Process(target=_serve_instance, name=f"dora-instance-{iid}", daemon=True,
-                               args=(iid, spec, threads, cpus, inboxes[iid], _channel(outbox, f"instance-{iid}"),
-                                     inboxes, os.getpid()))
+                               args=(iid, spec, threads, cpus, inboxes[iid], outbox, inboxes, os.getpid()))
                    for iid, spec in specs.items()]
     else:
         inboxes = {iid: queue.SimpleQueue() for iid in specs}
@@ -295,12 +293,6 @@ def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence
     for h in handles:
         h.start()
     return inboxes, handles
-
-
-def _channel(outbox: Any, name: str) -> Any:
-    """The queue worker `name` reports into: `outbox(name)` when the coordinator gives every worker
-    process its own channel (a callable), else the one shared `outbox`."""
-    return outbox(name) if callable(outbox) else outbox
 
 
 _CTX = None
@@ -511,9 +503,8 @@ def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None,
         for r in range(ranks):
             inbox = ctx.Queue()
             own = rank_cpus[r] if rank_cpus else cpus
-            out = _channel(outbox, "trainer" if r == 0 else f"trainer-{r}")
             handles.append(ctx.Process(target=_serve_trainer, name=f"dora-trainer-{r}", daemon=True,
-                                       args=(spec, threads, own, inbox, out, True, os.getpid(), r, ranks, port)))
+                                       args=(spec, threads, own, inbox, outbox, True, os.getpid(), r, ranks, port)))
             inboxes.append(inbox)
     else:
         if ranks != 1:

@@ -191,6 +191,9 @@ class TrainerConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(name, f"expected an integer >= {lo}, got {v!r}")
         number("kl_coef", 0.0)
+        if self.critic_warmup and self.algorithm != "sao":
+            raise ConfigError("critic_warmup", f"only algorithm 'sao' has a critic to warm up; got "
+                                               f"{self.critic_warmup} with algorithm {self.algorithm!r} (use 0)")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "") -> "TrainerConfig":

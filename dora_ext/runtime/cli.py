@@ -35,8 +35,9 @@ def register(subparsers: Any) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("recipe", nargs="?", default=None, help="recipe YAML, e.g. recipes/cpu/long-tail.yaml")
     t.add_argument("--mode", choices=MODES, default=None, help="override the recipe's dora.mode")
-    t.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
-                   help="write a checkpoint every N trainer steps to OUT/checkpoint (0 = never; default 50)")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="write a checkpoint every N trainer steps to OUT/checkpoint (0 = never; default 50, "
+                        "or with --resume the interval the run started with)")
     t.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run whose output folder is DIR from its last checkpoint "
                         "(model, optimizer, prompt stream, scheduler; in-flight work re-issued at its version)")
@@ -124,14 +125,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                 spec = json.load(fh)
             recipe = _resumed_recipe(spec)
             out = args.resume
+            every = spec.get("checkpoint_every", 50) if args.checkpoint_every is None else args.checkpoint_every
         else:
             if not args.recipe:
                 raise ConfigError("recipe", "give a recipe YAML file, or --resume DIR")
             recipe = _recipe(args)
             spec = _run_spec(args)
             out = args.out or os.path.join("runs", f"{recipe.name}-{recipe.dora.mode}")
-        if args.checkpoint_every < 0:
-            raise ConfigError("--checkpoint-every", f"expected an integer >= 0, got {args.checkpoint_every}")
+            every = 50 if args.checkpoint_every is None else args.checkpoint_every
+            spec["checkpoint_every"] = every
+        if every < 0:
+            raise ConfigError("--checkpoint-every", f"expected an integer >= 0, got {every}")
     except ConfigError as exc:
         return _fail("train", exc)
     from .compare import Progress, dump_json, jsonable
@@ -149,7 +153,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _fail("train", exc)
     metrics_path = os.path.join(out, "metrics.jsonl")
     try:
-        runtime = Runtime(recipe, prepared, checkpoint_dir=ckpt_dir, checkpoint_every=args.checkpoint_every,
+        runtime = Runtime(recipe, prepared, checkpoint_dir=ckpt_dir, checkpoint_every=every,
                           resume=resume,
                           on_checkpoint=lambda v: print(f"checkpoint: version {v} in {ckpt_dir}", file=sys.stderr,
                                                         flush=True))

@@ -40,7 +40,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import torch
 
-from ..config import DoraConfig
+from ..config import ConfigError, DoraConfig
 from ..core import actions as A
 from ..core import events as E
 from ..core.scheduler import Scheduler
@@ -202,7 +202,10 @@ class Runtime:
 
     on_step(record) is called in the coordinator after every trainer step with that step's
     metrics line; keep_versions keeps every published version's weights in the result (tests use
-    them to recompute log-probs under the version each trajectory claims).
+    them to recompute log-probs under the version each trajectory claims). checkpoint_dir,
+    checkpoint_every: write a checkpoint there every that many steps (a run without `resume`
+    clears an earlier run's checkpoint from the folder); resume: continue from its last complete
+    checkpoint (the recipe must be the run's own).
     """
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
@@ -261,6 +264,10 @@ class Runtime:
             if not checkpoint_dir:
                 raise ValueError("resume: needs checkpoint_dir")
             self._load_checkpoint()
+        elif checkpoint_dir:
+            # A fresh run owns its checkpoint folder: a checkpoint left there by an earlier run
+            # must never be what a later `--resume` of this run picks up.
+            self._clear_checkpoints()
 
     # ------------------------------------------------------------------ cores
     @property
@@ -455,7 +462,7 @@ class Runtime:
         keep = {v: (w.unpack() if hasattr(w, "unpack") else w) for v, w in self.versions.items()
                 if v >= version - self.config.max_staleness - 1}
         state = {
-            "format": 1, "version": version, "mode": self.mode,
+            "format": 1, "version": version, "mode": self.mode, "recipe": self.recipe.to_dict(),
             "scheduler": self.sched.snapshot(),
             "next_prompt": max(self.prompts) + 1 if self.prompts else 0,
             "ledger": {
@@ -500,6 +507,7 @@ class Runtime:
         if state.get("format") != 1 or state["mode"] != self.mode:
             raise ValueError(f"checkpoint {version}: format {state.get('format')!r}, mode {state['mode']!r}; "
                              f"expected format 1, mode {self.mode!r}")
+        self._check_recipe(state.get("recipe"), version)
         self.sched = Scheduler.restore(state["scheduler"])
         for k, v in state["ledger"].items():
             setattr(self, k, v)
@@ -509,14 +517,51 @@ class Runtime:
         self.resumed_from = version
         self._trainer_resume = self._ckpt_path(version, "trainer")
 
+    def _clear_checkpoints(self) -> None:
+        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`."""
+        import os
+        import re
+
+        if not os.path.isdir(self.checkpoint_dir):
+            return
+        ours = re.compile(r"^(latest|latest\.tmp|(state|trainer)-\d+\.pt(\.tmp)?)$")
+        for name in os.listdir(self.checkpoint_dir):
+            if ours.match(name):
+                os.remove(os.path.join(self.checkpoint_dir, name))
+
+    def _check_recipe(self, saved: dict | None, version: int) -> None:
+        """A checkpoint continues only the run that wrote it: every recipe field must be the same
+        (the restored scheduler keeps the run's own configuration). The first difference is named."""
+        if saved is None:
+            return
+
+        def flat(d: dict, pre: str = "") -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for k, v in d.items():
+                if isinstance(v, dict) and v:
+                    out.update(flat(v, f"{pre}{k}."))
+                else:
+                    out[f"{pre}{k}"] = v
+            return out
+
+        old, new = flat(saved), flat(self.recipe.to_dict())
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key) == new.get(key):
+                continue
+            raise ConfigError(key, f"the checkpoint (version {version}) in {self.checkpoint_dir} was written by a run "
+                                   f"with {key}={old.get(key)!r}, this recipe has {new.get(key)!r}; resume with the "
+                                   f"recipe the run started with")
+
     def _restart_from_checkpoint(self) -> None:
         """Fresh processes hold nothing: every instance of the snapshot is failed (its running
         trajectories go back to the queue of their pinned version, with a new attempt) and
         registered again; a step that had started is handed to the trainer again in full."""
         for iid in list(self.sched.instances):
-            cap = self.sched.instances[iid].capacity
             self._execute(self.sched.handle(E.InstanceFailed(iid, "resumed from a checkpoint")))
-            self._execute(self.sched.handle(E.InstanceReady(iid, cap)))
+        # Every configured instance has a fresh process now, also one that had failed before the
+        # checkpoint (the snapshot no longer lists it): all of them are registered again.
+        for spec in self.config.instances:
+            self._execute(self.sched.handle(E.InstanceReady(spec.id, spec.capacity)))
         busy = self.sched.trainer_busy
         if busy is not None:
             gids = self.step_groups[busy]

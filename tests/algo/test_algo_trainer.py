@@ -407,3 +407,10 @@ def dataclasses_replace_version(t, version):
     import dataclasses
 
     return dataclasses.replace(t, version=version)
+
+
+def test_critic_warmup_without_a_critic_is_refused():
+    """A setting that would silently do nothing is an error naming the field."""
+    with pytest.raises(ConfigError, match=r"trainer\.critic_warmup: only algorithm 'sao'"):
+        TrainerConfig.from_dict({"algorithm": "grpo", "critic_warmup": 5}, where="trainer")
+    assert TrainerConfig.from_dict({"algorithm": "sao", "critic_warmup": 5}, where="trainer").critic_warmup == 5

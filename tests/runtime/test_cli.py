@@ -73,3 +73,22 @@ def test_train_resume_refuses_what_it_cannot_use(recipe_file, tmp_path, capsys):
     assert "--resume: takes the run's folder only" in capsys.readouterr().err
     assert main(["train"]) == 2
     assert "recipe: give a recipe YAML file, or --resume DIR" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_runs_checkpoint_interval(recipe_file, tmp_path, monkeypatch):
+    """A resumed run checkpoints as often as the run it continues (run.json), unless told otherwise:
+    a run started with --checkpoint-every 3 and resumed must not fall back to the default 50."""
+    seen = []
+
+    def fake_runtime(recipe, prepared, **kw):  # stands in for the run itself: only its arguments matter here
+        seen.append(kw["checkpoint_every"])
+        raise ValueError("stopped before the run")
+
+    monkeypatch.setattr("dora_ext.runtime.runtime.Runtime", fake_runtime)
+    monkeypatch.setattr("dora_ext.runtime.runtime.prepare", lambda recipe: None)
+    out = str(tmp_path / "run")
+    assert main(["train", recipe_file, "--out", out, "--checkpoint-every", "3", "--no-progress"]) == 1
+    assert main(["train", "--resume", out, "--no-progress"]) == 1
+    assert main(["train", "--resume", out, "--checkpoint-every", "5", "--no-progress"]) == 1
+    assert main(["train", recipe_file, "--out", str(tmp_path / "other"), "--no-progress"]) == 1
+    assert seen == [3, 3, 5, 50]

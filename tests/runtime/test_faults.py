@@ -162,3 +162,56 @@ def test_kill_the_whole_process_tree_and_resume(tmp_path):
     assert report["checks"]["c1_ok"] and report["checks"]["c2_ok"] and report["checks"]["c3_ok"]
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(10))
+
+
+# ----------------------------------------------------------------- checkpoints without processes
+# The coordinator's half of a checkpoint is written by the real `_save_state` of a runtime whose
+# scheduler has started (no worker processes needed to test what a resume accepts and restores).
+def _coordinator_checkpoint(recipe, prepared, folder, *, fail=None):
+    from dora_ext.core import events as E
+
+    rt = Runtime(recipe, prepared, checkpoint_dir=str(folder))
+    rt._execute(rt.sched.start())
+    if fail is not None:
+        rt._execute(rt.sched.handle(E.InstanceFailed(fail, "killed before the checkpoint")))
+    rt._save_state(1)
+    rt._checkpoint_complete(1)
+    assert (folder / "latest").read_text().strip() == "1"
+    return rt
+
+
+def test_resume_refuses_a_checkpoint_of_another_recipe(tmp_path):
+    from dora_ext.config import ConfigError
+
+    recipe = recipe_from_dict(tiny())
+    prepared = prepare(recipe)
+    _coordinator_checkpoint(recipe, prepared, tmp_path)
+    other = recipe_from_dict(tiny(trainer={"lr": 0.5}))
+    with pytest.raises(ConfigError, match=r"trainer\.lr.*0\.002.*0\.5"):
+        Runtime(other, prepared, checkpoint_dir=str(tmp_path), resume=True)
+    with pytest.raises(ConfigError, match=r"steps"):  # the restored scheduler would stop at the old count
+        Runtime(recipe.with_steps(recipe.steps + 4), prepared, checkpoint_dir=str(tmp_path), resume=True)
+    Runtime(recipe, prepared, checkpoint_dir=str(tmp_path), resume=True)  # the run's own recipe resumes
+
+
+def test_a_fresh_run_never_leaves_an_earlier_runs_checkpoint_to_resume(tmp_path):
+    recipe = recipe_from_dict(tiny())
+    prepared = prepare(recipe)
+    _coordinator_checkpoint(recipe, prepared, tmp_path)
+    (tmp_path / "notes.txt").write_text("not ours")
+    Runtime(recipe.with_seed(7), prepared, checkpoint_dir=str(tmp_path))  # a new run into the same folder
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        Runtime(recipe.with_seed(7), prepared, checkpoint_dir=str(tmp_path), resume=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # only checkpoint files removed
+
+
+def test_resume_registers_every_instance_again_also_one_that_failed_before(tmp_path):
+    """The resumed run starts a fresh process for every configured instance; an instance that had
+    failed before the checkpoint must not stay unused for the rest of the run."""
+    recipe = recipe_from_dict(tiny())
+    prepared = prepare(recipe)
+    _coordinator_checkpoint(recipe, prepared, tmp_path, fail=1)
+    rt = Runtime(recipe, prepared, checkpoint_dir=str(tmp_path), resume=True)
+    assert set(rt.sched.instances) == {0}  # what the snapshot holds
+    rt._restart_from_checkpoint()
+    assert set(rt.sched.instances) == {0, 1}

@@ -14,6 +14,12 @@ from typing import Any, Mapping, Sequence
 
 MODES = ("sync", "one_step_off", "partial", "pipeline", "dora")
 
+#: Modes that take `elastic` colocation: pinned versions with a streamed trainer, where single
+#: instances drain and can change role one at a time. (`sync` time-shares every accelerator when
+#: colocated; `one_step_off` admits a batch for the whole fleet at once; `partial` preempts
+#: instead of draining. The option is not implemented for them.)
+ELASTIC_MODES = ("pipeline", "dora")
+
 #: The staleness bound each mode takes when `max_staleness` is not given.
 DEFAULT_STALENESS = {"sync": 0, "one_step_off": 1, "partial": 2, "pipeline": 0, "dora": 2}
 
@@ -53,6 +59,18 @@ class DoraConfig:
       migrate: R5 same-version migration in mode `dora`.
       migrate_threshold: R5 fires when an old version's running trajectories fill at most this
         share of the slots of the instances holding it, and fit on fewer of them.
+      spread: in mode `dora` with `migrate`, an idle instance with nothing else to do takes an even
+        share of the running trajectories of the version the trainer waits for (R5 the other
+        way: stragglers decode faster when fewer share an instance).
+      elastic: elastic colocation (modes `dora` and `pipeline`): idle rollout instances are lent
+        to the trainer while the staleness budget is spent (the trainer is the bottleneck), and
+        trainer accelerators serve as rollout instances while the trainer waits for a long tail
+        (actions `SwitchToTrainer` / `SwitchToRollout`).
+      elastic_spare: with `elastic`, how many more instances the trainer's accelerators can form
+        (they start on the trainer side, with ids after the configured instances and the
+        capacity of the first instance).
+      elastic_max_lent: with `elastic`, the largest share of the configured instances lent to the
+        trainer at once.
       max_failed_group_share: the circuit breaker. Once at least `max(batch_size, 4)` groups have
         failed and failed groups exceed this share of all groups that ended (completed or failed),
         the scheduler stops with `FailureStorm` instead of replacing failed groups forever.
@@ -70,6 +88,10 @@ class DoraConfig:
     max_steps: int | None = None
     migrate: bool = True
     migrate_threshold: float = 0.5
+    spread: bool = True
+    elastic: bool = False
+    elastic_spare: int = 0
+    elastic_max_lent: float = 0.5
     max_failed_group_share: float = 0.5
 
     # ------------------------------------------------------------------ construction
@@ -140,6 +162,22 @@ class DoraConfig:
         thr = data.get("migrate_threshold", 0.5)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 < thr <= 1.0:
             raise ConfigError(f"{pre}migrate_threshold", f"expected a number in (0, 1], got {thr!r}")
+        spread = data.get("spread", True)
+        if not isinstance(spread, bool):
+            raise ConfigError(f"{pre}spread", f"expected true or false, got {spread!r}")
+        elastic = data.get("elastic", False)
+        if not isinstance(elastic, bool):
+            raise ConfigError(f"{pre}elastic", f"expected true or false, got {elastic!r}")
+        if elastic and mode not in ELASTIC_MODES:
+            raise ConfigError(
+                f"{pre}elastic", f"mode {mode!r} does not take elastic colocation; accepted modes: {', '.join(ELASTIC_MODES)}"
+            )
+        spare = _int(data, "elastic_spare", 0, pre, minimum=0)
+        if spare and not elastic:
+            raise ConfigError(f"{pre}elastic_spare", f"needs elastic: true, got elastic_spare={spare}")
+        lent = data.get("elastic_max_lent", 0.5)
+        if isinstance(lent, bool) or not isinstance(lent, (int, float)) or not 0.0 <= lent < 1.0:
+            raise ConfigError(f"{pre}elastic_max_lent", f"expected a number in [0, 1), got {lent!r}")
         share = data.get("max_failed_group_share", 0.5)
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             raise ConfigError(f"{pre}max_failed_group_share", f"expected a number in [0, 1], got {share!r}")
@@ -153,6 +191,10 @@ class DoraConfig:
             max_steps=steps,
             migrate=migrate,
             migrate_threshold=float(thr),
+            spread=spread,
+            elastic=elastic,
+            elastic_spare=spare,
+            elastic_max_lent=float(lent),
             max_failed_group_share=float(share),
         )
 
@@ -181,6 +223,10 @@ class DoraConfig:
             "max_steps": self.max_steps,
             "migrate": self.migrate,
             "migrate_threshold": self.migrate_threshold,
+            "spread": self.spread,
+            "elastic": self.elastic,
+            "elastic_spare": self.elastic_spare,
+            "elastic_max_lent": self.elastic_max_lent,
             "max_failed_group_share": self.max_failed_group_share,
         }
 

@@ -90,6 +90,7 @@ class RandomDriver:
         data_limit: int | None = None,
         progress_prob: float = 0.0,
         truncate_prob: float = 0.0,
+        landed_prob: float = 0.0,
         plugins: Any = None,
         scheduler: Scheduler | None = None,
         group_id: Any = None,
@@ -101,6 +102,7 @@ class RandomDriver:
         self.late_reward, self.fail_awaiting, self.stale_prob = late_reward, fail_awaiting, stale_prob
         self.decline_prob, self.data_limit = decline_prob, data_limit
         self.progress_prob, self.truncate_prob = progress_prob, truncate_prob
+        self.landed_prob = landed_prob  # chance a landed migration is reported (MigrationLanded)
         self.stats = DriverStats()
         self.running: dict[tuple, list] = {}  # (gid, idx) -> [instance, version, attempt, tokens_left, done]
         self.awaiting: dict[tuple, int] = {}  # (gid, idx) -> attempt, reward not sent yet
@@ -113,8 +115,14 @@ class RandomDriver:
         self.to_publish: list[int] = []
         self.next_gid = 0
         self.group_id = group_id or (lambda n: n)  # the n-th admitted group's id (hosts: ints or uids)
-        self.next_instance = max(s.id for s in config.instances) + 1
+        # new ids for revived instances, after those the trainer's spare instances use
+        self.next_instance = max(s.id for s in config.instances) + 1 + config.elastic_spare
         self.dead_instances: list[tuple[int, int]] = []
+        # elastic colocation: instances switching role, and those whose accelerators train
+        self.to_trainer: set[int] = set()
+        self.to_rollout: dict[int, int] = {}
+        self.on_trainer: set[int] = set()
+        self.switches = 0
         self.ghosts: list[Any] = []  # stale events a dead instance may still send
 
     # ------------------------------------------------------------------ executing actions
@@ -172,6 +180,19 @@ class RandomDriver:
                 self.trainer = act.step
                 self.stats.steps.append((act.step, tuple(act.group_ids)))
                 self.stats.step_versions[act.step] = {g: self.stats.admitted[g] for g in act.group_ids}
+            elif isinstance(act, A.SwitchToTrainer):
+                iid = act.instance_id
+                assert not [k for k, r in self.running.items() if r[0] == iid], f"lent instance {iid} runs work"
+                assert iid not in self.loading, f"lent instance {iid} is loading"
+                self.loaded.pop(iid, None)
+                self.to_trainer.add(iid)
+                self.switches += 1
+            elif isinstance(act, A.SwitchToRollout):
+                iid = act.instance_id
+                assert iid not in self.loaded and iid not in self.loading and iid not in self.to_trainer
+                self.on_trainer.discard(iid)
+                self.to_rollout[iid] = act.capacity
+                self.switches += 1
             elif isinstance(act, A.ReportGroupFailed):
                 self.stats.failed_groups.append(act.group_id)
             elif isinstance(act, A.ReportError):
@@ -199,6 +220,12 @@ class RandomDriver:
             c.append(("publish", self.to_publish[0]))
         if self.dead_instances:
             c.append(("revive", None))
+        for iid in self.to_trainer:
+            c.append(("join", iid))
+        for iid in self.to_rollout:
+            c.append(("leave", iid))
+        if self.config.elastic and self.trainer is None:
+            c.append(("idle", None))
         if self.ghosts:
             c.append(("ghost", None))
         return c
@@ -247,6 +274,9 @@ class RandomDriver:
                 # The source crashed before the KV cache left it: the engine lost the trajectory.
                 r = self.running.pop(arg)
                 self.execute(self._feed(E.TrajectoryFailed(arg[0], arg[1], "migration source lost", r[2])))
+            elif arg in self.running and self.landed_prob and rng.random() < self.landed_prob:
+                # The runtime may say the move landed: the scheduler may then move it again.
+                self.execute(self._feed(E.MigrationLanded(arg[0], arg[1], self.running[arg][2])))
         elif kind == "load":
             v = self.loading.pop(arg)
             self.loaded[arg] = v
@@ -269,6 +299,16 @@ class RandomDriver:
             iid, cap = self.dead_instances.pop(0)
             self.capacity[iid] = cap
             self.execute(self._feed(E.InstanceReady(iid, cap)))
+        elif kind == "join":
+            self.to_trainer.discard(arg)
+            self.on_trainer.add(arg)
+            self.execute(self._feed(E.SwitchedToTrainer(arg)))
+        elif kind == "leave":
+            cap = self.to_rollout.pop(arg)
+            self.capacity[arg] = cap
+            self.execute(self._feed(E.InstanceReady(arg, cap)))
+        elif kind == "idle":
+            self.execute(self._feed(E.TrainerIdle()))
         elif kind == "ghost":
             ev = self.ghosts.pop(rng.randrange(len(self.ghosts)))
             self.stats.stale_sent += 1

@@ -1,4 +1,5 @@
-"""A small streaming RL trainer: complete groups in, one optimizer step per batch, weights out.
+"""A small streaming RL trainer: complete groups in, one (or, PPO-style, several) optimizer steps per
+batch, weights out.
 
     trainer = Trainer(policy, TrainerConfig(algorithm="grpo"))
     for group in groups_of_step_k:            # as the core delivers them (DeliverGroup, R7)
@@ -6,7 +7,8 @@
     metrics = trainer.finish_step(k)          # AdamW step on the batch-mean gradient -> version k+1
     weights = trainer.publish()               # a copy of the new weights for the engines
 
-Why streaming is exact: every loss here is a sum over tokens (or sequences) divided by the
+Why streaming is exact (one update per batch; several updates store the groups instead, see
+below): every loss here is a sum over tokens (or sequences) divided by the
 batch's token (or sequence) count. `add_group` back-propagates the *sum* over its own tokens and
 remembers how many there were; `finish_step` divides the accumulated gradient by the batch total
 before clipping and stepping. Gradients are linear, so this equals the gradient of the batch
@@ -14,16 +16,26 @@ mean, however the batch was split (tested against `batch_loss`, the all-at-once 
 advantages only need the group itself, and SAO's GAE only the trajectory, so nothing else in a
 step depends on the whole batch (which is also why batch-level advantage whitening is not done).
 
-pi_old (the PPO anchor). The trainer takes exactly one optimizer step per batch and computes
-every group's forward with the weights of the current version, i.e. the weights "before the
-update". So:
-  * on-policy data (group version == trainer version): pi_old = pi_rollout, the log-probs the
-    engine reported;
-  * stale data (group version < trainer version): pi_old = the trainer's current weights, which
-    are exactly the weights of this forward pass, so pi_old = logp.detach() without a second
-    forward. The gap pi_old / pi_rollout is then corrected with truncated importance sampling
-    (`correction="tis"`) or decoupled PPO (`correction="decoupled"`); `correction="none"` keeps
-    pi_old = pi_rollout for every group (the naive baseline that clips stale tokens away).
+Three policies (the asynchronous-RL names, see `losses.py`):
+  * pi_behav (pi_rollout): the version that generated the tokens; its log-probs come from the
+    engine with the trajectory (`rollout_logprobs`);
+  * pi_prox (PPO's pi_old): the trainer's weights before this step's first update, scored by a
+    pre-update pass over the group when it arrives (no gradient). With one update per batch
+    (`ppo_epochs = ppo_minibatches = 1`) that pass is the update's own forward, so it costs
+    nothing extra and the ratio pi_theta / pi_prox is exactly 1; with several minibatch updates
+    per batch (PPO's inner loop) the ratio moves away from 1 and the clip acts;
+  * pi_theta: the weights being updated.
+The staleness correction (`correction`) decides how pi_behav enters: "none" anchors the clip at
+pi_behav (stale tokens fall out of the trust region, the naive baseline); "tis" and "decoupled"
+anchor it at pi_prox and weight each token by pi_prox / pi_behav, truncated at `is_cap` (or
+masked beyond it, decoupled's `is_cap_mode="mask"`); "sao" drops every token whose ratio
+pi_theta / pi_behav leaves [1 - sao_eps_low, 1 + sao_eps_high] (SAO's double-side mask) with no
+PPO clip. `kl_coef` > 0 adds a k3 KL penalty to a frozen copy of the initial policy (the reference).
+
+Several updates per batch (`ppo_epochs` x `ppo_minibatches`): `add_group` stores the group with
+its advantages and pi_prox log-probs; `finish_step` splits the batch into `ppo_minibatches`
+consecutive chunks of groups and takes one optimizer step per chunk, `ppo_epochs` times. The
+version advances once per batch.
 SAO always measures its ratio against pi_rollout: staleness is what its mask guards against.
 
 Rollout log-probs must come from the same temperature-scaled distribution the engine sampled
@@ -47,6 +59,7 @@ from dora_ext.algo.losses import (
     agg_loss,
     decoupled_ppo_loss,
     entropy_from_logits,
+    kl_penalty,
     ppo_policy_loss,
     sao_policy_loss,
     tis_ppo_loss,
@@ -56,7 +69,7 @@ from dora_ext.config import ConfigError
 __all__ = ["ALGORITHMS", "CORRECTIONS", "Trajectory", "TrainerConfig", "Trainer", "default_logits_fn"]
 
 ALGORITHMS = ("grpo", "sao")
-CORRECTIONS = ("none", "tis", "decoupled")
+CORRECTIONS = ("none", "tis", "decoupled", "sao")
 
 
 @dataclass(frozen=True)
@@ -86,8 +99,15 @@ class TrainerConfig:
     clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high] (clip_high None = clip_low).
     loss_agg_mode: "token-mean" or "seq-mean-token-mean".
     norm_adv_by_std: GRPO divides by the group std; False gives Dr.GRPO. adv_eps: the std's epsilon.
-    correction: off-policy correction for stale GRPO groups: "none", "tis", "decoupled".
+    correction: off-policy correction for stale GRPO groups: "none", "tis", "decoupled", "sao"
+      (the module docstring says what each does).
     is_cap: C of the importance weight. is_cap_mode: "truncate" or "mask" (decoupled only).
+    ppo_epochs, ppo_minibatches: optimizer steps per batch = epochs x minibatches (PPO's inner loop).
+      Minibatches are consecutive chunks of groups; data parallel, each rank chunks its own share
+      (minibatch i = every rank's i-th chunk), the same split when each share divides evenly.
+    kl_coef: weight of the k3 KL penalty to the initial policy (0 = no reference model).
+    critic_warmup: SAO: the first steps train only the value head (the policy is published
+      unchanged), so that the fresh critic's advantages are not noise when the policy starts moving.
     sao_eps_low, sao_eps_high: SAO's band [1 - eps_low, 1 + eps_high] on pi_theta / pi_rollout.
     gamma, lam: GAE. value_coef: weight of the value loss. value_clip: value clip range (None = off).
     entropy_coef: entropy bonus (0 = only reported). temperature: the engine's sampling temperature.
@@ -117,6 +137,10 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     temperature: float = 1.0
     pad_id: int = 0
+    ppo_epochs: int = 1
+    ppo_minibatches: int = 1
+    kl_coef: float = 0.0
+    critic_warmup: int = 0
 
     def __post_init__(self) -> None:
         def choice(name: str, accepted: Sequence[str]) -> None:
@@ -162,8 +186,14 @@ class TrainerConfig:
             raise ConfigError("betas", f"expected two numbers in [0, 1), got {self.betas!r}")
         if not isinstance(self.norm_adv_by_std, bool):
             raise ConfigError("norm_adv_by_std", f"expected true or false, got {self.norm_adv_by_std!r}")
-        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int) or self.pad_id < 0:
-            raise ConfigError("pad_id", f"expected an integer >= 0, got {self.pad_id!r}")
+        for name, lo in (("pad_id", 0), ("ppo_epochs", 1), ("ppo_minibatches", 1), ("critic_warmup", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(name, f"expected an integer >= {lo}, got {v!r}")
+        number("kl_coef", 0.0)
+        if self.critic_warmup and self.algorithm != "sao":
+            raise ConfigError("critic_warmup", f"only algorithm 'sao' has a critic to warm up; got "
+                                               f"{self.critic_warmup} with algorithm {self.algorithm!r} (use 0)")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "") -> "TrainerConfig":
@@ -284,7 +314,61 @@ class Trainer:
             groups.append({"params": self.value_params, "lr": c.value_lr or c.lr})
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
         self.device = self.policy_params[0].device
+        self.ref_policy: nn.Module | None = None
+        if c.kl_coef > 0:
+            import copy
+
+            self.ref_policy = copy.deepcopy(policy)
+            for p in self.ref_policy.parameters():
+                p.requires_grad_(False)
         self._reset_step()
+
+    @property
+    def _world(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _merge_ranks(self) -> None:
+        """Data parallel (torch.distributed initialised by the host, e.g. gloo on CPU): every rank
+        streamed its own share of the batch; after this every rank holds the whole batch's
+        bookkeeping (divisors, metric sums), so the step below is the same on every rank. The
+        gradients are summed over ranks in `_apply`."""
+        import torch.distributed as dist
+
+        mine = (self._groups, self._units_total, self._tokens, self._rewards, self._staleness, self._sums)
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        self._groups = sum(p[0] for p in parts)
+        self._units_total = sum(p[1] for p in parts)
+        self._tokens = sum(p[2] for p in parts)
+        self._rewards = [r for p in parts for r in p[3]]
+        self._staleness = [x for p in parts for x in p[4]]
+        sums: dict[str, float] = {}
+        for p in parts:
+            for k, v in p[5].items():
+                sums[k] = sums.get(k, 0.0) + v
+        self._sums = sums
+
+    def _allreduce(self, units: float) -> float:
+        """Sum the gradients (and the divisor) over data-parallel ranks; returns the total divisor."""
+        import torch.distributed as dist
+
+        params = self.policy_params + self.value_params
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [torch.tensor([units], dtype=params[0].dtype, device=self.device)])
+        dist.all_reduce(flat)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[off:off + n].view_as(p).clone()
+            off += n
+        return float(flat[-1])
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per batch (PPO's inner loop): ppo_epochs x ppo_minibatches."""
+        return self.config.ppo_epochs * self.config.ppo_minibatches
 
     # ------------------------------------------------------------------ streaming API
     @property
@@ -301,8 +385,13 @@ class Trainer:
         batch = self._collate(trajectories)
         seq_adv = self._group_advantages(batch)
         units = self._units(batch.mask)
-        loss, metrics = self._loss(batch, seq_adv, denom=1.0)
-        loss.backward()
+        if self.updates_per_step == 1:
+            loss, metrics, _ = self._loss(batch, seq_adv, denom=1.0)
+            loss.backward()
+        else:  # the pre-update pass: pi_prox (and the critic's old values, the reference's log-probs)
+            with torch.no_grad():
+                _, metrics, aux = self._loss(batch, seq_adv, denom=1.0)
+            self._stored.append((batch, seq_adv, aux, units))
         # Bookkeeping in "sum" form so that the step's metrics are batch means.
         tokens = float(batch.mask.sum())
         self._groups += 1
@@ -347,22 +436,21 @@ class Trainer:
         """
         if step != self.version:
             raise ValueError(f"step: expected {self.version} (the current version), got {step}")
+        if self._world > 1:
+            self._merge_ranks()
         if self._groups == 0:
             raise ValueError(f"step {step}: no group was added; call add_group before finish_step")
-        d = max(self._units_total, 1.0)
-        for p in self.policy_params + self.value_params:
-            if p.grad is not None:
-                p.grad.div_(d)
-        clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy_params, clip))
-        value_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.value_params, clip)) if self.value_params else 0.0
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.updates_per_step == 1:
+            grad_norm, value_grad_norm = self._apply(self._units_total, merged=True)
+            update_metrics: dict[str, float] = {}
+        else:
+            grad_norm, value_grad_norm, update_metrics = self._inner_loop()
         self.version += 1
-
+        d = max(self._units_total, 1.0)
         tokens = max(self._tokens, 1.0)
         metrics = {k: (v / d if k in _SUM_METRICS else v / tokens) for k, v in self._sums.items()}
         metrics["loss"] = metrics.pop("total_loss")
+        metrics.update(update_metrics)  # ratios and clipping as the updates saw them
         metrics.update(
             reward_mean=sum(self._rewards) / len(self._rewards),
             grad_norm=grad_norm,
@@ -377,6 +465,61 @@ class Trainer:
             metrics["value_grad_norm"] = value_grad_norm
         self._reset_step()
         return metrics
+
+    def _apply(self, units: float, merged: bool = False) -> tuple[float, float]:
+        """One optimizer step on the accumulated gradient sum divided by `units` (this rank's part
+        of the divisor unless `merged`); returns the policy's and the value head's gradient norms
+        before clipping. Data parallel: gradients and divisor are summed over ranks first."""
+        if self._world > 1:
+            total = self._allreduce(0.0 if merged else units)
+            units = units if merged else total
+        units = max(units, 1.0)
+        for p in self.policy_params + self.value_params:
+            if p.grad is not None:
+                p.grad.div_(units)
+        clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy_params, clip))
+        value_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.value_params, clip)) if self.value_params else 0.0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, value_grad_norm
+
+    def _inner_loop(self) -> tuple[float, float, dict[str, float]]:
+        """PPO's inner loop over the stored groups: `ppo_epochs` passes, each one optimizer step per
+        chunk of `ppo_minibatches` consecutive chunks. Returns mean gradient norms and the
+        token-weighted means of the per-update ratio metrics."""
+        c = self.config
+        items = self._stored
+        # Every data-parallel rank takes the same number of optimizer steps (some chunks may be empty).
+        m = c.ppo_minibatches if self._world > 1 else min(c.ppo_minibatches, len(items))
+        bounds = [round(i * len(items) / m) for i in range(m + 1)]
+        chunks = [items[bounds[i]:bounds[i + 1]] for i in range(m)]
+        norms, vnorms = [], []
+        sums: dict[str, float] = {}
+        weight = 0.0
+        for _ in range(c.ppo_epochs):
+            for chunk in chunks:
+                for batch, seq_adv, aux, _ in chunk:
+                    loss, metrics, _ = self._loss(batch, seq_adv, denom=1.0, pre=aux)
+                    loss.backward()
+                    tokens = float(batch.mask.sum())
+                    weight += tokens
+                    for k in _UPDATE_METRICS & metrics.keys():
+                        sums[k] = sums.get(k, 0.0) + metrics[k] * tokens
+                g, v = self._apply(sum(u for *_, u in chunk))
+                norms.append(g)
+                vnorms.append(v)
+        if self._world > 1:
+            import torch.distributed as dist
+
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (weight, sums))
+            weight = sum(p[0] for p in parts)
+            keys = set().union(*(p[1] for p in parts))
+            sums = {k: sum(p[1].get(k, 0.0) for p in parts) for k in keys}
+        out = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        out["updates"] = float(len(norms))
+        return sum(norms) / len(norms), sum(vnorms) / len(vnorms), out
 
     def train_batch(self, step: int, groups: Iterable[Any]) -> dict[str, float]:
         """`add_group` for each group, then `finish_step(step)`."""
@@ -408,7 +551,7 @@ class Trainer:
             raise ValueError("groups: expected at least one group, got none")
         batch = self._collate(all_traj)
         seq_adv = torch.cat(adv_parts) if self.config.algorithm == "grpo" else None
-        loss, metrics = self._loss(batch, seq_adv, denom=None)
+        loss, metrics, _ = self._loss(batch, seq_adv, denom=None)
         metrics["loss"] = metrics.pop("total_loss")
         return loss, metrics
 
@@ -420,6 +563,7 @@ class Trainer:
         self._rewards: list[float] = []
         self._staleness: list[int] = []
         self._sums: dict[str, float] = {}
+        self._stored: list[tuple] = []  # (batch, advantages, pre-update pass, units) when updates_per_step > 1
 
     def _units(self, mask: Tensor) -> float:
         """The batch-mean divisor this part of the batch contributes: tokens, or sequences with a token."""
@@ -487,7 +631,10 @@ class Trainer:
             batch.rewards[None, :], norm_by_std=self.config.norm_adv_by_std, eps=self.config.adv_eps
         )[0]
 
-    def _loss(self, batch: _Batch, seq_adv: Tensor | None, denom: float | None) -> tuple[Tensor, dict[str, float]]:
+    def _loss(self, batch: _Batch, seq_adv: Tensor | None, denom: float | None,
+              pre: dict[str, Tensor | None] | None = None) -> tuple[Tensor, dict[str, float], dict[str, Tensor | None]]:
+        """(loss, metrics, aux). `pre` is the pre-update pass's `aux` (pi_prox log-probs `logp`, the
+        critic's `values`, the reference's `ref`); without it this forward is the pre-update pass."""
         c = self.config
         logits = self.logits_fn(self.policy, batch.input_ids)
         if logits.dim() != 3 or logits.shape[:2] != batch.input_ids.shape:
@@ -495,31 +642,28 @@ class Trainer:
                 f"logits_fn: expected logits of shape [{batch.input_ids.shape[0]}, {batch.input_ids.shape[1]}, V], "
                 f"got {tuple(logits.shape)}"
             )
-        idx = batch.positions[:, :, None].expand(-1, -1, logits.shape[-1])
-        resp_logits = logits.gather(1, idx).float() / c.temperature  # [N, T, V]
-        logp_all = torch.log_softmax(resp_logits, dim=-1)
-        logp = logp_all.gather(2, batch.response[:, :, None]).squeeze(2)
+        resp_logits, logp = self._response_logp(logits, batch)
+        prox = pre["logp"] if pre is not None else logp.detach()
         mask = batch.mask
         kw = dict(loss_agg_mode=c.loss_agg_mode, denom=denom)
         metrics: dict[str, float] = {}
+        values_old = None
 
         if c.algorithm == "grpo":
             assert seq_adv is not None
-            stale = (batch.versions < self.version)[:, None]
             if c.correction == "none":
                 pg, m = ppo_policy_loss(logp, batch.rollout_logp, seq_adv, mask,
                                         clip_low=c.clip_low, clip_high=c.clip_high, **kw)
-            else:
-                # pi_old: the engine's log-probs when on-policy, this very forward (the weights
-                # before the update) when stale. See the module docstring.
-                old = torch.where(stale, logp.detach(), batch.rollout_logp)
-                if c.correction == "tis":
-                    pg, m = tis_ppo_loss(logp, old, batch.rollout_logp, seq_adv, mask, cap=c.is_cap,
-                                         clip_low=c.clip_low, clip_high=c.clip_high, **kw)
-                else:
-                    pg, m = decoupled_ppo_loss(logp, old, batch.rollout_logp, seq_adv, mask, cap=c.is_cap,
-                                               cap_mode=c.is_cap_mode, clip_low=c.clip_low,
-                                               clip_high=c.clip_high, **kw)
+            elif c.correction == "tis":
+                pg, m = tis_ppo_loss(logp, prox, batch.rollout_logp, seq_adv, mask, cap=c.is_cap,
+                                     clip_low=c.clip_low, clip_high=c.clip_high, **kw)
+            elif c.correction == "decoupled":
+                pg, m = decoupled_ppo_loss(logp, prox, batch.rollout_logp, seq_adv, mask, cap=c.is_cap,
+                                           cap_mode=c.is_cap_mode, clip_low=c.clip_low,
+                                           clip_high=c.clip_high, **kw)
+            else:  # "sao": the double-side mask on pi_theta / pi_behav, no clip
+                pg, m = sao_policy_loss(logp, batch.rollout_logp, seq_adv, mask,
+                                        eps_low=c.sao_eps_low, eps_high=c.sao_eps_high, **kw)
             total = pg
             metrics.update(m)
         else:
@@ -533,24 +677,49 @@ class Trainer:
                     f"got {tuple(values.shape)}"
                 )
             values = values.gather(1, batch.positions).float()  # V of the state before token t
-            adv, returns = gae(token_rewards(batch.rewards, mask), values.detach(), mask, c.gamma, c.lam)
+            values_old = pre["values"] if pre is not None else values.detach()
+            adv, returns = gae(token_rewards(batch.rewards, mask), values_old, mask, c.gamma, c.lam)
             pg, m = sao_policy_loss(logp, batch.rollout_logp, adv, mask,
                                     eps_low=c.sao_eps_low, eps_high=c.sao_eps_high, **kw)
-            # Old values = this forward's (one update per batch), so the clip bounds the step's move.
-            vf, vm = value_loss(values, values.detach(), returns, mask, c.value_clip, **kw)
-            total = pg + c.value_coef * vf
+            # Old values: the pre-update pass's, so the clip bounds the whole step's move.
+            vf, vm = value_loss(values, values_old, returns, mask, c.value_clip, **kw)
+            warming = self.version < c.critic_warmup
+            total = c.value_coef * vf if warming else pg + c.value_coef * vf
             metrics.update(m)
             metrics.update(vm)
             metrics["advantage_mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1.0))
+            metrics["critic_warmup"] = float(warming)
+
+        policy_moves = not (c.algorithm == "sao" and self.version < c.critic_warmup)
+        ref = None
+        if self.ref_policy is not None:
+            if pre is not None and pre.get("ref") is not None:
+                ref = pre["ref"]
+            else:
+                with torch.no_grad():
+                    ref = self._response_logp(self.logits_fn(self.ref_policy, batch.input_ids), batch)[1]
+            kl_tok = kl_penalty(logp, ref, "k3")
+            if policy_moves:
+                total = total + c.kl_coef * agg_loss(kl_tok, mask, c.loss_agg_mode, denom)
+            metrics["kl_ref"] = float((kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
 
         ent_tok = entropy_from_logits(resp_logits if c.entropy_coef > 0 else resp_logits.detach())
-        if c.entropy_coef > 0:
+        if c.entropy_coef > 0 and policy_moves:
             ent = agg_loss(ent_tok, mask, c.loss_agg_mode, denom)
             total = total - c.entropy_coef * ent
         metrics["entropy"] = float((ent_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
         metrics["total_loss"] = float(total.detach())
-        return total, metrics
+        return total, metrics, {"logp": logp.detach(), "values": values_old, "ref": ref}
+
+    def _response_logp(self, logits: Tensor, batch: _Batch) -> tuple[Tensor, Tensor]:
+        """(temperature-scaled response logits [N, T, V], log-probs of the response tokens [N, T])."""
+        idx = batch.positions[:, :, None].expand(-1, -1, logits.shape[-1])
+        resp_logits = logits.gather(1, idx).float() / self.config.temperature
+        logp = torch.log_softmax(resp_logits, dim=-1).gather(2, batch.response[:, :, None]).squeeze(2)
+        return resp_logits, logp
 
 
 #: Metrics that are sums over the batch divisor (losses); the others are per-token means.
 _SUM_METRICS = frozenset({"pg_loss", "value_loss", "total_loss"})
+#: Per-token metrics that the inner loop's updates report instead of the pre-update pass.
+_UPDATE_METRICS = frozenset({"pg_clipfrac", "ratio_mean", "is_weight_mean", "is_truncated_frac", "masked_frac"})

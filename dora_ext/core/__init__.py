@@ -2,11 +2,11 @@
 
 from .actions import (
     Action, DeliverGroup, Dispatch, LoadVersion, Migrate, ReportError, ReportGroupFailed,
-    RequestGroups, StartStep,
+    RequestGroups, StartStep, SwitchToRollout, SwitchToTrainer,
 )
 from .events import (
     DataExhausted, Event, GroupAdmitted, GroupsDeclined, InstanceFailed, InstanceLoaded,
-    InstanceReady, RewardReady, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
+    InstanceReady, MigrationLanded, RewardReady, SwitchedToTrainer, TrainerIdle, TrainerStepFinished, TrainerStepStarted, TrajectoryFailed,
     TrajectoryFinished, TrajectoryProgressed, VersionPublished,
 )
 from .scheduler import FailureStorm, ProtocolError, Scheduler
@@ -14,7 +14,8 @@ from .scheduler import FailureStorm, ProtocolError, Scheduler
 __all__ = [
     "Action", "DataExhausted", "DeliverGroup", "Dispatch", "Event", "FailureStorm", "GroupAdmitted",
     "GroupsDeclined", "InstanceFailed", "InstanceLoaded", "InstanceReady", "LoadVersion",
-    "Migrate", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
-    "RewardReady", "Scheduler", "StartStep", "TrainerStepFinished", "TrainerStepStarted",
+    "Migrate", "MigrationLanded", "ProtocolError", "ReportError", "ReportGroupFailed", "RequestGroups",
+    "RewardReady", "Scheduler", "StartStep", "SwitchToRollout", "SwitchToTrainer",
+    "SwitchedToTrainer", "TrainerIdle", "TrainerStepFinished", "TrainerStepStarted",
     "TrajectoryFailed", "TrajectoryFinished", "TrajectoryProgressed", "VersionPublished",
 ]

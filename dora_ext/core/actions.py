@@ -7,8 +7,10 @@ A runtime executes each action and reports back with events (see `events.py`):
 | RequestGroups   | `GroupAdmitted` per prompt bound (or `GroupsDeclined`/`DataExhausted`) |
 | Dispatch        | `TrajectoryProgressed`*, then `TrajectoryFinished` or `TrajectoryFailed` |
 | LoadVersion     | `InstanceLoaded` (preempted trajectories then continue under the new version) |
-| Migrate         | nothing: the trajectory continues on `dst` and reports as before      |
+| Migrate         | optionally `MigrationLanded` once it runs on `dst`; it reports as before |
 | DeliverGroup    | nothing: the trainer may start forward/backward on the group (R7)     |
+| SwitchToTrainer | `SwitchedToTrainer` once the trainer computes on its accelerators     |
+| SwitchToRollout | `InstanceReady` once its accelerators left the trainer (then a `LoadVersion`) |
 | StartStep       | `TrainerStepFinished`, then `VersionPublished(step + 1)`              |
 | ReportGroupFailed / ReportError | nothing: surface it to the user                       |
 """
@@ -82,6 +84,32 @@ class StartStep:
 
 
 @dataclass(frozen=True, slots=True)
+class SwitchToTrainer:
+    """Elastic colocation: lend idle instance `instance_id`'s accelerators to the trainer.
+
+    The instance runs nothing and the rollout is ahead of the trainer (the staleness budget is
+    spent), so the trainer is the bottleneck. The runtime drops the instance's weights and KV
+    cache, has the trainer take the accelerators (load its optimizer-state shard, join the
+    data-parallel group) and answers `SwitchedToTrainer`.
+    """
+
+    instance_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchToRollout:
+    """Elastic colocation: give the trainer's accelerators of `instance_id` to the rollout.
+
+    The trainer waits for trajectories while the rollout has more work than slots (the long
+    tail). The runtime takes the accelerators out of the trainer (offloading its optimizer-state
+    shard) and answers `InstanceReady(instance_id, capacity)`; the scheduler then loads a version.
+    """
+
+    instance_id: int
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReportGroupFailed:
     """A group exhausted its retries: it is not trained, and the user must hear of it (C2)."""
 
@@ -105,6 +133,8 @@ Action = Union[
     Migrate,
     DeliverGroup,
     StartStep,
+    SwitchToTrainer,
+    SwitchToRollout,
     ReportGroupFailed,
     ReportError,
 ]

@@ -39,6 +39,14 @@ class InstanceFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class SwitchedToTrainer:
+    """Elastic colocation: the trainer now computes on `instance_id`'s accelerators (answer to
+    `SwitchToTrainer`). Until then the scheduler does not move them back."""
+
+    instance_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class GroupAdmitted:
     """The runtime bound a prompt to a new group (answer to `RequestGroups`).
 
@@ -122,6 +130,29 @@ class TrainerStepFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class MigrationLanded:
+    """The migrated trajectory `(group_id, index)` runs on its destination (answer to `Migrate`).
+
+    Optional: until it arrives the scheduler never moves the trajectory again (its transfer may be
+    in flight); a runtime that never sends it gets at most one move per trajectory attempt.
+    """
+
+    group_id: GroupId
+    index: int
+    attempt: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerIdle:
+    """The trainer has processed everything delivered to it and waits for groups.
+
+    Only elastic colocation uses it: the scheduler gives trainer accelerators to the rollout
+    (`SwitchToRollout`) only after this report, and forgets it at the next `DeliverGroup` or
+    `StartStep`. A runtime that never sends it never has accelerators taken from its trainer.
+    """
+
+
+@dataclass(frozen=True, slots=True)
 class VersionPublished:
     """Version `version` may now be loaded by instances (its weights are broadcast)."""
 
@@ -132,6 +163,7 @@ Event = Union[
     InstanceReady,
     InstanceLoaded,
     InstanceFailed,
+    SwitchedToTrainer,
     GroupAdmitted,
     GroupsDeclined,
     DataExhausted,
@@ -141,5 +173,7 @@ Event = Union[
     RewardReady,
     TrainerStepStarted,
     TrainerStepFinished,
+    TrainerIdle,
+    MigrationLanded,
     VersionPublished,
 ]

@@ -146,6 +146,7 @@ class Scheduler:
         self._admission = {"sync": "batch", "pipeline": "batch", "one_step_off": "fleet",
                            "partial": "fill", "dora": "fill"}[self.mode]
         self._migrate = self.mode == "dora" and config.migrate
+        self._spread = self._migrate and config.spread
         self._set_plugins(plugins)
 
         self.newest = 0  # newest published version
@@ -185,12 +186,27 @@ class Scheduler:
         self._r5_tried: dict[int, tuple[int, int]] = {}  # R5: version -> (occupied, holders) of a fruitless try
         self._cap_max = 1  # the largest instance capacity seen (R5's packing bound)
         self._pool_fifo = self.mode != "dora"
+        # Elastic colocation: instance id -> capacity of instances on the trainer side (switchable
+        # to rollout), switching to the trainer, and switching to rollout.
+        self._elastic = config.elastic
+        self._trainer_side: dict[int, int] = {}
+        self._to_trainer: dict[int, int] = {}
+        self._to_rollout: dict[int, int] = {}
+        if self._elastic:
+            first = max(s.id for s in config.instances) + 1
+            cap0 = config.instances[0].capacity
+            self._trainer_side = {first + i: cap0 for i in range(config.elastic_spare)}
+        self._trainer_idle = False  # reported by TrainerIdle, cleared by the next delivery
+        self._spreading: dict[int, int] = {}  # instance -> version it loads to take stragglers
+        self._min_rollout = max(1, math.ceil(len(config.instances) * (1.0 - config.elastic_max_lent)))
+        self.step_log: list[tuple[int, tuple]] = []
         self.m = {
             "staleness_hist": {}, "trajectories_trained": 0, "multi_version_trajectories": 0,
             "groups_trained": 0, "dropped": 0, "truncated": 0, "duplicated": 0, "failed_groups": 0,
             "retries": 0, "redispatched": 0, "invalid_rewards": 0, "stale_events": 0,
             "migrations": 0, "weight_loads": 0, "live_versions_max": 0, "c1_violations": 0,
             "c3_violations": 0, "trainer_waits_for_older": 0, "tokens_trained": 0,
+            "switches_to_trainer": 0, "switches_to_rollout": 0,
             "groups_admitted": 0, "groups_completed": 0,
         }
         self._out: list = []
@@ -327,8 +343,31 @@ class Scheduler:
             raise ProtocolError(f"instance {ev.instance_id} is already registered")
         if ev.capacity < 1:
             raise ProtocolError(f"instance {ev.instance_id}: capacity must be >= 1")
+        if ev.instance_id in self._trainer_side or ev.instance_id in self._to_trainer:
+            raise ProtocolError(f"instance {ev.instance_id} reported ready while its accelerators serve the trainer")
+        # An instance back from the trainer (SwitchToRollout) loads a version before anything else.
+        back = self._to_rollout.pop(ev.instance_id, None) is not None
+        if back and self._spread:
+            self._spreading[ev.instance_id] = -1  # it came for the tail: it may take stragglers
         self._dead.discard(ev.instance_id)
-        self._add_instance(ev.instance_id, ev.capacity)
+        self._add_instance(ev.instance_id, ev.capacity, lend=not back)
+
+    def _on_migration_landed(self, ev: E.MigrationLanded) -> None:
+        g = self._group(ev.group_id)
+        t = self._traj(g, ev.index)
+        if (ev.attempt is not None and ev.attempt != t.attempt) or t.status != _RUNNING:
+            self.m["stale_events"] += 1  # it finished, failed or was re-dispatched meanwhile
+            return
+        t.moved = False  # it runs on its destination: it may move again (R5)
+
+    def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
+        self._trainer_idle = self._trainer_busy is None
+
+    def _on_switched_to_trainer(self, ev: E.SwitchedToTrainer) -> None:
+        cap = self._to_trainer.pop(ev.instance_id, None)
+        if cap is None:
+            raise ProtocolError(f"instance {ev.instance_id} switched to the trainer without a SwitchToTrainer")
+        self._trainer_side[ev.instance_id] = cap
 
     def _stale_instance(self, iid: int) -> bool:
         """A late event from an instance declared failed: counted and ignored."""
@@ -543,6 +582,9 @@ class Scheduler:
         E.InstanceReady: _on_instance_ready,
         E.InstanceLoaded: _on_instance_loaded,
         E.InstanceFailed: _on_instance_failed,
+        E.SwitchedToTrainer: _on_switched_to_trainer,
+        E.TrainerIdle: _on_trainer_idle,
+        E.MigrationLanded: _on_migration_landed,
         E.GroupAdmitted: _on_group_admitted,
         E.GroupsDeclined: _on_groups_declined,
         E.DataExhausted: _on_data_exhausted,
@@ -594,14 +636,14 @@ class Scheduler:
         return version if self._pinned else _ANY
 
     # ------------------------------------------------------------------ state changes
-    def _add_instance(self, iid: int, capacity: int) -> None:
+    def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
         self.instances[iid] = inst = _Instance(iid, capacity)
         if capacity != self._cap_max and self.instances.keys() - {iid}:
             self._uniform = False
         if capacity > self._cap_max:
             self._cap_max = capacity
         self._idle[iid] = None
-        self._plan_instance(inst)
+        self._plan_instance(inst, lend=lend)
 
     def _dec_target(self, version: int) -> None:
         c = self._targets[version] - 1
@@ -890,14 +932,20 @@ class Scheduler:
                 best = b
         return best
 
-    def _plan_instance(self, inst: _Instance) -> None:
-        """An instance is idle (or new): keep it, or switch it to the version that needs it (R4)."""
+    def _plan_instance(self, inst: _Instance, lend: bool = True) -> None:
+        """An instance is idle (or new): keep it, or switch it to the version that needs it (R4),
+        or (elastic) lend it to the trainer when no work is left for it."""
         if inst.loading is not None or inst.running:
             return
         want = self._orphan_version()
         if want is None:
             if inst.version is not None and self._queued.get(self._bucket(inst.version), 0) > 0:
                 return  # its own version still has queued work
+            if self._spread and self._maybe_spread(inst):
+                return
+            if lend and self._elastic and self._should_lend():
+                self._switch_to_trainer(inst)
+                return
             want = self.newest
         if inst.version == want:
             return
@@ -1028,6 +1076,61 @@ class Scheduler:
             if not i.running:
                 self._plan_instance(i)
 
+    def _gating_crowd(self) -> tuple[int, int] | None:
+        """(version, most running on one of its instances) of the crowded gating version: the
+        oldest version that the step being formed must take (`v + K <= step`) and whose running
+        trajectories share an instance (at least two on one)."""
+        best = None
+        for v, lv in self._lv.items():
+            if v == _ANY or v + self.K > self.step or not lv:
+                continue
+            most = max(lv)
+            if most >= 2 and (best is None or v < best[0]):
+                best = (v, most)
+        return best
+
+    def _maybe_spread(self, inst: _Instance) -> bool:
+        """R5 the other way: spread the gating version's stragglers onto an idle instance.
+
+        Only when the instance has nothing else to do (the staleness budget is spent and no work
+        is queued). A decode iteration costs more with every running sequence and every context
+        token on the instance, so stragglers the trainer waits for finish sooner when fewer share
+        an instance. The idle instance loads the gating version if it holds another (R4 allows
+        it: it runs nothing), and takes an even share of that version's running trajectories.
+        """
+        chosen = self._spreading.pop(inst.id, None)
+        if chosen is None:
+            if self._budget_left() > 0 or self._outstanding or any(self._queued.values()):
+                return False
+        crowd = self._gating_crowd()
+        if crowd is None:
+            return False
+        v = crowd[0]
+        if inst.version != v:
+            self._spreading[inst.id] = v
+            self._start_load(inst, v)  # it spreads when loaded (`_plan_instance` again)
+            return True
+        holders = [self.instances[i] for level, d in self._lv.get(v, {}).items() if level for i in d
+                   if i != inst.id]
+        total = sum(len(h.running) for h in holders)
+        keep = -(-total // (len(holders) + 1))  # each instance's even share, this one included
+        room = min(inst.capacity, keep)
+        moved = 0
+        for h in sorted(holders, key=lambda h: (-len(h.running), h.id)):
+            excess = len(h.running) - keep
+            for gid, idx in list(h.running):
+                if moved >= room or excess <= 0:
+                    break
+                t = self.groups[gid].trajs[idx]
+                if t.moved:
+                    continue  # it moves again only after MigrationLanded (it may be in flight)
+                excess -= 1
+                self._move(v, gid, idx, t, h, inst)
+                moved += 1
+        if moved:
+            self._idle.pop(inst.id, None)
+        return moved > 0
+
     def _move(self, v: int, gid: Any, idx: int, t: _Traj, s: _Instance, d: _Instance) -> None:
         ns, nd = len(s.running), len(d.running)
         del s.running[(gid, idx)]
@@ -1156,6 +1259,7 @@ class Scheduler:
         g.step = k
         self._dec_unassigned(g.version)
         self._forming.append(g.gid)
+        self._trainer_idle = False
         if self._cgp:
             self._out.append(A.DeliverGroup(g.gid, k))
 
@@ -1191,7 +1295,14 @@ class Scheduler:
         m["c1_violations"] += c1
         m["groups_trained"] += len(gids)
         self._trainer_busy = k
+        self._trainer_idle = False
         self._out.append(A.StartStep(k, gids))
+        if self._elastic:
+            # The trainer has work now: instances that drained while it waited may be lent.
+            for iid in list(self._idle):
+                inst = self.instances.get(iid)
+                if inst is not None and not inst.running and inst.loading is None:
+                    self._plan_instance(inst)
 
     # ------------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> dict[str, Any]:
@@ -1246,6 +1357,9 @@ class Scheduler:
             "queued": [[b, c] for b, c in self._queued.items()],
             "pools": [[v, heap(h)] for v, h in self._pools.items()],
             "r5_tried": [[v, list(x)] for v, x in self._r5_tried.items()],
+            "elastic": [[[i, c] for i, c in d.items()]
+                        for d in (self._trainer_side, self._to_trainer, self._to_rollout, self._spreading)],
+            "trainer_idle": self._trainer_idle,
             "metrics": {**self.m, "staleness_hist": [[k, v] for k, v in self.m["staleness_hist"].items()]},
         }
 
@@ -1310,6 +1424,10 @@ class Scheduler:
             heapq.heapify(h)
         self._pool_n = sum(len(h) for h in self._pools.values())
         self._r5_tried = {v: tuple(x) for v, x in snap["r5_tried"]}
+        if "elastic" in snap:
+            self._trainer_side, self._to_trainer, self._to_rollout, self._spreading = (
+                {i: c for i, c in d} for d in snap["elastic"])
+        self._trainer_idle = snap.get("trainer_idle", False)
         m = dict(snap["metrics"])
         m["staleness_hist"] = {int(k): v for k, v in m["staleness_hist"]}
         self.m = m
@@ -1322,7 +1440,53 @@ class Scheduler:
             self._plan_idle()
         self._admit()
         self._form()
+        if self._trainer_side:
+            self._maybe_switch_to_rollout()
         out, self._out = self._out, []
         if self._halted is not None:
             raise self._storm(out)
         return out
+
+    # ------------------------------------------------------------------ elastic colocation
+    def _should_lend(self) -> bool:
+        """Rollout -> trainer: the staleness budget is spent and no work waits for a slot, so the
+        trainer is the bottleneck and an idle instance's accelerators serve it better."""
+        if len(self.instances) <= self._min_rollout:
+            return False
+        if self._budget_left() > 0 or self._outstanding or any(self._queued.values()):
+            return False
+        # ... and the trainer has work (a step runs, or groups of the step being formed were
+        # delivered and it has not reported running dry): a trainer stalled on stragglers would
+        # gain nothing from more accelerators.
+        return not self._trainer_idle and (self._trainer_busy is not None or bool(self._forming))
+
+    def _switch_to_trainer(self, inst: _Instance) -> None:
+        """Take the idle instance out of the rollout pool and lend its accelerators to the trainer."""
+        if inst.version is not None:
+            b = self._bucket(inst.version)
+            self._cap[b] -= inst.capacity
+            self._dec_target(inst.version)
+            self._lv_set(b, inst.id, 0, None)
+        self._idle.pop(inst.id, None)
+        del self.instances[inst.id]
+        self._to_trainer[inst.id] = inst.capacity
+        self.m["switches_to_trainer"] += 1
+        self._out.append(A.SwitchToTrainer(inst.id))
+
+    def _maybe_switch_to_rollout(self) -> None:
+        """Trainer -> rollout: the trainer waits for trajectories (no step runs and none can be
+        formed) while the rollout has more work than slots: the long tail."""
+        if not self._trainer_idle or self._trainer_busy is not None or self.done:
+            return
+        b = self._bucket(self.newest)
+        demand = self._queued.get(b, 0) + (self._outstanding + max(0, self._budget_left())) * self.n
+        need = demand - (self._cap.get(b, 0) - self._occupied.get(b, 0)) - sum(self._to_rollout.values())
+        if need <= 0 and self._spread and not self._to_rollout and self._gating_crowd() is not None:
+            need = 1  # the stragglers the trainer waits for share instances: spread them (R5)
+        while need > 0 and self._trainer_side:
+            iid = min(self._trainer_side)
+            cap = self._trainer_side.pop(iid)
+            self._to_rollout[iid] = cap
+            need -= cap
+            self.m["switches_to_rollout"] += 1
+            self._out.append(A.SwitchToRollout(iid, cap))

@@ -346,6 +346,14 @@ class TorchEngine:
             j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
             tokens[idx] = order.gather(1, j).squeeze(1)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+        if rows:
+            # The behaviour probability of a top-p draw is that of the truncated, renormalised
+            # distribution it came from: p(token) / (mass kept), not p(token).
+            truncated = top_p < 1
+            if bool(truncated.any()):
+                kept = cdf[:, -1].clamp(min=1e-30)
+                renorm = chosen[idx] - torch.log(kept)
+                chosen[idx] = torch.where(truncated, renorm, chosen[idx])
         return tokens.tolist(), chosen.tolist()
 
     def _finished(self, s: _Seq, reason: str) -> Finished:

@@ -7,9 +7,9 @@ imports torch.
 """
 
 from .recipe import EngineSpec, EvalSpec, ModelSpec, Recipe, RuntimeSpec, WarmStartSpec, load_recipe, recipe_from_dict
-from .runtime import Prepared, RunResult, Runtime, RuntimeStall, evaluate_policy, prepare, run
+from .runtime import Prepared, RunResult, Runtime, RuntimeStall, WorkerDied, evaluate_policy, prepare, run
 
 __all__ = [
     "EngineSpec", "EvalSpec", "ModelSpec", "Prepared", "Recipe", "RunResult", "Runtime", "RuntimeSpec",
-    "RuntimeStall", "WarmStartSpec", "evaluate_policy", "load_recipe", "prepare", "recipe_from_dict", "run",
+    "RuntimeStall", "WarmStartSpec", "WorkerDied", "evaluate_policy", "load_recipe", "prepare", "recipe_from_dict", "run",
 ]

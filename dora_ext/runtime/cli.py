@@ -1,6 +1,8 @@
 """`dora-ext train` and `dora-ext compare`: the embedded runtime from the command line.
 
     dora-ext train RECIPE [--mode M] [--steps N] [--seed S] [--out DIR] [--set section.key=value ...]
+                          [--checkpoint-every N]
+    dora-ext train --resume DIR        continue a run that broke (or was killed) from its last checkpoint
     dora-ext compare RECIPE --modes sync,dora[,...] [--seeds K] [--steps N] [--seed S] [--json] [--out DIR]
 
 `train` runs one mode with a progress bar, writes one metrics line per trainer step
@@ -10,7 +12,9 @@ trainer did, the simulator's picture). `compare` runs the modes one after the ot
 seeds and prints a side-by-side table, or with `--json` exactly
 `{"recipe": ..., "modes": {MODE: {throughput_tokens_per_s, speedup_vs_sync, final_reward_mean,
 final_reward_std, staleness_max, c1_ok, c2_ok, c3_ok}}}`; `compare.json`, per-run metrics lines
-and the plots go to `--out` (default `runs/<recipe>-compare`).
+and the plots go to `--out` (default `runs/<recipe>-compare`): `reward_vs_time.png` (reward against
+wall time, every seed: does a mode reach the same reward sooner?), `rewards.png` (per step) and
+`timeline.png`.
 
 This module imports no torch until a command runs.
 """
@@ -29,8 +33,14 @@ from ..config import MODES, ConfigError
 def register(subparsers: Any) -> None:
     t = subparsers.add_parser("train", help="train with the embedded runtime (real engines, real trainer)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("recipe", help="recipe YAML, e.g. recipes/cpu/long-tail.yaml")
+    t.add_argument("recipe", nargs="?", default=None, help="recipe YAML, e.g. recipes/cpu/long-tail.yaml")
     t.add_argument("--mode", choices=MODES, default=None, help="override the recipe's dora.mode")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="write a checkpoint every N trainer steps to OUT/checkpoint (0 = never; default 50, "
+                        "or with --resume the interval the run started with)")
+    t.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run whose output folder is DIR from its last checkpoint "
+                        "(model, optimizer, prompt stream, scheduler; in-flight work re-issued at its version)")
     t.add_argument("--steps", type=int, default=None, help="trainer steps (default: the recipe's)")
     t.add_argument("--seed", type=int, default=None, help="seed (default: the recipe's)")
     t.add_argument("--out", default=None, help="output folder (default: runs/<recipe>-<mode>)")
@@ -73,39 +83,112 @@ def _fail(command: str, exc: Exception) -> int:
     return 2 if isinstance(exc, ConfigError) else 1
 
 
+def _run_spec(args: argparse.Namespace) -> dict:
+    """What `--resume` needs to rebuild the recipe: the recipe's data with the overrides applied,
+    and the command line's mode, steps and seed."""
+    import yaml
+
+    from .recipe import apply_overrides
+
+    with open(args.recipe, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    return {"recipe_path": args.recipe, "recipe_data": apply_overrides(data, args.set), "mode": args.mode,
+            "steps": args.steps, "seed": args.seed}
+
+
+def _resumed_recipe(spec: dict) -> Any:
+    from .recipe import recipe_from_dict
+
+    path = spec["recipe_path"]
+    recipe = recipe_from_dict(spec["recipe_data"], path=path,
+                              default_name=os.path.splitext(os.path.basename(path))[0])
+    if spec["mode"]:
+        recipe = recipe.with_mode(spec["mode"])
+    if spec["steps"] is not None:
+        recipe = recipe.with_steps(spec["steps"])
+    if spec["seed"] is not None:
+        recipe = recipe.with_seed(spec["seed"])
+    return recipe
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    resume = args.resume is not None
     try:
-        recipe = _recipe(args)
+        if resume:
+            if args.recipe or args.set or args.mode or args.steps is not None or args.seed is not None:
+                raise ConfigError("--resume", "takes the run's folder only; the recipe, mode, steps and seed "
+                                  "are the ones the run started with (OUT/run.json)")
+            spec_path = os.path.join(args.resume, "run.json")
+            if not os.path.exists(spec_path):
+                raise ConfigError("--resume", f"{args.resume} is not a run folder of dora-ext train (no run.json)")
+            with open(spec_path, encoding="utf-8") as fh:
+                spec = json.load(fh)
+            recipe = _resumed_recipe(spec)
+            out = args.resume
+            every = spec.get("checkpoint_every", 50) if args.checkpoint_every is None else args.checkpoint_every
+        else:
+            if not args.recipe:
+                raise ConfigError("recipe", "give a recipe YAML file, or --resume DIR")
+            recipe = _recipe(args)
+            spec = _run_spec(args)
+            out = args.out or os.path.join("runs", f"{recipe.name}-{recipe.dora.mode}")
+            every = 50 if args.checkpoint_every is None else args.checkpoint_every
+            spec["checkpoint_every"] = every
+        if every < 0:
+            raise ConfigError("--checkpoint-every", f"expected an integer >= 0, got {every}")
     except ConfigError as exc:
         return _fail("train", exc)
     from .compare import Progress, dump_json, jsonable
     from .report import plot_rewards, plot_timeline
-    from .runtime import prepare, run
+    from .runtime import Runtime, WorkerDied, prepare
 
     mode = recipe.dora.mode
-    out = args.out or os.path.join("runs", f"{recipe.name}-{mode}")
     os.makedirs(out, exist_ok=True)
+    ckpt_dir = os.path.join(out, "checkpoint")
+    if not resume:
+        dump_json(os.path.join(out, "run.json"), spec)
     try:
         prepared = prepare(recipe)
     except ImportError as exc:  # e.g. the optional SmolLM2 weights
         return _fail("train", exc)
-    print(f"dora-ext train: {recipe.name}, mode {mode} (K={recipe.dora.max_staleness}), seed {recipe.seed}, "
-          f"{recipe.steps} steps; version 0 after {recipe.warm_start.steps} warm-start steps "
-          f"({prepared.warm_start_s:.1f}s), held-out reward {prepared.initial_reward:.3f}", file=sys.stderr)
     metrics_path = os.path.join(out, "metrics.jsonl")
+    try:
+        runtime = Runtime(recipe, prepared, checkpoint_dir=ckpt_dir, checkpoint_every=every,
+                          resume=resume,
+                          on_checkpoint=lambda v: print(f"checkpoint: version {v} in {ckpt_dir}", file=sys.stderr,
+                                                        flush=True))
+    except (FileNotFoundError, ValueError) as exc:
+        return _fail("train", exc)
+    start = f"resumed at step {runtime.resumed_from}" if resume else (
+        f"version 0 after {recipe.warm_start.steps} warm-start steps ({prepared.warm_start_s:.1f}s)")
+    print(f"dora-ext train: {recipe.name}, mode {mode} (K={recipe.dora.max_staleness}), seed {recipe.seed}, "
+          f"{recipe.steps} steps; {start}, held-out reward {prepared.initial_reward:.3f}", file=sys.stderr,
+          flush=True)
     bar = Progress(not args.no_progress)
     show = bar.start(f"{mode} seed {recipe.seed}", recipe.steps)
     with open(metrics_path, "w", encoding="utf-8") as fh:
+        for rec in runtime.step_records:  # a resumed run keeps the lines up to its checkpoint
+            fh.write(json.dumps(jsonable(rec)) + "\n")
+
         def on_step(rec: dict) -> None:
             fh.write(json.dumps(jsonable(rec)) + "\n")
             fh.flush()
             show(rec)
 
+        runtime.on_step = on_step
         try:
-            result = run(recipe, prepared, on_step=on_step)
+            result = runtime.run()
+        except WorkerDied as exc:
+            bar.close()
+            print(f"dora-ext train: error: {exc}", file=sys.stderr)
+            return 1
         finally:
             bar.close()
-    report = {"recipe": recipe.to_dict(), **result.summary(), "steps": result.steps}
+    report = {"recipe": recipe.to_dict(), **result.summary(), "steps": result.steps,
+              "resumed_from": runtime.resumed_from,
+              "ledger": {"admitted": sorted(result.ledger["prompts"]),
+                         "trained": {str(g): s for g, s in sorted(result.ledger["trained"].items())},
+                         "failed": [[str(g), r] for g, r in runtime.failed_groups]}}
     dump_json(os.path.join(out, "report.json"), report)
     plot_rewards({mode: [result]}, os.path.join(out, "reward.png"), title=f"{recipe.name}: {mode}, seed {recipe.seed}")
     plot_timeline({mode: result}, os.path.join(out, "timeline.png"), title=f"{recipe.name}: {mode}, seed {recipe.seed}")
@@ -147,7 +230,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail("compare", exc)
     from .compare import compare_modes, dump_json
-    from .report import aggregate, json_view, plot_rewards, plot_timeline, table
+    from .report import aggregate, json_view, plot_reward_vs_time, plot_rewards, plot_timeline, table
 
     out = args.out or os.path.join("runs", f"{recipe.name}-compare")
     os.makedirs(out, exist_ok=True)
@@ -169,8 +252,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     title = f"{recipe.name}: {', '.join(modes)}; seeds {seeds[0]}..{seeds[-1]}, {recipe.steps} steps"
     rewards_png, timeline_png = os.path.join(out, "rewards.png"), os.path.join(out, "timeline.png")
     plot_rewards(results, rewards_png, title=title)
+    time_png = os.path.join(out, "reward_vs_time.png")
+    plot_reward_vs_time(results, time_png, title=title)
     plot_timeline({m: runs[0] for m, runs in results.items()}, timeline_png, title=f"{recipe.name}, seed {seeds[0]}")
-    where = f"plots: {rewards_png}, {timeline_png}; data: {os.path.join(out, 'compare.json')}"
+    where = f"plots: {time_png}, {rewards_png}, {timeline_png}; data: {os.path.join(out, 'compare.json')}"
     if args.json:
         print(json.dumps(json_view(recipe.name, agg)))
         print(where, file=sys.stderr)

@@ -82,7 +82,11 @@ class RuntimeSpec:
     any worker and in warm start / evaluation (0 = no cap): a tiny model's kernels are too short for
     intra-op parallelism to pay, and OpenMP teams on a busy machine lose whole scheduler slices at
     every barrier; the cores are then used by running workers side by side. `stall_timeout_s`: how long the coordinator waits
-    for any report before declaring the run stuck (and naming what was outstanding)."""
+    for any report before declaring the run stuck (and naming what was outstanding).
+    `sync_trainer_ranks`: the colocated `sync` baseline's trainer, as that many data-parallel
+    processes (gloo; each rank trains its share of the batch, gradients summed before every
+    optimizer step), so that sync uses every core while it trains as it does while it generates;
+    0 (the default) = one rank per core on the process backend, 1 = a single trainer process."""
 
     cores: int
     trainer_cores: int
@@ -90,6 +94,7 @@ class RuntimeSpec:
     backend: str = "auto"
     max_threads: int = 0
     stall_timeout_s: float = 300.0
+    sync_trainer_ranks: int = 0
 
     @property
     def rollout_cores(self) -> int:
@@ -383,7 +388,10 @@ def _runtime(data: Mapping[str, Any]) -> RuntimeSpec:
         raise ConfigError("runtime.backend", f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)}")
     max_threads = _positive_int(data.get("max_threads", 0), "runtime.max_threads", 0)
     stall = _number(data.get("stall_timeout_s", 300.0), "runtime.stall_timeout_s", 0.0, open_lo=True)
-    return RuntimeSpec(cores, min(trainer_cores, cores), pin, backend, max_threads, stall)
+    ranks = _positive_int(data.get("sync_trainer_ranks", 0), "runtime.sync_trainer_ranks", 0)
+    if ranks > cores:
+        raise ConfigError("runtime.sync_trainer_ranks", f"expected an integer in [0, {cores}] (runtime.cores), got {ranks}")
+    return RuntimeSpec(cores, min(trainer_cores, cores), pin, backend, max_threads, stall, ranks)
 
 
 def _eval(data: Mapping[str, Any]) -> EvalSpec:

@@ -59,6 +59,7 @@ def aggregate(results: dict[str, list[RunResult]]) -> dict[str, dict[str, Any]]:
             "weight_loads": sum(r.metrics["weight_loads"] for r in runs),
             "max_staleness": runs[0].max_staleness,
             "split": runs[0].split,
+            "core_assignment": runs[0].metrics.get("core_assignment", ""),
             "seeds": [r.seed for r in runs],
         }
     return out
@@ -96,6 +97,9 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
     lines = [" " * width + "  " + "  ".join(m.rjust(c) for m, c in zip(modes, cols))]
     for name, f in rows:
         lines.append(name.ljust(width) + "  " + "  ".join(f(agg[m]).rjust(c) for m, c in zip(modes, cols)))
+    lines.append("core assignment (CPU affinity the workers reported):")
+    for m in modes:
+        lines.append(f"  {m}: {agg[m].get('core_assignment') or '?'}")
     return "\n".join(lines)
 
 
@@ -129,6 +133,64 @@ def plot_rewards(results: dict[str, list[RunResult]], path: str, *, title: str =
     init = [r.metrics["initial_reward"] for runs in results.values() for r in runs]
     ax.axhline(_mean(init), color="grey", ls="--", lw=1, label="held-out, initial policy")
     ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def smoothed(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what there is)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def time_to_reward(result: RunResult, target: float, window: int) -> float | None:
+    """Wall time at which the run's smoothed training-batch reward first reaches `target` (None if
+    never). Only full windows count: the first batches of an asynchronous mode hold the groups
+    that finished first (short answers, higher reward), which a partial window would overweight."""
+    ys = smoothed([s["reward_mean"] for s in result.steps], window)
+    for i, (s, y) in enumerate(zip(result.steps, ys)):
+        if i + 1 >= min(window, len(ys)) and y >= target:
+            return s["time_s"]
+    return None
+
+
+def plot_reward_vs_time(results: dict[str, list[RunResult]], path: str, *, title: str = "",
+                        window: int = 20) -> None:
+    """The users' question, "does it reach the same reward sooner?": training-batch reward
+    (moving average over `window` steps) against wall time, one line per seed, one colour per
+    mode; the held-out reward of each run's final policy as a marker at its end time, the initial
+    policy's as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (mode, runs) in enumerate(results.items()):
+        colour = plt.get_cmap("tab10").colors[i % 10]
+        for j, r in enumerate(runs):
+            if not r.steps:
+                continue
+            ts = [s["time_s"] for s in r.steps]
+            ys = smoothed([s["reward_mean"] for s in r.steps], window)
+            ax.plot(ts, ys, color=colour, lw=1.2, alpha=0.85,
+                    label=f"{mode} (train batch, {window}-step mean)" if j == 0 else None)
+            ax.plot([ts[-1]], [r.metrics["final_reward"]], "s", color=colour, ms=6,
+                    label=f"{mode} held-out, final" if j == 0 else None)
+    init = [r.metrics["initial_reward"] for runs in results.values() for r in runs]
+    if init:
+        ax.axhline(_mean(init), color="grey", ls="--", lw=1, label="held-out, initial policy")
+    ax.set_xlabel("wall time (s)")
     ax.set_ylabel("reward")
     ax.legend(fontsize=8)
     if title:

@@ -15,6 +15,16 @@ What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards
 checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
 engine, timed), same-version migration (the sequence's KV cache moves between engines), and the
 core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
+
+Faults and checkpoints. The coordinator watches its worker processes: an instance that exits is
+reported to the scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned
+version; a sequence it was exporting is retried through `TrajectoryFailed`) and the run goes on
+with the remaining instances; a trainer that exits ends the run with `WorkerDied`. With
+`checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
+optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
+and the weights of the versions work may still be pinned to; `resume=True` continues from the
+newest complete checkpoint, failing and re-registering every instance so that in-flight
+trajectories are re-issued at their pinned version.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import torch
 
-from ..config import DoraConfig
+from ..config import ConfigError, DoraConfig
 from ..core import actions as A
 from ..core import events as E
 from ..core.scheduler import Scheduler
@@ -41,6 +51,11 @@ SEED_STRIDE = 1_000_003
 
 class RuntimeStall(RuntimeError):
     """No worker reported anything for `runtime.stall_timeout_s` although the run is not done."""
+
+
+class WorkerDied(RuntimeError):
+    """The trainer process (or the last rollout instance) exited during the run. The message names
+    the last checkpoint and the `--resume` command that continues from it."""
 
 
 # ---------------------------------------------------------------------------------- preparation
@@ -187,11 +202,16 @@ class Runtime:
 
     on_step(record) is called in the coordinator after every trainer step with that step's
     metrics line; keep_versions keeps every published version's weights in the result (tests use
-    them to recompute log-probs under the version each trajectory claims).
+    them to recompute log-probs under the version each trajectory claims). checkpoint_dir,
+    checkpoint_every: write a checkpoint there every that many steps (a run without `resume`
+    clears an earlier run's checkpoint from the folder); resume: continue from its last complete
+    checkpoint (the recipe must be the run's own).
     """
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
-                 keep_versions: bool = False, device: torch.device | None = None) -> None:
+                 keep_versions: bool = False, device: torch.device | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+                 on_checkpoint: Callable[[int], None] | None = None) -> None:
         from ..engines import SamplingParams, default_device
 
         self.recipe = recipe
@@ -230,6 +250,24 @@ class Runtime:
         self.loads = 0
         self.tokens_trained = 0
         self.migrations = 0
+        self.failed_instances: dict[int, Any] = {}  # instance id -> exit code
+        self.in_transit: dict[tuple, int] = {}  # (gid, idx) -> the instance exporting it
+        self.instance_pids: dict[int, Any] = {}
+        self.trainer_pid: Any = None
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.on_checkpoint = on_checkpoint
+        self.t_offset = 0.0  # wall time of the run before a resume
+        self.resumed_from: int | None = None
+        self._trainer_resume: str | None = None
+        if resume:
+            if not checkpoint_dir:
+                raise ValueError("resume: needs checkpoint_dir")
+            self._load_checkpoint()
+        elif checkpoint_dir:
+            # A fresh run owns its checkpoint folder: a checkpoint left there by an earlier run
+            # must never be what a later `--resume` of this run picks up.
+            self._clear_checkpoints()
 
     # ------------------------------------------------------------------ cores
     @property
@@ -257,28 +295,57 @@ class Runtime:
         return roll, train, per_inst, t_threads
 
     @property
+    def trainer_ranks(self) -> int:
+        """Data-parallel trainer processes: several only for colocated sync on the process backend."""
+        rt = self.recipe.runtime
+        if not self.colocated or self.backend != "process" or self.device.type != "cpu":
+            return 1
+        return rt.sync_trainer_ranks or rt.cores
+
+    @property
     def split(self) -> str:
         rt = self.recipe.runtime
         if self.colocated or rt.cores < 2:
             return f"colocated:{rt.cores}"
         return f"{rt.rollout_cores}:{rt.trainer_cores}"
 
+    def core_assignment(self) -> str:
+        """What each worker really ran on: the CPU affinity each process reported when it started
+        (every CPU of the machine when unpinned) and the number of trainer ranks."""
+        def fmt(cpus: list[int]) -> str:
+            return ",".join(map(str, cpus)) if cpus else "?"
+
+        inst = sorted((k, v) for k, v in self.affinity.items() if k.startswith("instance"))
+        train = sorted((k, v) for k, v in self.affinity.items() if k.startswith("trainer"))
+        pinned = "pinned" if self.recipe.runtime.pin and self.device.type == "cpu" else "unpinned"
+        return (f"{pinned}; instances " + " ".join(f"{k.split('-')[-1]}@{fmt(v)}" for k, v in inst)
+                + f"; trainer {len(train)} rank(s) " + " ".join(f"@{fmt(v)}" for _, v in train))
+
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
-        from .workers import EngineRecipe, PackedWeights, TrainerRecipe, process_context, start_instances, start_trainer
+        from .workers import (EngineRecipe, PackedWeights, PipeHub, TrainerRecipe, process_context, start_instances,
+                              start_trainer)
 
         roll, train, per_inst, t_threads = self._layout()
         procs = self.backend == "process"
-        self.outbox = process_context().Queue() if procs else queue.SimpleQueue()
+        self.outbox = PipeHub(process_context()) if procs else queue.SimpleQueue()
         if procs:
-            self.versions[0] = PackedWeights.pack(self.prepared.weights, shared=True)
+            self.versions = {v: w if isinstance(w, PackedWeights) else PackedWeights.pack(w, shared=True)
+                             for v, w in self.versions.items()}
         dev = str(self.device)
         specs = {s.id: EngineRecipe(self.prepared.model_config, s.capacity, self.task.stop_id, dev)
                  for s in self.config.instances}
-        trainer_spec = TrainerRecipe(self.prepared.model_config, dict(self.recipe.trainer), self.versions[0], dev)
+        v0 = self.versions.get(0)
+        if v0 is None:  # a resumed run: version 0 (the KL reference) from the deterministic preparation
+            v0 = PackedWeights.pack(self.prepared.weights, shared=True) if procs else self.prepared.weights
+        trainer_spec = TrainerRecipe(self.prepared.model_config, dict(self.recipe.trainer), v0, dev,
+                                     resume=self._trainer_resume)
         self.inboxes: dict[int, Any] = {}
         handles: list[Any] = []
         self.trainer_inbox: Any = None
+        self.trainer_inboxes: list[Any] = []
+        self.affinity: dict[str, list[int]] = {}
+        self._next_rank = 0
         self.instance_stats: dict[Any, dict] = {}
         self.torch_threads: dict[str, int] = {}
         ok = False
@@ -291,20 +358,41 @@ class Runtime:
                 # The coordinator (prompts, rewards, scheduling) is rollout-side work: it runs on the
                 # rollout cores, never on the trainer's.
                 os.sched_setaffinity(0, set(roll))
-            self.trainer_inbox, th = start_trainer(trainer_spec, t_threads, train, self.outbox, self.backend)
-            handles.append(th)
+            ranks = self.trainer_ranks
+            rank_cpus = [[train[r % len(train)]] for r in range(ranks)] if (ranks > 1 and train) else None
+            self.trainer_inboxes, ths = start_trainer(trainer_spec, 1 if ranks > 1 else t_threads, train, self.outbox,
+                                                      self.backend, ranks, rank_cpus)
+            self.trainer_inbox, th = self.trainer_inboxes[0], ths[0]
+            handles.extend(ths)
             self.inboxes, ih = start_instances(specs, per_inst, roll, self.outbox, self.backend)
             handles.extend(ih)
-            self._wait_ready(len(specs) + 1, handles)
-            self.t0 = time.perf_counter()  # setup (processes, engines, trainer) is not part of the run
-            self._execute(self.sched.start())
+            instance_handles = dict(zip(specs, ih))
+            self.instance_pids = {iid: getattr(h, "pid", None) for iid, h in instance_handles.items()}
+            self.trainer_pid = getattr(th, "pid", None)
+            self._wait_ready(len(specs) + len(ths), handles)
+            self.t0 = time.perf_counter() - self.t_offset  # setup is not part of the run
+            if self.resumed_from is None:
+                self._execute(self.sched.start())
+            else:
+                self._restart_from_checkpoint()
             self._flush()
             stall = self.recipe.runtime.stall_timeout_s
+            last_msg = last_check = time.perf_counter()
             while not self.sched.done:
                 try:
-                    msg = self.outbox.get(timeout=stall)
+                    msg = self.outbox.get(timeout=min(stall, 1.0))
                 except queue.Empty:
-                    raise RuntimeStall(self._stall_report(stall)) from None
+                    msg = None
+                now = time.perf_counter()
+                if procs and (msg is None or now - last_check > 0.5):
+                    last_check = now
+                    self._watch(instance_handles, ths)
+                if msg is None:
+                    if now - last_msg > stall:
+                        raise RuntimeStall(self._stall_report(stall))
+                    self._flush()
+                    continue
+                last_msg = now
                 self._on_message(msg)
                 self._flush()
             t_end = self.step_end[-1] if self.step_end else self._now()
@@ -312,23 +400,186 @@ class Runtime:
         finally:
             if pinned:
                 os.sched_setaffinity(0, old_affinity)
-            for q in [self.trainer_inbox, *self.inboxes.values()]:
+            for q in [*self.trainer_inboxes, *self.inboxes.values()]:
                 if q is not None:
                     q.put(("stop",))
             if ok:
-                self._collect_stats(len(handles))
+                self._collect_stats(sum(1 for h in handles if h.is_alive()))
             for h in handles:
                 h.join(timeout=10 if ok else 2)
                 if h.is_alive() and hasattr(h, "terminate"):
                     h.terminate()
                     h.join(timeout=10)
-            for q in [self.trainer_inbox, *self.inboxes.values()]:
+            for q in [*self.trainer_inboxes, *self.inboxes.values()]:
                 if hasattr(q, "cancel_join_thread"):
                     q.cancel_join_thread()  # never block interpreter exit on a queue nobody reads
         return self._result(t_end)
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def _watch(self, instances: dict, trainer: Any) -> None:
+        """Find worker processes that exited. A dead instance is reported to the scheduler
+        (`InstanceFailed`: its running trajectories are re-dispatched to their pinned version on
+        the remaining instances) and the run goes on with fewer instances; a dead trainer, or no
+        instance left, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
+        for t in trainer:
+            if not t.is_alive():
+                raise WorkerDied(self._died_message(f"the trainer process exited (exit code {t.exitcode})"))
+        for iid, h in list(instances.items()):
+            if h.is_alive() or iid in self.failed_instances:
+                continue
+            self.failed_instances[iid] = h.exitcode
+            del instances[iid]
+            if not instances:
+                raise WorkerDied(self._died_message(f"the last rollout instance ({iid}) exited (exit code {h.exitcode})"))
+            self.inboxes.pop(iid, None)
+            self._outgoing.pop(iid, None)
+            self._execute(self.sched.handle(E.InstanceFailed(iid, f"process exited with code {h.exitcode}")))
+            # A sequence it was exporting when it died never reached its destination: retry it there.
+            for key, src in list(self.in_transit.items()):
+                if src == iid:
+                    del self.in_transit[key]
+                    rec = self.dispatch[key]
+                    if rec[0] != iid and not self._finished(key):
+                        self._execute(self.sched.handle(E.TrajectoryFailed(
+                            key[0], key[1], f"lost in a migration from failed instance {iid}", rec[2])))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_path(self, version: int, kind: str) -> str:
+        import os
+
+        return os.path.join(self.checkpoint_dir, f"{kind}-{version:06d}.pt")
+
+    def _save_state(self, version: int) -> None:
+        """The coordinator's half of checkpoint `version`: the scheduler's snapshot, the ledger,
+        the prompt stream's position and the weights of every version work may still be pinned
+        to. The trainer writes its half (model, optimizer) and reports "checkpointed"; only then
+        does `latest` point at this checkpoint."""
+        import os
+
+        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        keep = {v: (w.unpack() if hasattr(w, "unpack") else w) for v, w in self.versions.items()
+                if v >= version - self.config.max_staleness - 1}
+        state = {
+            "format": 1, "version": version, "mode": self.mode, "recipe": self.recipe.to_dict(),
+            "scheduler": self.sched.snapshot(),
+            "next_prompt": max(self.prompts) + 1 if self.prompts else 0,
+            "ledger": {
+                "prompts": self.prompts, "group_version": self.group_version, "results": self.results,
+                "token_versions": self.token_versions, "finish_reasons": self.finish_reasons,
+                "dispatch": self.dispatch, "dispatch_versions": self.dispatch_versions,
+                "first_dispatch": self.first_dispatch, "step_groups": self.step_groups,
+                "trained": self.trained, "step_end": self.step_end, "step_records": self.step_records,
+                "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
+                "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
+            },
+            "versions": keep,
+        }
+        tmp = self._ckpt_path(version, "state") + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self._ckpt_path(version, "state"))
+
+    def _checkpoint_complete(self, version: int) -> None:
+        import os
+
+        if not os.path.exists(self._ckpt_path(version, "state")):
+            raise RuntimeError(f"checkpoint {version}: the trainer saved its half, the coordinator's is missing")
+        tmp = os.path.join(self.checkpoint_dir, "latest.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(f"{version}\n")
+        os.replace(tmp, os.path.join(self.checkpoint_dir, "latest"))
+        for old in os.listdir(self.checkpoint_dir):  # keep the newest complete checkpoint only
+            if old.endswith(".pt") and old[:-3].split("-")[-1].isdigit() and int(old[:-3].split("-")[-1]) < version:
+                os.remove(os.path.join(self.checkpoint_dir, old))
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(version)
+
+    def _load_checkpoint(self) -> None:
+        import os
+
+        latest = os.path.join(self.checkpoint_dir, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"{self.checkpoint_dir}: no complete checkpoint (no 'latest' file)")
+        with open(latest, encoding="utf-8") as fh:
+            version = int(fh.read().strip())
+        state = torch.load(self._ckpt_path(version, "state"), weights_only=False)
+        if state.get("format") != 1 or state["mode"] != self.mode:
+            raise ValueError(f"checkpoint {version}: format {state.get('format')!r}, mode {state['mode']!r}; "
+                             f"expected format 1, mode {self.mode!r}")
+        self._check_recipe(state.get("recipe"), version)
+        self.sched = Scheduler.restore(state["scheduler"])
+        for k, v in state["ledger"].items():
+            setattr(self, k, v)
+        self.versions = dict(state["versions"])
+        self._stream = self.task.prompts(seed=self.recipe.seed, start=state["next_prompt"])
+        self.t_offset = self.step_end[-1] if self.step_end else 0.0
+        self.resumed_from = version
+        self._trainer_resume = self._ckpt_path(version, "trainer")
+
+    def _clear_checkpoints(self) -> None:
+        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`."""
+        import os
+        import re
+
+        if not os.path.isdir(self.checkpoint_dir):
+            return
+        ours = re.compile(r"^(latest|latest\.tmp|(state|trainer)-\d+\.pt(\.tmp)?)$")
+        for name in os.listdir(self.checkpoint_dir):
+            if ours.match(name):
+                os.remove(os.path.join(self.checkpoint_dir, name))
+
+    def _check_recipe(self, saved: dict | None, version: int) -> None:
+        """A checkpoint continues only the run that wrote it: every recipe field must be the same
+        (the restored scheduler keeps the run's own configuration). The first difference is named."""
+        if saved is None:
+            return
+
+        def flat(d: dict, pre: str = "") -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for k, v in d.items():
+                if isinstance(v, dict) and v:
+                    out.update(flat(v, f"{pre}{k}."))
+                else:
+                    out[f"{pre}{k}"] = v
+            return out
+
+        old, new = flat(saved), flat(self.recipe.to_dict())
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key) == new.get(key):
+                continue
+            raise ConfigError(key, f"the checkpoint (version {version}) in {self.checkpoint_dir} was written by a run "
+                                   f"with {key}={old.get(key)!r}, this recipe has {new.get(key)!r}; resume with the "
+                                   f"recipe the run started with")
+
+    def _restart_from_checkpoint(self) -> None:
+        """Fresh processes hold nothing: every instance of the snapshot is failed (its running
+        trajectories go back to the queue of their pinned version, with a new attempt) and
+        registered again; a step that had started is handed to the trainer again in full."""
+        for iid in list(self.sched.instances):
+            self._execute(self.sched.handle(E.InstanceFailed(iid, "resumed from a checkpoint")))
+        # Every configured instance has a fresh process now, also one that had failed before the
+        # checkpoint (the snapshot no longer lists it): all of them are registered again.
+        for spec in self.config.instances:
+            self._execute(self.sched.handle(E.InstanceReady(spec.id, spec.capacity)))
+        busy = self.sched.trainer_busy
+        if busy is not None:
+            gids = self.step_groups[busy]
+            self.delivered.update(gids)
+            self._send_step(busy, [(g, self._group(g)) for g in gids])
+
+    def _died_message(self, what: str) -> str:
+        import os
+
+        ckpt = self.checkpoint_dir
+        step = len(self.step_end)
+        if ckpt and os.path.exists(os.path.join(ckpt, "latest")):
+            run_dir = os.path.dirname(os.path.abspath(ckpt))
+            how = (f"dora-ext train --resume {run_dir}" if os.path.exists(os.path.join(run_dir, "run.json"))
+                   else f"Runtime(recipe, prepared, checkpoint_dir={ckpt!r}, resume=True).run()")
+            return f"{what} at step {step}. The run can continue from its last checkpoint: {how}"
+        return (f"{what} at step {step}. No checkpoint was completed yet (dora-ext train writes one every "
+                f"--checkpoint-every N steps; a broken run then continues with dora-ext train --resume DIR)")
 
     def _wait_ready(self, count: int, handles: list) -> None:
         ready = 0
@@ -346,6 +597,8 @@ class Runtime:
             if msg[0] != "ready":
                 raise RuntimeError(f"unexpected report {msg[0]!r} during setup")
             self.torch_threads[msg[1]] = msg[2]
+            if len(msg) > 3:
+                self.affinity[msg[1]] = msg[3]
             ready += 1
 
     def _collect_stats(self, count: int) -> None:
@@ -385,6 +638,10 @@ class Runtime:
             self._execute(self.sched.handle(E.InstanceLoaded(iid, version)))
         elif kind == "step_done":
             self._on_step_done(*msg[1:])
+        elif kind == "checkpointed":
+            self._checkpoint_complete(msg[1])
+        elif kind == "imported":
+            self.in_transit.pop(tuple(msg[2][:2]), None)
         elif kind == "error":
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
@@ -406,6 +663,14 @@ class Runtime:
         self._execute(self.sched.handle(ev))
 
     def _on_step_done(self, step: int, metrics: dict, gids: list, t: float, weights: Any) -> None:
+        v = step + 1
+        checkpoint = bool(self.checkpoint_dir and self.checkpoint_every and v % self.checkpoint_every == 0
+                          and v < self.recipe.steps)
+        if checkpoint:  # first in the trainer's inbox: it saves version v before any later step starts
+            import os
+
+            os.makedirs(self.checkpoint_dir, exist_ok=True)
+            self.trainer_inbox.put(("checkpoint", self._ckpt_path(v, "trainer")))
         t -= self.t0
         self.step_end.append(t)
         expected = self.step_groups[step]
@@ -441,6 +706,8 @@ class Runtime:
             if k in metrics:
                 record[k] = metrics[k]
         self.step_records.append(record)
+        if checkpoint:
+            self._save_state(v)
         if self.on_step is not None:
             self.on_step(record)
 
@@ -478,19 +745,22 @@ class Runtime:
                 if rec[0] != act.src or rec[1] != act.version:
                     raise RuntimeError(f"migration of {act} but the ledger has it on instance {rec[0]} (version {rec[1]})")
                 rec[0] = act.dst
+                self.in_transit.setdefault((act.group_id, act.index), act.src)
                 self.migrations += 1
                 rid = (act.group_id, act.index, rec[2])
                 self._send(act.src, ("migrate", rid, act.dst))
             elif isinstance(act, A.DeliverGroup):
                 self.delivered.add(act.group_id)
-                self.trainer_inbox.put(("group", act.group_id, self._group(act.group_id)))
+                rank = self._next_rank % len(self.trainer_inboxes)
+                self._next_rank += 1
+                self.trainer_inboxes[rank].put(("group", act.group_id, self._group(act.group_id)))
             elif isinstance(act, A.StartStep):
                 if act.step != len(self.step_groups):
                     raise RuntimeError(f"scheduler started step {act.step}, expected {len(self.step_groups)}")
                 self.step_groups.append(tuple(act.group_ids))
                 rest = [(g, self._group(g)) for g in act.group_ids if g not in self.delivered]
                 self.delivered.update(act.group_ids)
-                self.trainer_inbox.put(("step", act.step, rest))
+                self._send_step(act.step, rest)
             elif isinstance(act, A.ReportGroupFailed):
                 self.failed_groups.append((act.group_id, act.reason))
             elif isinstance(act, A.ReportError):
@@ -498,10 +768,23 @@ class Runtime:
             else:
                 raise RuntimeError(f"unknown action {act!r}")
 
+    def _send_step(self, step: int, rest: list) -> None:
+        """The groups of `step` not streamed yet, dealt round-robin after the streamed ones, and the
+        step command to every trainer rank."""
+        n = len(self.trainer_inboxes)
+        shares: list[list] = [[] for _ in range(n)]
+        for g in rest:
+            shares[self._next_rank % n].append(g)
+            self._next_rank += 1
+        self._next_rank = 0
+        for inbox, share in zip(self.trainer_inboxes, shares):
+            inbox.put(("step", step, share))
+
     def _dispatch(self, act: A.Dispatch) -> None:
         key = (act.group_id, act.index)
         prompt = self.prompts[act.group_id]
         self.dispatch[key] = [act.instance_id, act.version, act.attempt]
+        self.in_transit.pop(key, None)
         self.dispatch_versions[key] = act.version
         self.first_dispatch.setdefault(act.group_id, self._now())
         seed = (self.recipe.seed * SEED_STRIDE + int(act.group_id) * 1009 + act.index * 31 + act.attempt) % (2**62)
@@ -609,6 +892,7 @@ class Runtime:
             "window_steps": [w, e],
             "max_staleness": self.config.max_staleness,
             "split": self.split,
+            "core_assignment": self.core_assignment(),
         }
         instance_logs = [[(max(0.0, t - z), c) for t, c in st.get("log", ())] for st in stats]
         ledger = {

@@ -70,6 +70,70 @@ def next_command(inbox: Any, watch_pid: int | None) -> tuple:
                 os._exit(0)  # no flushing of queues nobody reads
 
 
+# ---------------------------------------------------------------------------------- reports
+class PipeOutbox:
+    """A worker process's own report channel: the write end of a pipe only it writes to.
+
+    Why not one shared `multiprocessing.Queue` for every worker's reports: its writers share one
+    lock, and a worker killed (SIGKILL) while holding it would block every other worker's reports
+    for good. A pipe per worker has no shared lock; a kill can at worst cut that worker's own last
+    message, which the coordinator reads as the end of that pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def put(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+
+class PipeHub:
+    """The coordinator's side of the workers' `PipeOutbox`es: `get(timeout)` returns the next
+    report from any of them (raising `queue.Empty` on timeout), as a queue would. A pipe whose
+    writer is gone (the worker exited or was killed) is dropped."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.readers: list[Any] = []
+        self._pending: list[Any] = []
+
+    def writer(self) -> PipeOutbox:
+        r, w = self.ctx.Pipe(duplex=False)
+        self.readers.append(r)
+        return PipeOutbox(w)
+
+    def get(self, timeout: float | None = None) -> Any:
+        from multiprocessing.connection import wait
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.readers:
+                raise queue.Empty
+            ready = wait(self.readers, timeout=left)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                raise queue.Empty
+            for r in ready:
+                try:
+                    self._pending.append(r.recv())
+                except (EOFError, OSError):
+                    self.readers.remove(r)
+                    r.close()
+        return self._pending.pop(0)
+
+
+def _own_outbox(outbox: Any) -> Any:
+    """A worker process's report channel: its own pipe when the coordinator reads a `PipeHub`."""
+    return outbox.writer() if isinstance(outbox, PipeHub) else outbox
+
+
+def _started(handles_and_outboxes: list) -> None:
+    """After the processes started: the coordinator closes its copies of their pipes' write ends,
+    so that a worker's exit shows as the end of its pipe."""
+    for _, out in handles_and_outboxes:
+        if isinstance(out, PipeOutbox):
+            out.conn.close()
+
+
 # ---------------------------------------------------------------------------------- weights
 @dataclass
 class PackedWeights:
@@ -122,7 +186,7 @@ class InstanceLoop:
       ("import", SequenceState)             a migrated sequence arriving
       ("stop",)                             report ("stats", iid, {...}) and return
       ("batch", [commands])                 several of the above, executed in order (one wake-up)
-    Reports: ("ready", name, torch_threads), ("loaded", iid, version, seconds),
+    Reports: ("ready", name, torch_threads), ("loaded", iid, version, seconds), ("imported", iid, rid),
     ("finished", iid, [Finished, ...], t), ("error", name, message, traceback).
 
     `log` [(t, code)]: code = version while decoding, -1 while loading, -2 while idle (the
@@ -233,6 +297,7 @@ class InstanceLoop:
                 self.peers[dst].put(("import", state))
             else:
                 engine.import_sequence(state)
+                self.outbox.put(("imported", self.iid, state.request_id))
         else:
             raise ValueError(f"instance {self.iid}: unknown command {kind!r}")
 
@@ -265,7 +330,7 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
             stream = torch.cuda.Stream(engine.device)
         loop = InstanceLoop(iid, engine, inbox, outbox, peers, sync=stream.synchronize if stream else (lambda: None),
                             watch_pid=watch_pid)
-        outbox.put(("ready", name, n))
+        outbox.put(("ready", name, n, _affinity()))
         if stream is not None:
             with torch.cuda.stream(stream):
                 loop.run()
@@ -281,9 +346,14 @@ def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence
     if backend == "process":
         ctx = process_context()
         inboxes = {iid: ctx.Queue() for iid in specs}
+        outs = {iid: _own_outbox(outbox) for iid in specs}
         handles = [ctx.Process(target=_serve_instance, name=f"dora-instance-{iid}", daemon=True,
-                               args=(iid, spec, threads, cpus, inboxes[iid], outbox, inboxes, os.getpid()))
+                               args=(iid, spec, threads, cpus, inboxes[iid], outs[iid], inboxes, os.getpid()))
                    for iid, spec in specs.items()]
+        for h in handles:
+            h.start()
+        _started([(h, outs[iid]) for h, iid in zip(handles, specs)])
+        return inboxes, handles
     else:
         inboxes = {iid: queue.SimpleQueue() for iid in specs}
         handles = [threading.Thread(target=_serve_instance, name=f"instance-{iid}", daemon=True,
@@ -319,6 +389,7 @@ class TrainerRecipe:
     trainer: dict
     weights: Any  # version 0: a state dict, or `PackedWeights`
     device: str
+    resume: str | None = None  # a trainer checkpoint to continue from (model, critic, optimizer, version)
 
 
 def build_trainer(spec: TrainerRecipe) -> Any:
@@ -349,13 +420,36 @@ def build_trainer(spec: TrainerRecipe) -> Any:
                 return self.lm.values(input_ids)
 
         value_head = Critic(critic)
-    return Trainer(policy, cfg, value_head=value_head)
+    trainer = Trainer(policy, cfg, value_head=value_head)  # the KL reference is version 0
+    if spec.resume:
+        load_trainer_checkpoint(trainer, spec.resume)
+    return trainer
+
+
+def save_trainer_checkpoint(trainer: Any, path: str) -> None:
+    """The trainer's half of a checkpoint, written atomically: weights, critic, optimizer, version."""
+    state = {"version": trainer.version, "policy": trainer.policy.state_dict(),
+             "value_head": trainer.value_head.state_dict() if hasattr(trainer.value_head, "state_dict") else None,
+             "optimizer": trainer.optimizer.state_dict()}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_trainer_checkpoint(trainer: Any, path: str) -> None:
+    state = torch.load(path, weights_only=False)
+    trainer.policy.load_state_dict(state["policy"])
+    if state["value_head"] is not None:
+        trainer.value_head.load_state_dict(state["value_head"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.version = state["version"]
 
 
 class TrainerLoop:
     """The trainer's command loop (thread or process).
 
     Commands: ("group", gid, trajectories)  forward/backward now (streamed, R7);
+              ("checkpoint", path)  save model, critic, optimizer and version (reports ("checkpointed", version));
               ("step", step, [(gid, trajectories), ...])  the groups not streamed yet, then the
               optimizer step and the new weights;  ("stop",)  report ("stats", "trainer", {...}).
     Reports: ("step_done", step, metrics, gids, t, weights) with the weights of version step+1,
@@ -378,11 +472,15 @@ class TrainerLoop:
         self._gids: list[Any] = []
 
     def run(self) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        name = "trainer" if rank == 0 else f"trainer-{rank}"
         while True:
             cmd = next_command(self.inbox, self.watch_pid)
             kind = cmd[0]
             if kind == "stop":
-                self.outbox.put(("stats", "trainer", {"busy": self.busy, "cpu": self.cpu}))
+                self.outbox.put(("stats", name, {"busy": self.busy, "cpu": self.cpu}))
                 return
             t0, c0 = time.perf_counter(), time.thread_time()
             if kind == "group":
@@ -390,17 +488,30 @@ class TrainerLoop:
                 self._gids.append(cmd[1])
                 self.busy.append((t0, time.perf_counter()))
                 self.cpu += time.thread_time() - c0
+            elif kind == "checkpoint":
+                save_trainer_checkpoint(self.trainer, cmd[1])
+                self.outbox.put(("checkpointed", self.trainer.version))
             elif kind == "step":
                 _, step, rest = cmd
                 for gid, trajectories in rest:
                     self.trainer.add_group(trajectories)
                     self._gids.append(gid)
                 metrics = self.trainer.finish_step(step)
+                gids, self._gids = self._gids, []
+                if rank > 0:  # data parallel: rank 0 reports the step for every rank
+                    dist.gather_object(gids, None, dst=0)
+                    t1 = time.perf_counter()
+                    self.busy.append((t0, t1))
+                    self.cpu += time.thread_time() - c0
+                    continue
+                if dist.is_available() and dist.is_initialized():
+                    parts: list = [None] * dist.get_world_size()
+                    dist.gather_object(gids, parts, dst=0)
+                    gids = [g for part in parts for g in part]
                 weights = {k: v for k, v in self.trainer.publish().items() if not k.startswith("value_head.")}
                 if self.pack:
                     weights = PackedWeights.pack(weights, shared=True)
                 self.sync()
-                gids, self._gids = self._gids, []
                 t1 = time.perf_counter()
                 self.busy.append((t0, t1))
                 self.cpu += time.thread_time() - c0
@@ -410,34 +521,73 @@ class TrainerLoop:
 
 
 def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, inbox: Any, outbox: Any,
-                   pack: bool, watch_pid: int | None = None) -> None:
-    """Body of the trainer worker (thread or process)."""
+                   pack: bool, watch_pid: int | None = None, rank: int = 0, world: int = 1,
+                   port: int | None = None) -> None:
+    """Body of the trainer worker (thread or process); rank `rank` of `world` data-parallel ranks
+    (gloo over 127.0.0.1:`port`) when world > 1."""
+    name = "trainer" if rank == 0 else f"trainer-{rank}"
     try:
         n = claim_cores(threads, cpus)
+        if world > 1:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=600))
         trainer = build_trainer(spec)
         stream = torch.cuda.Stream(torch.device(spec.device)) if spec.device.startswith("cuda") else None
         loop = TrainerLoop(trainer, inbox, outbox, pack, stream.synchronize if stream else (lambda: None), watch_pid)
-        outbox.put(("ready", "trainer", n))
+        outbox.put(("ready", name, n, _affinity()))
         if stream is not None:
             with torch.cuda.stream(stream):
                 loop.run()
         else:
             loop.run()
     except BaseException as exc:
-        outbox.put(("error", "trainer", repr(exc), traceback.format_exc()))
+        outbox.put(("error", name, repr(exc), traceback.format_exc()))
+
+
+def _affinity() -> list[int]:
+    """The CPUs this process (thread) may run on, as the OS reports them."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, outbox: Any,
-                  backend: str) -> tuple[Any, Any]:
-    """Start the trainer worker. Returns (its inbox, a handle to join)."""
+                  backend: str, ranks: int = 1,
+                  rank_cpus: Sequence[Sequence[int] | None] | None = None) -> tuple[list[Any], list[Any]]:
+    """Start the trainer worker(s): `ranks` > 1 data-parallel processes (process backend only),
+    rank r pinned to `rank_cpus[r]` when given. Returns (their inboxes, handles to join), rank 0 first."""
     if backend == "process":
         ctx = process_context()
-        inbox = ctx.Queue()
-        handle = ctx.Process(target=_serve_trainer, name="dora-trainer", daemon=True,
-                             args=(spec, threads, cpus, inbox, outbox, True, os.getpid()))
+        port = _free_port() if ranks > 1 else None
+        inboxes, handles = [], []
+        outs = []
+        for r in range(ranks):
+            inbox = ctx.Queue()
+            own = rank_cpus[r] if rank_cpus else cpus
+            outs.append(_own_outbox(outbox))
+            handles.append(ctx.Process(target=_serve_trainer, name=f"dora-trainer-{r}", daemon=True,
+                                       args=(spec, threads, own, inbox, outs[-1], True, os.getpid(), r, ranks, port)))
+            inboxes.append(inbox)
+        for h in handles:
+            h.start()
+        _started(list(zip(handles, outs)))
+        return inboxes, handles
     else:
-        inbox = queue.SimpleQueue()
-        handle = threading.Thread(target=_serve_trainer, name="trainer", daemon=True,
-                                  args=(spec, threads, cpus, inbox, outbox, False))
-    handle.start()
-    return inbox, handle
+        if ranks != 1:
+            raise ValueError("a data-parallel trainer needs the process backend")
+        inboxes = [queue.SimpleQueue()]
+        handles = [threading.Thread(target=_serve_trainer, name="trainer", daemon=True,
+                                    args=(spec, threads, cpus, inboxes[0], outbox, False))]
+    for h in handles:
+        h.start()
+    return inboxes, handles

@@ -2,7 +2,13 @@
 
     dora-ext simulate --preset dapo-28k --modes sync,one_step_off,partial,pipeline,dora \
         --steps 20 --seed 0 [--max-staleness K] [--split R:T|auto] [--lengths FILE] [--json] [--plot FILE.png]
+    dora-ext simulate --preset dapo-28k --recommend [--lengths FILE] [--max-staleness K] [--elastic] [--json]
     dora-ext simulate --list-presets
+
+`--recommend` answers "which mode, K and split": for every mode and every K up to the staleness
+budget (`--max-staleness`, default 2) it optimises the rollout:trainer split on full-length runs
+and prints the choice with the highest efficiency that keeps C1-C3, the runner-up, and what each
+costs. `--elastic` also evaluates elastic colocation (accelerators lent between the roles).
 
 Imports no torch: the simulator is pure Python; matplotlib is imported only for `--plot`.
 """
@@ -45,6 +51,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--split", default=None, metavar="R:T|auto",
                    help="rollout:trainer accelerators of the asynchronous modes, or auto (best per mode)")
     p.add_argument("--instances", type=int, default=None, help="override the rollout instance count (scale runs)")
+    p.add_argument("--recommend", action="store_true",
+                   help="recommend mode, K (up to --max-staleness, default 2) and split for these lengths")
+    p.add_argument("--elastic", action="store_true",
+                   help="elastic colocation: lend accelerators between rollout and trainer (dora, pipeline)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--checkpoint", metavar="FILE", help="with --stop-after-events: write a checkpoint there (one mode)")
     p.add_argument("--stop-after-events", type=int, default=None, metavar="N",
@@ -81,12 +91,21 @@ def run(args: argparse.Namespace) -> int:
             raise WorkloadError(f"--instances: expected an integer >= 1, got {args.instances}")
         split = parse_split(args.split)
         records = load_lengths(args.lengths) if args.lengths else None
+        if args.recommend:
+            return _recommend(args, preset, modes, records)
+        config = {"elastic": True} if args.elastic else None
+        if args.elastic:
+            from .optimize import ELASTIC_MODES
+
+            bad = [m for m in modes if m not in ELASTIC_MODES]
+            if bad:
+                raise WorkloadError(f"--elastic: mode(s) {', '.join(bad)} do not take it; accepted: {', '.join(ELASTIC_MODES)}")
         if args.instances is not None:
             from .runner import simulate
 
             results = {m: simulate(preset, m, steps=args.steps, seed=args.seed, max_staleness=args.max_staleness,
                                    split=split if isinstance(split, tuple) else None, records=records,
-                                   instances=args.instances, timeline=bool(args.plot))
+                                   instances=args.instances, timeline=bool(args.plot), config=config)
                        for m in modes}
             if "sync" in results:
                 base = results["sync"].metrics["throughput_tokens_per_s"]
@@ -94,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                     r.metrics["speedup_vs_sync"] = r.metrics["throughput_tokens_per_s"] / base
         else:
             results = compare(preset, modes, steps=args.steps, seed=args.seed, max_staleness=args.max_staleness,
-                              split=split, records=records, timeline=bool(args.plot))
+                              split=split, records=records, timeline=bool(args.plot), config=config)
     except (WorkloadError, ConfigError) as exc:
         print(f"dora-ext simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -102,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         # A core bug, not a user error: say what happened so that it can be reported.
         print(f"dora-ext simulate: the scheduler misbehaved: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    steps = args.steps or preset.default_steps
+    steps = len(next(iter(results.values())).step_end)
     if args.json:
         print(json.dumps(to_json(preset.name, args.seed, steps, results), indent=2))
     else:
@@ -113,6 +132,24 @@ def run(args: argparse.Namespace) -> int:
         plot_timelines(results, args.plot, title=f"{preset.name}, seed {args.seed}, {steps} steps")
         if not args.json:
             print(f"timeline written to {args.plot}")
+    return 0
+
+
+def _recommend(args: argparse.Namespace, preset: Any, modes: list[str], records: Any) -> int:
+    from .optimize import format_recommendation, recommend
+
+    budget = 2 if args.max_staleness is None else args.max_staleness
+    if args.split is not None:
+        print("dora-ext simulate: error: --split: not with --recommend (the split is what it chooses)", file=sys.stderr)
+        return 2
+    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    rec = recommend(preset, max_staleness=budget, modes=modes, steps=args.steps, seed=args.seed,
+                    records=records, elastic=args.elastic, progress=progress)
+    if args.json:
+        print(json.dumps({"preset": preset.name, "seed": args.seed, "max_staleness_budget": budget,
+                          **rec.to_json()}, indent=2))
+    else:
+        print(format_recommendation(rec, preset.name, budget))
     return 0
 
 

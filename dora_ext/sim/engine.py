@@ -36,16 +36,16 @@ class SimInstance:
     __slots__ = (
         "id", "a", "b", "c", "prefill", "capacity", "it", "S", "r", "heap", "seqs", "t_last",
         "busy_until", "version", "loading", "paused", "inbound", "gen", "sched_gen", "load_token",
-        "slot_time", "log", "state", "done_context",
+        "slot_time", "log", "state", "base",
     )
 
     def __init__(self, iid: int, cost: EngineCost) -> None:
         self.id = iid
         self.a, self.b, self.c = cost.decode_a_s, cost.decode_b_s, cost.decode_c_s
+        self.base = (self.a, self.b, self.c)
         self.prefill = cost.prefill_s_per_token
         self.capacity = cost.capacity
         self.it = 0.0  # iterations executed (fractional between events)
-        self.done_context: list[float] = []  # context (prompt + generated) of what `pop_finished` returned
         self.S = 0.0  # sum over running of (context - it): total context = S + r * it
         self.r = 0  # running sequences
         self.heap: list[tuple[float, Hashable]] = []  # (finish mark, key), lazily invalidated
@@ -100,6 +100,13 @@ class SimInstance:
                 h = self.a + self.b * r + self.c * (self.S + r * self.it) - 0.5 * beta
                 self.it += 2.0 * dt / (h + math.sqrt(h * h + 2.0 * beta * dt))
         self.t_last = t
+
+    def set_speed(self, factor: float, t: float) -> None:
+        """From time `t` on, a decode iteration costs `factor` times the base (MoE imbalance)."""
+        self.advance(t)
+        a, b, c = self.base
+        self.a, self.b, self.c = a * factor, b * factor, c * factor
+        self.gen += 1
 
     def next_finish(self) -> float | None:
         """Virtual time at which the next running sequence finishes (None when idle)."""
@@ -165,9 +172,7 @@ class SimInstance:
             self.it = mark
         limit = self.it + 1e-9 * (1.0 + self.it)
         done: list[Hashable] = []
-        ctx = self.done_context = []  # evidence for the truncation check (C2)
         S = self.S
-        it = self.it
         while heap:
             mark, key = heap[0]
             if mark > limit:
@@ -179,7 +184,6 @@ class SimInstance:
             del seqs[key]
             S -= cur[1]
             done.append(key)
-            ctx.append(cur[1] + it)
         self.r -= len(done)
         self.S = S if self.r else 0.0
         self.gen += 1

@@ -44,6 +44,14 @@ class EngineCost:
     `resume_reprefill`: after a weight update with preempted trajectories (mode `partial`), the KV
     cache computed by the old weights is dropped and the context re-prefilled, as AReaL's
     interruptible generation and verl fully_async's partial rollout do.
+
+    MoE expert-load imbalance: an expert-parallel decode iteration waits for its most loaded
+    expert, and which experts a batch loads shifts as its sequences come and go, so instances run
+    at different and changing speeds. With `moe_imbalance = m > 0` every instance's iteration cost
+    is multiplied by `1 + m * |z|` (z standard normal), drawn per instance and per period of
+    `moe_period_s` seconds (keyed by seed, instance and period: every mode sees the same speeds).
+    A balanced load (factor 1) is the best case, so the ideal is unchanged; the mean factor is
+    `1 + 0.8 m`.
     """
 
     decode_a_s: float
@@ -56,6 +64,14 @@ class EngineCost:
     capacity: int
     accelerators: int = 1
     resume_reprefill: bool = True
+    moe_imbalance: float = 0.0
+    moe_period_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.moe_imbalance >= 0:
+            raise WorkloadError(f"moe_imbalance: expected a number >= 0, got {self.moe_imbalance!r}")
+        if not self.moe_period_s > 0:
+            raise WorkloadError(f"moe_period_s: expected a number > 0, got {self.moe_period_s!r}")
 
 
 @dataclass(frozen=True)
@@ -67,11 +83,17 @@ class TrainerCost:
     batch. Both divide by the trainer's accelerator count (perfect data-parallel scaling, which
     favours no mode: every mode trains the same tokens). Publishing a version (gathering and
     broadcasting the weights) takes `broadcast_s` of trainer time.
+
+    Elastic colocation (`DoraConfig.elastic`): an accelerator joining the trainer spends `join_s`
+    loading its optimizer-state shard and rebuilding the data-parallel group; one leaving it
+    spends `leave_s` offloading its shard, then loads the rollout weights (`weight_load_s`).
     """
 
     train_acc_s_per_token: float
     optimizer_acc_s: float
     broadcast_s: float
+    join_s: float = 5.0
+    leave_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +147,11 @@ DAPO_28K = Preset(
         train_acc_s_per_token=5.8e-4,
         optimizer_acc_s=128.0,  # [hw] ~1 s FSDP AdamW step at 128 accelerators
         broadcast_s=2.0,  # [hw] gather + NCCL broadcast of 15 GB
+        # [hw] fp32 AdamW state + master weights, 16 B/param = 122 GB, resharded over the new
+        # data-parallel group at ~5 GB/s per accelerator (~1.5 GB each) plus a communicator
+        # rebuild of a few seconds; leaving offloads the shard the same way
+        join_s=5.0,
+        leave_s=5.0,
     ),
     workload=Workload(
         response_median=3000.0,  # [paper] DAPO responses of a few thousand tokens (mean ~4K)
@@ -175,6 +202,8 @@ ROLLOUTPIPE_8K = Preset(
         train_acc_s_per_token=12 * _P17 / (0.25 * _FLOPS),
         optimizer_acc_s=2.0,  # [hw] ~0.5 s AdamW step on 4 accelerators
         broadcast_s=0.5,  # [hw] 3.4 GB broadcast
+        join_s=4.0,  # [hw] 27 GB of AdamW state over ~4 accelerators at ~5 GB/s (+ rebuild)
+        leave_s=4.0,
     ),
     workload=Workload(
         response_median=1500.0,  # [paper] Qwen3-1.7B reasoning under an 8K cap, long-tailed
@@ -222,6 +251,10 @@ AGENTIC_LONG_TAIL = Preset(
         train_acc_s_per_token=12 * _P32 / (0.35 * _FLOPS),  # [hw] 12*N FLOP/token at 35% MFU
         optimizer_acc_s=64.0,  # [hw] ~1 s sharded AdamW step at 64 accelerators
         broadcast_s=6.0,  # [hw] 64 GB gather + broadcast
+        # [hw] 512 GB of AdamW state over ~24-40 trainer accelerators: ~15 GB per accelerator
+        # at ~5 GB/s, plus the communicator rebuild
+        join_s=10.0,
+        leave_s=10.0,
     ),
     workload=Workload(
         # Multi-turn episodes: the summed generation over turns has a heavier tail than one
@@ -247,7 +280,65 @@ AGENTIC_LONG_TAIL = Preset(
     ),
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL)}
+# --------------------------------------------------------------------------- moe-imbalance
+# Qwen3-30B-A3B class MoE: 30.5e9 parameters, 3.3e9 active per token, 48 layers, 4 KV heads x 128
+# dims -> 48*4*128*2*2 = 98,304 KV bytes per token; expert parallel over 2 accelerators.
+_P30, _A3 = 30.5e9, 3.3e9
+_KV30 = 48 * 4 * 128 * 2 * 2
+
+MOE_IMBALANCE = Preset(
+    name="moe-imbalance",
+    summary="MoE reasoning RL, Qwen3-30B-A3B class (EP2), 16K cap, 32 accelerators; instances' decode speed varies with expert load",
+    accelerators=32,
+    engine=EngineCost(
+        decode_a_s=2 * _P30 / (2 * 0.6 * _HBM),  # [hw] a large batch touches every expert: 61 GB over 2 accelerators at 60% HBM
+        decode_b_s=2 * _A3 / (2 * 0.3 * _FLOPS),  # [hw] active parameters only, 30% MFU (grouped GEMMs)
+        decode_c_s=_KV30 / (2 * 0.7 * _HBM),
+        prefill_s_per_token=2 * _A3 / (2 * 0.4 * _FLOPS),
+        weight_load_s=8.0,  # [hw] 61 GB at ~8 GB/s
+        kv_bytes_per_token=_KV30,
+        migrate_bytes_per_s=25e9,
+        capacity=128,  # [hw] vLLM-style 128 running requests per instance (~100 GB KV on 2 accelerators)
+        accelerators=2,
+        # [assumed] expert-load skew: DORA reports long tails are worse with MoE; an EP iteration
+        # waits for the most loaded expert. Factor 1 + 0.3 |z| (mean 1.24, 1.6 at 2 sigma),
+        # redrawn every 30 s per instance.
+        moe_imbalance=0.3,
+        moe_period_s=30.0,
+    ),
+    trainer=TrainerCost(
+        # [hw] 12 * active parameters FLOP per token at 20% MFU (MoE training: all-to-all and
+        # grouped GEMMs run well below dense MFU)
+        train_acc_s_per_token=12 * _A3 / (0.2 * _FLOPS),
+        optimizer_acc_s=32.0,  # [hw] ~1 s AdamW over 30.5e9 parameters sharded over 32 accelerators
+        broadcast_s=8.0,  # [hw] 61 GB gather + broadcast
+        join_s=8.0,  # [hw] 488 GB of AdamW state over ~16 accelerators: ~30 GB each, partly NVLink
+        leave_s=8.0,
+    ),
+    workload=Workload(
+        response_median=3000.0,  # [paper] DAPO-like reasoning, log-normal CV ~1 (design.md)
+        response_cv=1.0,
+        response_cap=16384,
+        prompt_median=256.0,
+        prompt_cv=0.5,
+        prompt_cap=2048,
+        group_size=16,
+        difficulty_share=0.3,
+    ),
+    batch_size=256,
+    default_split=(16, 16),
+    sync_colocated=True,
+    default_steps=20,
+    sources=(
+        "DORA (design.md): long tails are worse with MoE; expert-load imbalance slows instances unevenly",
+        "engine constants from H100 bandwidth/FLOPs and the Qwen3-30B-A3B layout (3.3e9 active, EP 2)",
+        "moe_imbalance 0.3 per 30 s is an assumption (stated, not calibrated); compare with moe_imbalance=0 for the effect",
+    ),
+)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL, MOE_IMBALANCE)
+}
 
 
 def get_preset(name: str) -> Preset:

@@ -15,6 +15,7 @@ simulator itself executed (`sim_checks`), independently of the scheduler's own c
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +24,11 @@ from ..config import MODES, DEFAULT_STALENESS, DoraConfig
 from ..core import actions as A
 from ..core import events as E
 from ..core import Scheduler
-from .engine import SimInstance
+from .engine import STATE_EMPTY, SimInstance
 from .presets import Preset
 from .workload import LengthSampler, WorkloadError
 
-_FINISH, _LOADED, _ARRIVE, _TRAINER = 0, 1, 2, 3
+_FINISH, _LOADED, _ARRIVE, _TRAINER, _ROLE, _SPEED = 0, 1, 2, 3, 4, 5
 
 #: `Simulation.save` writes this checkpoint format; `Simulation.load` reads only this one.
 CHECKPOINT_FORMAT = 1
@@ -157,6 +158,12 @@ class Simulation:
         self.steps = steps
         self.seed = seed
         ec = preset.engine
+        extra = dict(config or {})  # other scheduler settings, e.g. {"migrate": False}
+        if extra.get("elastic") and "elastic_spare" not in extra:
+            if self.layout.colocated:
+                raise WorkloadError(f"elastic: mode {mode!r} runs colocated here; elastic colocation needs split pools")
+            # The trainer's accelerators may form instances up to half of them (it keeps the rest).
+            extra["elastic_spare"] = (self.layout.trainer_accelerators // 2) // self.layout.accelerators_per_instance
         self.config = DoraConfig.from_dict(
             {
                 "mode": mode,
@@ -166,7 +173,7 @@ class Simulation:
                 "instances": self.layout.instances,
                 "capacity": ec.capacity,
                 "max_steps": steps,
-                **(config or {}),  # other scheduler settings, e.g. {"migrate": False}
+                **extra,
             }
         )
         self.sched = Scheduler(self.config, plugins)
@@ -191,18 +198,40 @@ class Simulation:
         # groups: gid -> (version, prompt tokens, response lengths)
         self._next_gid = 0
         self.groups: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.cut: dict[int, int] = {}  # gid -> responses cut at the response cap (when any)
         self.first_dispatch: dict[int, float] = {}
         self.last_finish: dict[int, float] = {}
         self.finish_log: list[tuple[float, int]] | None = [] if timeline else None
         self.traj: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (attempt, version at dispatch)
         self.multi: dict[tuple[int, int], list[int]] = {}  # key -> versions, once resumed under another
+        self._transit: dict[tuple[int, int], int] = {}  # migrating trajectory -> destination
+        self.finished: set[tuple[int, int]] = set()  # trajectories that finished on an instance
+        self.migrations_after_finish = 0
         self.trained_step: dict[int, int] = {}
         self.duplicated = 0
-        self.truncated: set[tuple[int, int]] = set()  # trajectories that finished short of their length
         self.events = 0
+
+        # elastic colocation: instances whose accelerators serve the trainer (or are switching)
+        self.off_rollout: dict[int, str] = {}  # id -> "trainer" | "to_trainer" | "to_rollout"
+        if self.config.elastic:
+            first = max(self.inst) + 1
+            for i in range(self.config.elastic_spare):
+                si = SimInstance(first + i, ec)
+                if timeline:
+                    si.log = []
+                self.inst[first + i] = si
+                self.off_rollout[first + i] = "trainer"
+        self.role_switch_s = 0.0  # accelerator-seconds spent changing role
+        self.tacc_log: list[tuple[float, int]] = [(0.0, self.layout.trainer_accelerators)]
+        self._rcap = sum(si.capacity for i, si in self.inst.items() if i not in self.off_rollout)
+        self._rcap_int = 0.0  # integral of rollout capacity over time (bubble ratio)
+        self._rcap_t = 0.0
+        self._cap_marks: dict[int, float] = {}
 
         # trainer
         self.tacc = self.layout.trainer_accelerators
+        self._tbusy_until = 0.0
+        self._idle_report = False  # report TrainerIdle when the trainer next runs dry
         self._tq: deque = deque()
         self._tbusy = False
         self._tbusy_since = 0.0
@@ -215,6 +244,7 @@ class Simulation:
         self.step_groups: list[tuple[int, ...]] = []
         self._slot_marks: dict[int, float] = {}
         self.migration_s = 0.0
+        self.reprefill_tokens = 0.0  # context re-prefilled: partial's resumes, KV-less migrations
         self.reports: list[str] = []
 
     # ------------------------------------------------------------------ main loop
@@ -223,6 +253,9 @@ class Simulation:
         many scheduler events were handled and return None (`save` the state, `load` it and
         `run()` again to resume: the run is deterministic, so it ends exactly as it would have)."""
         if not self.sched._started:
+            if self.engine.moe_imbalance > 0:
+                self._seed = self.sampler.seed
+                self._on_speed(0)
             self._execute(self.sched.start())
             self._drain()
         heap = self._heap
@@ -244,6 +277,10 @@ class Simulation:
                 self._on_loaded(x, y)
             elif kind == _ARRIVE:
                 self._on_arrive(x, y)
+            elif kind == _ROLE:
+                self._on_role(x, y)
+            elif kind == _SPEED:
+                self._on_speed(x)
             else:
                 self._on_trainer_done(x)
             self._drain()
@@ -285,23 +322,30 @@ class Simulation:
 
     def _drain(self) -> None:
         pending, handle = self._pending, self.sched.handle
-        while pending:
-            self.events += 1
-            self._execute(handle(pending.popleft()))
-        if self._dirty:
-            now = self.now
-            timeline = self.timeline
-            for si in self._dirty.values():
-                if timeline:
-                    si.record(now)
-                if si.gen != si.sched_gen:
-                    si.sched_gen = si.gen
-                    nf = si.next_finish()
-                    if nf is not None:
-                        self._push(nf, _FINISH, si.id, si.gen)
-            self._dirty.clear()
-        if not self._tbusy and self._tq:
-            self._trainer_next()
+        while True:
+            while pending:
+                self.events += 1
+                self._execute(handle(pending.popleft()))
+            if self._dirty:
+                now = self.now
+                timeline = self.timeline
+                for si in self._dirty.values():
+                    if timeline:
+                        si.record(now)
+                    if si.gen != si.sched_gen:
+                        si.sched_gen = si.gen
+                        nf = si.next_finish()
+                        if nf is not None:
+                            self._push(nf, _FINISH, si.id, si.gen)
+                self._dirty.clear()
+            if not self._tbusy and self._tq:
+                self._trainer_next()
+            if self._idle_report and not self._tbusy and not self._tq:
+                # Everything delivered is processed: the trainer waits (elastic colocation).
+                self._idle_report = False
+                pending.append(E.TrainerIdle())
+                continue
+            return
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions: list) -> None:
@@ -319,6 +363,10 @@ class Simulation:
                 self._deliver(act.group_id)
             elif kind is A.StartStep:
                 self._start_step(act)
+            elif kind is A.SwitchToTrainer:
+                self._switch_to_trainer(act)
+            elif kind is A.SwitchToRollout:
+                self._switch_to_rollout(act)
             elif kind is A.ReportGroupFailed:
                 self.reports.append(f"group {act.group_id!r} failed: {act.reason}")
             elif kind is A.ReportError:
@@ -332,6 +380,8 @@ class Simulation:
             self._next_gid += 1
             draw = self.sampler.draw(gid)
             self.groups[gid] = (act.version, draw.prompt_tokens, draw.response_tokens)
+            if draw.truncated:
+                self.cut[gid] = draw.truncated
             self._pending.append(E.GroupAdmitted(gid, {"prompt_tokens": draw.prompt_tokens}))
 
     def _dispatch(self, act: A.Dispatch) -> None:
@@ -343,6 +393,8 @@ class Simulation:
             )
         if si.r + si.inbound + len(si.paused) >= si.capacity:
             raise SimError(f"dispatch to instance {si.id} beyond its capacity {si.capacity}")
+        if act.instance_id in self.off_rollout:
+            raise SimError(f"dispatch to instance {si.id}, whose accelerators serve the trainer")
         if self._tbusy and self.layout.colocated:
             raise SimError("colocated sync: a dispatch while the trainer holds the accelerators")
         gid = act.group_id
@@ -379,13 +431,99 @@ class Simulation:
         self._dirty[si.id] = si
         self._push(now + self.engine.weight_load_s, _LOADED, si.id, (act.version, si.load_token))
 
+    # ------------------------------------------------------------------ MoE imbalance
+    def _on_speed(self, period: int) -> None:
+        """Redraw every instance's decode cost factor for `period` (see `EngineCost.moe_imbalance`)."""
+        m = self.engine.moe_imbalance
+        for iid, si in self.inst.items():
+            rng = random.Random((self._seed * 1_000_003 + iid) * 1_000_033 + period)
+            si.set_speed(1.0 + m * abs(rng.gauss(0.0, 1.0)), self.now)
+            self._dirty[iid] = si
+        if period == 0 or self._heap or self._pending or self._tbusy:
+            # (with nothing else left to happen the run is stuck: let SimDeadlock say so)
+            self._push((period + 1) * self.engine.moe_period_s, _SPEED, period + 1, None)
+
+    # ------------------------------------------------------------------ elastic colocation
+    def _cap_advance(self) -> None:
+        self._rcap_int += self._rcap * (self.now - self._rcap_t)
+        self._rcap_t = self.now
+
+    def _switch_to_trainer(self, act: A.SwitchToTrainer) -> None:
+        iid = act.instance_id
+        si = self.inst.get(iid)
+        if si is None or iid in self.off_rollout:
+            raise SimError(f"SwitchToTrainer({iid}): not a rollout instance")
+        if si.r or si.inbound or si.paused or si.loading is not None:
+            raise SimError(f"SwitchToTrainer({iid}) while it runs {si.r} trajectories or loads weights")
+        si.advance(self.now)
+        self._cap_advance()
+        self._rcap -= si.capacity
+        if si.log is not None and si.state != STATE_EMPTY:
+            si.log.append((self.now, STATE_EMPTY))  # drawn as "no rollout instance" while lent
+        si.state = STATE_EMPTY
+        self.off_rollout[iid] = "to_trainer"
+        # Its weights and KV are dropped; the trainer loads its optimizer-state shard and rebuilds
+        # the data-parallel group: the accelerators do nothing meanwhile.
+        join = self.tc.join_s
+        self.role_switch_s += join * self.layout.accelerators_per_instance
+        self._push(self.now + join, _ROLE, iid, "trainer")
+
+    def _switch_to_rollout(self, act: A.SwitchToRollout) -> None:
+        iid = act.instance_id
+        if self.off_rollout.get(iid) != "trainer":
+            raise SimError(f"SwitchToRollout({iid}): its accelerators are not on the trainer ({self.off_rollout.get(iid)})")
+        tp = self.layout.accelerators_per_instance
+        if self.tacc - tp < 1:
+            raise SimError(f"SwitchToRollout({iid}) would leave the trainer without accelerators")
+        # The accelerators leave after the trainer's current work item, then offload their
+        # optimizer-state shard; the instance then loads weights like any other (LoadVersion).
+        start = max(self.now, self._tbusy_until) if self._tbusy else self.now
+        self.tacc -= tp
+        self.tacc_log.append((start, self.tacc))
+        self.off_rollout[iid] = "to_rollout"
+        leave = self.tc.leave_s
+        self.role_switch_s += (start - self.now + leave) * tp
+        self._push(start + leave, _ROLE, iid, ("rollout", act.capacity))
+
+    def _on_role(self, iid: int, payload: Any) -> None:
+        tp = self.layout.accelerators_per_instance
+        if payload == "trainer":
+            self.off_rollout[iid] = "trainer"
+            self.tacc += tp
+            self.tacc_log.append((self.now, self.tacc))
+            self._pending.append(E.SwitchedToTrainer(iid))
+            return
+        _, cap = payload
+        del self.off_rollout[iid]
+        old = self.inst[iid]
+        si = SimInstance(iid, self.engine)
+        si.a, si.b, si.c = old.a, old.b, old.c  # the period's speed factor carries over
+        si.capacity = cap
+        si.t_last = self.now
+        si.slot_time = old.slot_time
+        si.log = old.log
+        self.inst[iid] = si
+        self._cap_advance()
+        self._rcap += cap
+        self._dirty[iid] = si
+        self._pending.append(E.InstanceReady(iid, cap))
+
     def _migrate(self, act: A.Migrate) -> None:
         src, dst = self.inst[act.src], self.inst[act.dst]
         key = (act.group_id, act.index)
         for si in (src, dst):
             if si.loading is not None or si.version != act.version:
                 raise SimError(f"migration of {key!r} between instances not both holding version {act.version}")
+        if key in self._transit:
+            # The scheduler moves a trajectory again only after `MigrationLanded`.
+            raise SimError(f"migration of {key!r} from instance {src.id} while its previous move is in flight")
         if key not in src.seqs:
+            if key in self.finished:
+                # It finished on `src` at this instant and its report is still queued: a host sees
+                # the same race and the trajectory simply finished where it was (the scheduler's
+                # slot accounting follows its report).
+                self.migrations_after_finish += 1
+                return
             raise SimError(f"migration of {key!r} from instance {src.id}, where it does not run")
         if dst.occupied >= dst.capacity:
             raise SimError(f"migration of {key!r} to instance {dst.id} beyond its capacity")
@@ -396,30 +534,27 @@ class Simulation:
             delay = context * self.engine.kv_bytes_per_token / bw
             self.migration_s += delay
             dst.inbound += 1
+            self._transit[key] = dst.id
             self._push(self.now + delay, _ARRIVE, key, (dst.id, remaining, context))
         else:
             # The engine cannot move KV: the destination re-prefills the whole context.
             self.migration_s += context * self.engine.prefill_s_per_token
+            self.reprefill_tokens += context
             dst.add(key, remaining, context, self.now, context)
             self._dirty[dst.id] = dst
+            self._pending.append(E.MigrationLanded(act.group_id, act.index, self.traj[key][0]))
 
     # ------------------------------------------------------------------ engine events
     def _on_finish(self, si: SimInstance) -> None:
         now = self.now
         traj, groups, last, append = self.traj, self.groups, self.last_finish, self._pending.append
         finished = E.TrajectoryFinished
-        for key, context in zip(si.pop_finished(now), si.done_context):
+        done = self.finished
+        for key in si.pop_finished(now):
+            done.add(key)
             gid, idx = key
-            g = groups[gid]
-            target = g[2][idx]
-            # Evidence, not an assumption: the tokens the engine generated (context - prompt); one
-            # short of the sampled length is a truncation (C2), reported and counted.
-            if context - g[1] < target - 0.5:
-                self.truncated.add(key)
-                append(finished(gid, idx, int(context - g[1]), float((gid + idx) & 1), traj[key][0], True))
-            else:
-                # The reward's value does not matter to scheduling; it only has to be a number.
-                append(finished(gid, idx, target, float((gid + idx) & 1), traj[key][0]))
+            # The reward's value does not matter to scheduling; it only has to be a number.
+            append(finished(gid, idx, groups[gid][2][idx], float((gid + idx) & 1), traj[key][0]))
             last[gid] = now
             if self.finish_log is not None:
                 self.finish_log.append((now, gid))
@@ -437,6 +572,8 @@ class Simulation:
             reprefill = self.engine.resume_reprefill
             for key, (remaining, context) in si.paused.items():
                 si.add(key, remaining, context, self.now, context if reprefill else 0)
+                if reprefill:
+                    self.reprefill_tokens += context
                 versions = self.multi.setdefault(key, [self.traj[key][1]])
                 if versions[-1] != version:
                     versions.append(version)
@@ -446,13 +583,15 @@ class Simulation:
         self._pending.append(E.InstanceLoaded(iid, version))
 
     def _on_arrive(self, key: tuple[int, int], payload: tuple[int, float, float]) -> None:
-        iid, remaining, context = payload
+        _, remaining, context = payload
+        iid = self._transit.pop(key)
         si = self.inst[iid]
         si.inbound -= 1
         if si.loading is not None:
             raise SimError(f"migration of {key!r} landed on instance {iid}, which started loading meanwhile")
         si.add(key, remaining, context, self.now, 0)
         self._dirty[iid] = si
+        self._pending.append(E.MigrationLanded(key[0], key[1], self.traj[key][0]))
 
     # ------------------------------------------------------------------ trainer
     def _deliver(self, gid: int) -> None:
@@ -493,7 +632,9 @@ class Simulation:
             if busy:
                 raise SimError(f"colocated sync: trainer work while instances {busy[:5]} still roll out or load")
         self._tbusy = True
+        self._idle_report = self.config.elastic
         self._tbusy_since = self.now
+        self._tbusy_until = self.now + dur
         self._push(self.now + dur, _TRAINER, (kind, x), None)
 
     def _on_trainer_done(self, item: tuple[str, int]) -> None:
@@ -523,6 +664,8 @@ class Simulation:
             si.advance(now)
             total += si.slot_time
         self._slot_marks[step] = total
+        self._cap_advance()
+        self._cap_marks[step] = self._rcap_int
 
     # ------------------------------------------------------------------ results
     def _deadlock_report(self) -> str:
@@ -581,7 +724,6 @@ class Simulation:
             if s < 0 or s > self.K:
                 c3 += 1
         dropped = sum(1 for gid in self.groups if gid not in self.trained_step)
-        truncated = sum(1 for gid, _ in self.truncated if gid in self.trained_step)
         trained_traj = sum(len(self.groups[g][2]) for g in self.trained_step)
         multi_trained = sum(
             1 for (gid, _), vs in self.multi.items() if gid in self.trained_step and len(vs) > 1
@@ -592,10 +734,13 @@ class Simulation:
             "staleness_hist": dict(sorted(hist.items())),
             "c3_violations": c3,
             "dropped": dropped,
-            "truncated": truncated,
+            # Responses cut at the response cap, counted from the workload's draws. C2 is not
+            # broken by them: the cap is the run's max length, the same in every mode, not a
+            # cut the scheduler made.
+            "truncated": sum(self.cut.get(g, 0) for g in self.trained_step),
             "duplicated": self.duplicated,
             "c1_ok": multi_trained == 0,
-            "c2_ok": dropped == 0 and self.duplicated == 0 and truncated == 0,
+            "c2_ok": dropped == 0 and self.duplicated == 0,
             "c3_ok": c3 == 0,
         }
 
@@ -613,10 +758,21 @@ def _staleness(mode: str, k: int | None) -> int:
 
 
 # --------------------------------------------------------------------------- metrics
-def window(steps: int) -> tuple[int, int]:
-    """Steady-state steps `[w, e)`: the first and last fifth are warm-up and drain."""
-    w = steps // 5
-    e = steps - w
+def default_steps(preset: Preset, max_staleness: int) -> int:
+    """The preset's step count, or more for a large K: the steady-state window (`window`) skips
+    K + 1 warm-up and K + 2 drain steps and keeps at least as many in between."""
+    return max(preset.default_steps, 5 * (max_staleness + 2))
+
+
+def window(steps: int, max_staleness: int = 0) -> tuple[int, int]:
+    """Steady-state steps `[w, e)`: the first fifth (at least K + 1 steps, while the rollout builds
+    its lead) is warm-up, the last fifth (at least the last `K + 2` steps) is drain: admission stops at `max_steps * B` groups, so in the last K + 1 steps
+    the rollout has less and less to do, and with elastic colocation its accelerators would train.
+    """
+    w = max(steps // 5, max_staleness + 1) if max_staleness else steps // 5
+    e = steps - max(steps // 5, max_staleness + 2) if max_staleness else steps - w
+    if e - w < 1:
+        w, e = steps // 5, steps - steps // 5
     if e - w < 1:
         return 0, steps
     return w, e
@@ -643,10 +799,29 @@ def ideal_step_work(preset: Preset, groups: list[tuple[int, int, tuple[int, ...]
     return roll * tp, train, tokens
 
 
+def _time_mean(log: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """Time average over [t0, t1] of a step function given as (time, value) changes."""
+    if t1 <= t0:
+        return float(log[-1][1])
+    pts = sorted(log, key=lambda p: p[0])
+    total, cur = 0.0, pts[0][1]
+    prev = t0
+    for t, v in pts:
+        if t <= t0:
+            cur = v
+            continue
+        if t >= t1:
+            break
+        total += cur * (t - prev)
+        prev, cur = t, v
+    total += cur * (t1 - prev)
+    return total / (t1 - t0)
+
+
 def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> dict[str, Any]:
     """The design.md metrics of one run over its steady-state window."""
     steps = len(sim.step_end)
-    w, e = window(steps)
+    w, e = window(steps, sim.K)
     t0 = sim.step_end[w - 1] if w > 0 else 0.0
     t1 = sim.step_end[e - 1]
     span = max(t1 - t0, 1e-12)
@@ -659,7 +834,7 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
             busy += hi - lo
     slots0 = sim._slot_marks.get(w - 1, 0.0) if w > 0 else 0.0
     slots1 = sim._slot_marks[e - 1]
-    cap = sum(si.capacity for si in sim.inst.values())
+    caps = sim._cap_marks[e - 1] - (sim._cap_marks.get(w - 1, 0.0) if w > 0 else 0.0)
     r2t = []
     for k in range(w, e):
         first = min(sim.first_dispatch[g] for g in sim.step_groups[k])
@@ -681,7 +856,7 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "ideal_throughput": ideal,
         "efficiency": thr / ideal,
         "trainer_wait_ratio": max(0.0, 1.0 - busy / span),
-        "rollout_bubble_ratio": 1.0 - (slots1 - slots0) / (cap * span),
+        "rollout_bubble_ratio": 1.0 - (slots1 - slots0) / max(caps, 1e-12),
         "rollout_to_train_end_s": sum(r2t) / len(r2t),
         "step_time_s": span / (e - w),
         "rollout_s": sum(rollout_s) / len(rollout_s),
@@ -690,6 +865,8 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "staleness_max": max(hist) if hist else 0,
         "staleness_mean": sum(k * v for k, v in hist.items()) / n_hist if n_hist else 0.0,
         "multi_version_trajectory_share": checks["multi_version_trajectory_share"],
+        "multi_version_trajectories": checks["multi_version_trajectories"],
+        "c3_violations": checks["c3_violations"],
         "dropped": checks["dropped"],
         "truncated": checks["truncated"],
         "duplicated": checks["duplicated"],
@@ -700,6 +877,11 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "weight_loads": core.get("weight_loads", 0),
         "live_versions_max": core.get("live_versions_max", 0),
         "migration_s": sim.migration_s,
+        "elastic": sim.config.elastic,
+        "role_switches": core.get("switches_to_trainer", 0) + core.get("switches_to_rollout", 0),
+        "role_switch_s": sim.role_switch_s,
+        "trainer_accelerators_mean": _time_mean(sim.tacc_log, t0, t1),
+        "reprefill_tokens": round(sim.reprefill_tokens),
         "max_staleness": sim.K,
         "split": sim.layout.split,
         "window_steps": [w, e],
@@ -720,9 +902,11 @@ def simulate(
     plugins: Any = None,
     config: dict[str, Any] | None = None,
 ) -> RunResult:
-    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields."""
+    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields.
+
+    `steps` defaults to `default_steps(preset, K)`."""
     return Simulation(
-        preset, mode, steps=steps or preset.default_steps, seed=seed, max_staleness=max_staleness,
+        preset, mode, steps=steps or default_steps(preset, _staleness(mode, max_staleness)), seed=seed, max_staleness=max_staleness,
         split=split, records=records, instances=instances, timeline=timeline, plugins=plugins,
         config=config,
     ).run()

@@ -36,7 +36,8 @@ class Workload:
       response_median: median response length in tokens (before the cap).
       response_cv: coefficient of variation of the uncapped log-normal (0 = constant lengths).
       response_cap: maximum response length; longer draws stop at the cap (a normal
-        max-length finish, not an early truncation).
+        max-length finish, the same in every mode; the simulator reports how many responses
+        were cut there as `truncated`).
       prompt_median, prompt_cv, prompt_cap: the same for prompt lengths (one per group).
       group_size: n, trajectories per group.
       difficulty_share: share of the response log-variance shared by a group (0..1).
@@ -68,10 +69,15 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class GroupDraw:
-    """The lengths of one admitted group: its prompt and each trajectory's response."""
+    """The lengths of one admitted group: its prompt and each trajectory's response.
+
+    `truncated`: how many of its responses were cut at the response cap (a drawn length above
+    the cap, or a replayed length at or above it).
+    """
 
     prompt_tokens: int
     response_tokens: tuple[int, ...]
+    truncated: int = 0
 
 
 def _sigma(cv: float) -> float:
@@ -107,13 +113,13 @@ class LengthSampler:
                 out.append(resp)
                 if i == 0 and p is not None:
                     prompt = p
-            return GroupDraw(prompt, tuple(out))
+            # A replayed length is what the run produced: it is not cut again, but one at the
+            # preset's cap counts as cut there (the run hit its max length).
+            return GroupDraw(prompt, tuple(out), sum(1 for x in out if x >= w.response_cap))
         base = self._mu + self._sd * rng.gauss(0.0, 1.0)
         cap = w.response_cap
-        resp = tuple(
-            max(1, min(cap, round(math.exp(base + self._sw * rng.gauss(0.0, 1.0))))) for _ in range(n)
-        )
-        return GroupDraw(prompt, resp)
+        raw = [max(1, round(math.exp(base + self._sw * rng.gauss(0.0, 1.0)))) for _ in range(n)]
+        return GroupDraw(prompt, tuple(min(cap, x) for x in raw), sum(1 for x in raw if x > cap))
 
 
 def load_lengths(path: str | Path) -> list[tuple[int, int | None]]:

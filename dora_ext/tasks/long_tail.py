@@ -5,7 +5,16 @@ and `p` is a pattern of k distinct letters, left-padded with ``<pad>`` to one wi
 response starts at the same position. The correct response is the pattern repeated for
 exactly L tokens, then the stop token ``<eos>``. In the default style ``"counter"`` each pattern
 token is preceded by the count of tokens still due, so for L=3 and pattern ``a c`` the answer is
-``#3 a #2 c #1 a <eos>`` (2L + 1 tokens); style ``"plain"`` drops the counters (``a c a <eos>``).
+``#3 a #2 c #1 a <eos>`` (2L + 1 tokens); style ``"count_up"`` counts the other way
+(``#1 a #2 c #3 a <eos>``, stop after the counter equal to the prompt's `#L`), and style
+``"plain"`` drops the counters (``a c a <eos>``).
+
+Why count up for RL (the CPU recipes' style): counting down puts the rarest counter tokens
+(`#L` for a long L, seen in few prompts) *first*, so every sample of a long prompt fails within a
+few tokens, gets the same low reward as its group and carries no gradient signal. Counting up
+puts the common small counters first, so long answers earn partial credit that differs between
+samples, and the rare large counters come last, where RL can still improve them. The length
+distribution is the same in every style (2L + 1 tokens).
 
 Why the counter: a tiny model learns "decrement the last number" and "stop after #1" in a few
 hundred supervised steps, while matching a position against L with no help takes thousands; with
@@ -44,7 +53,7 @@ from dora_ext.models.tiny import TinyConfig, TinyLM
 from dora_ext.tasks.tokenizer import Tokenizer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-STYLES = ("counter", "plain")
+STYLES = ("count_up", "counter", "plain")
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,8 @@ class LongTailConfig:
     `#L` vocabulary); min_len: smallest L; alphabet: letters patterns are drawn from (2..26);
     pattern_min/pattern_max: pattern length range (distinct letters); length_weight: w above;
     max_new_tokens: generation budget, default 1.25x the longest answer + 1 (an over-long answer
-    is seen and penalised, not cut at the right length by luck); style: "counter" or "plain".
+    is seen and penalised, not cut at the right length by luck); style: "count_up", "counter"
+    (counting down) or "plain".
     """
 
     median: float = 8.0
@@ -118,7 +128,7 @@ class LongTailConfig:
     @property
     def target_cap(self) -> int:
         """Tokens of the longest correct answer, stop token excluded."""
-        return self.cap * (2 if self.style == "counter" else 1)
+        return self.cap * (1 if self.style == "plain" else 2)
 
     @property
     def sigma(self) -> float:
@@ -154,6 +164,8 @@ class LongTailTask:
         body = [pattern[i % len(pattern)] for i in range(length)]
         if self.config.style == "counter":
             body = [tok for i, letter in enumerate(body) for tok in (f"#{length - i}", letter)]
+        elif self.config.style == "count_up":
+            body = [tok for i, letter in enumerate(body) for tok in (f"#{i + 1}", letter)]
         target = (*self.tokenizer.encode(" ".join(body)), self.stop_id)
         return Prompt(prompt_id, tuple(self.tokenizer.encode(text)), target, length, text)
 

@@ -311,8 +311,23 @@ class DoraReplayBuffer:
             uids = self.step_source(step)
             if uids is None:
                 return Selection((), ())
-            self._from_source = {step: list(uids)}
+            # C2: a group listed again (already trained here, or twice in this batch) is counted
+            # and skipped. Trained groups left TransferQueue, so waiting for one would hang forever.
+            fresh: list[str] = []
+            dups: list[str] = []
+            for uid in uids:
+                (dups if uid in self._trained or uid in fresh else fresh).append(uid)
+            if dups:
+                self.totals["duplicated"] += len(dups)
+                logger.error("dora sampler: the scheduler's batch for step %d lists %d group(s) already trained or "
+                             "twice: %s (counted in dora/duplicated, skipped)", step + 1, len(dups), dups[:8])
+                if not fresh:
+                    raise RuntimeError(f"dora sampler: the scheduler's batch for step {step + 1} holds only groups "
+                                       f"already trained: {dups[:8]}")
+            self._from_source = {step: fresh}
         queue = self._from_source[step]
+        if not queue:
+            raise RuntimeError(f"dora sampler: step {step + 1} asked for more groups than the scheduler's batch holds")
         complete = {s.uid for s in states if s.complete}
         chunk = queue[:size]
         missing = [u for u in chunk if u not in complete]

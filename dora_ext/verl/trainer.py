@@ -119,6 +119,7 @@ def configure(config: Any) -> Any:
         _check_split(config)
     dcfg = dora_config(config)
     with open_dict(config):
+        _check_weight_store(config, dcfg.max_staleness)
         sampler = v1.sampler
         custom = sampler.get("custom_sampler") or {}
         if custom.get("path") or custom.get("name"):
@@ -138,6 +139,31 @@ def configure(config: Any) -> Any:
         else:
             agent.agent_loop_manager_class = MANAGER_CLASS
     return dcfg
+
+
+def _check_weight_store(config: Any, max_staleness: int) -> None:
+    """The ``dora_cpu`` store must keep every version a load can ask for: the newest K + 1 and the
+    one being published (K + 2). Unset: ``max(8, K + 2)``; a smaller user value fails here."""
+    from dora_ext.config import ConfigError
+
+    from .cpu import BACKEND as CPU_BACKEND
+
+    ce = config.actor_rollout_ref.rollout.checkpoint_engine
+    if ce.get("backend") != CPU_BACKEND:
+        return
+    need = int(max_staleness) + 2
+    if ce.get("engine_kwargs") is None:
+        ce.engine_kwargs = {}
+    kwargs = ce.engine_kwargs.get(CPU_BACKEND) or {}
+    keep = kwargs.get("keep_versions")
+    if keep is None:
+        ce.engine_kwargs[CPU_BACKEND] = {**kwargs, "keep_versions": max(8, need)}
+    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{CPU_BACKEND}.keep_versions",
+            f"is {keep!r}; with dora.max_staleness={max_staleness} the weight store must keep at least "
+            f"{need} versions (K + 1 loadable and the one being published): set it to >= {need} or leave it unset",
+        )
 
 
 def _check_manager(fqn: str) -> None:
@@ -176,6 +202,15 @@ def _checkpoint_folder(config: Any, global_steps: int) -> str:
     if not os.path.isabs(folder):
         folder = os.path.join(os.getcwd(), folder)
     return os.path.join(folder, f"global_step_{global_steps}")
+
+
+def _resume_folder(config: Any, global_steps: int) -> str:
+    """The checkpoint folder verl resumed from (``PPOTrainer._load_checkpoint``'s choice)."""
+    trainer = config.trainer
+    if trainer.get("resume_mode") == "resume_path" and isinstance(trainer.get("resume_from_path"), str):
+        folder = trainer.resume_from_path
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+    return _checkpoint_folder(config, global_steps)
 
 
 STATE_FILE = "dora_state.json"
@@ -273,7 +308,7 @@ class DoraTrainer(PPOTrainerSeparateAsync):
                 tq.kv_clear(keys=old, partition_id="train")
             tags = [{"is_prompt": True, "status": "pending", "global_steps": int(self.global_steps)} for _ in finished]
             tq.kv_batch_put(keys=finished, partition_id="train", tags=tags)
-        state_path = os.path.join(_checkpoint_folder(self.config, int(self.global_steps)), STATE_FILE)
+        state_path = os.path.join(_resume_folder(self.config, int(self.global_steps)), STATE_FILE)
         lost: list[str] = []
         if os.path.exists(state_path):
             with open(state_path) as f:

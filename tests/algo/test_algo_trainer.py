@@ -99,7 +99,8 @@ def test_streaming_gradient_equals_whole_batch_gradient(case):
     loss, metrics = ref.batch_loss(groups)
     loss.backward()
     # The reference really exercises the non-trivial branches.
-    assert metrics.get("pg_clipfrac", 0) > 0 or metrics.get("masked_frac", 0) > 0
+    assert (metrics.get("pg_clipfrac", 0) > 0 or metrics.get("masked_frac", 0) > 0
+            or metrics.get("is_truncated_frac", 0) > 0)
     want = ref.batch_gradients()  # nothing streamed into ref: divisor 1, its grads are the batch mean's
     assert got.keys() == want.keys() and len(got) > 0
     for name in got:
@@ -289,14 +290,16 @@ def test_bad_input_is_refused_with_the_field_named():
         bad_value.add_group([Trajectory([1], [2], [-1.0], 1.0, 0)])
 
 
-def test_stale_group_uses_current_weights_as_pi_old():
-    """pi_old rule: on-policy -> the engine's log-probs; stale -> the trainer's current weights.
+def test_pi_prox_is_the_pre_update_pass_and_behaviour_enters_by_weight():
+    """pi_prox = the trainer's weights before the update (this forward with one update per batch);
+    pi_behav = the engine's log-probs, which only enter through the correction.
 
-    The group's rollout log-probs are the model's own minus log 3 (pi_theta / pi_rollout = 3 on
-    every token). Stale under "tis": ratio against pi_old is 1 (nothing clipped) and the weight
-    min(3, C=2) = 2 on every token, so the gradient is exactly 2x that of the same group
-    on-policy with exact log-probs. Under "none" (pi_old = pi_rollout) every token with A > 0 is
-    clipped. Decoupled with cap_mode "mask" drops every token (weight 3 > 2): zero gradient.
+    The group's rollout log-probs are the model's own minus log 3 (pi_theta / pi_behav = 3 on
+    every token). Under "tis" the ratio against pi_prox is 1 (nothing clipped) and the weight
+    min(3, C=2) = 2 on every token, whatever the version, so the gradient is exactly 2x that of the
+    same group with exact log-probs. Under "none" (the clip anchored at pi_behav) every token with
+    A > 0 is clipped. Decoupled with cap_mode "mask" drops every token (weight 3 > 2): zero
+    gradient. "sao" masks every token (ratio 3 is outside [0.8, 1.2]): zero gradient.
     """
     import math
 
@@ -312,17 +315,102 @@ def test_stale_group_uses_current_weights_as_pi_old():
         return tr.batch_gradients(), m
 
     on, _ = grads(TrainerConfig(correction="tis", is_cap=2.0), exact, version=0)
-    stale, m = grads(TrainerConfig(correction="tis", is_cap=2.0), shifted, version=1)
-    assert m["pg_clipfrac"] == 0.0 and m["is_truncated_frac"] == 1.0
-    assert m["is_weight_mean"] == pytest.approx(2.0)
-    for k in on:
-        torch.testing.assert_close(stale[k], 2 * on[k], rtol=1e-4, atol=1e-7)
+    for version in (0, 1):
+        stale, m = grads(TrainerConfig(correction="tis", is_cap=2.0), shifted, version=version)
+        assert m["pg_clipfrac"] == 0.0 and m["is_truncated_frac"] == 1.0
+        assert m["is_weight_mean"] == pytest.approx(2.0)
+        for k in on:
+            torch.testing.assert_close(stale[k], 2 * on[k], rtol=1e-4, atol=1e-7)
 
     _, m = grads(TrainerConfig(correction="none"), shifted, version=1)
     # A > 0 for the reward-1 response only (3 of 9 tokens): clipped at 1 + 0.2.
     assert m["pg_clipfrac"] == pytest.approx(3 / 9)
-    _, m = grads(TrainerConfig(correction="tis"), shifted, version=0)  # same data, on-policy: pi_old = pi_rollout
-    assert m["pg_clipfrac"] == pytest.approx(3 / 9) and m["is_weight_mean"] == pytest.approx(1.0)
 
     masked, _ = grads(TrainerConfig(correction="decoupled", is_cap=2.0, is_cap_mode="mask"), shifted, version=1)
     assert all(float(g.abs().max()) == 0.0 for g in masked.values())
+    sao, m = grads(TrainerConfig(correction="sao"), shifted, version=1)
+    assert m["masked_frac"] == 1.0 and all(float(g.abs().max()) == 0.0 for g in sao.values())
+    sao, m = grads(TrainerConfig(correction="sao"), exact, version=1)
+    assert m["masked_frac"] == 0.0 and any(float(g.abs().max()) > 0.0 for g in sao.values())
+
+
+def test_inner_loop_first_update_is_the_single_update_and_later_ones_clip():
+    """ppo_minibatches=2: the first optimizer step is exactly the one-update trainer's step on the
+    first chunk (ratio 1 against pi_prox); the second chunk is scored against the *pre-update*
+    pi_prox, so with a large learning rate its ratios leave the clip range and the clip acts."""
+    policy, _ = make(4)
+    groups = mixed_groups(policy, 3, seed=5)
+    cfg = dict(algorithm="grpo", correction="tis", lr=0.05)
+    multi = Trainer(copy.deepcopy(policy), TrainerConfig(ppo_minibatches=2, **cfg), version=2)
+    for g in groups:
+        multi.add_group(g)
+    seen = []
+    real_apply = multi._apply
+
+    def spy(units):
+        out = real_apply(units)
+        seen.append({k: v.detach().clone() for k, v in multi.policy.state_dict().items()})
+        return out
+
+    multi._apply = spy
+    m = multi.finish_step(2)
+    assert m["updates"] == 2.0 and len(seen) == 2 and multi.version == 3
+    assert m["pg_clipfrac"] > 0 and m["ratio_mean"] != pytest.approx(1.0)
+
+    single = Trainer(copy.deepcopy(policy), TrainerConfig(**cfg), version=2)
+    for g in groups[:2]:
+        single.add_group(g)
+    single.finish_step(2)
+    for k, v in single.policy.state_dict().items():
+        torch.testing.assert_close(seen[0][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_epochs_reuse_the_batch_and_kl_pulls_towards_the_reference():
+    policy, _ = make(6)
+    groups = mixed_groups(policy, 3, seed=6)
+    tr = Trainer(copy.deepcopy(policy), TrainerConfig(ppo_epochs=3, ppo_minibatches=2, lr=0.02, kl_coef=0.5),
+                 version=2)
+    for g in groups:
+        tr.add_group(g)
+    m = tr.finish_step(2)
+    assert m["updates"] == 6.0 and "kl_ref" in m
+    assert tr.ref_policy is not None
+    for (k, ref), p in zip(tr.ref_policy.state_dict().items(), policy.state_dict().values()):
+        torch.testing.assert_close(ref, p, msg=k)  # the reference stays the initial policy
+    # After the step the policy differs from the reference, and the KL term is positive.
+    tr.add_group(groups[0])
+    assert tr._sums["kl_ref"] > 0
+    with pytest.raises(ConfigError, match="trainer.ppo_epochs"):
+        TrainerConfig.from_dict({"ppo_epochs": 0}, where="trainer")
+
+
+def test_sao_critic_warmup_moves_only_the_value_head():
+    policy, value = make(7, value=True)
+    groups = mixed_groups(policy, 1, seed=7)
+    tr = Trainer(copy.deepcopy(policy), TrainerConfig(algorithm="sao", critic_warmup=1, lr=0.01),
+                 value_head=copy.deepcopy(value), version=0)
+    for g in groups:
+        tr.add_group([dataclasses_replace_version(t, 0) for t in g])
+    m = tr.finish_step(0)
+    assert m["critic_warmup"] == 1.0
+    for k, v in policy.state_dict().items():
+        torch.testing.assert_close(tr.policy.state_dict()[k], v, msg=k)
+    assert any(not torch.equal(a, b) for a, b in zip(tr.value_head.state_dict().values(),
+                                                     value.state_dict().values()))
+    for g in groups:  # step 1: warm-up over, the policy moves
+        tr.add_group([dataclasses_replace_version(t, 1) for t in g])
+    tr.finish_step(1)
+    assert any(not torch.equal(tr.policy.state_dict()[k], v) for k, v in policy.state_dict().items())
+
+
+def dataclasses_replace_version(t, version):
+    import dataclasses
+
+    return dataclasses.replace(t, version=version)
+
+
+def test_critic_warmup_without_a_critic_is_refused():
+    """A setting that would silently do nothing is an error naming the field."""
+    with pytest.raises(ConfigError, match=r"trainer\.critic_warmup: only algorithm 'sao'"):
+        TrainerConfig.from_dict({"algorithm": "grpo", "critic_warmup": 5}, where="trainer")
+    assert TrainerConfig.from_dict({"algorithm": "sao", "critic_warmup": 5}, where="trainer").critic_warmup == 5

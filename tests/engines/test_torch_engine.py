@@ -61,22 +61,50 @@ def test_continuous_batching_returns_the_tokens_of_one_at_a_time_decoding(weight
         assert got.prompt_ids == tuple(prompt) and got.versions == (0,) * BUDGET[rid] and got.prefills == 1
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(0.7, 0.9), SamplingParams(1.3, 1.0)],
-                         ids=["greedy", "t0.7-p0.9", "t1.3"])
+def truncated_logprob(logits: torch.Tensor, token: int, temperature: float, top_p: float) -> float:
+    """log p(token) under the top-p distribution, computed plainly: keep the most likely tokens in
+    order until their mass reaches top_p (the token that crosses it included), renormalise."""
+    probs = torch.softmax(logits.double() / temperature, -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p and top_p < 1:
+            break
+        kept.append(i)
+        mass += probs[i]
+    assert token in kept, "a top-p draw returned a token outside the nucleus"
+    return float(torch.tensor(probs[token] / mass).log())
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(0.7, 0.9), SamplingParams(1.3, 1.0), SamplingParams(1.0, 0.5)],
+                         ids=["greedy", "t0.7-p0.9", "t1.3", "t1-p0.5"])
 def test_logprobs_match_a_fresh_full_forward_pass(weights, sampling):
+    """Behaviour log-probs are those of the distribution each token was drawn from: after
+    temperature and after top-p truncation (renormalised over the nucleus)."""
     e = engine(weights, capacity=4)
     for i, (rid, prompt) in enumerate(PROMPTS.items()):
         e.submit(rid, prompt, BUDGET[rid], sampling, seed=i)
     model = TinyLM(CFG)
     model.load_state_dict(weights)
     temperature = sampling.temperature or 1.0
+    truncated = 0
     for f in e.run_until_done():
         ids = torch.tensor([[*f.prompt_ids, *f.response_ids]])
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids)[0][0] / temperature, -1)
+            logits = model(ids)[0][0]
         P = len(f.prompt_ids)
-        ref = [logp[P - 1 + j, tok].item() for j, tok in enumerate(f.response_ids)]
+        if sampling.greedy:
+            logp = torch.log_softmax(logits / temperature, -1)
+            ref = [logp[P - 1 + j, tok].item() for j, tok in enumerate(f.response_ids)]
+        else:
+            ref = [truncated_logprob(logits[P - 1 + j], tok, temperature, sampling.top_p)
+                   for j, tok in enumerate(f.response_ids)]
+            full = torch.log_softmax(logits / temperature, -1)
+            truncated += sum(abs(r - full[P - 1 + j, tok].item()) > 1e-3 for j, (r, tok) in
+                             enumerate(zip(ref, f.response_ids)))
         assert f.logprobs == pytest.approx(ref, abs=1e-4)
+    if not sampling.greedy and sampling.top_p < 1:
+        assert truncated > 0  # the truncation really changed the probabilities checked
 
 
 def test_sampling_is_reproducible_per_request_whatever_the_batch(weights):
@@ -97,8 +125,9 @@ def test_tiny_top_p_keeps_only_the_most_likely_token(weights):
     greedy = run_alone(weights, "g", PROMPTS["r3"], 20)
     nucleus = run_alone(weights, "g", PROMPTS["r3"], 20, SamplingParams(1.0, 1e-6), seed=3)
     assert nucleus.response_ids == greedy.response_ids
-    # log-probs are of the full distribution, not the truncated one (which would be all 0)
-    assert nucleus.logprobs == pytest.approx(greedy.logprobs, abs=1e-5) and max(nucleus.logprobs) < -0.01
+    # the truncated distribution holds one token: each draw had probability 1
+    assert nucleus.logprobs == pytest.approx([0.0] * len(nucleus.logprobs), abs=1e-5)
+    assert max(greedy.logprobs) < -0.01
 
 
 def test_stop_token_and_max_length(weights):
@@ -258,3 +287,74 @@ def test_device_is_chosen_automatically_and_overridable(monkeypatch):
     monkeypatch.setenv("DORA_EXT_DEVICE", "cpu")
     assert default_device().type == "cpu"
     assert TorchEngine(CFG, 1, None).device.type == "cpu"
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A confident model: a tiny transformer warm-started on the long-tail task, whose greedy answer
+    depends on the prompt (the pattern letters and the length), i.e. on the KV cache."""
+    from dora_ext.tasks.long_tail import LongTailConfig, LongTailTask, warm_start
+
+    task = LongTailTask(LongTailConfig(median=5, cap=10, cv=0.6, style="count_up"))
+    model = TinyLM(task.model_config(d_model=48, n_layer=2, n_head=4, seed=3))
+    warm_start(model, task, 250, seed=0, batch_size=16, lr=3e-3)
+    prompts = [p for _, p in zip(range(40), task.prompts(seed=5)) if p.length >= 6][:3]
+    return task, model.config, policy_state(model), prompts
+
+
+def _migrate_greedy(task, config, weights, prompt, corrupt=None):
+    """Decode `prompt` greedily on engine a for 5 tokens, move it with its cache to engine b
+    (optionally corrupting the cache on the way), finish there."""
+    a = TorchEngine(config, 2, task.stop_id, device=default_device())
+    b = TorchEngine(config, 2, task.stop_id, device=default_device())
+    a.load_version(weights, 1)
+    b.load_version(weights, 1)
+    a.submit("m", prompt.ids, task.max_new_tokens, GREEDY)
+    for _ in range(5):
+        a.step()
+    state = a.export_sequence("m")
+    if corrupt is not None:
+        state.kv = tuple((corrupt(k), corrupt(v)) for k, v in state.kv)
+    b.import_sequence(state)
+    (f,) = b.run_until_done()
+    return f
+
+
+@pytest.mark.parametrize("corruption", ["none", "never-copied", "other-sequence"])
+def test_token_identity_after_migration_catches_a_corrupted_cache(trained, corruption):
+    """With a confident model the token check alone decides: an intact cache continues exactly as
+    if never moved; a cache that was never copied, or another prompt's cache, changes the
+    greedy tokens (a random near-uniform model would not show it: its argmax hardly depends on
+    the context)."""
+    task, config, weights, prompts = trained
+    diffs = 0
+    for i, prompt in enumerate(prompts):
+        ref = run_alone_cfg(task, config, weights, prompt)
+        assert task.reward(prompt, ref.response_ids) == 1.0  # really confident and right
+        if corruption == "none":
+            corrupt = None
+        elif corruption == "never-copied":
+            corrupt = torch.zeros_like  # a slot allocated but never copied into
+        else:
+            other = prompts[(i + 1) % len(prompts)]
+            e = TorchEngine(config, 1, task.stop_id, device=default_device())
+            e.load_version(weights, 1)
+            e.submit("o", other.ids, task.max_new_tokens, GREEDY)
+            for _ in range(5):
+                e.step()
+            other_kv = iter([t for kv in e.export_sequence("o").kv for t in kv])
+            corrupt = lambda t, it=other_kv: next(it)  # noqa: E731  (another sequence's slot)
+        got = _migrate_greedy(task, config, weights, prompt, corrupt)
+        diffs += got.response_ids != ref.response_ids
+    if corruption == "none":
+        assert diffs == 0
+    else:
+        assert diffs == len(prompts)
+
+
+def run_alone_cfg(task, config, weights, prompt):
+    e = TorchEngine(config, 1, task.stop_id, device=default_device())
+    e.load_version(weights, 1)
+    e.submit("m", prompt.ids, task.max_new_tokens, GREEDY)
+    (f,) = e.run_until_done()
+    return f

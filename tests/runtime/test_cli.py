@@ -36,7 +36,7 @@ def test_compare_json_has_exactly_the_documented_shape(recipe_file, tmp_path, ca
     assert data["modes"]["sync"]["staleness_max"] == 0
     assert data["modes"]["dora"]["staleness_max"] <= 2
     assert "plots:" in captured.err  # says where the plots went
-    for name in ("compare.json", "rewards.png", "timeline.png", "sync-seed0.jsonl", "dora-seed0.jsonl"):
+    for name in ("compare.json", "rewards.png", "reward_vs_time.png", "timeline.png", "sync-seed0.jsonl", "dora-seed0.jsonl"):
         assert (out / name).stat().st_size > 0, name
 
 
@@ -64,3 +64,31 @@ def test_recipe_errors_exit_2_naming_the_field(recipe_file, tmp_path, capsys):
     rc = main(["compare", recipe_file, "--modes", "sync,warp", "--out", str(tmp_path / "y")])
     assert rc == 2
     assert "modes" in capsys.readouterr().err
+
+
+def test_train_resume_refuses_what_it_cannot_use(recipe_file, tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no run.json" in capsys.readouterr().err
+    assert main(["train", recipe_file, "--resume", str(tmp_path)]) == 2
+    assert "--resume: takes the run's folder only" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    assert "recipe: give a recipe YAML file, or --resume DIR" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_runs_checkpoint_interval(recipe_file, tmp_path, monkeypatch):
+    """A resumed run checkpoints as often as the run it continues (run.json), unless told otherwise:
+    a run started with --checkpoint-every 3 and resumed must not fall back to the default 50."""
+    seen = []
+
+    def fake_runtime(recipe, prepared, **kw):  # stands in for the run itself: only its arguments matter here
+        seen.append(kw["checkpoint_every"])
+        raise ValueError("stopped before the run")
+
+    monkeypatch.setattr("dora_ext.runtime.runtime.Runtime", fake_runtime)
+    monkeypatch.setattr("dora_ext.runtime.runtime.prepare", lambda recipe: None)
+    out = str(tmp_path / "run")
+    assert main(["train", recipe_file, "--out", out, "--checkpoint-every", "3", "--no-progress"]) == 1
+    assert main(["train", "--resume", out, "--no-progress"]) == 1
+    assert main(["train", "--resume", out, "--checkpoint-every", "5", "--no-progress"]) == 1
+    assert main(["train", recipe_file, "--out", str(tmp_path / "other"), "--no-progress"]) == 1
+    assert seen == [3, 3, 5, 50]

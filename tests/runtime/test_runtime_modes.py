@@ -98,7 +98,10 @@ def test_every_mode_keeps_its_contract_on_real_engines(mode):
         assert result.split == f"colocated:{rt.cores}"
     else:
         assert result.split == f"{rt.cores - rt.trainer_cores}:{rt.trainer_cores}"
-    assert set(result.ledger["torch_threads"]) == {"trainer", "instance-0", "instance-1"}
+    # sync's trainer is data parallel over every core (one rank per core), the others' is one process
+    ranks = {"trainer"} | ({f"trainer-{r}" for r in range(1, rt.cores)} if mode == "sync" else set())
+    assert set(result.ledger["torch_threads"]) == {"instance-0", "instance-1"} | ranks
+    assert f"trainer {len(ranks)} rank(s)" in m["core_assignment"]
     assert all(n == 1 for n in result.ledger["torch_threads"].values())  # max_threads: 1
 
 
@@ -254,3 +257,31 @@ def test_worker_failure_is_reported_not_hung():
     broken = dataclasses.replace(prepared, model_config=dataclasses.replace(prepared.model_config, max_len=4))
     with pytest.raises(RuntimeError, match="instance|trainer|max_len|exceeds"):
         run(recipe, broken)
+
+
+def test_data_parallel_sync_trainer_takes_the_single_trainers_steps():
+    """sync's 2-rank gloo trainer (each rank streams half the groups, gradients summed before every
+    optimizer step, two PPO epochs) publishes the weights a single trainer would."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores for a 2-rank trainer (runtime.cores <= available cores)")
+    out = {}
+    for ranks in (1, 2):
+        # Two full-batch updates per step (minibatch composition would follow the groups' arrival
+        # order, which real timing decides; the whole batch's sum does not).
+        data = tiny(steps=2, runtime={"sync_trainer_ranks": ranks, "cores": 2},
+                    trainer={"ppo_epochs": 2, "lr": 0.01}, dora={"batch_size": 4, "capacity": 4})
+        recipe = recipe_from_dict(data).with_mode("sync")
+        out[ranks] = run(recipe, prepare(recipe), keep_versions=True)
+    assert "trainer 2 rank(s)" in out[2].metrics["core_assignment"]
+    assert "trainer 1 rank(s)" in out[1].metrics["core_assignment"]
+    assert [sorted(g) for g in out[1].ledger["step_groups"]] == [sorted(g) for g in out[2].ledger["step_groups"]]
+    for v in (1, 2):
+        for k, w in out[1].versions[v].items():
+            if k.endswith("k_proj.bias"):
+                # softmax ignores a bias added to every key: its true gradient is 0, its computed one
+                # rounding noise, which Adam scales up to +-lr in either direction
+                continue
+            torch.testing.assert_close(out[2].versions[v][k], w, rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(out[2].versions[1][k], w) for k, w in out[2].versions[0].items())

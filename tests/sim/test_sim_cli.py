@@ -165,6 +165,34 @@ def test_instances_override_and_config_passthrough(capsys, tiny):
     assert simulate(p, "dora", steps=6, seed=0, config={"migrate": False}).metrics["migrations"] == 0
 
 
+@pytest.mark.slow
+def test_recommend_prints_pick_runner_up_and_costs(capsys, tmp_path):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in [300, 1200, 800, 8192, 150, 2500, 600, 4000] * 4))
+    rc = main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--lengths", str(lengths),
+               "--modes", "dora,pipeline", "--max-staleness", "2", "--steps", "12", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_staleness_budget"] == 2
+    labels = {(c["mode"], c["max_staleness"]) for c in out["candidates"]}
+    assert labels == {("dora", 1), ("dora", 2), ("pipeline", 0)}
+    pick, runner = out["pick"], out["runner_up"]
+    assert pick["ok"] and pick["efficiency"] >= runner["efficiency"]
+    assert max(c["efficiency"] for c in out["candidates"] if c["ok"]) == pick["efficiency"]
+    for c in out["candidates"]:
+        assert len(c["splits_evaluated"]) == 7  # 8 accelerators: every split 1:7 .. 7:1
+    rc = main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--modes", "dora",
+               "--max-staleness", "1", "--steps", "12"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "pick:      dora K=1" in text and "costs:" in text
+
+
+def test_recommend_and_elastic_errors(capsys):
+    assert main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--split", "4:4"]) == 2
+    assert "--split" in capsys.readouterr().err
+    assert main(["simulate", "--preset", "rolloutpipe-8k", "--modes", "sync", "--elastic"]) == 2
+    assert "--elastic" in capsys.readouterr().err
 @pytest.mark.parametrize("mode", ["dora", "partial", "one_step_off"])
 def test_stop_at_a_random_event_and_resume_gives_the_same_run(tmp_path, mode):
     """The simulator is deterministic and resumes from `Scheduler.snapshot()` plus its own state:

@@ -105,3 +105,27 @@ def test_presets_name_their_sources():
     assert {"dapo-28k", "rolloutpipe-8k", "agentic-long-tail"} <= set(PRESETS)
     for p in PRESETS.values():
         assert p.sources and all(isinstance(s, str) and s for s in p.sources)
+
+
+
+def _capped(preset, cap):
+    w = Workload(response_median=100, response_cv=1.0, response_cap=cap, prompt_median=20, prompt_cv=0.0,
+                 prompt_cap=200, group_size=2, difficulty_share=0.0)
+    return type(preset)(**{**preset.__dict__, "workload": w})
+
+
+def test_truncated_counts_responses_cut_at_the_cap(tiny):
+    # cv 1.0 with the cap at the median: about half the draws exceed it and are cut there.
+    preset = _capped(tiny(), 100)
+    res = simulate(preset, "sync", steps=4, seed=3)
+    sampler = LengthSampler(preset.workload, 3)
+    draws = [sampler.draw(g) for g in range(4 * preset.batch_size)]  # sync trains exactly these
+    at_cap = sum(1 for d in draws for x in d.response_tokens if x == 100)
+    assert res.metrics["truncated"] == sum(d.truncated for d in draws)
+    assert 0.25 * 2 * len(draws) < res.metrics["truncated"] <= at_cap
+    # Not a constant: with a cap far above every draw nothing is cut.
+    assert simulate(_capped(tiny(), 10**7), "sync", steps=4, seed=3).metrics["truncated"] == 0
+    # Replayed lengths at or above the cap count as cut there.
+    recs = [(100, None), (50, None), (150, None), (20, None)]
+    assert LengthSampler(preset.workload, 0, recs).draw(0).truncated == 1
+    assert LengthSampler(preset.workload, 0, recs).draw(1).truncated == 1

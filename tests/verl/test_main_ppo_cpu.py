@@ -54,7 +54,10 @@ def _work(assets: str, tmp_path) -> str:
 def _run(work: str, mode: str, *, env: dict | None = None, args: tuple = (), tag: str = "",
          kill_after_checkpoint: int | None = None, timeout: float = 600) -> tuple[int, str]:
     """Run ``recipes/verl/tiny_cpu.sh``; optionally SIGKILL verl's TaskRunner once the checkpoint of
-    step `kill_after_checkpoint` is complete. Returns (exit code, log path)."""
+    step `kill_after_checkpoint` is complete and that step's metrics are logged. Returns (exit code,
+    log path)."""
+    from dora_ext.verl.cpu.evidence import read_metrics
+
     tag = tag or mode
     full = dict(os.environ)
     full.update({
@@ -79,7 +82,15 @@ def _run(work: str, mode: str, *, env: dict | None = None, args: tuple = (), tag
             if kill_after_checkpoint is not None and not killed:
                 folder = os.path.join(work, f"ckpt_{mode}")
                 latest = os.path.join(folder, "latest_checkpointed_iteration.txt")
-                if os.path.exists(latest) and open(latest).read().strip() == str(kill_after_checkpoint):
+                # verl writes the checkpoint inside the step, before on_step_end and the step's
+                # metrics line: kill once both are there (killing at the checkpoint alone lost the
+                # step's metrics line when the poll landed in between).
+                try:
+                    logged = [m["step"] for m in read_metrics(full["VERL_FILE_LOGGER_PATH"])]
+                except ValueError:  # a line being written
+                    logged = []
+                if (os.path.exists(latest) and open(latest).read().strip() == str(kill_after_checkpoint)
+                        and kill_after_checkpoint in logged):
                     pids = re.findall(r"TaskRunnerV1 pid=(\d+)", open(log).read())
                     if pids:
                         os.kill(int(pids[0]), signal.SIGKILL)
@@ -111,7 +122,7 @@ def _assert_run(res: dict, *, live_at_least: int | None = None) -> None:
 
 
 def test_dora_k1_six_steps(assets, tmp_path):
-    from dora_ext.verl.cpu.evidence import analyze, load_run
+    from dora_ext.verl.cpu.evidence import analyze, load_run, published_checksums, reference_checksum
 
     work = _work(assets, tmp_path)
     rc, log = _run(work, "dora", env={"K": "1", "STEPS": "6"})
@@ -120,6 +131,8 @@ def test_dora_k1_six_steps(assets, tmp_path):
     res = analyze(metrics, reports, mode="dora", max_staleness=1)
     assert res["steps"] == 6, res
     _assert_run(res, live_at_least=2)
+    # Version 0 as published by the actor is the model on disk (a reference the publisher did not write).
+    assert published_checksums(reports)[0] == reference_checksum(os.path.join(work, "model"))
     # The scheduler admitted exactly what was trained (no failures injected here).
     admitted = {r["group"] for r in reports if r["kind"] == "admit"}
     trained = [g for r in reports if r["kind"] == "train" for g in r["groups"]]
@@ -130,7 +143,8 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     """K=2, parameter_sync_step=4 (loads happen between mini-batches of a step), a reward that
     raises once for prompt 1 and always for prompt 3, SIGKILL after the step-3 checkpoint, then
     ``trainer.resume_mode=auto`` to step 6."""
-    from dora_ext.verl.cpu.evidence import analyze, load_run, read_metrics
+    from dora_ext.verl.cpu.evidence import (analyze, load_run, published_checksums, read_metrics,
+                                            reference_checksum)
     from dora_ext.verl.cpu.report import read_reports
 
     work = _work(assets, tmp_path)
@@ -150,7 +164,16 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     assert failed1 and all("(always)" in r["reason"] for r in failed1), failed1
     assert "injected reward failure (once)" in open(log).read()
     evicted = {g for r in r1 if r["kind"] == "evicted" for g in r["groups"]}
-    assert {r["group"] for r in failed1} <= evicted | {r["group"] for r in failed1}
+    # The reported group was evicted from TransferQueue by the sampler (and replaced through refill).
+    assert {r["group"] for r in failed1} <= evicted, (failed1, evicted)
+
+    # The weights each replica held are anchored to files the publisher did not write: version 0 is
+    # the model on disk, version 3 (published after the 4 mini-batch updates of step 3) is verl's
+    # own actor checkpoint of step 3. The publisher's checksum alone would match wrong weights.
+    published1 = published_checksums(r1)
+    assert published1[0] == reference_checksum(os.path.join(work, "model")), published1
+    ckpt3 = reference_checksum(os.path.join(work, "ckpt_dora", "global_step_3", "actor"))
+    assert published1[3] == ckpt3, (published1, ckpt3)
 
     state = json.load(open(os.path.join(work, "ckpt_dora", "global_step_3", "dora_state.json")))
     untrained = set(state["untrained"])
@@ -159,8 +182,6 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     # dataloader position restored in run 2 precedes them).
     admitted1 = {r["group"] for r in r1 if r["kind"] == "admit" and r["time"] <= state["time"]}
     failed1_ids = {r["group"] for r in failed1}
-    # Everything admitted before the checkpoint is trained by it, failed, or in the saved state.
-    assert admitted1 <= set(trained1) | failed1_ids | untrained
     assert untrained, "nothing in flight at the checkpoint: the resume would not be tested"
 
     rc, log2 = _run(work, "dora", env=env, args=args, tag="dora_resumed")
@@ -172,8 +193,21 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     _assert_run(res2)
     resume = [r for r in r2 if r["kind"] == "resume"]
     assert resume and resume[0]["global_steps"] == 3 and not resume[0]["lost"], resume
+    # The resumed actor publishes its base version from verl's checkpoint of step 3.
+    assert published_checksums(r2)[3] == ckpt3
+    restored = set(resume[0]["restored"])
+    # Everything admitted by the checkpoint was trained by step 3, reported, or is in the saved
+    # dora state. The kill cannot land exactly on the checkpoint: groups admitted after it (in
+    # step 3's on_step_end or step 4) are rolled back by the resume (verl's dataloader and
+    # TransferQueue are restored to the checkpoint); those verl's TransferQueue checkpoint holds
+    # as prompts are re-issued, the others are fetched again from the restored dataloader.
+    assert admitted1 <= set(trained1) | failed1_ids | untrained, admitted1 - set(trained1) - failed1_ids - untrained
+    assert untrained <= restored, untrained - restored
     trained2 = [g for r in r2 if r["kind"] == "train" for g in r["groups"]]
     failed2 = {r["group"] for r in r2 if r["kind"] == "group_failed"}
+    admitted_all1 = {r["group"] for r in r1 if r["kind"] == "admit"}
+    carried = untrained | (admitted_all1 & restored)
+    assert carried <= set(trained2) | failed2, carried - set(trained2) - failed2
     # Across both runs every admitted group is trained exactly once or reported.
     both = trained1 + trained2
     assert len(both) == len(set(both)), "a group was trained twice across the restart"

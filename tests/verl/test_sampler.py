@@ -84,3 +84,33 @@ def test_sampler_counts_constraints_from_transfer_queue(ray_tq):
     assert buffer.trained_uids() == {"a0", "a1", "b0", "b1", "c0", "c1"}
     left = sorted((tq.kv_list("train") or {}).get("train", {}))
     tq.kv_clear(keys=left + list(meta.keys), partition_id="train")
+
+
+@pytest.mark.slow
+def test_a_group_handed_out_again_is_counted_duplicated_not_waited_for(ray_tq):
+    """C2 ``dora/duplicated`` must be able to move. A group the scheduler lists again after it was
+    trained (its prompt key is gone from TransferQueue: it can never be complete again), or twice
+    in one batch, is counted and skipped; before, the sampler waited for it forever (a hang, no
+    counter) or trained it twice in one batch uncounted."""
+    tq = ray_tq
+    n = 2
+    batches = {0: ["a0", "a1"], 1: ["a0", "b0", "b1", "b1"]}
+    buffer = DoraReplayBuffer("dora", {}, None, "wait",
+                              {"max_staleness": 1, "step_batch_size": 2, "group_size": n, "poll_interval": 0.0,
+                               "max_wait_s": 5})
+    buffer.step_source = lambda step: batches.get(step)
+    _put_prompts(tq, ["a0", "a1"], 1)
+    _finish(tq, "a0", 0, n)
+    _finish(tq, "a1", 0, n)
+    meta, m = buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert m["dora/duplicated"] == 0 and m["dora/c2_ok"] == 1.0
+    tq.kv_clear(keys=list(meta.keys), partition_id="train")
+
+    _put_prompts(tq, ["b0", "b1"], 2)
+    _finish(tq, "b0", 1, n)
+    _finish(tq, "b1", 1, n)
+    meta, m = buffer.sample(global_steps=2, partition_id="train", batch_size=2)
+    assert sorted({k.split("_", 1)[0] for k in meta.keys}) == ["b0", "b1"] and len(meta.keys) == 2 * n
+    assert m["dora/duplicated"] == 2 and m["dora/c2_ok"] == 0.0
+    left = sorted((tq.kv_list("train") or {}).get("train", {}))
+    tq.kv_clear(keys=left + list(meta.keys), partition_id="train")

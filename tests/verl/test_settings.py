@@ -186,3 +186,63 @@ def test_batch_split_mismatch_names_the_keys():
         configure(cfg)
     assert err.value.field == "actor_rollout_ref.actor.ppo_mini_batch_size"
     assert "parameter_sync_step" in str(err.value)
+
+
+def _cpu_pool(*extra):
+    return ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_cpu",
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.cpu.weights", *extra)
+
+
+def test_dora_cpu_store_keeps_every_version_the_staleness_bound_can_ask_for():
+    """The ``dora_cpu`` store keeps ``keep_versions`` (default 8) versions; the scheduler may load any
+    of the newest K + 1. With K >= 8 and the default, a load of version newest-8 raised KeyError in
+    the middle of training (``dora: weight loads failed``). The default now covers K + 1 (plus the
+    version being published), and a user's smaller value fails first, naming the key."""
+    from dora_ext.verl.cpu.weights import WeightStore
+    from dora_ext.verl.trainer import configure
+
+    cfg = _bare(*_cpu_pool("+dora.max_staleness=9"))
+    configure(cfg)
+    keep = int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions)
+    assert keep >= 9 + 1
+    # The store with that setting still holds version newest-K after newest is published.
+    import asyncio
+
+    store = WeightStore(keep)
+
+    async def run():
+        for v in range(12):
+            await store.publish(v, {}, f"c{v}")
+        return await store.fetch(11 - 9)
+
+    assert asyncio.run(run())[0] == 2
+
+    cfg = _bare(*_cpu_pool("+dora.max_staleness=9",
+                           "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions=4"))
+    with pytest.raises(ConfigError) as err:
+        configure(cfg)
+    assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions"
+    # Small K keeps the default.
+    cfg = _bare(*_cpu_pool("+dora.max_staleness=1"))
+    configure(cfg)
+    assert int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions) == 8
+
+
+def test_resume_reads_dora_state_from_the_folder_verl_resumed_from(tmp_path, monkeypatch):
+    """``trainer.resume_mode=resume_path`` resumes from ``trainer.resume_from_path``, not from
+    ``default_local_dir``: the dora state must be read there (it was looked up in
+    ``default_local_dir/global_step_N``, missing, and the lost-group check silently skipped)."""
+    from dora_ext.verl.trainer import _resume_folder
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=resume_path",
+                f"trainer.resume_from_path={tmp_path / 'elsewhere' / 'global_step_7'}")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "elsewhere" / "global_step_7")
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=resume_path",
+                "trainer.resume_from_path=rel/global_step_7")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "rel" / "global_step_7")
+    cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=auto")
+    assert _resume_folder(cfg, 7) == str(tmp_path / "ckpts" / "global_step_7")

@@ -84,6 +84,48 @@ def checksum_check(reports: list[dict]) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
+def published_checksums(reports: list[dict]) -> dict[Any, str]:
+    """Version -> checksum of its first publication (what the replicas must hold)."""
+    out: dict[Any, str] = {}
+    for r in reports:
+        if r.get("kind") == "publish":
+            out.setdefault(r["version"], r["checksum"])
+    return out
+
+
+def reference_checksum(path: str) -> str:
+    """:func:`dora_ext.verl.cpu.weights.checksum` of weights written to disk by someone else than the
+    publisher: a Hugging Face model folder (``*.safetensors``) or verl's FSDP actor checkpoint
+    folder (``model_world_size_1_rank_0.pt``; one trainer rank only, whose DTensors hold whole
+    tensors). A reference the published checksums can be compared with: the publisher's own
+    checksum is taken from what it sends, so it would match wrong weights it sent."""
+    import glob
+
+    import torch
+
+    from .weights import checksum
+
+    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if shards:
+        from safetensors.torch import load_file
+
+        named: dict[str, Any] = {}
+        for shard in shards:
+            named.update(load_file(shard))
+        return checksum(named)
+    ckpt = os.path.join(path, "model_world_size_1_rank_0.pt")
+    if not os.path.exists(ckpt):
+        raise FileNotFoundError(f"no *.safetensors and no model_world_size_1_rank_0.pt under {path}")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    named = {}
+    for name, t in state.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if tuple(local.shape) != tuple(t.shape):
+            raise ValueError(f"{ckpt}: {name} is a shard {tuple(local.shape)} of {tuple(t.shape)}")
+        named[name] = local
+    return checksum(named)
+
+
 def _all(metrics: list[dict], key: str, pred) -> bool | None:
     vals = [m[key] for m in metrics if key in m]
     if not vals:

@@ -20,7 +20,8 @@ Unlike NCCL's broadcast, a send and a receive need not meet:
 Cost per publish: one full copy of the weights to host memory and one transfer into the store;
 per load: one transfer out of the store. No process group is built (``prepare``,
 ``init_process_group`` and ``finalize`` are no-ops). The store keeps the newest
-``keep_versions`` versions (``engine_kwargs.dora_cpu.keep_versions``, default 8).
+``keep_versions`` versions (``engine_kwargs.dora_cpu.keep_versions``; ``DoraTrainer`` sets it to
+``max(8, K + 2)`` when unset and refuses a value below ``K + 2``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,348 @@
+"""The rollout:trainer split and K as an answer: an integer split optimiser and a recommender.
+
+`optimise_split` finds the integer split (whole rollout instances; the trainer gets the rest of
+the G accelerators) with the highest throughput for one mode and K, every candidate evaluated by
+a full-length simulation of the real scheduler (`steps` as given, by default the preset's).
+
+It relies on the throughput being unimodal in the rollout instance count: too few instances and
+the rollout is the bottleneck (throughput rises with each one), too many and the trainer is
+(throughput falls with each one taken from it). On that assumption it brackets the maximum by
+stepping out from the balance point (doubling steps), then narrows the bracket by golden-section
+search and finally checks the neighbours of the best point, climbing on if one is better, so a
+small non-unimodal wiggle next to the maximum is still caught. It does not trust the assumption
+blindly: `SplitSearch.unimodal` says whether the evaluated points rise then fall (within
+`tolerance`), and the tests compare it against a brute-force scan of every split on small presets.
+
+`recommend` answers "which mode, K and split": for each candidate (mode, K) up to a staleness
+budget it optimises the split, keeps the runs that hold C1-C3, and ranks them by efficiency
+(throughput over the preset's physical limit). Modes that break C1 (`partial`) are evaluated and
+shown with what they cost (multi-version share, re-prefilled tokens) but never picked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..config import ELASTIC_MODES, MODES
+from .presets import Preset
+from .runner import RunResult, layout_for, simulate
+from .workload import LengthSampler, WorkloadError
+
+_GOLD = 0.3819660112501051  # 2 - golden ratio
+
+
+@dataclass
+class SplitSearch:
+    """The result of `optimise_split`: the best split, its run, and every split evaluated."""
+
+    mode: str
+    max_staleness: int
+    split: tuple[int, int] | None  # (R, T) accelerators; None when the mode is colocated
+    result: RunResult
+    evaluated: dict[tuple[int, int], float] = field(default_factory=dict)  # split -> throughput
+    results: dict[tuple[int, int], RunResult] = field(default_factory=dict)
+    unimodal: bool = True
+
+    @property
+    def runs(self) -> int:
+        return len(self.evaluated)
+
+
+def balanced_instances(preset: Preset, seed: int = 0, records: Any = None, groups: int = 256) -> float:
+    """Rollout instances at which full-occupancy rollout and training of a step take equally long."""
+    from .runner import ideal_step_work
+
+    sampler = LengthSampler(preset.workload, seed, records)
+    draws = [sampler.draw(g) for g in range(groups)]
+    roll, train, _ = ideal_step_work(preset, [(0, d.prompt_tokens, d.response_tokens) for d in draws])
+    train += preset.trainer.optimizer_acc_s * groups / preset.batch_size
+    return preset.accelerators * roll / (roll + train) / preset.engine.accelerators
+
+
+def is_unimodal(points: dict[int, float], tolerance: float = 0.002) -> bool:
+    """Do `points` (x -> value) rise to their maximum and fall after it, within `tolerance`?"""
+    xs = sorted(points)
+    if len(xs) < 3:
+        return True
+    best = max(xs, key=lambda x: points[x])
+    for a, b in zip(xs, xs[1:]):
+        if b <= best and points[b] < points[a] * (1 - tolerance):
+            return False
+        if a >= best and points[b] > points[a] * (1 + tolerance):
+            return False
+    return True
+
+
+def optimise_split(
+    preset: Preset,
+    mode: str,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    max_staleness: int | None = None,
+    records: Any = None,
+    config: dict[str, Any] | None = None,
+    start: int | None = None,
+    plugins: Any = None,
+    runner: Callable[..., RunResult] | None = None,
+    exhaustive: int = 8,
+    cache: dict | None = None,
+) -> SplitSearch:
+    """The integer split with the highest throughput for `mode` (see the module docstring).
+
+    `start` (rollout instances) seeds the search, e.g. the best split of a neighbouring K; by
+    default the balance point of the workload. A cluster with at most `exhaustive` possible
+    rollout instance counts is scanned whole (exact). A colocated mode (`sync` on a colocated
+    preset) has no split: it runs once. `cache` (a dict the caller keeps) reuses runs with the
+    same preset, mode, steps, seed, K and config across calls.
+    """
+    run_one = runner or simulate
+    tp, g = preset.engine.accelerators, preset.accelerators
+    kw = dict(steps=steps, seed=seed, max_staleness=max_staleness, records=records, config=config, plugins=plugins)
+    if layout_for(preset, mode, None).colocated:
+        res = run_one(preset, mode, split=None, **kw)
+        return SplitSearch(mode, res.max_staleness, None, res)
+    n_max = (g - 1) // tp  # the trainer keeps at least one accelerator
+    if n_max < 1:
+        raise WorkloadError(f"split: {preset.name} has {g} accelerators, too few for a rollout instance of {tp} and a trainer")
+    thr: dict[int, float] = {}
+    res_by_n: dict[int, RunResult] = {}
+
+    memo = None
+    if cache is not None and runner is None and records is None and plugins is None:
+        memo = (id(preset), mode, steps, seed, max_staleness, tuple(sorted((config or {}).items())))
+
+    def f(n: int) -> float:
+        if n not in thr:
+            key = None if memo is None else (*memo, n)
+            r = cache.get(key) if key is not None else None
+            if r is None:
+                r = run_one(preset, mode, split=(n * tp, g - n * tp), **kw)
+                if key is not None:
+                    cache[key] = r
+            res_by_n[n] = r
+            thr[n] = r.metrics["throughput_tokens_per_s"]
+        return thr[n]
+
+    if n_max <= exhaustive:
+        for n in range(1, n_max + 1):
+            f(n)
+        start = 1
+    if start is None:
+        start = round(balanced_instances(preset, seed, records))
+    x = min(n_max, max(1, start))
+    # Bracket: step towards the better neighbour with doubling steps until the value falls.
+    lo, hi = max(1, x - 1), min(n_max, x + 1)
+    if f(hi) >= f(x) and hi > x:
+        direction = 1
+    elif f(lo) > f(x) and lo < x:
+        direction = -1
+    else:
+        direction = 0
+    if direction:
+        prev, cur, step = x, x + direction, 1
+        while True:
+            nxt = min(n_max, max(1, cur + direction * step * 2))
+            if nxt == cur or f(nxt) < f(cur):
+                lo, hi = sorted((prev, nxt))
+                break
+            prev, cur, step = cur, nxt, step * 2
+    # Golden-section search on the integers of [lo, hi].
+    a, b = lo, hi
+    while b - a > 3:
+        c = a + max(1, round(_GOLD * (b - a)))
+        d = b - max(1, round(_GOLD * (b - a)))
+        if c >= d:
+            d = c + 1
+        if f(c) < f(d):
+            a = c + 1
+        else:
+            b = d - 1 if f(c) > f(d) else d
+    for n in range(a, b + 1):
+        f(n)
+    # Verify: climb while a neighbour (within two instances) beats the best.
+    while True:
+        best = max(thr, key=lambda n: (thr[n], -n))
+        better = [n for n in (best - 2, best - 1, best + 1, best + 2) if 1 <= n <= n_max and f(n) > thr[best]]
+        if not better:
+            break
+    best = max(thr, key=lambda n: (thr[n], -n))
+    evaluated = {(n * tp, g - n * tp): v for n, v in sorted(thr.items())}
+    results = {(n * tp, g - n * tp): r for n, r in sorted(res_by_n.items())}
+    return SplitSearch(mode, res_by_n[best].max_staleness, (best * tp, g - best * tp), res_by_n[best],
+                       evaluated, results, is_unimodal(thr))
+
+
+def brute_force_split(preset: Preset, mode: str, **kw: Any) -> dict[tuple[int, int], float]:
+    """Throughput of every whole-instance split (for checking `optimise_split` on small presets)."""
+    tp, g = preset.engine.accelerators, preset.accelerators
+    out = {}
+    for n in range(1, (g - 1) // tp + 1):
+        out[(n * tp, g - n * tp)] = simulate(preset, mode, split=(n * tp, g - n * tp), **kw).metrics[
+            "throughput_tokens_per_s"]
+    return out
+
+
+# --------------------------------------------------------------------------- recommender
+@dataclass
+class Candidate:
+    """One (mode, K, option) evaluated by the recommender, at its best split."""
+
+    mode: str
+    max_staleness: int
+    elastic: bool
+    search: SplitSearch
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.search.result.metrics
+
+    @property
+    def ok(self) -> bool:
+        m = self.metrics
+        return bool(m["c1_ok"] and m["c2_ok"] and m["c3_ok"])
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} K={self.max_staleness}" + (" elastic" if self.elastic else "")
+
+    def summary(self) -> dict[str, Any]:
+        m = self.metrics
+        return {
+            "mode": self.mode, "max_staleness": self.max_staleness, "elastic": self.elastic,
+            "split": m["split"], "efficiency": m["efficiency"],
+            "throughput_tokens_per_s": m["throughput_tokens_per_s"], "ok": self.ok,
+            "c1_ok": m["c1_ok"], "c2_ok": m["c2_ok"], "c3_ok": m["c3_ok"],
+            "trainer_wait_ratio": m["trainer_wait_ratio"], "staleness_mean": m["staleness_mean"],
+            "multi_version_trajectory_share": m["multi_version_trajectory_share"],
+            "reprefill_tokens": m["reprefill_tokens"], "weight_loads": m["weight_loads"],
+            "migrations": m["migrations"], "role_switches": m.get("role_switches", 0),
+            "split_runs": self.search.runs, "unimodal": self.search.unimodal,
+            "splits_evaluated": {f"{r}:{t}": v for (r, t), v in self.search.evaluated.items()},
+        }
+
+
+@dataclass
+class Recommendation:
+    """`recommend`'s answer: the pick, the runner-up and every candidate considered."""
+
+    pick: Candidate
+    runner_up: Candidate | None
+    candidates: list[Candidate]
+
+    def considered(self) -> list[tuple[str, int, bool, str, float, bool]]:
+        """Every (mode, K, elastic, split, efficiency, C1-C3 held) run, all splits included."""
+        out = []
+        for c in self.candidates:
+            if c.search.split is None:
+                out.append((c.mode, c.max_staleness, c.elastic, "colocated", c.metrics["efficiency"], c.ok))
+                continue
+            for sp, r in c.search.results.items():
+                m = r.metrics
+                out.append((c.mode, c.max_staleness, c.elastic, f"{sp[0]}:{sp[1]}", m["efficiency"],
+                            bool(m["c1_ok"] and m["c2_ok"] and m["c3_ok"])))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pick": self.pick.summary(),
+            "runner_up": self.runner_up.summary() if self.runner_up else None,
+            "candidates": [c.summary() for c in self.candidates],
+        }
+
+
+def candidates_for(max_staleness: int, modes: Sequence[str] = MODES, elastic: bool = False) -> list[tuple[str, int, bool]]:
+    """(mode, K, elastic) to evaluate within a staleness budget `max_staleness`."""
+    if max_staleness < 0:
+        raise WorkloadError(f"max_staleness: expected an integer >= 0, got {max_staleness}")
+    out = []
+    for mode in modes:
+        if mode not in MODES:
+            raise WorkloadError(f"modes: unknown mode {mode!r}; accepted: {', '.join(MODES)}")
+        if mode in ("sync", "pipeline"):
+            ks = [0]
+        elif mode == "one_step_off":
+            ks = [1] if max_staleness >= 1 else []
+        elif mode == "dora":
+            ks = list(range(1, max_staleness + 1))
+        else:
+            ks = list(range(0, max_staleness + 1))
+        for k in ks:
+            out.append((mode, k, False))
+            if elastic and mode in ELASTIC_MODES:
+                out.append((mode, k, True))
+    return out
+
+
+
+
+def recommend(
+    preset: Preset,
+    *,
+    max_staleness: int = 2,
+    modes: Sequence[str] = MODES,
+    steps: int | None = None,
+    seed: int = 0,
+    records: Any = None,
+    elastic: bool = False,
+    progress: Callable[[str], None] | None = None,
+    cache: dict | None = None,
+    start: dict[tuple[str, bool], int] | None = None,
+) -> Recommendation:
+    """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`.
+
+    Every candidate's split is optimised (`optimise_split`) on full-length runs; a candidate's
+    search starts from the best split of the previous K of the same mode. With `elastic`, the
+    modes of `ELASTIC_MODES` are also evaluated with elastic colocation.
+    """
+    cands: list[Candidate] = []
+    hint: dict[tuple[str, bool], int] = dict(start or {})
+    tp = preset.engine.accelerators
+    for mode, k, el in candidates_for(max_staleness, modes, elastic):
+        cfg = {"elastic": True} if el else None
+        s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=k, records=records,
+                           config=cfg, start=hint.get((mode, el)), cache=cache)
+        if s.split is not None:
+            hint[(mode, el)] = s.split[0] // tp
+        c = Candidate(mode, s.max_staleness, el, s)
+        cands.append(c)
+        if progress:
+            m = c.metrics
+            progress(f"  {c.label}: split {m['split']}, efficiency {m['efficiency']:.3f}, "
+                     f"C1-C3 {'held' if c.ok else 'broken'} ({s.runs} runs)")
+    ranked = sorted((c for c in cands if c.ok), key=lambda c: -c.metrics["efficiency"])
+    if not ranked:
+        raise WorkloadError("recommend: no candidate kept C1-C3 (see the candidates)")
+    return Recommendation(ranked[0], ranked[1] if len(ranked) > 1 else None, cands)
+
+
+def format_recommendation(rec: Recommendation, preset: str, max_staleness: int) -> str:
+    """The `dora-ext simulate --recommend` text."""
+
+    def line(c: Candidate) -> str:
+        m = c.metrics
+        costs = [f"staleness max {m['staleness_max']} mean {m['staleness_mean']:.2f}",
+                 f"trainer wait {m['trainer_wait_ratio']:.3f}", f"{m['weight_loads']} weight loads",
+                 f"{m['migrations']} migrations"]
+        if c.elastic:
+            costs.append(f"{m.get('role_switches', 0)} role switches ({m.get('role_switch_s', 0.0):.0f} s)")
+        if m["multi_version_trajectory_share"]:
+            costs.append(f"multi-version share {m['multi_version_trajectory_share']:.3f}")
+        if m["reprefill_tokens"]:
+            costs.append(f"{m['reprefill_tokens']} re-prefilled tokens")
+        return (f"{c.label}, split {m['split']}: efficiency {m['efficiency']:.3f}, "
+                f"{m['throughput_tokens_per_s']:.0f} tok/s; costs: " + ", ".join(costs))
+
+    out = [f"recommendation for {preset}, staleness budget K <= {max_staleness}:",
+           f"  pick:      {line(rec.pick)}"]
+    if rec.runner_up:
+        gap = 1 - rec.runner_up.metrics["efficiency"] / rec.pick.metrics["efficiency"]
+        out.append(f"  runner-up: {line(rec.runner_up)} ({gap:.1%} below the pick)")
+    out.append("  all candidates (best split each):")
+    for c in sorted(rec.candidates, key=lambda c: -c.metrics["efficiency"]):
+        m = c.metrics
+        flag = "" if c.ok else "  (breaks " + ",".join(x for x in ("C1", "C2", "C3") if not m[f"{x.lower()}_ok"]) + ": not picked)"
+        out.append(f"    {c.label:<22} split {m['split']:>9}  efficiency {m['efficiency']:.3f}  "
+                   f"({c.search.runs} split runs{'' if c.search.unimodal else ', NOT unimodal'}){flag}")
+    return "\n".join(out)

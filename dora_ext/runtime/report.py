@@ -132,7 +132,12 @@ def plot_rewards(results: dict[str, list[RunResult]], path: str, *, title: str =
                     label=f"{mode} held-out, final")
     init = [r.metrics["initial_reward"] for runs in results.values() for r in runs]
     ax.axhline(_mean(init), color="grey", ls="--", lw=1, label="held-out, initial policy")
-    ax.set_xlabel("trainer step")
+    _finish_reward_plot(plt, fig, ax, "trainer step", title, path)
+
+
+def _finish_reward_plot(plt: Any, fig: Any, ax: Any, xlabel: str, title: str | None, path: str) -> None:
+    """Labels, legend and title of a reward plot, then write it to `path` and close the figure."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("reward")
     ax.legend(fontsize=8)
     if title:
@@ -190,14 +195,7 @@ def plot_reward_vs_time(results: dict[str, list[RunResult]], path: str, *, title
     init = [r.metrics["initial_reward"] for runs in results.values() for r in runs]
     if init:
         ax.axhline(_mean(init), color="grey", ls="--", lw=1, label="held-out, initial policy")
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("reward")
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_reward_plot(plt, fig, ax, "wall time (s)", title, path)
 
 
 def plot_timeline(results: dict[str, RunResult], path: str, *, title: str = "", bins: int = 1200) -> None:

@@ -35,7 +35,9 @@ PPO clip. `kl_coef` > 0 adds a k3 KL penalty to a frozen copy of the initial pol
 Several updates per batch (`ppo_epochs` x `ppo_minibatches`): `add_group` stores the group with
 its advantages and pi_prox log-probs; `finish_step` splits the batch into `ppo_minibatches`
 consecutive chunks of groups and takes one optimizer step per chunk, `ppo_epochs` times. The
-version advances once per batch.
+version advances once per batch. With `micro_tokens` > 0 every forward runs over length-sorted
+micro-batches of the rows (of a group, or of a chunk) instead of one padded forward per group:
+a long-tailed group pads every short answer to its longest, and the sums are the same.
 SAO always measures its ratio against pi_rollout: staleness is what its mask guards against.
 
 Rollout log-probs must come from the same temperature-scaled distribution the engine sampled
@@ -112,6 +114,10 @@ class TrainerConfig:
     gamma, lam: GAE. value_coef: weight of the value loss. value_clip: value clip range (None = off).
     entropy_coef: entropy bonus (0 = only reported). temperature: the engine's sampling temperature.
     pad_id: the token used to pad batches (any valid id; padded positions are masked).
+    micro_tokens: forward in length-sorted micro-batches of at most this many padded tokens
+      (rows x longest row; a longer row goes alone), so that a long-tailed batch does not pad every
+      short answer to its group's longest: the same sums, far less padding. 0 = one forward per
+      group (its rows padded to the group's longest).
     """
 
     algorithm: str = "grpo"
@@ -141,6 +147,7 @@ class TrainerConfig:
     ppo_minibatches: int = 1
     kl_coef: float = 0.0
     critic_warmup: int = 0
+    micro_tokens: int = 0
 
     def __post_init__(self) -> None:
         def choice(name: str, accepted: Sequence[str]) -> None:
@@ -186,7 +193,8 @@ class TrainerConfig:
             raise ConfigError("betas", f"expected two numbers in [0, 1), got {self.betas!r}")
         if not isinstance(self.norm_adv_by_std, bool):
             raise ConfigError("norm_adv_by_std", f"expected true or false, got {self.norm_adv_by_std!r}")
-        for name, lo in (("pad_id", 0), ("ppo_epochs", 1), ("ppo_minibatches", 1), ("critic_warmup", 0)):
+        for name, lo in (("pad_id", 0), ("ppo_epochs", 1), ("ppo_minibatches", 1), ("critic_warmup", 0),
+                         ("micro_tokens", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(name, f"expected an integer >= {lo}, got {v!r}")
@@ -382,31 +390,61 @@ class Trainer:
         Returns the group's own metrics (its per-token means), for logging.
         """
         trajectories = _as_trajectories(group)
-        batch = self._collate(trajectories)
-        seq_adv = self._group_advantages(batch)
-        units = self._units(batch.mask)
-        if self.updates_per_step == 1:
-            loss, metrics, _ = self._loss(batch, seq_adv, denom=1.0)
-            loss.backward()
-        else:  # the pre-update pass: pi_prox (and the critic's old values, the reference's log-probs)
-            with torch.no_grad():
-                _, metrics, aux = self._loss(batch, seq_adv, denom=1.0)
-            self._stored.append((batch, seq_adv, aux, units))
+        meta = self._collate(trajectories, meta_only=True)  # validates; rewards, versions
+        seq_adv = self._group_advantages(meta)
+        units = 0.0
+        tokens = 0.0
+        part_sums: dict[str, float] = {}
+        rows: list[Any] = [None] * len(trajectories)  # per row: pi_prox log-probs, old values, reference
+        for idx in self._micro_split(trajectories):
+            batch = self._collate([trajectories[i] for i in idx])
+            adv = seq_adv[idx] if seq_adv is not None else None
+            if self.updates_per_step == 1:
+                loss, m, _ = self._loss(batch, adv, denom=1.0)
+                loss.backward()
+            else:  # the pre-update pass: pi_prox (and the critic's old values, the reference's log-probs)
+                with torch.no_grad():
+                    _, m, aux = self._loss(batch, adv, denom=1.0)
+                lengths = batch.mask.sum(dim=1).long().tolist()
+                for j, (i, k) in enumerate(zip(idx, lengths)):
+                    rows[i] = tuple(None if aux.get(key) is None else aux[key][j, :k]
+                                    for key in ("logp", "values", "ref"))
+            t = float(batch.mask.sum())
+            units += self._units(batch.mask)
+            tokens += t
+            for k, v in m.items():
+                part_sums[k] = part_sums.get(k, 0.0) + (v if k in _SUM_METRICS else v * t)
+        if self.updates_per_step > 1:
+            self._stored.append((trajectories, seq_adv, rows, units))
         # Bookkeeping in "sum" form so that the step's metrics are batch means.
-        tokens = float(batch.mask.sum())
         self._groups += 1
         self._units_total += units
         self._tokens += tokens
-        self._rewards.extend(float(r) for r in batch.rewards)
-        self._staleness.extend(self.version - int(v) for v in batch.versions)
-        for k, v in metrics.items():
-            if k in _SUM_METRICS:
-                self._sums[k] = self._sums.get(k, 0.0) + v
-            else:  # a per-token fraction or mean over this group's tokens
-                self._sums[k] = self._sums.get(k, 0.0) + v * tokens
-        out = {k: (v / max(units, 1.0) if k in _SUM_METRICS else v) for k, v in metrics.items()}
+        self._rewards.extend(float(r) for r in meta.rewards)
+        self._staleness.extend(self.version - int(v) for v in meta.versions)
+        for k, v in part_sums.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
+        out = {k: (v / max(units, 1.0) if k in _SUM_METRICS else v / max(tokens, 1.0)) for k, v in part_sums.items()}
         out["loss"] = out.pop("total_loss")
-        return {**out, "tokens": tokens, "reward_mean": float(batch.rewards.mean())}
+        return {**out, "tokens": tokens, "reward_mean": float(meta.rewards.mean())}
+
+    def _micro_split(self, trajectories: Sequence[Trajectory]) -> list[list[int]]:
+        """Row indices of the forward passes over `trajectories`: all in one, or (micro_tokens > 0)
+        sorted by length into micro-batches of at most micro_tokens padded tokens each."""
+        n = len(trajectories)
+        budget = self.config.micro_tokens
+        if budget <= 0 or n <= 1:
+            return [list(range(n))]
+        lens = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+        parts: list[list[int]] = []
+        cur: list[int] = []
+        for i in sorted(range(n), key=lens.__getitem__):  # ascending: the newest row is the longest
+            if cur and (len(cur) + 1) * lens[i] > budget:
+                parts.append(cur)
+                cur = []
+            cur.append(i)
+        parts.append(cur)
+        return parts
 
     def batch_gradients(self) -> dict[str, Tensor]:
         """The batch-mean gradient accumulated so far (what `finish_step` applies, before clipping).
@@ -499,8 +537,18 @@ class Trainer:
         weight = 0.0
         for _ in range(c.ppo_epochs):
             for chunk in chunks:
-                for batch, seq_adv, aux, _ in chunk:
-                    loss, metrics, _ = self._loss(batch, seq_adv, denom=1.0, pre=aux)
+                rows = [(t, None if adv is None else adv[i], aux[i])
+                        for trajectories, adv, aux, _ in chunk for i, t in enumerate(trajectories)]
+                trajs = [r[0] for r in rows]
+                for idx in (self._micro_split(trajs) if rows else []):
+                    batch = self._collate([trajs[i] for i in idx])
+                    seq_adv = torch.stack([rows[i][1] for i in idx]) if c.algorithm == "grpo" else None
+                    T = batch.mask.shape[1]
+                    pre = {key: (None if rows[idx[0]][2][n] is None else
+                                 torch.stack([torch.nn.functional.pad(rows[i][2][n], (0, T - rows[i][2][n].shape[0]))
+                                              for i in idx]))
+                           for n, key in enumerate(("logp", "values", "ref"))}
+                    loss, metrics, _ = self._loss(batch, seq_adv, denom=1.0, pre=pre)
                     loss.backward()
                     tokens = float(batch.mask.sum())
                     weight += tokens

@@ -310,22 +310,34 @@ class TorchEngine:
         return out
 
     def _admit(self) -> None:
+        # Prefills of consecutive admitted sequences with equal context lengths run as one batched
+        # forward (their slots are consecutive), as a serving engine batches its prefills.
+        run: list[tuple[int, list[int]]] = []  # (slot, context) waiting for one batched prefill
+
+        def prefill() -> None:
+            if run:
+                ids = torch.tensor([c for _, c in run], device=self.device)
+                self.model(ids, self._kv.bind(run[0][0], [0] * len(run)))
+                run.clear()
+
         while self._queue and len(self._slots) < self.capacity:
             s = self._queue.popleft()
             slot = len(self._slots)
+            context = [*s.prompt, *s.response][:-1] if s.pending_kv is None else []
+            if not context or (run and len(run[0][1]) != len(context)):
+                prefill()  # the batch is consecutive slots of one context length
             if s.pending_kv is not None:
                 self._kv.write(slot, s.pending_kv)
                 s.pending_kv = None
             else:
-                context = [*s.prompt, *s.response][:-1]
                 if context:
-                    ids = torch.tensor([context], device=self.device)
-                    self.model(ids, self._kv.bind(slot, [0]))
+                    run.append((slot, context))
                 s.kv_len = len(context)
                 s.prefills += 1
                 self.stats.prefills += 1
                 self.stats.prefill_tokens += len(context)
             self._slots.append(s)
+        prefill()
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[list[int], list[float]]:
         """Greedy rows take the argmax; the others draw one uniform number from their own

@@ -115,11 +115,11 @@ class SlotKV:
             kb[rows, :, self.lengths] = k_new[:, :, 0]
             vb[rows, :, self.lengths] = v_new[:, :, 0]
         else:
-            if B != 1:
-                raise ValueError("SlotKV: a multi-token (prefill) pass must have batch size 1")
+            if B != 1 and bool((self.lengths != self.max_past).any()):
+                raise ValueError("SlotKV: a multi-token (prefill) pass over several rows needs equal cached lengths")
             start = self.max_past
-            kb[s0, :, start : start + Tq] = k_new[0]
-            vb[s0, :, start : start + Tq] = v_new[0]
+            kb[s0 : s0 + B, :, start : start + Tq] = k_new
+            vb[s0 : s0 + B, :, start : start + Tq] = v_new
         total = self.max_past + Tq
         return kb[s0 : s0 + B, :, :total], vb[s0 : s0 + B, :, :total]
 

@@ -76,6 +76,32 @@ def truncated_logprob(logits: torch.Tensor, token: int, temperature: float, top_
     return float(torch.tensor(probs[token] / mass).log())
 
 
+def test_prompts_of_one_length_admitted_together_prefill_in_one_batched_pass(weights):
+    """Equal-length prompts admitted in the same step share one prefill forward (consecutive
+    slots); a different length starts a new one. The tokens
+    and log-probs are those of one-at-a-time decoding."""
+    e = engine(weights, capacity=6)
+    calls = []
+    real = e.model.forward
+
+    def spy(ids, past=None):
+        if ids.shape[1] > 1:
+            calls.append(tuple(ids.shape))
+        return real(ids, past)
+
+    e.model.forward = spy
+    prompts = {"a": [1, 2, 3], "b": [1, 4, 5], "c": [1, 6, 7], "d": [1, 2, 3, 4], "e": [1, 3, 3, 4], "f": [2, 2, 2]}
+    for rid, p in prompts.items():
+        e.submit(rid, p, 5, GREEDY)
+    got = {f.request_id: f for f in e.run_until_done()}
+    assert calls == [(3, 2), (2, 3), (1, 2)]  # a b c | d e | f (contexts: the prompt but its last token)
+    assert e.stats.prefills == 6 and e.stats.prefill_tokens == 2 + 2 + 2 + 3 + 3 + 2
+    for rid, p in prompts.items():
+        ref = run_alone(weights, rid, p, 5)
+        assert got[rid].response_ids == ref.response_ids
+        assert got[rid].logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(0.7, 0.9), SamplingParams(1.3, 1.0), SamplingParams(1.0, 0.5)],
                          ids=["greedy", "t0.7-p0.9", "t1.3", "t1-p0.5"])
 def test_logprobs_match_a_fresh_full_forward_pass(weights, sampling):

@@ -4,10 +4,11 @@
                                      [--repeats 2] [--out DIR] [--set section.key=value ...]
 
 For each seed the three modes run from the same warm-started version 0 on the same prompt stream,
-with the same algorithm settings (only `dora.mode` and `dora.max_staleness` differ). With
-`--repeats 2` (the default) each seed runs sync, K=1, K=2, K=2, K=1, sync (ABBA): a load that
-drifts during the seed's runs weighs on every mode alike, and the seed's throughput ratio is
-sum(dora) / sum(sync) over its runs. Rewards and curves come from each mode's first run.
+with the same algorithm settings (only `dora.mode` and `dora.max_staleness` differ). The order is
+interleaved ABBA: seed 0 runs sync, K=1, K=2; seed 1 runs K=2, K=1, sync; and so on, so that a
+load drifting during the benchmark weighs on every mode alike. With `--repeats 2` every seed runs
+each mode twice (sync, K=1, K=2, K=2, K=1, sync) and the seed's throughput ratio is
+sum(dora) / sum(sync) over its runs; rewards and curves come from each mode's first run.
 
 Equal hardware: every mode gets the recipe's cores. sync trains on all of them (a data-parallel
 trainer, one gloo rank per core) and generates on all of them; the asynchronous modes split them,
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--out", default=os.path.join("runs", "cpu_compare"))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--repeats", type=int, default=2, help="runs per mode and seed, in ABBA order (default 2)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per mode and seed (default 1; the order alternates from seed to seed)")
     p.add_argument("--window", type=int, default=20, help="moving-average window of the reward curves (steps)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -73,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     throughput: dict[str, list[list[float]]] = {m: [] for m in labels}  # per seed, per repeat
     bar = Progress(not args.no_progress)
     t_start = time.perf_counter()
-    order = [m for k in range(args.repeats) for m in (labels if k % 2 == 0 else labels[::-1])]
     seeds = list(range(base_recipe.seed, base_recipe.seed + args.seeds))
-    for seed in seeds:
+    orders = []
+    for i, seed in enumerate(seeds):
+        first = labels if i % 2 == 0 else labels[::-1]  # ABBA across seeds ...
+        orders.append([m for k in range(args.repeats) for m in (first if k % 2 == 0 else first[::-1])])  # ... and within
+    for seed, order in zip(seeds, orders):
         prepared = prepare(base_recipe.with_seed(seed))
         per_seed: dict[str, list[float]] = {m: [] for m in labels}
         for label in order:
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = {m: [r.metrics["wall_s"] for r in runs] for m, runs in results.items()}
     summary = {
         "recipe": base_recipe.name, "steps": base_recipe.steps, "seeds": seeds, "repeats": args.repeats,
+        "order_per_seed": orders,
         "throughput_tokens_per_s": throughput,
         "speedup_vs_sync": {m: {"per_seed": v, "median": statistics.median(v)} for m, v in ratios.items()},
         "reward": {"initial_per_seed": init, "final_per_seed": final,
@@ -133,16 +139,33 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(xs: list) -> str:
         return ", ".join("never" if x is None else f"{x:.1f}" for x in xs)
 
-    print(f"\nheld-out reward: initial {statistics.mean(init):.3f} (seeds {', '.join(f'{x:.3f}' for x in init)})")
+    print(f"\norder of the runs per seed (ABBA): " + "; ".join(f"seed {s}: {', '.join(o)}" for s, o in zip(seeds, orders)))
+    print("core assignment (CPU affinity each worker reported):")
+    for m in labels:
+        print(f"  {m:>8}: {summary['core_assignment'][m]}")
+
+    def spread_of(xs: list) -> str:
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            return "never"
+        return f"mean {statistics.mean(xs):.3f}, min {min(xs):.3f}, max {max(xs):.3f}"
+
+    print(f"\nheld-out reward (same {base_recipe.eval.prompts} prompts x {base_recipe.eval.samples} samples for every run):")
+    print(f"  {'initial':>8}: {spread_of(init)} (seeds {', '.join(f'{x:.3f}' for x in init)})")
     for m in labels:
         extra = "" if m == "sync" else f"; mean within sync's spread {spread[0]:.3f}..{spread[1]:.3f}: {within[m]}"
-        print(f"  {m:>8}: final {statistics.mean(final[m]):.3f} (seeds {', '.join(f'{x:.3f}' for x in final[m])}){extra}")
+        print(f"  {m:>8}: final {spread_of(final[m])} (seeds {', '.join(f'{x:.3f}' for x in final[m])}){extra}")
     print(f"time to sync's final training reward {target:.3f} ({args.window}-step mean), seconds per seed:")
     for m in labels:
         print(f"  {m:>8}: {fmt(reach[m])}   (run wall time {fmt(wall[m])})")
-    print("throughput dora/sync per seed (ABBA sums):")
+    print("throughput, trained response tokens/s in the steady-state window, per seed (first run):")
+    for m in labels:
+        tps = [r.metrics["throughput_tokens_per_s"] for r in results[m]]
+        print(f"  {m:>8}: {', '.join(f'{x:.0f}' for x in tps)}; mean {statistics.mean(tps):.0f}")
+    print("throughput dora/sync per seed" + (" (ABBA sums):" if args.repeats > 1 else ":"))
     for m in labels[1:]:
-        print(f"  {m:>8}: {', '.join(f'{x:.2f}' for x in ratios[m])}; median {statistics.median(ratios[m]):.2f}x")
+        print(f"  {m:>8}: {', '.join(f'{x:.2f}' for x in ratios[m])}; median {statistics.median(ratios[m]):.2f}x, "
+              f"min {min(ratios[m]):.2f}x, max {max(ratios[m]):.2f}x")
     print(f"load average before/after: {load_before} / {load_after}")
     print(f"files: {args.out}/cpu_compare.json, reward_vs_time.png, rewards.png, timeline.png")
     return 0

@@ -140,9 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         return ", ".join("never" if x is None else f"{x:.1f}" for x in xs)
 
     print(f"\norder of the runs per seed (ABBA): " + "; ".join(f"seed {s}: {', '.join(o)}" for s, o in zip(seeds, orders)))
-    print("core assignment (CPU affinity each worker reported):")
-    for m in labels:
-        print(f"  {m:>8}: {summary['core_assignment'][m]}")
 
     def spread_of(xs: list) -> str:
         xs = [x for x in xs if x is not None]

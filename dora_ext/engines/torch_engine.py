@@ -350,13 +350,18 @@ class TorchEngine:
             idx = torch.tensor(rows, device=logits.device)
             probs = logp[idx].exp()
             top_p = torch.tensor([seqs[i].sampling.top_p for i in rows], device=logits.device)
-            sorted_p, order = probs.sort(-1, descending=True)
-            before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
-            sorted_p = sorted_p.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
-            cdf = sorted_p.cumsum(-1)
             u = torch.cat([torch.rand(1, generator=seqs[i].gen, device=logits.device) for i in rows])
-            j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
-            tokens[idx] = order.gather(1, j).squeeze(1)
+            if bool((top_p < 1).any()):
+                sorted_p, order = probs.sort(-1, descending=True)
+                before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+                sorted_p = sorted_p.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
+                cdf = sorted_p.cumsum(-1)
+                j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
+                tokens[idx] = order.gather(1, j).squeeze(1)
+            else:  # nothing truncated: the CDF in vocabulary order, no sort (the same distribution)
+                cdf = probs.cumsum(-1)
+                j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
+                tokens[idx] = j.squeeze(1)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1)
         if rows:
             # The behaviour probability of a top-p draw is that of the truncated, renormalised

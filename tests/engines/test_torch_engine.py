@@ -3,6 +3,7 @@
 All engines run the real TinyLM on CPU (or CUDA when present); nothing is faked.
 """
 
+import math
 import threading
 
 import pytest
@@ -131,6 +132,38 @@ def test_logprobs_match_a_fresh_full_forward_pass(weights, sampling):
         assert f.logprobs == pytest.approx(ref, abs=1e-4)
     if not sampling.greedy and sampling.top_p < 1:
         assert truncated > 0  # the truncation really changed the probabilities checked
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_first_tokens_follow_the_model_distribution(weights, top_p):
+    """Frequencies of 3,000 first tokens (one seed each) against the softmax (top_p = 1: no sort,
+    the CDF in vocabulary order) or the truncated, renormalised nucleus (top_p < 1)."""
+    prompt, n = PROMPTS["r3"], 3000
+    model = TinyLM(CFG)
+    model.load_state_dict(perturbed(weights, scale=1.0, seed=3))  # a peaked, non-uniform distribution
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0][0, -1]
+    want = torch.tensor([math.exp(truncated_logprob(logits, t, 1.0, top_p)) if t in nucleus(logits, top_p) else 0.0
+                         for t in range(CFG.vocab_size)])
+    e = engine(model.state_dict(), capacity=64)
+    for i in range(n):
+        e.submit(f"s{i}", prompt, 1, SamplingParams(1.0, top_p), seed=i)
+    counts = torch.zeros(CFG.vocab_size)
+    for f in e.run_until_done():
+        counts[f.response_ids[0]] += 1
+    assert float(want.max()) > 0.2  # peaked enough that a wrong mapping shows
+    assert float((counts / n - want).abs().max()) < 0.03
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> set:
+    probs = torch.softmax(logits.double(), -1).tolist()
+    kept, mass = set(), 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        if mass >= top_p and top_p < 1:
+            break
+        kept.add(i)
+        mass += probs[i]
+    return kept
 
 
 def test_sampling_is_reproducible_per_request_whatever_the_batch(weights):

@@ -110,7 +110,7 @@ def test_a_killed_instance_process_loses_nothing(mode, restarts):
             # the replacement joined under a fresh id, loaded a version and served trajectories
             assert result.ledger["instance_restarts"] == [(0, 2)]
             assert 2 in served and 2 in result.ledger["engine_stats"]
-            assert result.ledger["engine_stats"][2]["loads"] >= 1
+            assert result.ledger["engine_stats"][2]["weight_loads"] >= 1
         else:
             assert result.ledger["instance_restarts"] == [] and served <= {0, 1}
         # What ran there was re-dispatched, to the same version, on the other instances.

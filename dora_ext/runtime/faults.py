@@ -40,7 +40,10 @@ class _CutOutbox:
         if msg[0] == "loaded" and msg[2] >= 1:
             self.loop.armed = True
         if self.loop.armed and msg[0] in self.loop.kinds:
-            die_mid_message(self.outbox.conn, msg)
+            if self.loop.cut:
+                die_mid_message(self.outbox.conn, msg)
+            self.outbox.put(msg)
+            os.kill(os.getpid(), signal.SIGKILL)
         self.outbox.put(msg)
 
 
@@ -50,6 +53,7 @@ class DieMidReport(InstanceLoop):
     gets SIGKILL (process backend: the outbox is a `PipeOutbox`)."""
 
     kinds = ("finished", "export")
+    cut = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -125,6 +129,18 @@ class DieAfterCheckpoint(TrainerLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outbox = _DyingTrainerOutbox(self.outbox, self.at_version)
+
+
+class DieAfterReport(DieMidReport):
+    """Killed right after it wrote its first "finished" report in full: the report is on its pipe,
+    unread, when the process is gone."""
+
+    kinds = ("finished",)
+    cut = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = True
 
 
 # ---------------------------------------------------------------------------------- bare writers

@@ -137,8 +137,61 @@ def test_an_instance_killed_in_the_middle_of_a_report_blocks_nothing():
     result = rt.run()
     assert rt.failed_instances == {0: -signal.SIGKILL}
     assert result.ledger["instance_restarts"] == [(0, 2)]
-    assert result.core_metrics["redispatched"] >= 1  # at least what the cut report carried
+    # what the cut report carried (finished trajectories, or a migrating one) is generated again
+    assert result.core_metrics["redispatched"] + result.core_metrics["retries"] >= 1
     _check_books(result, recipe, prepared)
+
+
+class WatchesTheDeadInstance(Runtime):
+    """Right after the coordinator sends instance 0 its first trajectories, it waits for that
+    process to exit (`faults.DieAfterReport`: killed right after its first "finished" report) and
+    only then looks at its workers: the death is noticed before the report is read, forced."""
+
+    drained: list = []
+
+    def _flush(self):
+        first = not self.drained and any(c[0] == "submit" for c in self._outgoing.get(0, ())
+                                         for c in (c[1] if c[0] == "batch" else [c]))
+        super()._flush()
+        if first:
+            self.instance_handles[0].join(timeout=120)
+            drain = self.outbox.drain
+            self.outbox.drain = lambda name: self.drained.extend(drain(name)) or list(self.drained)
+            self._watch(self.trainer_handles)
+            self.outbox.drain = drain
+
+
+@pytest.mark.slow
+def test_what_a_dead_instance_reported_before_it_died_counts():
+    """The trajectories instance 0 reported finished just before it was killed are taken from its
+    pipe when its death is noticed: trained as generated there (attempt 0, served by instance 0),
+    not re-dispatched."""
+    from dora_ext.runtime.faults import DieAfterReport
+
+    recipe = _kill_recipe("dora", 0, 0)
+    prepared = prepare(recipe)
+    rt = WatchesTheDeadInstance(recipe, prepared, keep_versions=True, instance_loops={0: DieAfterReport})
+    rt.drained = []
+    result = rt.run()
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    finished = [f for msg in rt.drained if msg[0] == "finished" for f in msg[2]]
+    assert finished, rt.drained
+    led = result.ledger
+    for f in finished:
+        gid, idx, attempt = f.request_id
+        assert attempt == 0 and led["dispatch"][(gid, idx)][2] == 0 and led["served_by"][(gid, idx)] == 0
+        assert led["results"][gid][idx].response_ids == f.response_ids
+    _check_books(result, recipe, prepared)
+
+
+@pytest.mark.slow
+def test_no_instance_left_is_a_clean_error_naming_the_restart_bound():
+    from dora_ext.runtime.faults import DieMidReport
+
+    recipe = _kill_recipe("dora", 0, 0)
+    rt = Runtime(recipe, prepare(recipe), instance_loops={0: DieMidReport, 1: DieMidReport})
+    with pytest.raises(WorkerDied, match=r"no rollout instance is left.*max_instance_restarts is 0"):
+        rt.run()
 
 
 def test_a_peer_killed_while_exporting_to_an_instance_blocks_nobody():

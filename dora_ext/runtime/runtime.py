@@ -537,7 +537,10 @@ class Runtime:
     def _on_ready(self, name: str, threads: int, affinity: list | None) -> None:
         """A replacement instance process is up: it joins the scheduler, which asks it to load a version."""
         iid = int(name.rsplit("-", 1)[1])
-        inbox, h = self.starting.pop(iid)
+        entry = self.starting.pop(iid, None)
+        if entry is None:  # it died before the report was read: it never joins (see `_watch`)
+            return
+        inbox, h = entry
         self.torch_threads[name] = threads
         if affinity is not None:
             self.affinity[name] = affinity

@@ -123,6 +123,34 @@ def test_a_killed_instance_process_loses_nothing(mode, restarts):
     assert redispatched > 0
 
 
+class KillsTheReplacementToo(KillingRuntime):
+    """KillingRuntime, and once the replacement (instance 2) has reported a trajectory and has more
+    running, instance 2 gets SIGKILL as well."""
+
+    def _on_finished(self, iid, f, t):
+        super()._on_finished(iid, f, t)
+        inst = self.sched.instances.get(2)
+        if (not getattr(self, "killed_again", False) and 2 in self.served_by.values()
+                and inst is not None and inst.running):
+            os.kill(self.instance_pids[2], signal.SIGKILL)
+            self.killed_again = True
+
+
+@pytest.mark.slow
+def test_after_the_last_restart_the_run_goes_on_with_fewer_instances():
+    """`max_instance_restarts: 1`: instance 0 is killed and replaced by instance 2, then instance 2
+    is killed: no restart is left, the run finishes on instance 1 alone and keeps the books."""
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = KillsTheReplacementToo(recipe, prepared, keep_versions=True)
+    result = rt.run()
+    if not getattr(rt, "killed_again", False):
+        pytest.fail("the replacement never had running trajectories after its first report; no second kill")
+    assert rt.failed_instances.keys() == {0, 2} and result.ledger["instance_restarts"] == [(0, 2)]
+    assert not rt.starting and set(rt.instance_handles) == {1}
+    _check_books(result, recipe, prepared)
+
+
 @pytest.mark.slow
 def test_an_instance_killed_in_the_middle_of_a_report_blocks_nothing():
     """Instance 0 dies (SIGKILL) with half of a report written on its pipe (`faults.DieMidReport`:

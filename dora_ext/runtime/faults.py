@@ -1,7 +1,8 @@
-"""Forced orders and injected faults for the runtime's tests: `InstanceLoop` subclasses.
+"""Forced orders and injected faults for the runtime's tests: `InstanceLoop` and `TrainerLoop`
+subclasses, and bare report writers.
 
-A test passes them to `Runtime(..., instance_loops={instance id: class})`; the worker process
-then runs that class instead of `InstanceLoop`. They live in the package (not in the tests)
+A test passes a loop class to `Runtime(..., instance_loops={instance id: class})` or
+`Runtime(..., trainer_loop=class)`; the worker process then runs it instead of the plain loop. They live in the package (not in the tests)
 because a worker process is started from the fork server and must import its class by name.
 They place a fault or a pause at an exact point of the worker's code, so that a test checks an
 order it forced, never one that timing happened to produce.
@@ -29,8 +30,9 @@ def die_mid_message(conn: Any, msg: Any) -> None:
 
 
 class _CutOutbox:
-    """Passes reports through until `loop.armed`; the first report of a kind in `kinds` after that
-    is cut in the middle of its write and the process dies (SIGKILL)."""
+    """Passes reports through until `loop.armed`; the first report of a kind in `loop.kinds` after
+    that is cut in the middle of its write (`loop.cut`) or written in full, and the process dies
+    (SIGKILL)."""
 
     def __init__(self, loop: "DieMidReport", outbox: Any) -> None:
         self.loop = loop

@@ -267,6 +267,7 @@ class Runtime:
         self.instance_loops = dict(instance_loops or {})
         self.trainer_loop = trainer_loop
         self.trainer_handles: list[Any] = []
+        self.instance_handles: dict[int, Any] = {}
         self.capacity_of = {s.id: s.capacity for s in self.config.instances}
         # Replacement instances join under ids never used before (nor by elastic spares).
         self.next_instance_id = (max(s.id for s in self.config.instances) + 1
@@ -276,6 +277,7 @@ class Runtime:
         self.starting: dict[int, tuple[Any, Any]] = {}  # replacement id -> (inbox, handle) until "ready"
         self.served_by: dict[tuple, int] = {}  # (gid, idx) -> the instance that reported it finished
         self.exports_dropped = 0  # exported sequences whose attempt was over when they reached us
+        self.reports_lost: list[tuple[str, str]] = []  # (worker, why): complete reports that could not be read
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.on_checkpoint = on_checkpoint
@@ -503,7 +505,7 @@ class Runtime:
             return []
         errors = []
         for msg in self.outbox.drain(name):
-            if msg[0] == "error" and not fatal:
+            if msg[0] in ("error", "lost") and not fatal:
                 errors.append(f"{msg[1]}: {msg[2]}")
             elif msg[0] != "stats":
                 self._on_message(msg)
@@ -750,12 +752,30 @@ class Runtime:
             self.in_transit.pop(tuple(msg[2][:2]), None)
         elif kind == "export":
             self._on_export(*msg[1:])
+        elif kind == "lost":
+            self._on_lost(msg[1], msg[2])
         elif kind == "ready":  # a replacement instance (the first ones report in `_wait_ready`)
             self._on_ready(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
         elif kind == "error":
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
             raise RuntimeError(f"unknown worker report {kind!r}")
+
+    def _on_lost(self, name: str, why: str) -> None:
+        """A complete report of worker `name` could not be read (`PipeHub`: most often an export
+        whose source died before it was read, its KV cache unreachable). Nothing it said can be
+        taken into the books, so the worker is ended (SIGKILL) if it still lives: `_watch` then
+        handles it as a dead worker (an instance's running trajectories are re-dispatched, what it
+        was exporting is retried; a trainer ends the run naming `--resume`)."""
+        self.reports_lost.append((name, why))
+        if name.startswith("instance-"):
+            iid = int(name.rsplit("-", 1)[1])
+            h = self.instance_handles.get(iid) or self.starting.get(iid, (None, None))[1]
+        else:
+            rank = 0 if name == "trainer" else int(name.rsplit("-", 1)[1])
+            h = self.trainer_handles[rank] if rank < len(self.trainer_handles) else None
+        if h is not None and h.is_alive() and hasattr(h, "kill"):
+            h.kill()
 
     def _on_export(self, src: int, dst: int, state: Any) -> None:
         """A migrating sequence left `src` (its KV cache with it): pass it on to `dst`'s inbox, the
@@ -1030,6 +1050,7 @@ class Runtime:
             "backend": self.backend,
             "served_by": self.served_by, "failed_instances": dict(self.failed_instances),
             "instance_restarts": list(self.instance_restarts), "exports_dropped": self.exports_dropped,
+            "reports_lost": list(self.reports_lost),
             "trainer_cpu_s": tstats.get("cpu"),
         }
         return RunResult(

@@ -99,7 +99,13 @@ class PipeHub:
     report from any of them (raising `queue.Empty` on timeout), as a queue would. A pipe whose
     writer is gone (the worker exited or was killed) is dropped; a message its writer was cut off
     in the middle of reads as that end (its complete messages before it are all delivered).
-    `drain(name)` hands over what a worker that is known to be gone still had on its pipe."""
+    `drain(name)` hands over what a worker that is known to be gone still had on its pipe.
+
+    A complete message that cannot be unpickled is handed over as ("lost", name, why) in its place,
+    and the pipe is read on. That happens to a report holding tensors (an "export": the KV cache
+    of a migrating sequence) whose writer died before the message was read: the tensors' shared
+    memory is handed over by the writer's own process on request (`multiprocessing`'s resource
+    sharer), which is gone. The reports after it on the same pipe still count."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -131,10 +137,21 @@ class PipeHub:
                 raise queue.Empty
             for r in ready:
                 try:
-                    self._pending.append((self._names.get(r, ""), r.recv()))
+                    self._pending.append((self._names.get(r, ""), self._read(r)))
                 except (EOFError, OSError):
                     self._drop(r)
         return self._pending.pop(0)[1]
+
+    def _read(self, r: Any) -> Any:
+        """The next message on pipe `r`; EOFError/OSError when the pipe ended (or its last message
+        was cut), ("lost", name, why) for a complete message that cannot be unpickled."""
+        from multiprocessing.reduction import ForkingPickler
+
+        buf = r.recv_bytes()
+        try:
+            return ForkingPickler.loads(buf)
+        except Exception as exc:  # noqa: BLE001 - any failure to rebuild the message is reported as such
+            return ("lost", self._names.get(r, ""), f"{type(exc).__name__}: {exc}")
 
     def drain(self, name: str) -> list[Any]:
         """Every report of worker `name` not returned yet, in order: those already read, then the
@@ -145,7 +162,7 @@ class PipeHub:
         for r in [r for r, n in self._names.items() if n == name]:
             while True:
                 try:
-                    out.append(r.recv())
+                    out.append(self._read(r))
                 except (EOFError, OSError):
                     break
             self._drop(r)

@@ -491,3 +491,34 @@ def test_resume_registers_every_instance_again_also_one_that_failed_before(tmp_p
     assert set(rt.sched.instances) == {0}  # what the snapshot holds
     rt._restart_from_checkpoint()
     assert set(rt.sched.instances) == {0, 1}
+
+
+def test_an_unreadable_report_of_a_dead_worker_is_named_and_the_rest_of_its_pipe_counts():
+    """A worker reports a message holding a tensor (as an instance's "export" holds a migrating
+    sequence's KV cache), then a plain one, and dies (SIGKILL) before either is read. The tensor's
+    shared memory was to be handed over by the dead process, so the first message cannot be
+    rebuilt: the hub hands over ("lost", name, why) in its place and still delivers the complete
+    report after it (it used to stop reading the pipe there, losing it)."""
+    import queue
+
+    import torch
+
+    from dora_ext.runtime import faults
+    from dora_ext.runtime.workers import PipeHub, process_context
+
+    ctx = process_context()
+    for how in ("drain", "get"):
+        hub = PipeHub(ctx)
+        w = hub.writer("a")
+        p = ctx.Process(target=faults.report_then_die,
+                        args=(w, [("export", 0, 1, torch.arange(8.0)), ("finished", 0, ["r"], 1.0)]), daemon=True)
+        p.start()
+        w.conn.close()
+        p.join(timeout=60)
+        assert p.exitcode == -signal.SIGKILL
+        got = hub.drain("a") if how == "drain" else [hub.get(timeout=60), hub.get(timeout=60)]
+        assert [m[:2] for m in got] == [("lost", "a"), ("finished", 0)], got
+        assert "Error" in got[0][2]
+        with pytest.raises(queue.Empty):
+            hub.get(timeout=5)
+        assert hub.readers == []

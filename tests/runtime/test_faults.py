@@ -522,3 +522,25 @@ def test_an_unreadable_report_of_a_dead_worker_is_named_and_the_rest_of_its_pipe
         with pytest.raises(queue.Empty):
             hub.get(timeout=5)
         assert hub.readers == []
+
+
+def test_a_checkpoint_from_before_a_recipe_field_existed_resumes_at_its_default(tmp_path):
+    """A checkpoint whose saved recipe lacks `runtime.max_instance_restarts` (written before the
+    field existed) resumes with a recipe that leaves it at its default; another value is refused,
+    naming the field and the default. (The check used to compare None with 3 and refuse every
+    such checkpoint, asking for a value no recipe can give.)"""
+    import torch
+
+    from dora_ext.config import ConfigError
+
+    recipe = recipe_from_dict(tiny())
+    prepared = prepare(recipe)
+    rt = _coordinator_checkpoint(recipe, prepared, tmp_path)
+    path = rt._ckpt_path(1, "state")
+    state = torch.load(path, weights_only=False)
+    del state["recipe"]["runtime"]["max_instance_restarts"]
+    torch.save(state, path)
+    Runtime(recipe, prepared, checkpoint_dir=str(tmp_path), resume=True)
+    other = recipe_from_dict(tiny(runtime={"max_instance_restarts": 1}))
+    with pytest.raises(ConfigError, match=r"runtime\.max_instance_restarts.*before .* existed.*default, 3.*has 1"):
+        Runtime(other, prepared, checkpoint_dir=str(tmp_path), resume=True)

@@ -544,3 +544,74 @@ def test_a_checkpoint_from_before_a_recipe_field_existed_resumes_at_its_default(
     other = recipe_from_dict(tiny(runtime={"max_instance_restarts": 1}))
     with pytest.raises(ConfigError, match=r"runtime\.max_instance_restarts.*before .* existed.*default, 3.*has 1"):
         Runtime(other, prepared, checkpoint_dir=str(tmp_path), resume=True)
+
+
+class KillsTheFirstReplacementAtOnce(KillingRuntime):
+    """KillingRuntime, and the first replacement process (instance 2) gets SIGKILL right after it
+    is started, and the coordinator waits for its exit: it dies while it builds its engine. Had it
+    written its ready report first, that report would be read (or drained) and the outcome the
+    same: instance 2 fails, instance 3 takes its place."""
+
+    def _restart(self, dead):
+        super()._restart(dead)
+        if len(self.instance_restarts) == 1 and 2 in self.starting:
+            h = self.starting[2][1]
+            os.kill(h.pid, signal.SIGKILL)
+            h.join(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_replacement_killed_before_it_is_ready_is_replaced_in_turn():
+    recipe = _kill_recipe("dora", 0, 2)
+    prepared = prepare(recipe)
+    rt = KillsTheFirstReplacementAtOnce(recipe, prepared, keep_versions=True)
+    result = rt.run()
+    assert getattr(rt, "killed", False), "instance 0 never had running trajectories after step 1"
+    assert rt.failed_instances == {0: -signal.SIGKILL, 2: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(0, 2), (2, 3)]
+    served = set(result.ledger["served_by"].values())
+    assert 2 not in served and 3 in served and 2 not in rt.sched.instances
+    assert result.ledger["engine_stats"][3]["weight_loads"] >= 1
+    _check_books(result, recipe, prepared)
+    assert not any(h.is_alive() for h in [*rt._handles, *rt.trainer_handles])  # nothing left running
+
+
+class KillsBothAtOnce(KillingRuntime):
+    """After step 1, at the first finished trajectory after which both instances have trajectories
+    running, both get SIGKILL; the coordinator waits for both exits and only then looks at its
+    workers, so both deaths are found in one pass (forced)."""
+
+    def _on_finished(self, iid, f, t):
+        Runtime._on_finished(self, iid, f, t)
+        if getattr(self, "killed", False) or len(self.step_end) < 1:
+            return
+        insts = [self.sched.instances.get(i) for i in (0, 1)]
+        if all(inst is not None and inst.running for inst in insts):
+            self.running_at_kill = sum(len(inst.running) for inst in insts)
+            for i in (0, 1):
+                os.kill(self.instance_pids[i], signal.SIGKILL)
+            for i in (0, 1):
+                self.instance_handles[i].join(timeout=60)
+            self.killed = True
+            self._watch(self.trainer_handles)
+
+
+@pytest.mark.slow
+def test_two_instances_killed_at_once_are_both_replaced():
+    """Both instances die at once (no instance is left in the scheduler until a replacement is
+    ready); their trajectories wait, re-dispatched to their pinned version once instances 2 and 3
+    join; the books are kept."""
+    for seed in range(3):
+        recipe = _kill_recipe("dora", seed, 2)
+        prepared = prepare(recipe)
+        rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
+        result = rt.run()
+        if getattr(rt, "killed", False):
+            break
+    else:
+        pytest.fail("the two instances never had running trajectories at once after step 1")
+    assert rt.failed_instances.keys() == {0, 1}
+    assert sorted(result.ledger["instance_restarts"]) == [(0, 2), (1, 3)]
+    assert result.core_metrics["redispatched"] >= rt.running_at_kill
+    assert set(result.ledger["served_by"].values()) & {2, 3}
+    _check_books(result, recipe, prepared)

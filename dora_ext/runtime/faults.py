@@ -111,6 +111,25 @@ class DieMidExport(DieMidReport):
         self.armed = True
 
 
+class DieAfterExport(DieMidReport):
+    """Killed (SIGKILL) at its first ("migrate", ...) command: right after it wrote the "export" in
+    full (the migrating sequence is on its pipe, unread, and its KV cache, shared memory this
+    process hands over on request, can no longer be fetched), or at once when the sequence had
+    finished here first (nothing to export), so that a test awaiting its exit never waits in vain."""
+
+    kinds = ("export",)
+    cut = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = True
+
+    def handle(self, cmd: tuple) -> None:
+        super().handle(cmd)
+        if cmd[0] == "migrate":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class _DyingTrainerOutbox:
     def __init__(self, outbox: Any, at_version: int) -> None:
         self.outbox = outbox

@@ -615,3 +615,46 @@ def test_two_instances_killed_at_once_are_both_replaced():
     assert result.core_metrics["redispatched"] >= rt.running_at_kill
     assert set(result.ledger["served_by"].values()) & {2, 3}
     _check_books(result, recipe, prepared)
+
+
+class WaitsForTheExporter(Runtime):
+    """Right after the coordinator tells an instance (`faults.DieAfterExport`) to migrate a
+    sequence, it waits for that process to exit (it dies right after writing the export, or at once
+    if the sequence finished there first) before it reads anything more: an export is read after
+    its source is gone (forced)."""
+
+    def _flush(self):
+        srcs = [iid for iid, cmds in self._outgoing.items() if any(c[0] == "migrate" for c in cmds)]
+        super()._flush()
+        for iid in srcs:
+            if not getattr(self, "waited", False):
+                self.instance_handles[iid].join(timeout=120)
+                self.waited = True
+
+
+@pytest.mark.slow
+def test_a_source_that_dies_right_after_exporting_loses_nothing():
+    """The source of a migration writes the sequence (with its KV cache) in full and dies before
+    the coordinator reads it. The export cannot be rebuilt (its shared memory went with its
+    process): the coordinator names it (`reports_lost`), fails the source, retries the migrating
+    sequence at its pinned version (`TrajectoryFailed`) and keeps the books. Whether the scheduler
+    migrates at all, and whether the sequence finishes at its source first, depends on the run, so
+    up to three seeds are tried until one loses an export."""
+    from dora_ext.runtime.faults import DieAfterExport
+
+    for seed in range(3):
+        recipe = _kill_recipe("dora", seed, 1)
+        prepared = prepare(recipe)
+        rt = WaitsForTheExporter(recipe, prepared, keep_versions=True,
+                                 instance_loops={0: DieAfterExport, 1: DieAfterExport})
+        result = rt.run()
+        if result.ledger["reports_lost"]:
+            break
+    else:
+        pytest.fail("in no run did the source of a migration live to export the sequence")
+    dead = list(rt.failed_instances)
+    assert len(dead) == 1 and result.ledger["instance_restarts"] == [(dead[0], 2)]
+    lost = result.ledger["reports_lost"]
+    assert [name for name, _ in lost] == [f"instance-{dead[0]}"] and "Connection" in lost[0][1], lost
+    assert result.core_metrics["retries"] >= 1
+    _check_books(result, recipe, prepared)

@@ -130,6 +130,16 @@ class DieAfterExport(DieMidReport):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class DieAfterImport(InstanceLoop):
+    """Killed (SIGKILL) right after it took in a migrated sequence (its "imported" report is
+    written): the destination of a migration dies with the sequence in its engine."""
+
+    def handle(self, cmd: tuple) -> None:
+        super().handle(cmd)
+        if cmd[0] == "import":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class _DyingTrainerOutbox:
     def __init__(self, outbox: Any, at_version: int) -> None:
         self.outbox = outbox

@@ -658,3 +658,39 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing():
     assert [name for name, _ in lost] == [f"instance-{dead[0]}"] and "Connection" in lost[0][1], lost
     assert result.core_metrics["retries"] >= 1
     _check_books(result, recipe, prepared)
+
+
+class RecordsExports(Runtime):
+    exported: list = []
+
+    def _on_export(self, src, dst, state):
+        self.exported.append((state.request_id, src, dst, dst in self.inboxes))
+        super()._on_export(src, dst, state)
+
+
+@pytest.mark.slow
+def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_once():
+    """The destination of a migration (`faults.DieAfterImport`) dies right after it took the
+    sequence in. The sequence is re-dispatched exactly once (attempt 1, no further attempt) and
+    generated again under its group's pinned version; the books are kept. Whether the scheduler
+    migrates at all depends on the run, so up to three seeds are tried."""
+    from dora_ext.runtime.faults import DieAfterImport
+
+    for seed in range(3):
+        recipe = _kill_recipe("dora", seed, 1)
+        prepared = prepare(recipe)
+        rt = RecordsExports(recipe, prepared, keep_versions=True,
+                            instance_loops={0: DieAfterImport, 1: DieAfterImport})
+        rt.exported = []
+        result = rt.run()
+        if rt.failed_instances:
+            break
+    else:
+        pytest.fail("no run migrated a sequence")
+    (gid, idx, attempt), src, dst, forwarded = rt.exported[0]
+    assert attempt == 0 and forwarded and list(rt.failed_instances)[0] == dst  # the first to die
+    led = result.ledger
+    assert led["dispatch"][(gid, idx)][2] == 1  # redone once, after the destination died
+    assert set(led["token_versions"][(gid, idx)]) == {led["group_version"][gid]}
+    assert led["served_by"][(gid, idx)] != dst
+    _check_books(result, recipe, prepared)

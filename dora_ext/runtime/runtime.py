@@ -18,9 +18,12 @@ core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
 
 Faults and checkpoints. The coordinator watches its worker processes. Before a dead worker is
 declared failed, every complete report still on its pipe is taken (a trajectory it finished, a
-sequence it exported, a checkpoint it wrote count). An instance that exits is reported to the
+checkpoint it wrote count); a report that cannot be rebuilt any more (an export read after its
+source died: the KV cache's shared memory went with that process) is named in `reports_lost`.
+An instance that exits is reported to the
 scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned version; a
-sequence it was exporting is retried through `TrajectoryFailed`) and the run goes on with the
+sequence it was exporting, or whose export was lost, is retried through `TrajectoryFailed`, which
+uses one of its `max_retries`) and the run goes on with the
 remaining instances while a fresh process takes its place (`runtime.max_instance_restarts` per
 run): pinned like the original, it joins under a new instance id (`InstanceReady`, so a late
 report of the dead one can never be taken for it) and loads the version the scheduler asks for.
@@ -499,8 +502,9 @@ class Runtime:
 
     def _drain(self, name: str, fatal: bool = True) -> list[str]:
         """Take every complete report a dead worker left on its pipe, in order, before it is
-        declared failed: what it finished, exported, loaded or checkpointed counts. An "error"
-        report ends the run as it would have (`fatal`), or is returned."""
+        declared failed: what it finished, loaded or checkpointed counts (an export counts if its
+        KV cache can still be fetched; else it reads as ("lost", ...), see `_on_lost`). An "error"
+        report ends the run as it would have (`fatal`), or is returned (with lost ones)."""
         if not hasattr(self.outbox, "drain"):
             return []
         errors = []

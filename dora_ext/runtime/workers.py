@@ -20,7 +20,9 @@ write can block nobody else: each worker reports on its own pipe (`PipeOutbox`; 
 reads them all through a `PipeHub`), and each worker's inbox is written by the coordinator only
 (peers never write to each other's inbox: a peer killed while holding a shared queue's lock would
 block that inbox for good). A killed writer can at worst cut its own last message, which reads as
-the end of its pipe. Processes come from a
+the end of its pipe, and make its complete messages holding tensors unreadable (their shared memory
+is handed over by the writer's process on request): those read as ("lost", ...), the rest of its
+pipe still counts. Processes come from a
 fork server that imported torch and warmed it up once (`_forkserver.py`), so starting one is a
 fork. A worker process exits by itself when the coordinator dies. On CUDA the kernels are
 asynchronous and threads (each on its own CUDA stream) overlap well, so `auto` picks threads.

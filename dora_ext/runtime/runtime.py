@@ -509,8 +509,11 @@ class Runtime:
             return []
         errors = []
         for msg in self.outbox.drain(name):
-            if msg[0] in ("error", "lost") and not fatal:
+            if msg[0] == "error" and not fatal:
                 errors.append(f"{msg[1]}: {msg[2]}")
+            elif msg[0] == "lost" and not fatal:
+                self.reports_lost.append((msg[1], msg[2]))
+                errors.append(f"{msg[1]}: a report that could not be read ({msg[2]})")
             elif msg[0] != "stats":
                 self._on_message(msg)
         return errors

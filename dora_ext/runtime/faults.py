@@ -162,6 +162,26 @@ class DieAfterCheckpoint(TrainerLoop):
         self.outbox = _DyingTrainerOutbox(self.outbox, self.at_version)
 
 
+class DieMidCheckpoint(TrainerLoop):
+    """A trainer killed (SIGKILL) in the middle of writing its checkpoint of a version >= 4: half
+    of the file is on disk (where the atomic write puts it before renaming), nothing is reported."""
+
+    at_version = 4
+
+    def handle_checkpoint(self, path: str) -> None:
+        import io
+
+        import torch
+
+        if self.trainer.version < self.at_version:
+            return super().handle_checkpoint(path)
+        buf = io.BytesIO()
+        torch.save({"policy": self.trainer.policy.state_dict()}, buf)
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class DieAfterReport(DieMidReport):
     """Killed right after it wrote its first "finished" report in full: the report is on its pipe,
     unread, when the process is gone."""

@@ -631,18 +631,24 @@ class Runtime:
         self.t_offset = self.step_end[-1] if self.step_end else 0.0
         self.resumed_from = version
         self._trainer_resume = self._ckpt_path(version, "trainer")
+        self._clear_checkpoints(keep=version)
 
-    def _clear_checkpoints(self) -> None:
-        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`."""
+    def _clear_checkpoints(self, keep: int | None = None) -> None:
+        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`; with
+        `keep`, all but checkpoint `keep` (on resume: what a killed run left half-written, such as a
+        cut `trainer-*.pt.tmp` or the coordinator's half of a checkpoint the trainer never finished)."""
         import os
         import re
 
         if not os.path.isdir(self.checkpoint_dir):
             return
-        ours = re.compile(r"^(latest|latest\.tmp|(state|trainer)-\d+\.pt(\.tmp)?)$")
+        ours = re.compile(r"^(latest|latest\.tmp|(state|trainer)-(\d+)\.pt(\.tmp)?)$")
         for name in os.listdir(self.checkpoint_dir):
-            if ours.match(name):
-                os.remove(os.path.join(self.checkpoint_dir, name))
+            m = ours.match(name)
+            if not m or (keep is not None and (name == "latest" or (m.group(3) and int(m.group(3)) == keep
+                                                                   and not m.group(4)))):
+                continue
+            os.remove(os.path.join(self.checkpoint_dir, name))
 
     def _check_recipe(self, saved: dict | None, version: int) -> None:
         """A checkpoint continues only the run that wrote it: every recipe field must be the same

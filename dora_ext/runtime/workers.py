@@ -540,6 +540,12 @@ class TrainerLoop:
         self.cpu = 0.0
         self._gids: list[Any] = []
 
+    def handle_checkpoint(self, path: str) -> None:
+        """Save the trainer's half of a checkpoint at `path` and report it (`runtime/faults.py`
+        overrides it to kill the trainer in the middle of the write)."""
+        save_trainer_checkpoint(self.trainer, path)
+        self.outbox.put(("checkpointed", self.trainer.version))
+
     def run(self) -> None:
         import torch.distributed as dist
 
@@ -558,8 +564,7 @@ class TrainerLoop:
                 self.busy.append((t0, time.perf_counter()))
                 self.cpu += time.thread_time() - c0
             elif kind == "checkpoint":
-                save_trainer_checkpoint(self.trainer, cmd[1])
-                self.outbox.put(("checkpointed", self.trainer.version))
+                self.handle_checkpoint(cmd[1])
             elif kind == "step":
                 _, step, rest = cmd
                 for gid, trajectories in rest:

@@ -694,3 +694,29 @@ def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_
     assert set(led["token_versions"][(gid, idx)]) == {led["group_version"][gid]}
     assert led["served_by"][(gid, idx)] != dst
     _check_books(result, recipe, prepared)
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(tmp_path):
+    """`faults.DieMidCheckpoint`: the trainer dies half-way through writing checkpoint 4 (its
+    temporary file cut, nothing reported). `latest` still names checkpoint 2, the error says so,
+    and the resumed run trains every admitted
+    group exactly once, a full batch every step, counted from the trainer's own ledger. The cut
+    file is removed when the run resumes (it was left on disk for good)."""
+    from dora_ext.runtime.faults import DieMidCheckpoint
+
+    recipe = recipe_from_dict(tiny(steps=6))
+    prepared = prepare(recipe)
+    ckpt = tmp_path / "ckpt"
+    rt = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), checkpoint_every=2, trainer_loop=DieMidCheckpoint)
+    with pytest.raises(WorkerDied, match="trainer process exited .* The run can continue from its last checkpoint"):
+        rt.run()
+    assert (ckpt / "latest").read_text().strip() == "2"
+    assert (ckpt / "trainer-000004.pt.tmp").exists()  # the cut write
+    result = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume=True, keep_versions=True).run()
+    led = result.ledger
+    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
+    assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
+    assert result.metrics["c1_ok"] and result.metrics["c2_ok"] and result.metrics["c3_ok"]
+    # the resume removed what the killed run left half-done (the cut file, checkpoint 4's other half)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "state-000002.pt", "trainer-000002.pt"]

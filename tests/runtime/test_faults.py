@@ -700,9 +700,9 @@ def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_
 def test_a_trainer_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(tmp_path):
     """`faults.DieMidCheckpoint`: the trainer dies half-way through writing checkpoint 4 (its
     temporary file cut, nothing reported). `latest` still names checkpoint 2, the error says so,
-    and the resumed run trains every admitted
-    group exactly once, a full batch every step, counted from the trainer's own ledger. The cut
-    file is removed when the run resumes (it was left on disk for good)."""
+    and the resumed run trains every admitted group exactly once, a full batch every step, counted
+    from the trainer's own ledger. The resume removes the cut file and checkpoint 4's other half
+    (they used to stay on disk for good)."""
     from dora_ext.runtime.faults import DieMidCheckpoint
 
     recipe = recipe_from_dict(tiny(steps=6))

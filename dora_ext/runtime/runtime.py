@@ -461,10 +461,14 @@ class Runtime:
         for t in trainer:
             if not t.is_alive():
                 rank = int(t.name.rsplit("-", 1)[1])
-                errors = self._drain("trainer" if rank == 0 else f"trainer-{rank}", fatal=False)
+                tname = "trainer" if rank == 0 else f"trainer-{rank}"
+                lost = [why for n, why in self.reports_lost if n == tname]
+                errors = self._drain(tname, fatal=False)
                 what = f"the trainer process exited (exit code {t.exitcode})"
                 if errors:
                     what += f" after reporting: {errors[0]}"
+                elif lost:
+                    what += f", ended by the coordinator: a report of it could not be read ({lost[0]})"
                 raise WorkerDied(self._died_message(what))
         for iid, (inbox, h) in list(self.starting.items()):
             if not h.is_alive():  # died before it was ready: it never joined the scheduler

@@ -547,10 +547,10 @@ def test_a_checkpoint_from_before_a_recipe_field_existed_resumes_at_its_default(
 
 
 class KillsTheFirstReplacementAtOnce(KillingRuntime):
-    """KillingRuntime, and the first replacement process (instance 2) gets SIGKILL right after it
-    is started, and the coordinator waits for its exit: it dies while it builds its engine. Had it
-    written its ready report first, that report would be read (or drained) and the outcome the
-    same: instance 2 fails, instance 3 takes its place."""
+    """KillingRuntime, and the first replacement process (instance 2) gets SIGKILL as soon as
+    `start()` returns its pid, and the coordinator waits for its exit: it dies before it has built
+    its engine, so before it can report ready. (A ready report written just before a death would be
+    drained and ignored, see `_watch`; that order is not what this test forces.)"""
 
     def _restart(self, dead):
         super()._restart(dead)

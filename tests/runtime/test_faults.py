@@ -663,10 +663,13 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing():
             break
     else:
         pytest.fail("in no run did the source of a migration live to export the sequence")
+    # the first to die was the first to lose an export (the other instance may later die the same
+    # way, with no restart left: the run then finishes on the replacement)
     dead = list(rt.failed_instances)
-    assert len(dead) == 1 and result.ledger["instance_restarts"] == [(dead[0], 2)]
+    assert result.ledger["instance_restarts"] == [(dead[0], 2)]
     lost = result.ledger["reports_lost"]
-    assert [name for name, _ in lost] == [f"instance-{dead[0]}"] and "Connection" in lost[0][1], lost
+    assert lost[0][0] == f"instance-{dead[0]}" and "Connection" in lost[0][1], lost
+    assert {name for name, _ in lost} <= {f"instance-{i}" for i in dead}
     assert result.core_metrics["retries"] >= 1
     _check_books(result, recipe, prepared)
 

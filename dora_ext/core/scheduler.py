@@ -501,14 +501,13 @@ class Scheduler:
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
         g = self.groups.get(ev.group_id)
         idx = ev.index
-        if g is None or ev.attempt is not None or not 0 <= idx < len(g.trajs) or g.trajs[idx].status != _RUNNING:
+        if (g is None or not 0 <= idx < len(g.trajs) or (t := g.trajs[idx]).status != _RUNNING
+                or (ev.attempt is not None and ev.attempt != t.attempt)):
             # the general path: errors and stale reports
             t = self._running_traj(ev.group_id, idx, ev.attempt)
             if t is None:
                 return
             g = self.groups[ev.group_id]
-        else:
-            t = g.trajs[idx]
         t.tokens = ev.tokens
         if ev.truncated_early:
             self.m["truncated"] += 1

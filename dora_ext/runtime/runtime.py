@@ -689,13 +689,19 @@ class Runtime:
     def _restart_from_checkpoint(self) -> None:
         """Fresh processes hold nothing: every instance of the snapshot is failed (its running
         trajectories go back to the queue of their pinned version, with a new attempt) and
-        registered again; a step that had started is handed to the trainer again in full."""
-        for iid in list(self.sched.instances):
-            self._execute(self.sched.handle(E.InstanceFailed(iid, "resumed from a checkpoint")))
+        registered again; a step that had started is handed to the trainer again in full.
+
+        All in one `handle_many` batch: failed one by one, the first failure re-dispatches its
+        trajectories onto an instance that the snapshot still lists but that fails next, and
+        that `Dispatch` (and any `LoadVersion`) would reach the fresh process registered again
+        under the same id: it would run a void attempt and refuse a later load while holding its
+        KV ("cannot load version 3 while 1 sequences hold KV of version 4"). `handle_many` drops
+        the actions for an instance that fails later in the batch."""
+        events: list = [E.InstanceFailed(iid, "resumed from a checkpoint") for iid in self.sched.instances]
         # Every configured instance has a fresh process now, also one that had failed before the
         # checkpoint (the snapshot no longer lists it): all of them are registered again.
-        for spec in self.config.instances:
-            self._execute(self.sched.handle(E.InstanceReady(spec.id, spec.capacity)))
+        events += [E.InstanceReady(spec.id, spec.capacity) for spec in self.config.instances]
+        self._execute(self.sched.handle_many(events))
         busy = self.sched.trainer_busy
         if busy is not None:
             gids = self.step_groups[busy]

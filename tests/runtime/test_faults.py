@@ -775,3 +775,49 @@ def test_a_live_worker_whose_report_cannot_be_read_is_ended():
     assert rt.instance_handles[0].killed and not rt.instance_handles[1].killed
     assert rt.starting[2][1].killed and rt.trainer_handles[0].killed
     assert [n for n, _ in rt.reports_lost] == ["instance-0", "instance-1", "instance-2", "trainer"]
+
+
+def test_resume_sends_a_fresh_instance_no_void_attempt():
+    """`Runtime._restart_from_checkpoint` on a restored snapshot in which instance 0 runs three
+    trajectories and instance 1 has room. No processes: the commands stay in the coordinator's
+    outgoing lists, exactly what each fresh instance process would receive.
+
+    Failing the snapshot's instances one by one re-dispatched instance 0's trajectories onto
+    instance 1 (still listed), which then failed too and was registered again under its id: its
+    fresh process got a `submit` of the void attempt before its `load`, ran it, and refused a later
+    load of an older version while it held that sequence's KV (seen once in the resumed run of
+    `test_a_checkpoint_reported_by_a_trainer_that_then_died_counts`: "instance 1: cannot load
+    version 3 while 1 sequences hold KV of version 4 (e.g. (11, 0, 1))")."""
+    import json
+    import queue
+
+    from dora_ext.core import Scheduler
+    from dora_ext.core import events as E
+
+    recipe = recipe_from_dict(tiny(steps=6))
+    rt = Runtime(recipe, prepare(recipe))
+    rt.trainer_inboxes, rt._next_rank = [queue.SimpleQueue()], 0  # DeliverGroup lands here
+    rt._execute(rt.sched.start())
+    for iid in list(rt.sched.instances):
+        rt._execute(rt.sched.handle(E.InstanceLoaded(iid, 0)))
+    while True:  # instance 1's trajectories finish until it has room (nothing refills it)
+        inst = rt.sched.instances[1]
+        if len(inst.running) < inst.capacity:
+            break
+        gid, idx = next(iter(inst.running))
+        rt.results[gid][idx] = "finished"  # the ledger entry a finish writes (never trained here)
+        rt._execute(rt.sched.handle(E.TrajectoryFinished(gid, idx, tokens=3, reward=0.5, attempt=0)))
+    assert len(rt.sched.instances[0].running) == 3 and rt.sched.instances[1].running
+    rt.sched = Scheduler.restore(json.loads(json.dumps(rt.sched.snapshot())))
+    rt._outgoing = {}
+    rt._restart_from_checkpoint()
+    for iid in (0, 1):
+        cmds = rt._outgoing.get(iid, [])
+        assert cmds and cmds[0][0] == "load", (iid, cmds)  # a fresh engine gets its weights first
+        assert [c[0] for c in cmds].count("load") == 1, (iid, cmds)
+        for c in cmds:
+            if c[0] == "submit":
+                gid, idx, attempt = c[1]
+                assert rt.sched.groups[gid].trajs[idx].attempt == attempt, (iid, c[1], "a void attempt")
+    # Every trajectory that ran at the checkpoint is queued again, under a new attempt.
+    assert all(t.status == "Q" for g in rt.sched.groups.values() for t in g.trajs if t.attempt), rt.sched.snapshot()

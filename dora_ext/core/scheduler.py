@@ -395,7 +395,10 @@ class Scheduler:
             raise ProtocolError(
                 f"instance {inst.id} reported version {ev.version} loaded, but was asked for {inst.loading}"
             )
-        inst.version = ev.version
+        # The scheduler's own int, not the event's equal value (a host may report a numpy integer):
+        # a trajectory keeps the version it ran under unboxed (`_Traj.versions`), as an int.
+        v = inst.loading
+        inst.version = v
         self.m["weight_loads"] += 1
         if not self._pinned:
             # partial: preempted trajectories resume under the new version (C1 broken, metered).
@@ -403,18 +406,18 @@ class Scheduler:
                 t = self.groups[gid].trajs[idx]
                 vs = t.versions
                 if type(vs) is int:
-                    if vs != ev.version:
-                        t.versions = [vs, ev.version]
-                elif vs[-1] != ev.version:
-                    vs.append(ev.version)
-            if ev.version < self.newest:
+                    if vs != v:
+                        t.versions = [vs, v]
+                elif vs[-1] != v:
+                    vs.append(v)
+            if v < self.newest:
                 # A newer version was published while this one loaded: load it too (the
                 # instance stays in the loading state throughout).
                 self._start_load(inst, self.newest, preempt=tuple(inst.running))
                 return
         inst.loading = None
         self._n_loading -= 1
-        b = self._bucket(ev.version)
+        b = self._bucket(v)
         self._lv_set(b, inst.id, None, len(inst.running))
         if not inst.running:
             self._idle[inst.id] = None

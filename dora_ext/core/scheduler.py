@@ -443,6 +443,10 @@ class Scheduler:
         elif inst.version is not None:
             self._lv_set(self._bucket(inst.version), inst.id, len(inst.running), None)
         self._idle.pop(inst.id, None)
+        # Its reason to load the gating version died with it: left behind, it would count as a
+        # holder of that version's even share (`_spread_plan`) and, when a host registers an engine
+        # under the same id again, let it skip `_maybe_spread`'s "nothing else to do" test.
+        self._spreading.pop(inst.id, None)
         del self.instances[inst.id]
         self._dead.add(inst.id)
         touched = set()

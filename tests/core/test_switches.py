@@ -130,3 +130,37 @@ def test_spread_off_switches_only_on_publish():
         assert led["older_loads"] == 0 and led["migrations"] >= 0
         assert not led["newest_reloads"]
         assert led["loads"] <= 6 * (led["steps"] + 1)
+
+
+def test_a_failed_instance_leaves_no_spreading_intent():
+    """An instance that failed while loading the gating version to spread (`_spreading`) kept its
+    entry: `_spread_plan` counted it as a holder of the even share (so another idle instance took
+    less, or nothing), and an engine registered again under the same id skipped `_maybe_spread`'s
+    "nothing else to do" test. Checked after every event on adversarial runs (crashes, instances
+    coming back under their own id)."""
+    import random
+
+    from .test_adversarial import AdversarialDriver, _config
+
+    hit = 0
+    for seed in range(120):
+        rng = random.Random(seed)
+        cfg = _config("dora", rng.choice([1, 2, 3]), rng, 8)
+        d = AdversarialDriver(cfg, seed, crash_prob=0.04, long_tail=0.5, restore_prob=0.0, same_id=1.0)
+        d.start()
+        tick = d.tick
+
+        def checked_tick():
+            nonlocal hit
+            s = d.sched
+            spreading = set(s._spreading)
+            ok = tick()
+            gone = spreading - set(s.instances) - set(s._to_rollout)
+            hit += bool(gone)
+            stale = [i for i in s._spreading if i not in s.instances and i not in s._to_rollout]
+            assert not stale, (seed, stale, s._spreading)
+            return ok
+
+        d.tick = checked_tick
+        d.run(8)
+    assert hit, "no spreading instance failed: the check did not run"

@@ -417,3 +417,23 @@ def run_alone_cfg(task, config, weights, prompt):
     e.submit("m", prompt.ids, task.max_new_tokens, GREEDY)
     (f,) = e.run_until_done()
     return f
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_zero_uniform_draw_never_picks_a_zero_probability_token(weights, monkeypatch, top_p):
+    """Inverse-CDF sampling with u = 0 (torch.rand's range is [0, 1): about one draw in 2^24)
+    must return a token of positive probability. In vocabulary order (top_p = 1, no sort) token 0
+    comes first whatever its probability, so the search must take the first CDF value above u,
+    not the first one equal to it (that token would come back with log-prob -inf)."""
+    from dora_ext.engines.torch_engine import _Seq
+
+    e = engine(weights)
+    logits = torch.zeros(1, CFG.vocab_size)
+    logits[0, 0] = -math.inf  # probability exactly 0
+    logits[0, 5] = 2.0
+    seq = _Seq("z", (1,), 1, SamplingParams(1.0, top_p), torch.Generator().manual_seed(0))
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, device=k.get("device")))
+    tokens, logprobs = e._sample(logits, [seq])
+    assert tokens[0] != 0 and math.isfinite(logprobs[0])
+    if top_p < 1:
+        assert tokens == [5]  # sorted: u = 0 is the most likely token

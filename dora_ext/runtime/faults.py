@@ -111,6 +111,35 @@ class DieMidExport(DieMidReport):
         self.armed = True
 
 
+class DieAfterExport(DieMidReport):
+    """Killed (SIGKILL) at its first ("migrate", ...) command: right after it wrote the "export" in
+    full (the migrating sequence is on its pipe, unread, and its KV cache, shared memory this
+    process hands over on request, can no longer be fetched), or at once when the sequence had
+    finished here first (nothing to export), so that a test awaiting its exit never waits in vain."""
+
+    kinds = ("export",)
+    cut = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = True
+
+    def handle(self, cmd: tuple) -> None:
+        super().handle(cmd)
+        if cmd[0] == "migrate":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DieAfterImport(InstanceLoop):
+    """Killed (SIGKILL) right after it took in a migrated sequence (its "imported" report is
+    written): the destination of a migration dies with the sequence in its engine."""
+
+    def handle(self, cmd: tuple) -> None:
+        super().handle(cmd)
+        if cmd[0] == "import":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class _DyingTrainerOutbox:
     def __init__(self, outbox: Any, at_version: int) -> None:
         self.outbox = outbox
@@ -131,6 +160,26 @@ class DieAfterCheckpoint(TrainerLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outbox = _DyingTrainerOutbox(self.outbox, self.at_version)
+
+
+class DieMidCheckpoint(TrainerLoop):
+    """A trainer killed (SIGKILL) in the middle of writing its checkpoint of a version >= 4: half
+    of the file is on disk (where the atomic write puts it before renaming), nothing is reported."""
+
+    at_version = 4
+
+    def handle_checkpoint(self, path: str) -> None:
+        import io
+
+        import torch
+
+        if self.trainer.version < self.at_version:
+            return super().handle_checkpoint(path)
+        buf = io.BytesIO()
+        torch.save({"policy": self.trainer.policy.state_dict()}, buf)
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class DieAfterReport(DieMidReport):
@@ -157,3 +206,12 @@ def report_when_told(outbox: Any, go: Any, messages: list) -> None:
     for msg in messages:
         go.recv()
         outbox.put(msg)
+
+
+def report_then_die(outbox: Any, messages: list) -> None:
+    """A worker process that reports each of `messages` in full, then dies (SIGKILL) before any is
+    read. A message holding a tensor is then unreadable: its shared memory is handed over by this
+    process on request, as a migrating sequence's KV cache is."""
+    for msg in messages:
+        outbox.put(msg)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -18,9 +18,12 @@ core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
 
 Faults and checkpoints. The coordinator watches its worker processes. Before a dead worker is
 declared failed, every complete report still on its pipe is taken (a trajectory it finished, a
-sequence it exported, a checkpoint it wrote count). An instance that exits is reported to the
+checkpoint it wrote count); a report that cannot be rebuilt any more (an export read after its
+source died: the KV cache's shared memory went with that process) is named in `reports_lost`.
+An instance that exits is reported to the
 scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned version; a
-sequence it was exporting is retried through `TrajectoryFailed`) and the run goes on with the
+sequence it was exporting, or whose export was lost, is retried through `TrajectoryFailed`, which
+uses one of its `max_retries`) and the run goes on with the
 remaining instances while a fresh process takes its place (`runtime.max_instance_restarts` per
 run): pinned like the original, it joins under a new instance id (`InstanceReady`, so a late
 report of the dead one can never be taken for it) and loads the version the scheduler asks for.
@@ -267,6 +270,7 @@ class Runtime:
         self.instance_loops = dict(instance_loops or {})
         self.trainer_loop = trainer_loop
         self.trainer_handles: list[Any] = []
+        self.instance_handles: dict[int, Any] = {}
         self.capacity_of = {s.id: s.capacity for s in self.config.instances}
         # Replacement instances join under ids never used before (nor by elastic spares).
         self.next_instance_id = (max(s.id for s in self.config.instances) + 1
@@ -276,6 +280,7 @@ class Runtime:
         self.starting: dict[int, tuple[Any, Any]] = {}  # replacement id -> (inbox, handle) until "ready"
         self.served_by: dict[tuple, int] = {}  # (gid, idx) -> the instance that reported it finished
         self.exports_dropped = 0  # exported sequences whose attempt was over when they reached us
+        self.reports_lost: list[tuple[str, str]] = []  # (worker, why): complete reports that could not be read
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.on_checkpoint = on_checkpoint
@@ -456,10 +461,14 @@ class Runtime:
         for t in trainer:
             if not t.is_alive():
                 rank = int(t.name.rsplit("-", 1)[1])
-                errors = self._drain("trainer" if rank == 0 else f"trainer-{rank}", fatal=False)
+                tname = "trainer" if rank == 0 else f"trainer-{rank}"
+                lost = [why for n, why in self.reports_lost if n == tname]
+                errors = self._drain(tname, fatal=False)
                 what = f"the trainer process exited (exit code {t.exitcode})"
                 if errors:
                     what += f" after reporting: {errors[0]}"
+                elif lost:
+                    what += f", ended by the coordinator: a report of it could not be read ({lost[0]})"
                 raise WorkerDied(self._died_message(what))
         for iid, (inbox, h) in list(self.starting.items()):
             if not h.is_alive():  # died before it was ready: it never joined the scheduler
@@ -497,14 +506,18 @@ class Runtime:
 
     def _drain(self, name: str, fatal: bool = True) -> list[str]:
         """Take every complete report a dead worker left on its pipe, in order, before it is
-        declared failed: what it finished, exported, loaded or checkpointed counts. An "error"
-        report ends the run as it would have (`fatal`), or is returned."""
+        declared failed: what it finished, loaded or checkpointed counts (an export counts if its
+        KV cache can still be fetched; else it reads as ("lost", ...), see `_on_lost`). An "error"
+        report ends the run as it would have (`fatal`), or is returned (with lost ones)."""
         if not hasattr(self.outbox, "drain"):
             return []
         errors = []
         for msg in self.outbox.drain(name):
             if msg[0] == "error" and not fatal:
                 errors.append(f"{msg[1]}: {msg[2]}")
+            elif msg[0] == "lost" and not fatal:
+                self.reports_lost.append((msg[1], msg[2]))
+                errors.append(f"{msg[1]}: a report that could not be read ({msg[2]})")
             elif msg[0] != "stats":
                 self._on_message(msg)
         return errors
@@ -622,18 +635,24 @@ class Runtime:
         self.t_offset = self.step_end[-1] if self.step_end else 0.0
         self.resumed_from = version
         self._trainer_resume = self._ckpt_path(version, "trainer")
+        self._clear_checkpoints(keep=version)
 
-    def _clear_checkpoints(self) -> None:
-        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`."""
+    def _clear_checkpoints(self, keep: int | None = None) -> None:
+        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`; with
+        `keep`, all but checkpoint `keep` (on resume: what a killed run left half-written, such as a
+        cut `trainer-*.pt.tmp` or the coordinator's half of a checkpoint the trainer never finished)."""
         import os
         import re
 
         if not os.path.isdir(self.checkpoint_dir):
             return
-        ours = re.compile(r"^(latest|latest\.tmp|(state|trainer)-\d+\.pt(\.tmp)?)$")
+        ours = re.compile(r"^(latest|latest\.tmp|(state|trainer)-(\d+)\.pt(\.tmp)?)$")
         for name in os.listdir(self.checkpoint_dir):
-            if ours.match(name):
-                os.remove(os.path.join(self.checkpoint_dir, name))
+            m = ours.match(name)
+            if not m or (keep is not None and (name == "latest" or (m.group(3) and int(m.group(3)) == keep
+                                                                   and not m.group(4)))):
+                continue
+            os.remove(os.path.join(self.checkpoint_dir, name))
 
     def _check_recipe(self, saved: dict | None, version: int) -> None:
         """A checkpoint continues only the run that wrote it: every recipe field must be the same
@@ -650,10 +669,19 @@ class Runtime:
                     out[f"{pre}{k}"] = v
             return out
 
+        from .recipe import field_default
+
         old, new = flat(saved), flat(self.recipe.to_dict())
         for key in sorted(old.keys() | new.keys()):
             if old.get(key) == new.get(key):
                 continue
+            has_default, default = field_default(key)
+            if key not in old and has_default:
+                if new.get(key) == default:
+                    continue  # a field added since the checkpoint was written, left at its default
+                raise ConfigError(key, f"the checkpoint (version {version}) in {self.checkpoint_dir} was written "
+                                       f"before {key} existed (a run then had its default, {default!r}), this "
+                                       f"recipe has {new.get(key)!r}; resume with {key}: {default!r} or leave it out")
             raise ConfigError(key, f"the checkpoint (version {version}) in {self.checkpoint_dir} was written by a run "
                                    f"with {key}={old.get(key)!r}, this recipe has {new.get(key)!r}; resume with the "
                                    f"recipe the run started with")
@@ -750,12 +778,30 @@ class Runtime:
             self.in_transit.pop(tuple(msg[2][:2]), None)
         elif kind == "export":
             self._on_export(*msg[1:])
+        elif kind == "lost":
+            self._on_lost(msg[1], msg[2])
         elif kind == "ready":  # a replacement instance (the first ones report in `_wait_ready`)
             self._on_ready(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
         elif kind == "error":
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
             raise RuntimeError(f"unknown worker report {kind!r}")
+
+    def _on_lost(self, name: str, why: str) -> None:
+        """A complete report of worker `name` could not be read (`PipeHub`: most often an export
+        whose source died before it was read, its KV cache unreachable). Nothing it said can be
+        taken into the books, so the worker is ended (SIGKILL) if it still lives: `_watch` then
+        handles it as a dead worker (an instance's running trajectories are re-dispatched, what it
+        was exporting is retried; a trainer ends the run naming `--resume`)."""
+        self.reports_lost.append((name, why))
+        if name.startswith("instance-"):
+            iid = int(name.rsplit("-", 1)[1])
+            h = self.instance_handles.get(iid) or self.starting.get(iid, (None, None))[1]
+        else:
+            rank = 0 if name == "trainer" else int(name.rsplit("-", 1)[1])
+            h = self.trainer_handles[rank] if rank < len(self.trainer_handles) else None
+        if h is not None and h.is_alive() and hasattr(h, "kill"):
+            h.kill()
 
     def _on_export(self, src: int, dst: int, state: Any) -> None:
         """A migrating sequence left `src` (its KV cache with it): pass it on to `dst`'s inbox, the
@@ -1030,6 +1076,7 @@ class Runtime:
             "backend": self.backend,
             "served_by": self.served_by, "failed_instances": dict(self.failed_instances),
             "instance_restarts": list(self.instance_restarts), "exports_dropped": self.exports_dropped,
+            "reports_lost": list(self.reports_lost),
             "trainer_cpu_s": tstats.get("cpu"),
         }
         return RunResult(

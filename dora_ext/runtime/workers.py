@@ -20,7 +20,9 @@ write can block nobody else: each worker reports on its own pipe (`PipeOutbox`; 
 reads them all through a `PipeHub`), and each worker's inbox is written by the coordinator only
 (peers never write to each other's inbox: a peer killed while holding a shared queue's lock would
 block that inbox for good). A killed writer can at worst cut its own last message, which reads as
-the end of its pipe. Processes come from a
+the end of its pipe, and make its complete messages holding tensors unreadable (their shared memory
+is handed over by the writer's process on request): those read as ("lost", ...), the rest of its
+pipe still counts. Processes come from a
 fork server that imported torch and warmed it up once (`_forkserver.py`), so starting one is a
 fork. A worker process exits by itself when the coordinator dies. On CUDA the kernels are
 asynchronous and threads (each on its own CUDA stream) overlap well, so `auto` picks threads.
@@ -99,7 +101,13 @@ class PipeHub:
     report from any of them (raising `queue.Empty` on timeout), as a queue would. A pipe whose
     writer is gone (the worker exited or was killed) is dropped; a message its writer was cut off
     in the middle of reads as that end (its complete messages before it are all delivered).
-    `drain(name)` hands over what a worker that is known to be gone still had on its pipe."""
+    `drain(name)` hands over what a worker that is known to be gone still had on its pipe.
+
+    A complete message that cannot be unpickled is handed over as ("lost", name, why) in its place,
+    and the pipe is read on. That happens to a report holding tensors (an "export": the KV cache
+    of a migrating sequence) whose writer died before the message was read: the tensors' shared
+    memory is handed over by the writer's own process on request (`multiprocessing`'s resource
+    sharer), which is gone. The reports after it on the same pipe still count."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -131,10 +139,21 @@ class PipeHub:
                 raise queue.Empty
             for r in ready:
                 try:
-                    self._pending.append((self._names.get(r, ""), r.recv()))
+                    self._pending.append((self._names.get(r, ""), self._read(r)))
                 except (EOFError, OSError):
                     self._drop(r)
         return self._pending.pop(0)[1]
+
+    def _read(self, r: Any) -> Any:
+        """The next message on pipe `r`; EOFError/OSError when the pipe ended (or its last message
+        was cut), ("lost", name, why) for a complete message that cannot be unpickled."""
+        from multiprocessing.reduction import ForkingPickler
+
+        buf = r.recv_bytes()
+        try:
+            return ForkingPickler.loads(buf)
+        except Exception as exc:  # noqa: BLE001 - any failure to rebuild the message is reported as such
+            return ("lost", self._names.get(r, ""), f"{type(exc).__name__}: {exc}")
 
     def drain(self, name: str) -> list[Any]:
         """Every report of worker `name` not returned yet, in order: those already read, then the
@@ -145,7 +164,7 @@ class PipeHub:
         for r in [r for r, n in self._names.items() if n == name]:
             while True:
                 try:
-                    out.append(r.recv())
+                    out.append(self._read(r))
                 except (EOFError, OSError):
                     break
             self._drop(r)
@@ -521,6 +540,12 @@ class TrainerLoop:
         self.cpu = 0.0
         self._gids: list[Any] = []
 
+    def handle_checkpoint(self, path: str) -> None:
+        """Save the trainer's half of a checkpoint at `path` and report it (`runtime/faults.py`
+        overrides it to kill the trainer in the middle of the write)."""
+        save_trainer_checkpoint(self.trainer, path)
+        self.outbox.put(("checkpointed", self.trainer.version))
+
     def run(self) -> None:
         import torch.distributed as dist
 
@@ -539,8 +564,7 @@ class TrainerLoop:
                 self.busy.append((t0, time.perf_counter()))
                 self.cpu += time.thread_time() - c0
             elif kind == "checkpoint":
-                save_trainer_checkpoint(self.trainer, cmd[1])
-                self.outbox.put(("checkpointed", self.trainer.version))
+                self.handle_checkpoint(cmd[1])
             elif kind == "step":
                 _, step, rest = cmd
                 for gid, trajectories in rest:

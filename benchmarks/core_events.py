@@ -1,24 +1,32 @@
-"""Scheduler events per second of CPU time, K = 1..3, 1k .. 1M trajectories in flight.
+"""Scheduler events per second of CPU time, K = 1..3, 1k .. 1M slots over 1k .. 10k instances.
 
-A synchronous driver keeps the scheduler (mode `dora`) saturated: it answers every action at
-once (groups admitted, loads done, trainer steps finished and published) and finishes running
+A synchronous driver keeps the scheduler (mode `dora`) busy: it answers every action at once
+(groups admitted, loads done, trainer steps finished and published) and finishes running
 trajectories oldest first, except that 3% of them are stragglers that run two to three times
 longer. Stragglers spread old versions thin over the instances that hold them, so R5
-migrations and R4 version switches happen; `B` is sized so that the R2 budget,
-`(K + 1) * B` groups, keeps the fleet full, and the measured window is long enough to hold
-several trainer steps. What happens inside the window (events, steps, publishes, version
-switches, migrations) is counted and printed: a row whose window holds no step measured nothing
-of R3/R4/R5 and says so.
+migrations and R4 version switches happen. Each row is named by its slots (instances x
+capacity, the `slots` column: 1k .. 1M); `B` is sized so that the R2 budget, `(K + 1) * B`
+groups, equals the slots. The trajectories actually in flight are counted by the driver before
+every batch of the measured window and printed (mean and minimum): pinned versions (R1, R4)
+keep slots of instances that still run old-version stragglers empty, so the mean is below the
+slots (about a quarter to three quarters of them with this driver); a row is as large as its
+`in flight mean` says, not as its slots. The window is long enough to hold several trainer
+steps where the slots allow (at least 200k events, at least four steps' worth); what happens
+inside it (events, steps, publishes, version switches, migrations) is counted and printed: a
+row whose window holds no step measured nothing of R3/R4/R5 and says so.
 
-Only the CPU time (`time.process_time`) spent inside `Scheduler.handle_many` is counted; the
-driver feeds events in batches of up to 256, as a runtime draining its inbox would. Memory per
-in-flight trajectory is what `dora_ext/core` allocated and still holds after the fill
-(tracemalloc, traced from core's own source lines), divided by the trajectories in flight.
-Flatness is the dearest row's cost per event over the cheapest row's.
+Only the CPU time (`time.process_time`) spent inside `Scheduler.handle_many` is counted, with
+the garbage collector on (its cost grows with the objects the scheduler keeps, so it is part
+of the measurement); the driver feeds events in batches of up to 256, as a runtime draining its
+inbox would. Memory per in-flight trajectory is what `dora_ext/core` allocated and still holds
+after the fill (tracemalloc, traced from core's own source lines), divided by the trajectories
+running then. Flatness is the dearest row's cost per event over the cheapest row's.
 
     python benchmarks/core_events.py            # the full table (the 1M rows take a while)
-    python benchmarks/core_events.py --quick    # up to 100k in flight
+    python benchmarks/core_events.py --quick    # up to 100k slots
     python benchmarks/core_events.py --json     # {"rows": [...], "flatness": ...}
+    python benchmarks/core_events.py --quick --baseline main   # each row also measured with
+        # dora_ext/core/scheduler.py as of git revision `main`, side by side in this run
 
 Goals (not asserted anywhere): >= 200k events/s in every row and flatness <= 1.5x.
 """
@@ -43,17 +51,20 @@ from dora_ext.core import (
 N = 8  # trajectories per group
 BATCH = 256  # events per handle_many call
 STRAGGLERS = 0.03
+BUDGET_X = 1.0  # the R2 budget over the slots
 
 
 class Bench:
-    def __init__(self, K: int, in_flight: int, instances: int, seed: int = 0) -> None:
+    def __init__(self, K: int, in_flight: int, instances: int, seed: int = 0, scheduler: type = Scheduler) -> None:
         cap = max(1, in_flight // instances)
-        self.batch = max(1, in_flight // N // (K + 1))
+        # The R2 budget, (K + 1) * B groups, is 1.5x the slots: completed groups waiting for their
+        # step hold budget too, and with a budget of exactly the slots the fleet ran ~15% empty.
+        self.batch = max(1, int(-(-BUDGET_X * cap * instances // (N * (K + 1)))))
         cfg = DoraConfig.from_dict(
             {"mode": "dora", "max_staleness": K, "batch_size": self.batch, "group_size": N,
              "instances": instances, "capacity": cap}
         )
-        self.sched = Scheduler(cfg)
+        self.sched = scheduler(cfg)
         self.rng = random.Random(seed)
         self.running: deque = deque()  # [gid, idx, laps left] oldest first
         self.todo: deque = deque()
@@ -97,10 +108,10 @@ class Bench:
         return out
 
 
-def measure(K: int, in_flight: int, instances: int, events: int | None = None) -> dict:
+def measure(K: int, in_flight: int, instances: int, events: int | None = None, scheduler: type = Scheduler) -> dict:
     gc.collect()
     tracemalloc.start()
-    b = Bench(K, in_flight, instances)
+    b = Bench(K, in_flight, instances, scheduler=scheduler)
     sched = b.sched
     b.execute(sched.start())
     # Fill (not timed): answer everything until the engines are full and the pool is primed.
@@ -127,7 +138,14 @@ def measure(K: int, in_flight: int, instances: int, events: int | None = None) -
     spent = 0.0
     counted = 0
     gc_was = gc.isenabled()
+    flight_sum = flight_n = 0
+    flight_min = len(b.running)
     while counted < window:
+        n_run = len(b.running)
+        flight_sum += n_run
+        flight_n += 1
+        if n_run < flight_min:
+            flight_min = n_run
         evs = b.next_batch()
         if not evs:
             raise RuntimeError("the driver ran dry: the scheduler stopped dispatching")
@@ -142,7 +160,9 @@ def measure(K: int, in_flight: int, instances: int, events: int | None = None) -
     assert gc_was == gc.isenabled()
     return {
         "K": K,
-        "in_flight": filled,
+        "in_flight": filled,  # running after the fill
+        "in_flight_mean": round(flight_sum / max(flight_n, 1)),  # over the measured window
+        "in_flight_min": flight_min,
         "instances": instances,
         "batch_size": b.batch,
         "events": counted,
@@ -161,33 +181,80 @@ GRID = [(1_000, 1_000), (10_000, 1_000), (100_000, 1_000), (100_000, 10_000), (1
         (1_000_000, 10_000)]
 
 
+def baseline_scheduler(rev: str) -> type:
+    """`Scheduler` as `dora_ext/core/scheduler.py` was at git revision `rev` (events, actions and
+    config from this checkout: compare revisions where those did not change)."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import tempfile
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{rev}:dora_ext/core/scheduler.py"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout
+    path = pathlib.Path(tempfile.mkdtemp()) / "dora_ext" / "core" / "scheduler.py"  # (tracemalloc's filter)
+    path.parent.mkdir(parents=True)
+    path.write_text(src)
+    import dora_ext.core
+
+    name = "dora_ext.core._baseline_scheduler"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod.Scheduler
+
+
+def _line(r: dict, tag: str = "") -> str:
+    return (f"{tag}K={r['K']} slots={r['slots']:>9,} instances={r['instances']:>6,} in flight mean={r['in_flight_mean']:>9,} "
+            f"min={r['in_flight_min']:>9,} events/s={r['events_per_s']:>9,} us/event={r['us_per_event']:>7} "
+            f"bytes/traj={r['core_bytes_per_in_flight']:>5} | window: events={r['events']:,} "
+            f"steps={r['window_steps']} switches={r['window_switches']} migrations={r['window_migrations']} "
+            f"live groups {r['live_groups_start']:,}->{r['live_groups_end']:,}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="skip the 1M-in-flight rows")
     p.add_argument("--events", type=int, default=None, help="events measured per row (default: >= 4 steps)")
     p.add_argument("--k", default="1,2,3", help="comma-separated K values")
+    p.add_argument("--baseline", metavar="REV", default=None,
+                   help="also measure dora_ext/core/scheduler.py as of git revision REV, row by row "
+                        "in this run, and print the ratio")
     args = p.parse_args(argv)
-    rows = []
+    base = baseline_scheduler(args.baseline) if args.baseline else None
+    rows, base_rows = [], []
     for K in [int(k) for k in args.k.split(",")]:
         for in_flight, instances in GRID:
             if args.quick and in_flight > 100_000:
                 continue
+            if base is not None:
+                base_rows.append(measure(K, in_flight, instances, args.events, scheduler=base))
+                base_rows[-1]["slots"] = in_flight
+                if not args.json:
+                    print(_line(base_rows[-1], f"[{args.baseline}] "), flush=True)
             rows.append(measure(K, in_flight, instances, args.events))
+            rows[-1]["slots"] = in_flight
             if not args.json:
-                r = rows[-1]
-                print(f"K={r['K']} in_flight={r['in_flight']:>9,} instances={r['instances']:>6,} "
-                      f"events/s={r['events_per_s']:>9,} us/event={r['us_per_event']:>7} "
-                      f"bytes/traj={r['core_bytes_per_in_flight']:>5} | window: events={r['events']:,} "
-                      f"steps={r['window_steps']} publishes={r['window_publishes']} "
-                      f"switches={r['window_switches']} migrations={r['window_migrations']} "
-                      f"live groups {r['live_groups_start']:,}->{r['live_groups_end']:,}", flush=True)
+                print(_line(rows[-1], "[this]  " if base is not None else ""), flush=True)
+                if base is not None:
+                    print(f"        this / {args.baseline}: {rows[-1]['events_per_s'] / base_rows[-1]['events_per_s']:.2f}x "
+                          f"events/s", flush=True)
     lo = min(r["us_per_event"] for r in rows)
     hi = max(r["us_per_event"] for r in rows)
     summary = {"flatness": round(hi / lo, 2), "slowest_events_per_s": min(r["events_per_s"] for r in rows)}
+    if base_rows:
+        summary["baseline"] = {"rev": args.baseline, "rows": base_rows,
+                               "flatness": round(max(r["us_per_event"] for r in base_rows)
+                                                 / min(r["us_per_event"] for r in base_rows), 2),
+                               "slowest_events_per_s": min(r["events_per_s"] for r in base_rows)}
     if args.json:
         print(json.dumps({"rows": rows, **summary}))
     else:
+        if base_rows:
+            print(f"[{args.baseline}] flatness {summary['baseline']['flatness']}x; slowest row "
+                  f"{summary['baseline']['slowest_events_per_s']:,} events/s")
         print(f"flatness (dearest/cheapest per-event cost): {summary['flatness']}x (goal <= 1.5x); "
               f"slowest row {summary['slowest_events_per_s']:,} events/s (goal >= 200,000)")
     return 0

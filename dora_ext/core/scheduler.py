@@ -83,6 +83,15 @@ class FailureStorm(RuntimeError):
         self.actions = list(actions or [])
 
 
+def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
+    """A trajectory's versions relative to `base`, as the snapshot stores them (a list)."""
+    if vs is None:
+        return []
+    if type(vs) is int:
+        return [vs - base]
+    return [x - base for x in vs]
+
+
 class _Traj:
     __slots__ = ("status", "instance", "attempt", "tokens", "versions", "reward", "retries", "moved")
 
@@ -91,7 +100,9 @@ class _Traj:
         self.instance: int | None = None
         self.attempt = 0
         self.tokens = 0
-        self.versions: list[int] = []
+        # Versions that generated it: None (none yet), an int (one: the case outside `partial`,
+        # kept unboxed so a dispatch allocates no list), or a list of several (`partial`).
+        self.versions: int | list[int] | None = None
         self.reward: float | None = None
         self.retries = 0
         self.moved = False  # migrated once in this attempt (never moved twice: it may be in flight)
@@ -390,8 +401,12 @@ class Scheduler:
             # partial: preempted trajectories resume under the new version (C1 broken, metered).
             for gid, idx in inst.running:
                 t = self.groups[gid].trajs[idx]
-                if t.versions[-1] != ev.version:
-                    t.versions.append(ev.version)
+                vs = t.versions
+                if type(vs) is int:
+                    if vs != ev.version:
+                        t.versions = [vs, ev.version]
+                elif vs[-1] != ev.version:
+                    vs.append(ev.version)
             if ev.version < self.newest:
                 # A newer version was published while this one loaded: load it too (the
                 # instance stays in the loading state throughout).
@@ -434,7 +449,7 @@ class Scheduler:
             t.instance = None
             t.attempt += 1
             t.tokens = 0
-            t.versions = []
+            t.versions = None
             self.m["redispatched"] += 1
             if g.state == _FAILED:
                 self._retire(g, t)
@@ -486,14 +501,13 @@ class Scheduler:
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
         g = self.groups.get(ev.group_id)
         idx = ev.index
-        if g is None or ev.attempt is not None or not 0 <= idx < len(g.trajs) or g.trajs[idx].status != _RUNNING:
+        if (g is None or not 0 <= idx < len(g.trajs) or (t := g.trajs[idx]).status != _RUNNING
+                or (ev.attempt is not None and ev.attempt != t.attempt)):
             # the general path: errors and stale reports
             t = self._running_traj(ev.group_id, idx, ev.attempt)
             if t is None:
                 return
             g = self.groups[ev.group_id]
-        else:
-            t = g.trajs[idx]
         t.tokens = ev.tokens
         if ev.truncated_early:
             self.m["truncated"] += 1
@@ -782,7 +796,7 @@ class Scheduler:
             idx = g.pending.popleft()
             t = g.trajs[idx]
             t.status, t.instance, t.moved = _RUNNING, iid, False
-            t.versions = [inst.version]
+            t.versions = inst.version
             g.live += 1
             running[(gid, idx)] = None
             if n_run:
@@ -888,7 +902,7 @@ class Scheduler:
         if t.retries < self.config.max_retries:
             t.retries += 1
             t.attempt += 1
-            t.status, t.tokens, t.versions, t.reward = _QUEUED, 0, [], None
+            t.status, t.tokens, t.versions, t.reward = _QUEUED, 0, None, None
             g.live -= 1
             self.m["retries"] += 1
             g.pending.appendleft(idx)
@@ -1314,10 +1328,10 @@ class Scheduler:
             v = g.version
             for t in g.trajs:
                 tokens += t.tokens
-                vs = t.versions  # versions only grow and are appended only when they differ
-                if len(vs) > 1:
+                vs = t.versions  # several only when a resume appended a different one
+                if type(vs) is list:
                     multi += 1
-                elif pinned and (not vs or vs[0] != v):
+                elif pinned and vs != v:
                     c1 += 1
             trajs += len(g.trajs)
         m["trajectories_trained"] += trajs
@@ -1356,7 +1370,7 @@ class Scheduler:
                 g.state, None if g.step is None else self.step - g.step,
                 None if g.complete_seq is None else self._complete_seq - g.complete_seq,
                 g.in_queue, list(g.pending), g.done, g.live,
-                [[t.status, t.instance, t.attempt, t.tokens, [x - v for x in t.versions], t.reward, t.retries,
+                [[t.status, t.instance, t.attempt, t.tokens, _vlist(t.versions, v), t.reward, t.retries,
                   t.moved] for t in g.trajs],
             ])
         insts = [[i.id, i.capacity, i.version, i.loading, [list(k) for k in i.running]]
@@ -1423,7 +1437,8 @@ class Scheduler:
             g.done, g.live = done, live
             for t, (status, inst, attempt, tokens, versions, reward, retries, moved) in zip(g.trajs, trajs):
                 t.status, t.instance, t.attempt, t.tokens, t.moved = status, inst, attempt, tokens, moved
-                t.versions, t.reward, t.retries = [x + version for x in versions], reward, retries
+                vs = [x + version for x in versions]
+                t.versions, t.reward, t.retries = (None if not vs else vs[0] if len(vs) == 1 else vs), reward, retries
             self.groups[gid] = g
         for iid, cap, version, loading, running in snap["instances"]:
             inst = _Instance(iid, cap)

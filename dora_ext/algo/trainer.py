@@ -540,7 +540,13 @@ class Trainer:
                 rows = [(t, None if adv is None else adv[i], aux[i])
                         for trajectories, adv, aux, _ in chunk for i, t in enumerate(trajectories)]
                 trajs = [r[0] for r in rows]
-                for idx in (self._micro_split(trajs) if rows else []):
+                if c.micro_tokens > 0:
+                    parts = self._micro_split(trajs) if rows else []
+                else:  # one forward per group, as documented (not the whole chunk padded at once)
+                    sizes = [len(trajectories) for trajectories, *_ in chunk]
+                    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+                    parts = [list(range(a, a + n)) for a, n in zip(starts, sizes)]
+                for idx in parts:
                     batch = self._collate([trajs[i] for i in idx])
                     seq_adv = torch.stack([rows[i][1] for i in idx]) if c.algorithm == "grpo" else None
                     T = batch.mask.shape[1]

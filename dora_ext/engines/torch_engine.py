@@ -360,7 +360,10 @@ class TorchEngine:
                 tokens[idx] = order.gather(1, j).squeeze(1)
             else:  # nothing truncated: the CDF in vocabulary order, no sort (the same distribution)
                 cdf = probs.cumsum(-1)
-                j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
+                # u = 0 would stop on token 0 whatever its probability (nothing sorted first): a
+                # target above 0 lands on a token of positive probability (its CDF step is > 0)
+                v = (u * cdf[:, -1]).clamp(min=torch.finfo(cdf.dtype).tiny)
+                j = torch.searchsorted(cdf, v[:, None]).clamp_(max=cdf.shape[1] - 1)
                 tokens[idx] = j.squeeze(1)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1)
         if rows:

@@ -418,7 +418,12 @@ def test_critic_warmup_without_a_critic_is_refused():
 
 MICRO_CASES = [(CASES[1], dict()), (CASES[1], dict(ppo_minibatches=2, kl_coef=0.1)),
                (CASES[1], dict(ppo_epochs=2, ppo_minibatches=2, loss_agg_mode="token-mean")),
-               (CASES[3], dict()), (CASES[3], dict(ppo_minibatches=2)), (CASES[3], dict(kl_coef=0.1))]
+               (CASES[3], dict()), (CASES[3], dict(ppo_minibatches=2)), (CASES[3], dict(kl_coef=0.1)),
+               # review: every correction, both aggregations, the entropy bonus, a critic with GAE
+               (CASES[0], dict(ppo_minibatches=2, entropy_coef=0.01)), (CASES[2], dict(entropy_coef=0.01)),
+               (CASES[4], dict()), (CASES[4], dict(ppo_minibatches=2, kl_coef=0.1)),
+               (dict(algorithm="grpo", correction="sao", loss_agg_mode="seq-mean-token-mean"), dict(entropy_coef=0.01)),
+               (dict(algorithm="grpo", correction="decoupled", is_cap_mode="truncate"), dict(ppo_epochs=2, entropy_coef=0.01))]
 
 
 @pytest.mark.parametrize("case, extra", MICRO_CASES)
@@ -444,7 +449,7 @@ def test_length_sorted_micro_batches_take_the_same_step(case, extra):
     assert forwards[1] > forwards[0]  # the micro-batches really were more, smaller forwards
     (p0, m0), (p1, m1) = after
     for k in p0:
-        torch.testing.assert_close(p1[k], p0[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-5, atol=1e-5)  # float summation order (the step is ~lr = 0.02)
     for k in ("loss", "entropy", "reward_mean", "tokens", "grad_norm"):
         assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), k
 
@@ -462,3 +467,83 @@ def test_micro_split_sorts_by_length_within_the_budget():
     assert [len(p) for p in parts] == [2, 1, 1, 1]  # [2, 3] (6 padded tokens), [4], [8], [13] (over budget: alone)
     with pytest.raises(ConfigError, match="micro_tokens"):
         TrainerConfig(micro_tokens=-1)
+
+
+@pytest.mark.parametrize("algorithm, extra", [("grpo", dict(correction="sao")), ("sao", dict()),
+                                              ("grpo", dict(correction="sao", ppo_minibatches=2)),
+                                              ("sao", dict(ppo_minibatches=2, micro_tokens=8))])
+def test_sao_mask_in_the_trainer_is_on_pi_theta_over_pi_rollout_of_stale_tokens(algorithm, extra):
+    """Review of the SAO wiring, a hand-computed case: stale trajectories (version 0, trainer at
+    version 2) whose rollout log-probs sit at known ratios pi_theta / pi_rollout = 1.0, 1.3, 0.7,
+    1.1 from the current policy. The band [0.8, 1.2] keeps tokens 0 and 3 only, whatever the
+    advantage's sign, and the update's gradient is -A r dlogp / units over the kept tokens. A mask
+    inverted, on pi_prox (which equals pi_theta on the first update: nothing masked) or on the
+    wrong log-probs gives another masked_frac or gradient."""
+    policy, value = make(11, value=algorithm == "sao")
+    ratios = torch.tensor([1.0, 1.3, 0.7, 1.1])
+    keep = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    prompts = [[1, 2], [3, 4, 5]]
+    group = []
+    for i, (p, reward) in enumerate(zip(prompts, (1.0, 0.0))):
+        r = [4 + i, 6, 7, 3]
+        lp = torch.tensor(seq_logprobs(policy, p, r)) - ratios.log()
+        group.append(Trajectory(p, r, lp.tolist(), reward, 0))
+    tr = Trainer(copy.deepcopy(policy), TrainerConfig(algorithm=algorithm, lr=0.01, grad_clip=None, **extra),
+                 value_head=copy.deepcopy(value), version=2)
+    tr.add_group(group)
+    # The hand-computed gradient of the first update, before the trainer's step.
+    ref = copy.deepcopy(policy)
+    if algorithm == "grpo":
+        from dora_ext.algo.advantages import grpo_advantages
+
+        seq = grpo_advantages(torch.tensor([[1.0, 0.0]]), norm_by_std=tr.config.norm_adv_by_std,
+                              eps=tr.config.adv_eps)[0]
+        adv = [torch.full((4,), float(a)) for a in seq]
+        assert float(seq[0]) > 0 > float(seq[1])
+    else:
+        with torch.no_grad():
+            adv = []
+            for t in group:
+                ids = torch.tensor([t.prompt_ids + t.response_ids])
+                v = value(ids)[0, len(t.prompt_ids) - 1 : len(t.prompt_ids) + 3, 0]
+                adv.append(t.reward - v)  # gamma = lam = 1, outcome reward: A_t = R - V_t
+    total = 0.0
+    for t, a in zip(group, adv):
+        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        lp = torch.log_softmax(ref(ids)[0][len(t.prompt_ids) - 1 : len(t.prompt_ids) + 3], -1)
+        lp = lp.gather(1, torch.tensor(t.response_ids)[:, None]).squeeze(1)
+        total = total + (-a * lp.detach().exp() / torch.tensor(t.rollout_logprobs).exp() * keep * lp).sum()
+    (total / 8).backward()  # token-mean over the step's 8 tokens
+    want = {k: p.grad.clone() for k, p in ref.named_parameters()}
+    before = {k: p.detach().clone() for k, p in tr.policy.named_parameters()}
+    captured = {}
+    real_apply = tr._apply
+
+    def spy(units, merged=False):
+        if not captured:
+            captured.update({k: p.grad.clone() / max(units, 1.0) for k, p in tr.policy.named_parameters()
+                             if p.grad is not None})
+        return real_apply(units, merged)
+
+    tr._apply = spy
+    m = tr.finish_step(2)
+    assert m["masked_frac"] == pytest.approx(0.5)  # one group: one update (one chunk) either way
+    for k, g in want.items():
+        torch.testing.assert_close(captured[k], g, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(before[k], p) for k, p in tr.policy.named_parameters())
+
+
+def test_without_micro_tokens_every_update_forward_is_one_group():
+    """micro_tokens = 0 is documented as one forward per group; the inner loop (PPO minibatches)
+    must not pad a whole chunk of groups into one forward (on a GPU, a chunk of a large batch)."""
+    policy, _ = make(12)
+    groups = mixed_groups(policy, 5, seed=12)
+    tr = Trainer(copy.deepcopy(policy), TrainerConfig(lr=0.01, ppo_minibatches=2, correction="tis"), version=2)
+    rows = []
+    real = tr.logits_fn
+    tr.logits_fn = lambda m, ids: (rows.append(ids.shape[0]), real(m, ids))[1]
+    for g in groups:
+        tr.add_group(g)
+    tr.finish_step(2)
+    sizes = [len(g) for g in groups]
+    assert rows == sizes + sizes  # the pre-update pass, then the updates: one forward per group each

@@ -417,3 +417,62 @@ def run_alone_cfg(task, config, weights, prompt):
     e.submit("m", prompt.ids, task.max_new_tokens, GREEDY)
     (f,) = e.run_until_done()
     return f
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_zero_uniform_draw_never_picks_a_zero_probability_token(weights, monkeypatch, top_p):
+    """Inverse-CDF sampling with u = 0 (torch.rand's range is [0, 1): about one draw in 2^24)
+    must return a token of positive probability. In vocabulary order (top_p = 1, no sort) token 0
+    comes first whatever its probability, so the search must take the first CDF value above u,
+    not the first one equal to it (that token would come back with log-prob -inf)."""
+    from dora_ext.engines.torch_engine import _Seq
+
+    e = engine(weights)
+    logits = torch.zeros(1, CFG.vocab_size)
+    logits[0, 0] = -math.inf  # probability exactly 0
+    logits[0, 5] = 2.0
+    seq = _Seq("z", (1,), 1, SamplingParams(1.0, top_p), torch.Generator().manual_seed(0))
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, device=k.get("device")))
+    tokens, logprobs = e._sample(logits, [seq])
+    assert tokens[0] != 0 and math.isfinite(logprobs[0])
+    if top_p < 1:
+        assert tokens == [5]  # sorted: u = 0 is the most likely token
+
+
+def test_batched_prefill_around_imported_sequences_keeps_every_output(weights):
+    """Review of the batched prefill next to migrations: the queue holds a re-prefill import
+    (context 3), a KV import (no prefill), then two fresh prompts of context 3. The KV import
+    ends the run, so the prefills are [n] and [a, b] (never one batch across the imported cache's
+    slot), and every sequence, sampled at t = 0.7, top_p = 0.9, is token-identical to decoding it
+    alone with log-probs equal."""
+    sampling = SamplingParams(0.7, 0.9)
+    seeds = {"n": 5, "m": 6, "a": 7, "b": 8}
+    prompts = {"n": PROMPTS["r0"], "m": PROMPTS["r5"], "a": [1, 2, 3, 4], "b": [2, 4, 6, 8]}
+    assert len(prompts["n"]) == 2 and len(prompts["a"]) == len(prompts["b"]) == 4
+    src = engine(weights, capacity=2, version=3)
+    src.submit("n", prompts["n"], 12, sampling, seed=seeds["n"])
+    src.submit("m", prompts["m"], 12, sampling, seed=seeds["m"])
+    for _ in range(2):
+        src.step()
+    m_state, n_state = src.export_sequence("m"), src.export_sequence("n", include_kv=False)
+    assert len(n_state.response_ids) == 2  # n's context: 2 + 2 - 1 = 3 tokens, as a's and b's
+    dst = engine(weights, capacity=4, version=3)
+    dst.submit("a", prompts["a"], 12, sampling, seed=seeds["a"])
+    dst.submit("b", prompts["b"], 12, sampling, seed=seeds["b"])
+    dst.import_sequence(m_state)
+    dst.import_sequence(n_state)  # the queue: n, m, a, b
+    calls = []
+    real = dst.model.forward
+
+    def spy(ids, past=None):
+        if ids.shape[1] > 1:
+            calls.append(tuple(ids.shape))
+        return real(ids, past)
+
+    dst.model.forward = spy
+    got = {f.request_id: f for f in dst.run_until_done()}
+    assert calls == [(1, 3), (2, 3)]
+    for rid, p in prompts.items():
+        ref = run_alone(weights, rid, p, 12, sampling, seed=seeds[rid], version=3)
+        assert got[rid].response_ids == ref.response_ids, rid
+        assert got[rid].logprobs == pytest.approx(ref.logprobs, abs=1e-5), rid

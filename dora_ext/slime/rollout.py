@@ -694,15 +694,21 @@ class RolloutSession:
             except Exception:  # noqa: BLE001 - the router itself unreachable: try again next time
                 logger.warning("dora: could not re-read slime's router", exc_info=True)
                 return
+        # One batch: a trajectory re-dispatched from one gone engine onto another engine that is
+        # also gone in this refresh is then not sent there (handle_many drops it).
+        events: list = []
         for iid in gone:
             if iid in self.sched.instances:
                 logger.warning("dora: engine %s is gone; its trajectories go back to their versions", iid)
-                self._feed(InstanceFailed(iid, reason="the engine left slime's router or fails /health"))
+                events.append(InstanceFailed(iid, reason="the engine left slime's router or fails /health"))
                 self._probe("engine_failed", iid)
         for iid, cap in new:
             logger.info("dora: engine %s joined (capacity %d)", iid, cap)
-            self._feed(InstanceReady(iid, cap))
+            events.append(InstanceReady(iid, cap))
             self._probe("engine_joined", iid)
+        if events:
+            self._pending.extend(self.sched.handle_many(events))
+            self._drain()
 
     async def _watch_engines(self) -> None:
         while True:

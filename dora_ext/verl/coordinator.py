@@ -328,12 +328,22 @@ class DoraCoordinator:
             self._feed(E.InstanceReady(iid, self.config.instances[0].capacity))
 
     def remove_servers(self, server_ids: list[str]) -> None:
+        # One batch: a trajectory re-dispatched from one removed server onto another removed in
+        # the same call is not routed there (handle_many drops actions for instances failing later).
+        events = []
         for sid in server_ids:
             iid = self.instance_of.pop(sid, None)
             self.inflight.pop(sid, None)
             if iid is not None:
                 self.versions.pop(iid, None)
-                self._feed(E.InstanceFailed(iid, "removed from the load balancer"))
+                events.append(E.InstanceFailed(iid, "removed from the load balancer"))
+        if events:
+            # A request for a trajectory of a removed server waits for its re-dispatch (it had
+            # been routed to the removed server and failed on its missing in-flight count).
+            gone = {ev.instance_id for ev in events}
+            for key in [k for k, iid in self.route.items() if iid in gone]:
+                del self.route[key]
+            self._apply(self.sched.handle_many(events))
 
     def get_all_servers(self) -> list[str]:
         return list(self.inflight)

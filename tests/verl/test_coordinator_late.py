@@ -61,3 +61,32 @@ def test_the_scheduler_alone_would_reject_it():
     coord = _trained_once()
     with pytest.raises(ProtocolError):
         coord.sched.handle(E.TrajectoryFinished("g0", 1, 5, reward=1.0))
+
+
+def test_servers_removed_together_get_no_redispatch():
+    """verl removes several replicas in one ``remove_servers`` call: a trajectory of the first
+    must not be re-routed to the second (gone in the same call), which a later server re-using
+    its address could then receive as a void request."""
+    cfg = dict(CFG, instances=3, capacity=4, batch_size=2, max_staleness=1)
+    coord = DoraCoordinator(cfg, {"s0": None, "s1": None, "s2": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(6)])
+    held = {iid for iid in coord.route.values()}
+    assert {0, 1} <= held  # both removed servers hold work
+    n = len(coord.get_log())
+    coord.remove_servers(["s0", "s1"])
+    after = [e for e in coord.get_log()[n:] if e[0] == "dispatch"]
+    assert after, "the removed servers' trajectories were not re-dispatched"
+    assert all(e[3] == 2 for e in after), after  # only to the server that is left
+    assert all(iid == 2 for iid in coord.route.values() if iid is not None), coord.route
+    # A trajectory still waiting for a slot is not routed to a removed server: its request waits.
+    waiting = [(g, i) for g in (f"g{j}" for j in range(6)) for i in range(2) if (g, i) not in coord.route]
+    assert waiting
+
+    async def ask():
+        task = asyncio.ensure_future(coord.acquire_server("r", dora_group=waiting[0][0], dora_index=waiting[0][1]))
+        await asyncio.sleep(0)
+        assert not task.done()  # waits for a dispatch instead of failing on the removed server
+        task.cancel()
+
+    asyncio.run(ask())

@@ -91,7 +91,7 @@ class DoraCoordinator:
         self.loads: list[tuple[int, int]] = []  # (instance, verl version) to load
         self.aborts: list[int] = []
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
-        self.counts = {"delivered": 0, "errors": 0, "load_errors": 0}
+        self.counts = {"delivered": 0, "errors": 0, "load_errors": 0, "late_reports": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
@@ -245,19 +245,32 @@ class DoraCoordinator:
         return list(self.log)
 
     # ------------------------------------------------------------------ worker side
+    def _late(self, group_id: Any, index: int, kind: str) -> bool:
+        """A report for a group that is no longer live: already trained (its step finished) or
+        never admitted here. verl's agent loop carries no attempt number, so the scheduler could
+        not tell such a report from a current one and would stop the run with a ProtocolError;
+        it is counted (``late_reports``) and dropped instead."""
+        if group_id in self.admitted:
+            return False
+        self.counts["late_reports"] += 1
+        self._record(("late", kind, group_id, index))
+        logger.warning("dora: %s for group %s index %s, which is not live (trained or unknown): ignored",
+                       kind, group_id, index)
+        return True
+
     def trajectory_done(self, group_id: Any, index: int, tokens: int, reward: float | None = None) -> None:
-        if group_id in self.failed:
+        if group_id in self.failed or self._late(group_id, index, "trajectory_done"):
             return
         self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
 
     def reward_ready(self, group_id: Any, index: int, reward: float | None) -> None:
-        if group_id in self.failed:
+        if group_id in self.failed or self._late(group_id, index, "reward_ready"):
             return
         self._feed(E.RewardReady(group_id, index, reward))
 
     def trajectory_failed(self, group_id: Any, index: int, reason: str = "") -> str:
         """Report a failed trajectory; returns "retry" (run it again) or "failed" (give up)."""
-        if group_id in self.failed:
+        if group_id in self.failed or self._late(group_id, index, "trajectory_failed"):
             return "failed"
         self.route.pop((group_id, index), None)
         self._feed(E.TrajectoryFailed(group_id, index, reason))

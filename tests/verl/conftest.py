@@ -35,29 +35,11 @@ def ray_tq():
 
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory):
-    """A tiny Hugging Face model directory made here (no download): a word-level tokenizer with a
-    chat template and a 1-layer Llama config. verl's ``HFModelConfig`` loads it like a real one."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("tiny_hf")
-    words = "system user assistant what is one two three four five plus minus equals answer the a of and , . ? ! :"
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for w in words.split() + [str(i) for i in range(10)]:
-        vocab.setdefault(w, len(vocab))
-    while len(vocab) < 64:
-        vocab[f"t{len(vocab)}"] = len(vocab)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.decoder = tokenizers.decoders.WordPiece()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} \n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant : {% endif %}")
-    fast.save_pretrained(out)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg.architectures = ["LlamaForCausalLM"]
-    cfg.save_pretrained(out)
-    return str(out)
+    """A tiny Hugging Face model directory made here (no download): the word-level tokenizer with a
+    chat template and the Llama-architecture model of ``dora_ext.verl.cpu.tiny`` (1 layer, hidden
+    16). verl's ``HFModelConfig`` loads it like a real one."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    from dora_ext.verl.cpu.tiny import build_model
+
+    return build_model(str(tmp_path_factory.mktemp("tiny_hf")), hidden=16, layers=1)

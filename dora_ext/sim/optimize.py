@@ -8,8 +8,9 @@ It relies on the throughput being unimodal in the rollout instance count: too fe
 the rollout is the bottleneck (throughput rises with each one), too many and the trainer is
 (throughput falls with each one taken from it). On that assumption it brackets the maximum by
 stepping out from the balance point (doubling steps), then narrows the bracket by golden-section
-search and finally checks the neighbours of the best point, climbing on if one is better, so a
-small non-unimodal wiggle next to the maximum is still caught. It does not trust the assumption
+search and finally checks the neighbours of the best point (within two instances, or 1/32 of the
+range on large clusters), climbing on if one is better, so a small non-unimodal wiggle next to
+the maximum is still caught. It does not trust the assumption
 blindly: `SplitSearch.unimodal` says whether the evaluated points rise then fall (within
 `tolerance`), and the tests compare it against a brute-force scan of every split on small presets.
 
@@ -203,10 +204,13 @@ def optimise_split(
             b = d - 1 if f(c) > f(d) else d
     for n in range(a, b + 1):
         f(n)
-    # Verify: climb while a neighbour (within two instances) beats the best.
+    # Verify: climb while a neighbour (within `radius` instances: 2, or 1/32 of the range on
+    # large clusters, where run-to-run wiggles span more than two instances) beats the best.
+    radius = max(2, n_max // 32)
     while True:
         best = max(thr, key=lambda n: (thr[n], -n))
-        better = [n for n in (best - 2, best - 1, best + 1, best + 2) if 1 <= n <= n_max and f(n) > thr[best]]
+        better = [n for n in range(best - radius, best + radius + 1)
+                  if n != best and 1 <= n <= n_max and f(n) > thr[best]]
         if not better:
             break
     best = max(thr, key=lambda n: (thr[n], -n))

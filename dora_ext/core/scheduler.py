@@ -1097,6 +1097,12 @@ class Scheduler:
         token on the instance, so stragglers the trainer waits for finish sooner when fewer share
         an instance. The idle instance loads the gating version if it holds another (R4 allows
         it: it runs nothing), and takes an even share of that version's running trajectories.
+
+        A switch costs a weight load, so an instance loads the gating version only when, in the
+        state of now, it would take at least one trajectory (`_spread_plan`), counting the other
+        instances already loading it to spread as holders of their share: a load that moves
+        nothing (the stragglers already sit evenly, or every one of the excess moved once and has
+        not landed) would be followed by a load back to the newest version, a switch thrash.
         """
         chosen = self._spreading.pop(inst.id, None)
         if chosen is None:
@@ -1106,30 +1112,55 @@ class Scheduler:
         if crowd is None:
             return False
         v = crowd[0]
+        plan = self._spread_plan(v, inst)
+        if not plan:
+            return False
         if inst.version != v:
             self._spreading[inst.id] = v
             self._start_load(inst, v)  # it spreads when loaded (`_plan_instance` again)
             return True
-        holders = [self.instances[i] for level, d in self._lv.get(v, {}).items() if level for i in d
-                   if i != inst.id]
-        total = sum(len(h.running) for h in holders)
-        keep = -(-total // (len(holders) + 1))  # each instance's even share, this one included
+        for h, gid, idx, t in plan:
+            self._move(v, gid, idx, t, h, inst)
+        self._idle.pop(inst.id, None)
+        return True
+
+    def _spread_plan(self, v: int, inst: _Instance) -> list:
+        """The moves (holder, gid, idx, trajectory) that give idle `inst` its even share of
+        version `v`'s running trajectories: from the most loaded holders, only what they run
+        above the even share, never a trajectory that moved and has not landed.
+
+        The even share counts `inst` and the instances already loading `v` to spread; those
+        come first: each will take up to `room` of the same candidates, so `inst` gets the
+        candidates after theirs (none when they take them all, and then it does not load)."""
+        nh = self._nhold.get(v, 0)
+        if nh == 0:
+            return []
+        pending = 0
+        for iid, u in self._spreading.items():
+            if u == v and iid != inst.id:
+                pending += 1
+        total = self._occupied.get(v, 0)
+        keep = -(-total // (nh + pending + 1))  # each instance's even share
+        lv = self._lv.get(v, {})
+        if max(lv) <= keep:
+            return []  # O(1): no holder runs more than its share
         room = min(inst.capacity, keep)
-        moved = 0
+        want = (pending + 1) * room
+        holders = [self.instances[i] for level, d in lv.items() if level > keep for i in d if i != inst.id]
+        plan = []
         for h in sorted(holders, key=lambda h: (-len(h.running), h.id)):
             excess = len(h.running) - keep
-            for gid, idx in list(h.running):
-                if moved >= room or excess <= 0:
+            for gid, idx in h.running:
+                if len(plan) >= want or excess <= 0:
                     break
                 t = self.groups[gid].trajs[idx]
                 if t.moved:
                     continue  # it moves again only after MigrationLanded (it may be in flight)
                 excess -= 1
-                self._move(v, gid, idx, t, h, inst)
-                moved += 1
-        if moved:
-            self._idle.pop(inst.id, None)
-        return moved > 0
+                plan.append((h, gid, idx, t))
+            if len(plan) >= want:
+                break
+        return plan[pending * room:]
 
     def _move(self, v: int, gid: Any, idx: int, t: _Traj, s: _Instance, d: _Instance) -> None:
         ns, nd = len(s.running), len(d.running)
@@ -1481,8 +1512,10 @@ class Scheduler:
         b = self._bucket(self.newest)
         demand = self._queued.get(b, 0) + (self._outstanding + max(0, self._budget_left())) * self.n
         need = demand - (self._cap.get(b, 0) - self._occupied.get(b, 0)) - sum(self._to_rollout.values())
-        if need <= 0 and self._spread and not self._to_rollout and self._gating_crowd() is not None:
-            need = 1  # the stragglers the trainer waits for share instances: spread them (R5)
+        if need <= 0 and self._spread and not self._to_rollout:
+            crowd = self._gating_crowd()
+            if crowd is not None and self._spread_plan(crowd[0], _Instance(-1, self.config.instances[0].capacity)):
+                need = 1  # the stragglers the trainer waits for share instances: spread them (R5)
         while need > 0 and self._trainer_side:
             iid = min(self._trainer_side)
             cap = self._trainer_side.pop(iid)

@@ -188,7 +188,12 @@ def cmd_train(args: argparse.Namespace) -> int:
               "resumed_from": runtime.resumed_from,
               "ledger": {"admitted": sorted(result.ledger["prompts"]),
                          "trained": {str(g): s for g, s in sorted(result.ledger["trained"].items())},
-                         "failed": [[str(g), r] for g, r in runtime.failed_groups]}}
+                         "failed": [[str(g), r] for g, r in runtime.failed_groups],
+                         "failed_instances": {str(i): c for i, c in runtime.failed_instances.items()},
+                         "instance_restarts": [list(r) for r in runtime.instance_restarts]}}
+    for dead, new in runtime.instance_restarts:
+        print(f"dora-ext train: instance {dead} exited (exit code {runtime.failed_instances.get(dead)}); "
+              f"instance {new} took its place", file=sys.stderr)
     dump_json(os.path.join(out, "report.json"), report)
     plot_rewards({mode: [result]}, os.path.join(out, "reward.png"), title=f"{recipe.name}: {mode}, seed {recipe.seed}")
     plot_timeline({mode: result}, os.path.join(out, "timeline.png"), title=f"{recipe.name}: {mode}, seed {recipe.seed}")

@@ -86,7 +86,10 @@ class RuntimeSpec:
     `sync_trainer_ranks`: the colocated `sync` baseline's trainer, as that many data-parallel
     processes (gloo; each rank trains its share of the batch, gradients summed before every
     optimizer step), so that sync uses every core while it trains as it does while it generates;
-    0 (the default) = one rank per core on the process backend, 1 = a single trainer process."""
+    0 (the default) = one rank per core on the process backend, 1 = a single trainer process.
+    `max_instance_restarts`: how many times one run (or one resume) starts a fresh process in place
+    of a rollout instance process that exited (process backend); after that the run goes on with
+    the instances left, and ends with `WorkerDied` when none is left. 0 = never restart."""
 
     cores: int
     trainer_cores: int
@@ -95,6 +98,7 @@ class RuntimeSpec:
     max_threads: int = 0
     stall_timeout_s: float = 300.0
     sync_trainer_ranks: int = 0
+    max_instance_restarts: int = 3
 
     @property
     def rollout_cores(self) -> int:
@@ -391,7 +395,8 @@ def _runtime(data: Mapping[str, Any]) -> RuntimeSpec:
     ranks = _positive_int(data.get("sync_trainer_ranks", 0), "runtime.sync_trainer_ranks", 0)
     if ranks > cores:
         raise ConfigError("runtime.sync_trainer_ranks", f"expected an integer in [0, {cores}] (runtime.cores), got {ranks}")
-    return RuntimeSpec(cores, min(trainer_cores, cores), pin, backend, max_threads, stall, ranks)
+    restarts = _positive_int(data.get("max_instance_restarts", 3), "runtime.max_instance_restarts", 0)
+    return RuntimeSpec(cores, min(trainer_cores, cores), pin, backend, max_threads, stall, ranks, restarts)
 
 
 def _eval(data: Mapping[str, Any]) -> EvalSpec:

@@ -16,10 +16,16 @@ checker), gradient steps (`Trainer`), weight loading (a copy of the published te
 engine, timed), same-version migration (the sequence's KV cache moves between engines), and the
 core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
 
-Faults and checkpoints. The coordinator watches its worker processes: an instance that exits is
-reported to the scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned
-version; a sequence it was exporting is retried through `TrajectoryFailed`) and the run goes on
-with the remaining instances; a trainer that exits ends the run with `WorkerDied`. With
+Faults and checkpoints. The coordinator watches its worker processes. Before a dead worker is
+declared failed, every complete report still on its pipe is taken (a trajectory it finished, a
+sequence it exported, a checkpoint it wrote count). An instance that exits is reported to the
+scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned version; a
+sequence it was exporting is retried through `TrajectoryFailed`) and the run goes on with the
+remaining instances while a fresh process takes its place (`runtime.max_instance_restarts` per
+run): pinned like the original, it joins under a new instance id (`InstanceReady`, so a late
+report of the dead one can never be taken for it) and loads the version the scheduler asks for.
+When no instance is left and none is starting, the run ends with `WorkerDied`; a trainer that
+exits ends it with `WorkerDied` naming the `--resume` command. With
 `checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
 optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
 and the weights of the versions work may still be pinned to; `resume=True` continues from the
@@ -205,13 +211,17 @@ class Runtime:
     them to recompute log-probs under the version each trajectory claims). checkpoint_dir,
     checkpoint_every: write a checkpoint there every that many steps (a run without `resume`
     clears an earlier run's checkpoint from the folder); resume: continue from its last complete
-    checkpoint (the recipe must be the run's own).
+    checkpoint (the recipe must be the run's own). instance_loops: {instance id: InstanceLoop
+    subclass} for some configured instances (tests force orders and inject faults with the classes
+    of `runtime/faults.py`; a replacement process always runs the plain `InstanceLoop`);
+    trainer_loop: likewise for the trainer (a `TrainerLoop` subclass).
     """
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
                  keep_versions: bool = False, device: torch.device | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-                 on_checkpoint: Callable[[int], None] | None = None) -> None:
+                 on_checkpoint: Callable[[int], None] | None = None,
+                 instance_loops: dict[int, Any] | None = None, trainer_loop: Any = None) -> None:
         from ..engines import SamplingParams, default_device
 
         self.recipe = recipe
@@ -254,6 +264,18 @@ class Runtime:
         self.in_transit: dict[tuple, int] = {}  # (gid, idx) -> the instance exporting it
         self.instance_pids: dict[int, Any] = {}
         self.trainer_pid: Any = None
+        self.instance_loops = dict(instance_loops or {})
+        self.trainer_loop = trainer_loop
+        self.trainer_handles: list[Any] = []
+        self.capacity_of = {s.id: s.capacity for s in self.config.instances}
+        # Replacement instances join under ids never used before (nor by elastic spares).
+        self.next_instance_id = (max(s.id for s in self.config.instances) + 1
+                                 + (self.config.elastic_spare if self.config.elastic else 0))
+        self.instance_restarts: list[tuple[int, int]] = []  # (dead instance, its replacement)
+        self.restarts_left = recipe.runtime.max_instance_restarts
+        self.starting: dict[int, tuple[Any, Any]] = {}  # replacement id -> (inbox, handle) until "ready"
+        self.served_by: dict[tuple, int] = {}  # (gid, idx) -> the instance that reported it finished
+        self.exports_dropped = 0  # exported sequences whose attempt was over when they reached us
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.on_checkpoint = on_checkpoint
@@ -333,15 +355,17 @@ class Runtime:
             self.versions = {v: w if isinstance(w, PackedWeights) else PackedWeights.pack(w, shared=True)
                              for v, w in self.versions.items()}
         dev = str(self.device)
-        specs = {s.id: EngineRecipe(self.prepared.model_config, s.capacity, self.task.stop_id, dev)
+        specs = {s.id: EngineRecipe(self.prepared.model_config, s.capacity, self.task.stop_id, dev,
+                                    self.instance_loops.get(s.id))
                  for s in self.config.instances}
+        self._respawn = (per_inst, roll)  # a replacement instance gets the original's share
         v0 = self.versions.get(0)
         if v0 is None:  # a resumed run: version 0 (the KL reference) from the deterministic preparation
             v0 = PackedWeights.pack(self.prepared.weights, shared=True) if procs else self.prepared.weights
         trainer_spec = TrainerRecipe(self.prepared.model_config, dict(self.recipe.trainer), v0, dev,
-                                     resume=self._trainer_resume)
+                                     resume=self._trainer_resume, loop=self.trainer_loop)
         self.inboxes: dict[int, Any] = {}
-        handles: list[Any] = []
+        self._handles = handles = []
         self.trainer_inbox: Any = None
         self.trainer_inboxes: list[Any] = []
         self.affinity: dict[str, list[int]] = {}
@@ -363,11 +387,12 @@ class Runtime:
             self.trainer_inboxes, ths = start_trainer(trainer_spec, 1 if ranks > 1 else t_threads, train, self.outbox,
                                                       self.backend, ranks, rank_cpus)
             self.trainer_inbox, th = self.trainer_inboxes[0], ths[0]
+            self.trainer_handles = ths
             handles.extend(ths)
             self.inboxes, ih = start_instances(specs, per_inst, roll, self.outbox, self.backend)
             handles.extend(ih)
-            instance_handles = dict(zip(specs, ih))
-            self.instance_pids = {iid: getattr(h, "pid", None) for iid, h in instance_handles.items()}
+            self.instance_handles = dict(zip(specs, ih))
+            self.instance_pids = {iid: getattr(h, "pid", None) for iid, h in self.instance_handles.items()}
             self.trainer_pid = getattr(th, "pid", None)
             self._wait_ready(len(specs) + len(ths), handles)
             self.t0 = time.perf_counter() - self.t_offset  # setup is not part of the run
@@ -386,7 +411,7 @@ class Runtime:
                 now = time.perf_counter()
                 if procs and (msg is None or now - last_check > 0.5):
                     last_check = now
-                    self._watch(instance_handles, ths)
+                    self._watch(ths)
                 if msg is None:
                     if now - last_msg > stall:
                         raise RuntimeStall(self._stall_report(stall))
@@ -400,9 +425,12 @@ class Runtime:
         finally:
             if pinned:
                 os.sched_setaffinity(0, old_affinity)
-            for q in [*self.trainer_inboxes, *self.inboxes.values()]:
+            for q, h in [*((q, None) for q in self.trainer_inboxes), *((q, None) for q in self.inboxes.values()),
+                         *self.starting.values()]:
                 if q is not None:
                     q.put(("stop",))
+                if h is not None:
+                    handles.append(h)
             if ok:
                 self._collect_stats(sum(1 for h in handles if h.is_alive()))
             for h in handles:
@@ -410,7 +438,7 @@ class Runtime:
                 if h.is_alive() and hasattr(h, "terminate"):
                     h.terminate()
                     h.join(timeout=10)
-            for q in [*self.trainer_inboxes, *self.inboxes.values()]:
+            for q in [*self.trainer_inboxes, *self.inboxes.values(), *(q for q, _ in self.starting.values())]:
                 if hasattr(q, "cancel_join_thread"):
                     q.cancel_join_thread()  # never block interpreter exit on a queue nobody reads
         return self._result(t_end)
@@ -418,22 +446,35 @@ class Runtime:
     def _now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _watch(self, instances: dict, trainer: Any) -> None:
-        """Find worker processes that exited. A dead instance is reported to the scheduler
-        (`InstanceFailed`: its running trajectories are re-dispatched to their pinned version on
-        the remaining instances) and the run goes on with fewer instances; a dead trainer, or no
-        instance left, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
+    def _watch(self, trainer: list) -> None:
+        """Find worker processes that exited. What a dead worker still had on its pipe is taken
+        first (`_drain`). A dead instance is reported to the scheduler (`InstanceFailed`: its
+        running trajectories are re-dispatched to their pinned version on the remaining instances)
+        and replaced by a fresh process while restarts are left (`_restart`); the run goes on with
+        fewer instances meanwhile, and after the last restart. A dead trainer, or no instance
+        left and none starting, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
         for t in trainer:
             if not t.is_alive():
-                raise WorkerDied(self._died_message(f"the trainer process exited (exit code {t.exitcode})"))
-        for iid, h in list(instances.items()):
-            if h.is_alive() or iid in self.failed_instances:
+                rank = int(t.name.rsplit("-", 1)[1])
+                errors = self._drain("trainer" if rank == 0 else f"trainer-{rank}", fatal=False)
+                what = f"the trainer process exited (exit code {t.exitcode})"
+                if errors:
+                    what += f" after reporting: {errors[0]}"
+                raise WorkerDied(self._died_message(what))
+        for iid, (inbox, h) in list(self.starting.items()):
+            if not h.is_alive():  # died before it was ready: it never joined the scheduler
+                del self.starting[iid]
+                self._drain(f"instance-{iid}")
+                self.failed_instances[iid] = h.exitcode
+                self._close_inbox(inbox)
+                self._restart(iid)
+        for iid, h in list(self.instance_handles.items()):
+            if h.is_alive():
                 continue
+            self._drain(f"instance-{iid}")
             self.failed_instances[iid] = h.exitcode
-            del instances[iid]
-            if not instances:
-                raise WorkerDied(self._died_message(f"the last rollout instance ({iid}) exited (exit code {h.exitcode})"))
-            self.inboxes.pop(iid, None)
+            del self.instance_handles[iid]
+            self._close_inbox(self.inboxes.pop(iid, None))
             self._outgoing.pop(iid, None)
             self._execute(self.sched.handle(E.InstanceFailed(iid, f"process exited with code {h.exitcode}")))
             # A sequence it was exporting when it died never reached its destination: retry it there.
@@ -444,6 +485,70 @@ class Runtime:
                     if rec[0] != iid and not self._finished(key):
                         self._execute(self.sched.handle(E.TrajectoryFailed(
                             key[0], key[1], f"lost in a migration from failed instance {iid}", rec[2])))
+            self._restart(iid)
+        if not self.instance_handles and not self.starting:
+            gone = ", ".join(f"{i} (exit code {c})" for i, c in self.failed_instances.items())
+            limit = self.recipe.runtime.max_instance_restarts
+            raise WorkerDied(self._died_message(
+                f"no rollout instance is left: instance processes exited: {gone}; "
+                f"runtime.max_instance_restarts ({limit}) used up" if limit else
+                f"no rollout instance is left: instance processes exited: {gone} "
+                f"(runtime.max_instance_restarts is 0: none is restarted)"))
+
+    def _drain(self, name: str, fatal: bool = True) -> list[str]:
+        """Take every complete report a dead worker left on its pipe, in order, before it is
+        declared failed: what it finished, exported, loaded or checkpointed counts. An "error"
+        report ends the run as it would have (`fatal`), or is returned."""
+        if not hasattr(self.outbox, "drain"):
+            return []
+        errors = []
+        for msg in self.outbox.drain(name):
+            if msg[0] == "error" and not fatal:
+                errors.append(f"{msg[1]}: {msg[2]}")
+            elif msg[0] != "stats":
+                self._on_message(msg)
+        return errors
+
+    @staticmethod
+    def _close_inbox(inbox: Any) -> None:
+        if hasattr(inbox, "cancel_join_thread"):
+            inbox.cancel_join_thread()  # its reader is gone: never block on what it did not read
+            inbox.close()
+
+    def _restart(self, dead: int) -> None:
+        """Start a fresh process in place of instance `dead`, while restarts are left: same
+        capacity, same core share (threads, CPU affinity), a new instance id. It joins the
+        scheduler when it reports ready (`_on_ready`)."""
+        from .workers import EngineRecipe, start_instances
+
+        if self.restarts_left <= 0:
+            return
+        self.restarts_left -= 1
+        new = self.next_instance_id
+        self.next_instance_id += 1
+        cap = self.capacity_of[dead]
+        self.capacity_of[new] = cap
+        self.instance_restarts.append((dead, new))
+        spec = EngineRecipe(self.prepared.model_config, cap, self.task.stop_id, str(self.device))
+        per_inst, roll = self._respawn
+        inboxes, (h,) = start_instances({new: spec}, per_inst, roll, self.outbox, self.backend)
+        self.starting[new] = (inboxes[new], h)
+
+    def _on_ready(self, name: str, threads: int, affinity: list | None) -> None:
+        """A replacement instance process is up: it joins the scheduler, which asks it to load a version."""
+        iid = int(name.rsplit("-", 1)[1])
+        entry = self.starting.pop(iid, None)
+        if entry is None:  # it died before the report was read: it never joins (see `_watch`)
+            return
+        inbox, h = entry
+        self.torch_threads[name] = threads
+        if affinity is not None:
+            self.affinity[name] = affinity
+        self.inboxes[iid] = inbox
+        self.instance_handles[iid] = h
+        self.instance_pids[iid] = h.pid
+        self._handles.append(h)
+        self._execute(self.sched.handle(E.InstanceReady(iid, self.capacity_of[iid])))
 
     # ------------------------------------------------------------------ checkpoints
     def _ckpt_path(self, version: int, kind: str) -> str:
@@ -473,6 +578,7 @@ class Runtime:
                 "trained": self.trained, "step_end": self.step_end, "step_records": self.step_records,
                 "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
                 "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
+                "served_by": self.served_by, "next_instance_id": self.next_instance_id,
             },
             "versions": keep,
         }
@@ -642,15 +748,31 @@ class Runtime:
             self._checkpoint_complete(msg[1])
         elif kind == "imported":
             self.in_transit.pop(tuple(msg[2][:2]), None)
+        elif kind == "export":
+            self._on_export(*msg[1:])
+        elif kind == "ready":  # a replacement instance (the first ones report in `_wait_ready`)
+            self._on_ready(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
         elif kind == "error":
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
             raise RuntimeError(f"unknown worker report {kind!r}")
 
+    def _on_export(self, src: int, dst: int, state: Any) -> None:
+        """A migrating sequence left `src` (its KV cache with it): pass it on to `dst`'s inbox, the
+        coordinator being the only writer of every inbox. If its attempt is over (`dst`, or `src`
+        before it exported, failed and the trajectory was re-dispatched) it is dropped."""
+        gid, idx, attempt = state.request_id
+        self.in_transit.pop((gid, idx), None)  # out of `src`: its death can no longer lose it
+        if self.dispatch[(gid, idx)][2] != attempt or dst not in self.inboxes:
+            self.exports_dropped += 1
+            return
+        self._send(dst, ("import", state))
+
     def _on_finished(self, iid: int, f: Any, t: float) -> None:
         gid, idx, attempt = f.request_id
         if self.dispatch[(gid, idx)][2] != attempt:
             return  # an earlier attempt (never happens without failures; kept for safety)
+        self.served_by[(gid, idx)] = iid
         prompt = self.prompts[gid]
         reward = float(self.task.reward(prompt, f.response_ids))
         from ..algo import Trajectory
@@ -898,7 +1020,7 @@ class Runtime:
         ledger = {
             "prompts": self.prompts, "group_version": self.group_version, "results": self.results,
             "token_versions": self.token_versions, "dispatch_versions": self.dispatch_versions,
-            "trained": self.trained, "step_groups": self.step_groups,
+            "trained": self.trained, "step_groups": self.step_groups, "dispatch": self.dispatch,
             "migrations_executed": sum(st.get("migrations_out", 0) for st in stats),
             "migrations_missed": sum(st.get("migrations_missed", 0) for st in stats),
             "migrations_forwarded": sum(st.get("migrations_forwarded", 0) for st in stats),
@@ -906,6 +1028,8 @@ class Runtime:
                              if iid in self.instance_stats},
             "torch_threads": dict(self.torch_threads),
             "backend": self.backend,
+            "served_by": self.served_by, "failed_instances": dict(self.failed_instances),
+            "instance_restarts": list(self.instance_restarts), "exports_dropped": self.exports_dropped,
             "trainer_cpu_s": tstats.get("cpu"),
         }
         return RunResult(

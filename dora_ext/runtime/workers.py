@@ -12,7 +12,15 @@ step took 4-8x longer while two decode threads ran, even on the *other* core, so
 would have been the GIL's, not its own. Each process has its own interpreter, and the only shared
 things are messages: published weights travel as one flat shared-memory tensor per version
 (`PackedWeights`, the copy into it is the trainer's broadcast cost), and a migrating sequence's KV
-cache goes from the source process straight to the destination's inbox. Processes come from a
+cache goes from the source process to the coordinator on the source's own report pipe and on to
+the destination's inbox (its tensors in shared memory, so the extra hop copies no cache).
+
+Channels and faults. Every channel has exactly one writer, so a worker killed in the middle of a
+write can block nobody else: each worker reports on its own pipe (`PipeOutbox`; the coordinator
+reads them all through a `PipeHub`), and each worker's inbox is written by the coordinator only
+(peers never write to each other's inbox: a peer killed while holding a shared queue's lock would
+block that inbox for good). A killed writer can at worst cut its own last message, which reads as
+the end of its pipe. Processes come from a
 fork server that imported torch and warmed it up once (`_forkserver.py`), so starting one is a
 fork. A worker process exits by itself when the coordinator dies. On CUDA the kernels are
 asynchronous and threads (each on its own CUDA stream) overlap well, so `auto` picks threads.
@@ -89,17 +97,26 @@ class PipeOutbox:
 class PipeHub:
     """The coordinator's side of the workers' `PipeOutbox`es: `get(timeout)` returns the next
     report from any of them (raising `queue.Empty` on timeout), as a queue would. A pipe whose
-    writer is gone (the worker exited or was killed) is dropped."""
+    writer is gone (the worker exited or was killed) is dropped; a message its writer was cut off
+    in the middle of reads as that end (its complete messages before it are all delivered).
+    `drain(name)` hands over what a worker that is known to be gone still had on its pipe."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.readers: list[Any] = []
-        self._pending: list[Any] = []
+        self._names: dict[Any, str] = {}  # reader -> the worker writing to it
+        self._pending: list[tuple[str, Any]] = []
 
-    def writer(self) -> PipeOutbox:
+    def writer(self, name: str = "") -> PipeOutbox:
         r, w = self.ctx.Pipe(duplex=False)
         self.readers.append(r)
+        self._names[r] = name
         return PipeOutbox(w)
+
+    def _drop(self, r: Any) -> None:
+        self.readers.remove(r)
+        self._names.pop(r, None)
+        r.close()
 
     def get(self, timeout: float | None = None) -> Any:
         from multiprocessing.connection import wait
@@ -114,16 +131,30 @@ class PipeHub:
                 raise queue.Empty
             for r in ready:
                 try:
-                    self._pending.append(r.recv())
+                    self._pending.append((self._names.get(r, ""), r.recv()))
                 except (EOFError, OSError):
-                    self.readers.remove(r)
-                    r.close()
-        return self._pending.pop(0)
+                    self._drop(r)
+        return self._pending.pop(0)[1]
+
+    def drain(self, name: str) -> list[Any]:
+        """Every report of worker `name` not returned yet, in order: those already read, then the
+        rest of its pipe up to its end. Only for a worker whose process is gone (its pipe then
+        ends; a live writer could keep it open)."""
+        out = [m for n, m in self._pending if n == name]
+        self._pending = [(n, m) for n, m in self._pending if n != name]
+        for r in [r for r, n in self._names.items() if n == name]:
+            while True:
+                try:
+                    out.append(r.recv())
+                except (EOFError, OSError):
+                    break
+            self._drop(r)
+        return out
 
 
-def _own_outbox(outbox: Any) -> Any:
+def _own_outbox(outbox: Any, name: str) -> Any:
     """A worker process's report channel: its own pipe when the coordinator reads a `PipeHub`."""
-    return outbox.writer() if isinstance(outbox, PipeHub) else outbox
+    return outbox.writer(name) if isinstance(outbox, PipeHub) else outbox
 
 
 def _started(handles_and_outboxes: list) -> None:
@@ -181,26 +212,32 @@ class InstanceLoop:
                                             with `preempt` (mode partial) pause the running
                                             sequences, load, and resume them under the new version
       ("submit", rid, prompt_ids, max_new_tokens, sampling, seed)
-      ("migrate", rid, dst)                 export the sequence with its KV cache and send it to
-                                            instance `dst` (same version: no re-prefill there)
-      ("import", SequenceState)             a migrated sequence arriving
+      ("migrate", rid, dst)                 export the sequence with its KV cache for instance
+                                            `dst` (same version: no re-prefill there); it travels
+                                            as the report ("export", iid, dst, SequenceState),
+                                            which the coordinator passes on to `dst`
+      ("import", SequenceState)             a migrated sequence arriving (from the coordinator)
       ("stop",)                             report ("stats", iid, {...}) and return
       ("batch", [commands])                 several of the above, executed in order (one wake-up)
     Reports: ("ready", name, torch_threads), ("loaded", iid, version, seconds), ("imported", iid, rid),
-    ("finished", iid, [Finished, ...], t), ("error", name, message, traceback).
+    ("finished", iid, [Finished, ...], t), ("export", iid, dst, SequenceState),
+    ("error", name, message, traceback).
+
+    The instance writes only to its own report channel (`outbox`), never to a peer's inbox.
+    `can_decode()` and `decode()` are the loop's two steps; `runtime/faults.py` overrides them
+    (and `handle`) to force orders and inject faults in tests.
 
     `log` [(t, code)]: code = version while decoding, -1 while loading, -2 while idle (the
     simulator's codes); `steps` [(t0, t1, sequences)]: one entry per decode iteration.
     """
 
-    def __init__(self, iid: int, engine: Any, inbox: Any, outbox: Any, peers: dict[int, Any],
+    def __init__(self, iid: int, engine: Any, inbox: Any, outbox: Any,
                  sync: Callable[[], None] = lambda: None, watch_pid: int | None = None) -> None:
         self.iid = iid
         self.watch_pid = watch_pid
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
-        self.peers = peers
         self.sync = sync
         self.log: list[tuple[float, int]] = []
         self.steps: list[tuple[float, float, int]] = []
@@ -217,10 +254,9 @@ class InstanceLoop:
             self.log.append((time.perf_counter(), code))
 
     def run(self) -> None:
-        engine = self.engine
         self._mark(-2)
         while True:
-            if engine.has_work:
+            if self.can_decode():
                 try:
                     cmd = self.inbox.get_nowait()
                 except queue.Empty:
@@ -234,15 +270,24 @@ class InstanceLoop:
                     return
                 self.handle(cmd)
                 continue  # take every waiting command before the next decode iteration
-            self._mark(engine.version)
-            t0 = time.perf_counter()
-            before = engine.stats.decode_tokens
-            finished = engine.step()
-            t1 = time.perf_counter()
-            self.steps.append((t0, t1, engine.stats.decode_tokens - before))
-            if finished:  # one message per decode iteration, however many finished in it
-                self._finished.update(f.request_id for f in finished)
-                self.outbox.put(("finished", self.iid, finished, t1))
+            self.decode()
+
+    def can_decode(self) -> bool:
+        """Whether to run a decode iteration now (else block for the next command)."""
+        return self.engine.has_work
+
+    def decode(self) -> None:
+        """One decode iteration; what finished in it is reported in one message."""
+        engine = self.engine
+        self._mark(engine.version)
+        t0 = time.perf_counter()
+        before = engine.stats.decode_tokens
+        finished = engine.step()
+        t1 = time.perf_counter()
+        self.steps.append((t0, t1, engine.stats.decode_tokens - before))
+        if finished:  # one message per decode iteration, however many finished in it
+            self._finished.update(f.request_id for f in finished)
+            self.outbox.put(("finished", self.iid, finished, t1))
 
     def stats(self) -> dict[str, Any]:
         import dataclasses
@@ -280,7 +325,7 @@ class InstanceLoop:
                 state = engine.export_sequence(rid, include_kv=True)
                 self.sync()
                 self.migrations_out += 1
-                self.peers[dst].put(("import", state))
+                self.outbox.put(("export", self.iid, dst, state))
             elif rid in self._finished:
                 self.migrations_missed += 1  # finished here first; its result is already reported
             else:
@@ -294,7 +339,7 @@ class InstanceLoop:
             if dst is not None:
                 self.migrations_out += 1
                 self.migrations_forwarded += 1
-                self.peers[dst].put(("import", state))
+                self.outbox.put(("export", self.iid, dst, state))
             else:
                 engine.import_sequence(state)
                 self.outbox.put(("imported", self.iid, state.request_id))
@@ -304,12 +349,14 @@ class InstanceLoop:
 
 @dataclass(frozen=True)
 class EngineRecipe:
-    """What a worker needs to build its engine (picklable, for processes)."""
+    """What a worker needs to build its engine (picklable, for processes). `loop`: the
+    `InstanceLoop` class to run (tests pass one of `runtime/faults.py`'s; None = `InstanceLoop`)."""
 
     model_config: Any
     capacity: int
     stop_id: int
     device: str
+    loop: Any = None
 
 
 def _build_engine(iid: int, spec: EngineRecipe) -> Any:
@@ -319,7 +366,7 @@ def _build_engine(iid: int, spec: EngineRecipe) -> Any:
 
 
 def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[int] | None, inbox: Any,
-                    outbox: Any, peers: dict[int, Any], watch_pid: int | None = None) -> None:
+                    outbox: Any, watch_pid: int | None = None) -> None:
     """Body of an instance worker (thread or process)."""
     name = f"instance-{iid}"
     try:
@@ -328,8 +375,8 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
         stream = None
         if engine.device.type == "cuda":
             stream = torch.cuda.Stream(engine.device)
-        loop = InstanceLoop(iid, engine, inbox, outbox, peers, sync=stream.synchronize if stream else (lambda: None),
-                            watch_pid=watch_pid)
+        loop = (spec.loop or InstanceLoop)(iid, engine, inbox, outbox,
+                                           sync=stream.synchronize if stream else (lambda: None), watch_pid=watch_pid)
         outbox.put(("ready", name, n, _affinity()))
         if stream is not None:
             with torch.cuda.stream(stream):
@@ -342,13 +389,15 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
 
 def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence[int] | None, outbox: Any,
                     backend: str) -> tuple[dict[int, Any], list[Any]]:
-    """Start one worker per instance. Returns (inboxes by instance id, handles to join)."""
+    """Start one worker per instance (also later, for a replacement). Returns (inboxes by instance
+    id, handles to join). Each inbox is written by the coordinator only; each worker reports on its
+    own pipe (named `instance-{iid}` in the `PipeHub`)."""
     if backend == "process":
         ctx = process_context()
         inboxes = {iid: ctx.Queue() for iid in specs}
-        outs = {iid: _own_outbox(outbox) for iid in specs}
+        outs = {iid: _own_outbox(outbox, f"instance-{iid}") for iid in specs}
         handles = [ctx.Process(target=_serve_instance, name=f"dora-instance-{iid}", daemon=True,
-                               args=(iid, spec, threads, cpus, inboxes[iid], outs[iid], inboxes, os.getpid()))
+                               args=(iid, spec, threads, cpus, inboxes[iid], outs[iid], os.getpid()))
                    for iid, spec in specs.items()]
         for h in handles:
             h.start()
@@ -357,7 +406,7 @@ def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence
     else:
         inboxes = {iid: queue.SimpleQueue() for iid in specs}
         handles = [threading.Thread(target=_serve_instance, name=f"instance-{iid}", daemon=True,
-                                    args=(iid, spec, threads, cpus, inboxes[iid], outbox, inboxes))
+                                    args=(iid, spec, threads, cpus, inboxes[iid], outbox))
                    for iid, spec in specs.items()]
     for h in handles:
         h.start()
@@ -390,6 +439,7 @@ class TrainerRecipe:
     weights: Any  # version 0: a state dict, or `PackedWeights`
     device: str
     resume: str | None = None  # a trainer checkpoint to continue from (model, critic, optimizer, version)
+    loop: Any = None  # the `TrainerLoop` class to run (tests pass one of `runtime/faults.py`'s)
 
 
 def build_trainer(spec: TrainerRecipe) -> Any:
@@ -537,7 +587,8 @@ def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None
                                     timeout=datetime.timedelta(seconds=600))
         trainer = build_trainer(spec)
         stream = torch.cuda.Stream(torch.device(spec.device)) if spec.device.startswith("cuda") else None
-        loop = TrainerLoop(trainer, inbox, outbox, pack, stream.synchronize if stream else (lambda: None), watch_pid)
+        loop = (spec.loop or TrainerLoop)(trainer, inbox, outbox, pack, stream.synchronize if stream else (lambda: None),
+                                          watch_pid)
         outbox.put(("ready", name, n, _affinity()))
         if stream is not None:
             with torch.cuda.stream(stream):
@@ -574,7 +625,7 @@ def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None,
         for r in range(ranks):
             inbox = ctx.Queue()
             own = rank_cpus[r] if rank_cpus else cpus
-            outs.append(_own_outbox(outbox))
+            outs.append(_own_outbox(outbox, "trainer" if r == 0 else f"trainer-{r}"))
             handles.append(ctx.Process(target=_serve_trainer, name=f"dora-trainer-{r}", daemon=True,
                                        args=(spec, threads, own, inbox, outs[-1], True, os.getpid(), r, ranks, port)))
             inboxes.append(inbox)

@@ -23,9 +23,15 @@ from .test_runtime_modes import _check_ledger
 class KillingRuntime(Runtime):
     """The real runtime; after step 1, at the first finished trajectory after which the scheduler
     has trajectories running on instance `victim`, that instance's process gets SIGKILL (so the
-    kill really interrupts generation, in every mode)."""
+    kill really interrupts generation, in every mode). While its replacement process starts, the
+    trainer's next step command waits (an order forced so that the replacement joins while work
+    is left for it; the run itself never waits for a replacement)."""
 
     victim = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._steps_waiting: list = []
 
     def _on_finished(self, iid, f, t):
         super()._on_finished(iid, f, t)
@@ -37,18 +43,53 @@ class KillingRuntime(Runtime):
             os.kill(self.instance_pids[self.victim], signal.SIGKILL)
             self.killed = True
 
+    def _send_step(self, step, rest):
+        if self.starting:
+            self._steps_waiting.append((step, rest))
+        else:
+            super()._send_step(step, rest)
+
+    def _on_ready(self, *args):
+        super()._on_ready(*args)
+        waiting, self._steps_waiting = self._steps_waiting, []
+        for step, rest in waiting:
+            super()._send_step(step, rest)
+
+
+def _kill_recipe(mode, seed, restarts):
+    data = tiny(steps=8, seed=seed, task={"median": 8, "cap": 16, "cv": 1.0},
+                dora={"batch_size": 2, "group_size": 4, "instances": 2, "capacity": 4},
+                runtime={"max_instance_restarts": restarts})
+    return recipe_from_dict(data).with_mode(mode)
+
+
+def _check_books(result, recipe, prepared):
+    """From the trainer's own ledger: every admitted group trained exactly once, none lost or
+    doubled, every trajectory of a full batch; re-dispatched trajectories (attempt >= 1) generated
+    under their group's pinned version, and every log-prob reproduces under its version."""
+    led = result.ledger
+    attempts = [t for gid in led["trained"] for t in led["results"][gid]]
+    assert len(attempts) == recipe.steps * recipe.dora.batch_size * recipe.dora.group_size
+    m = result.metrics
+    assert m["dropped"] == m["duplicated"] == 0 and m["c1_ok"] and m["c2_ok"] and m["c3_ok"]
+    redone = [k for k, (_, _, attempt) in led["dispatch"].items() if attempt >= 1]
+    for gid, idx in redone:
+        assert set(led["token_versions"][(gid, idx)]) == {led["group_version"][gid]}
+    _check_ledger(result, recipe, prepared)
+    return redone
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["dora", "sync"])
-def test_a_killed_instance_process_loses_nothing(mode):
-    """Whether the victim's sequences are still unfinished when the coordinator learns of the death
-    is up to real timing (it may report them just before the kill lands), so up to three seeds are
-    tried until one run re-dispatches work; every run must keep the books."""
+@pytest.mark.parametrize("mode,restarts", [("dora", 0), ("sync", 0), ("dora", 1), ("sync", 1)])
+def test_a_killed_instance_process_loses_nothing(mode, restarts):
+    """With `max_instance_restarts: 0` the run goes on with one instance; with 1 a fresh process
+    (a new instance id) takes the dead one's place and serves trajectories. Whether the victim's
+    sequences are still unfinished when the coordinator learns of the death is up to real timing
+    (it may report them just before the kill lands), so up to three seeds are tried until one run
+    re-dispatches work; every run must keep the books."""
     redispatched = 0
     for seed in range(3):
-        data = tiny(steps=8, seed=seed, task={"median": 8, "cap": 16, "cv": 1.0},
-                    dora={"batch_size": 2, "group_size": 4, "instances": 2, "capacity": 4})
-        recipe = recipe_from_dict(data).with_mode(mode)
+        recipe = _kill_recipe(mode, seed, restarts)
         prepared = prepare(recipe)
         rt = KillingRuntime(recipe, prepared, keep_versions=True)
         at_failure: list = []
@@ -64,20 +105,219 @@ def test_a_killed_instance_process_loses_nothing(mode):
         if not getattr(rt, "killed", False):
             pytest.fail("instance 0 never had running trajectories after step 1; the kill did not happen")
         assert rt.failed_instances.keys() == {0} and len(at_failure) == 1
-        # What ran there was re-dispatched, to the same version, on the surviving instance.
+        served = set(result.ledger["served_by"].values())
+        if restarts:
+            # the replacement joined under a fresh id, loaded a version and served trajectories
+            assert result.ledger["instance_restarts"] == [(0, 2)]
+            assert 2 in served and 2 in result.ledger["engine_stats"]
+            assert result.ledger["engine_stats"][2]["weight_loads"] >= 1
+        else:
+            assert result.ledger["instance_restarts"] == [] and served <= {0, 1}
+        # What ran there was re-dispatched, to the same version, on the other instances.
         assert result.core_metrics["redispatched"] == at_failure[0]
-        led = result.ledger
-        attempts = [t for gid in led["trained"] for t in led["results"][gid]]
-        assert len(attempts) == recipe.steps * recipe.dora.batch_size * recipe.dora.group_size
-        # From the trainer's ledger: every admitted group trained exactly once, none lost or doubled,
-        # and every trajectory's log-probs reproduce under its pinned version.
-        m = result.metrics
-        assert m["dropped"] == m["duplicated"] == 0 and m["c1_ok"] and m["c2_ok"] and m["c3_ok"]
-        _check_ledger(result, recipe, prepared)
+        redone = _check_books(result, recipe, prepared)
+        assert len(redone) >= at_failure[0]
         redispatched += at_failure[0]
         if redispatched:
             break
     assert redispatched > 0
+
+
+class KillsTheReplacementToo(KillingRuntime):
+    """KillingRuntime, and once the replacement (instance 2) has reported a trajectory and has more
+    running, instance 2 gets SIGKILL as well."""
+
+    def _on_finished(self, iid, f, t):
+        super()._on_finished(iid, f, t)
+        inst = self.sched.instances.get(2)
+        if (not getattr(self, "killed_again", False) and 2 in self.served_by.values()
+                and inst is not None and inst.running):
+            os.kill(self.instance_pids[2], signal.SIGKILL)
+            self.killed_again = True
+
+
+@pytest.mark.slow
+def test_after_the_last_restart_the_run_goes_on_with_fewer_instances():
+    """`max_instance_restarts: 1`: instance 0 is killed and replaced by instance 2, then instance 2
+    is killed: no restart is left, the run finishes on instance 1 alone and keeps the books."""
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = KillsTheReplacementToo(recipe, prepared, keep_versions=True)
+    result = rt.run()
+    if not getattr(rt, "killed_again", False):
+        pytest.fail("the replacement never had running trajectories after its first report; no second kill")
+    assert rt.failed_instances.keys() == {0, 2} and result.ledger["instance_restarts"] == [(0, 2)]
+    assert not rt.starting and set(rt.instance_handles) == {1}
+    _check_books(result, recipe, prepared)
+
+
+@pytest.mark.slow
+def test_an_instance_killed_in_the_middle_of_a_report_blocks_nothing():
+    """Instance 0 dies (SIGKILL) with half of a report written on its pipe (`faults.DieMidReport`:
+    its first "finished" or "export" after loading version 1). The coordinator reads the cut
+    message as the end of that pipe, the trajectories it carried are re-dispatched, a replacement
+    joins, and the books are kept."""
+    from dora_ext.runtime.faults import DieMidReport
+
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = Runtime(recipe, prepared, keep_versions=True, instance_loops={0: DieMidReport})
+    result = rt.run()
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(0, 2)]
+    # what the cut report carried (finished trajectories, or a migrating one) is generated again
+    assert result.core_metrics["redispatched"] + result.core_metrics["retries"] >= 1
+    _check_books(result, recipe, prepared)
+
+
+class WatchesTheDeadInstance(Runtime):
+    """Right after the coordinator sends instance 0 its first trajectories, it waits for that
+    process to exit (`faults.DieAfterReport`: killed right after its first "finished" report) and
+    only then looks at its workers: the death is noticed before the report is read, forced."""
+
+    drained: list = []
+
+    def _flush(self):
+        first = not self.drained and any(c[0] == "submit" for c in self._outgoing.get(0, ())
+                                         for c in (c[1] if c[0] == "batch" else [c]))
+        super()._flush()
+        if first:
+            self.instance_handles[0].join(timeout=120)
+            drain = self.outbox.drain
+            self.outbox.drain = lambda name: self.drained.extend(drain(name)) or list(self.drained)
+            self._watch(self.trainer_handles)
+            self.outbox.drain = drain
+
+
+@pytest.mark.slow
+def test_what_a_dead_instance_reported_before_it_died_counts():
+    """The trajectories instance 0 reported finished just before it was killed are taken from its
+    pipe when its death is noticed: trained as generated there (attempt 0, served by instance 0),
+    not re-dispatched."""
+    from dora_ext.runtime.faults import DieAfterReport
+
+    recipe = _kill_recipe("dora", 0, 0)
+    prepared = prepare(recipe)
+    rt = WatchesTheDeadInstance(recipe, prepared, keep_versions=True, instance_loops={0: DieAfterReport})
+    rt.drained = []
+    result = rt.run()
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    finished = [f for msg in rt.drained if msg[0] == "finished" for f in msg[2]]
+    assert finished, rt.drained
+    led = result.ledger
+    for f in finished:
+        gid, idx, attempt = f.request_id
+        assert attempt == 0 and led["dispatch"][(gid, idx)][2] == 0 and led["served_by"][(gid, idx)] == 0
+        assert led["results"][gid][idx].response_ids == f.response_ids
+    _check_books(result, recipe, prepared)
+
+
+@pytest.mark.slow
+def test_no_instance_left_is_a_clean_error_naming_the_restart_bound():
+    from dora_ext.runtime.faults import DieMidReport
+
+    recipe = _kill_recipe("dora", 0, 0)
+    rt = Runtime(recipe, prepare(recipe), instance_loops={0: DieMidReport, 1: DieMidReport})
+    with pytest.raises(WorkerDied, match=r"no rollout instance is left.*max_instance_restarts is 0"):
+        rt.run()
+
+
+def test_a_peer_killed_while_exporting_to_an_instance_blocks_nobody():
+    """Two real instance processes; instance 0 is told to migrate a sequence to instance 1 and
+    dies (SIGKILL) half-way through writing it (`faults.DieMidExport`). Instance 1's inbox has one
+    writer, the coordinator (here: the test), so it still takes commands and serves, and the cut
+    message reads as the end of instance 0's pipe. (With peers writing straight into each other's
+    inbox, the cut message, or a queue lock the dead writer held, would block instance 1.)"""
+    import dataclasses
+    import queue
+
+    from dora_ext.engines import GREEDY
+    from dora_ext.models.tiny import TinyConfig, TinyLM, policy_state
+    from dora_ext.runtime.faults import DieMidExport
+    from dora_ext.runtime.workers import EngineRecipe, PackedWeights, PipeHub, process_context, start_instances
+
+    cfg = TinyConfig(vocab_size=16, d_model=32, n_layer=1, n_head=2, max_len=48, seed=5)
+    hub = PipeHub(process_context())
+    spec = EngineRecipe(cfg, 4, None, "cpu")
+    inboxes, handles = start_instances({0: dataclasses.replace(spec, loop=DieMidExport), 1: spec}, 1, None, hub,
+                                       "process")
+    try:
+        assert sorted(hub.get(timeout=120)[0] for _ in range(2)) == ["ready", "ready"]
+        weights = PackedWeights.pack(policy_state(TinyLM(cfg)), shared=True)
+        for q in inboxes.values():
+            q.put(("load", 1, weights, False))
+        assert sorted(hub.get(timeout=60)[:3] for _ in range(2)) == [("loaded", 0, 1), ("loaded", 1, 1)]
+        inboxes[0].put(("batch", [("submit", "r", [1, 2, 3], 20, GREEDY, 0), ("migrate", "r", 1)]))
+        handles[0].join(timeout=60)  # it dies in the middle of writing the export
+        assert handles[0].exitcode == -signal.SIGKILL
+        assert hub.drain("instance-0") == []  # nothing complete was left: the cut message is dropped
+        inboxes[1].put(("submit", "s", [1, 2], 5, GREEDY, 0))
+        kind, iid, finished, _ = hub.get(timeout=60)
+        assert (kind, iid, [f.request_id for f in finished]) == ("finished", 1, ["s"])
+        inboxes[1].put(("stop",))
+        assert hub.get(timeout=60)[:2] == ("stats", 1)
+    finally:
+        for h in handles:
+            h.join(timeout=10)
+            if h.is_alive():
+                h.terminate()
+        for q in inboxes.values():
+            q.cancel_join_thread()
+    with pytest.raises(queue.Empty):
+        hub.get(timeout=5)  # both pipes ended
+
+
+@pytest.mark.parametrize("first", ["killed writer", "live writer"])
+def test_a_worker_killed_mid_write_does_not_block_the_pipe_hub(first):
+    """`PipeHub`, the coordinator's side of every worker's report pipe: worker A reports, then dies
+    (SIGKILL) half-way through its next message; worker B reports before and after that, the order
+    forced both ways (B's writes wait for a word from the test, A's death is awaited by join). Every
+    complete message arrives, the cut one reads as the end of A's pipe, nothing blocks."""
+    import queue
+
+    from dora_ext.runtime import faults
+    from dora_ext.runtime.workers import PipeHub, process_context
+
+    ctx = process_context()
+    hub = PipeHub(ctx)
+    go_r, go_w = ctx.Pipe(duplex=False)
+    wa, wb = hub.writer("a"), hub.writer("b")
+    a = ctx.Process(target=faults.report_then_die_mid_message, args=(wa, ("a", 1), ("a", "cut", b"x" * 40_000)),
+                    daemon=True)
+    b = ctx.Process(target=faults.report_when_told, args=(wb, go_r, [("b", 1), ("b", 2)]), daemon=True)
+
+    def start(p, w):
+        p.start()
+        w.conn.close()  # as the runtime does: the worker holds the only write end of its pipe
+
+    got = []
+    try:
+        if first == "live writer":
+            start(b, wb)
+            go_w.send(1)
+            got.append(hub.get(timeout=60))
+            start(a, wa)
+        else:
+            start(a, wa)
+            start(b, wb)
+        a.join(timeout=60)
+        assert a.exitcode == -signal.SIGKILL
+        if first == "live writer":
+            go_w.send(1)
+        else:
+            go_w.send(1)
+            go_w.send(1)
+        while len(got) < 3:
+            got.append(hub.get(timeout=60))
+        b.join(timeout=60)
+        assert sorted(got, key=str) == [("a", 1), ("b", 1), ("b", 2)] and got.index(("b", 1)) < got.index(("b", 2))
+        with pytest.raises(queue.Empty):
+            hub.get(timeout=5)
+        assert hub.readers == []  # both pipes ended and were dropped
+    finally:
+        for p in (a, b):
+            if p.is_alive():
+                p.terminate()
 
 
 @pytest.mark.slow
@@ -104,6 +344,42 @@ def test_a_killed_trainer_is_a_clean_error_naming_resume(checkpoints, tmp_path):
         assert (tmp_path / "ckpt" / "latest").read_text().strip() in ("2", "4")
     else:
         assert "No checkpoint was completed yet" in str(info.value)
+
+
+class WatchesTheDeadTrainer(Runtime):
+    """After step 3's end (which asks the trainer for checkpoint 4) the coordinator waits for the
+    trainer process to exit and only then looks at its workers: the order in which a trainer that
+    died right after reporting its checkpoint is noticed before its report is read, forced."""
+
+    def _on_step_done(self, step, *rest):
+        super()._on_step_done(step, *rest)
+        if step == 3:
+            for t in self.trainer_handles:
+                t.join(timeout=120)
+            self._watch(self.trainer_handles)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_reported_by_a_trainer_that_then_died_counts(tmp_path):
+    """`faults.DieAfterCheckpoint`: the trainer writes checkpoint 4, reports it and is killed; the
+    coordinator notices the death before reading the report. The report is still taken (the dead
+    trainer's pipe is drained first), so the error names checkpoint 4, and the resumed run trains
+    every admitted group exactly once across both runs."""
+    from dora_ext.runtime.faults import DieAfterCheckpoint
+
+    recipe = recipe_from_dict(tiny(steps=6))
+    prepared = prepare(recipe)
+    ckpt = str(tmp_path / "ckpt")
+    rt = WatchesTheDeadTrainer(recipe, prepared, checkpoint_dir=ckpt, checkpoint_every=2,
+                               trainer_loop=DieAfterCheckpoint)
+    with pytest.raises(WorkerDied, match="trainer process exited .* at step 4. The run can continue from its last"):
+        rt.run()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "4"
+    result = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True, keep_versions=True).run()
+    led = result.ledger
+    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
+    assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
+    assert result.metrics["c1_ok"] and result.metrics["c2_ok"] and result.metrics["c3_ok"]
 
 
 @pytest.mark.slow

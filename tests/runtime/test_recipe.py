@@ -54,6 +54,8 @@ def test_default_recipe_is_the_long_tail_task_in_mode_dora():
         ({"runtime": {"backend": "mpi"}}, "runtime.backend"),
         ({"runtime": {"pin": "yes"}}, "runtime.pin"),
         ({"runtime": {"sync_trainer_ranks": 10_000}}, "runtime.sync_trainer_ranks"),
+        ({"runtime": {"max_instance_restarts": -1}}, "runtime.max_instance_restarts"),
+        ({"runtime": {"max_instance_restarts": 1.5}}, "runtime.max_instance_restarts"),
         ({"trainer": {"ppo_minibatches": 0}}, "trainer.ppo_minibatches"),
         ({"trainer": {"correction": "magic"}}, "trainer.correction"),
         ({"trainer": {"kl_coef": -1}}, "trainer.kl_coef"),

@@ -16,6 +16,7 @@ import torch
 from dora_ext.config import MODES
 from dora_ext.models.tiny import TinyLM
 from dora_ext.runtime import prepare, recipe_from_dict, run
+from dora_ext.runtime.runtime import Runtime
 
 from .conftest import tiny
 
@@ -105,11 +106,59 @@ def test_every_mode_keeps_its_contract_on_real_engines(mode):
     assert all(n == 1 for n in result.ledger["torch_threads"].values())  # max_threads: 1
 
 
+class ForcedSpanRuntime(Runtime):
+    """The real runtime (mode partial), with one order forced: at a `StartStep` the trainer's step
+    command is held back and every instance (running `faults.HoldForPublish`) is told to hold a
+    sequence once it has a response token; the step goes to the trainer when an instance reports
+    that it holds one (or every instance reports it had nothing to hold: then the next step tries
+    again). The held sequence is still unfinished when that step's version is published, so the
+    preempting load must resume it under the new version."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held: list = []
+        self.rounds = 0
+        self._stash = None
+        self._missed = 0
+
+    def _send_step(self, step, rest):
+        if self.held or self._stash is not None:
+            return super()._send_step(step, rest)
+        self._stash, self._missed = (step, rest), 0
+        self.rounds += 1
+        for iid in self.inboxes:
+            self._send(iid, ("hold",))
+
+    def _on_message(self, msg):
+        if msg[0] == "held":
+            self.held.append(msg[2])
+            self._release()
+        elif msg[0] == "hold_missed":
+            self._missed += 1
+            if self._missed == len(self.inboxes):
+                self._release()
+        else:
+            super()._on_message(msg)
+
+    def _release(self):
+        if self._stash is not None:
+            (step, rest), self._stash = self._stash, None
+            super()._send_step(step, rest)
+
+
 def test_partial_preempts_and_reports_multi_version_trajectories():
-    """Long answers and frequent publishes: some trajectory must span a publish in mode partial."""
+    """A trajectory spans a publish in mode partial: forced (see `ForcedSpanRuntime`), not hoped for."""
+    from dora_ext.runtime.faults import HoldForPublish
+
     data = tiny(task={"median": 8, "cap": 12, "cv": 0.3}, dora={"batch_size": 1, "capacity": 4}, steps=6)
     recipe = recipe_from_dict(data).with_mode("partial")
-    result = run(recipe, prepare(recipe), keep_versions=True)
+    rt = ForcedSpanRuntime(recipe, prepare(recipe), keep_versions=True,
+                           instance_loops={0: HoldForPublish, 1: HoldForPublish})
+    result = rt.run()
+    assert rt.held, f"no instance had a sequence to hold at any of {rt.rounds} steps"
+    gid, idx, attempt = rt.held[0]
+    versions = result.ledger["token_versions"][(gid, idx)]
+    assert len(set(versions)) >= 2 and versions == tuple(sorted(versions)), versions
     assert result.metrics["multi_version_trajectory_share"] > 0
     assert not result.metrics["c1_ok"]
     assert result.metrics["c2_ok"] and result.metrics["c3_ok"]
@@ -155,9 +204,9 @@ def test_instance_migration_moves_kv_and_continues_token_identically():
     engines = [TorchEngine(cfg, 4, None, device="cpu", instance_id=i) for i in range(3)]
     for e in engines:
         e.load_version(weights, 5)
-    out, inbox_b = queue.SimpleQueue(), queue.SimpleQueue()
-    loop_a = InstanceLoop(0, engines[0], queue.SimpleQueue(), out, {1: inbox_b})
-    loop_b = InstanceLoop(1, engines[1], inbox_b, out, {})
+    out = queue.SimpleQueue()
+    loop_a = InstanceLoop(0, engines[0], queue.SimpleQueue(), out)
+    loop_b = InstanceLoop(1, engines[1], queue.SimpleQueue(), out)
     prompt = [1, 4, 2, 7]
     for e in (engines[0], engines[2]):
         e.submit("r", prompt, 20, GREEDY)
@@ -165,7 +214,10 @@ def test_instance_migration_moves_kv_and_continues_token_identically():
         engines[0].step()
     loop_a.handle(("migrate", "r", 1))
     assert not engines[0].has_work and loop_a.migrations_out == 1
-    loop_b.handle(inbox_b.get_nowait())
+    # It leaves on A's own report channel; the coordinator passes it on to B's inbox.
+    kind, src, dst, state = out.get_nowait()
+    assert (kind, src, dst) == ("export", 0, 1)
+    loop_b.handle(("import", state))
     moved = engines[1].run_until_done()[0]
     reference = engines[2].run_until_done()[0]
     assert moved.response_ids == reference.response_ids
@@ -174,7 +226,7 @@ def test_instance_migration_moves_kv_and_continues_token_identically():
     assert set(moved.versions) == {5}
     # A move of a sequence that is no longer here is a no-op, counted as missed (it finished).
     loop_a.handle(("migrate", "r", 1))
-    assert inbox_b.empty() and loop_a.stats()["migrations_missed"] == 1
+    assert out.get_nowait()[0] == "imported" and out.empty() and loop_a.stats()["migrations_missed"] == 1
 
 
 def test_a_sequence_moved_again_before_it_arrived_is_passed_on():
@@ -191,17 +243,22 @@ def test_a_sequence_moved_again_before_it_arrived_is_passed_on():
     engines = [TorchEngine(cfg, 4, None, device="cpu", instance_id=i) for i in range(3)]
     for e in engines:
         e.load_version(weights, 2)
-    inboxes = [queue.SimpleQueue() for _ in range(3)]
     out = queue.SimpleQueue()
-    loops = [InstanceLoop(i, engines[i], inboxes[i], out, dict(enumerate(inboxes))) for i in range(3)]
+    loops = [InstanceLoop(i, engines[i], queue.SimpleQueue(), out) for i in range(3)]
+
+    def coordinator_passes_on(expect_src, expect_dst):
+        kind, src, dst, state = out.get_nowait()
+        assert (kind, src, dst) == ("export", expect_src, expect_dst)
+        loops[dst].handle(("import", state))
+
     engines[0].submit("r", [1, 2, 3], 12, GREEDY)
     engines[0].step()
     loops[1].handle(("migrate", "r", 2))  # B hears of the second move first
     loops[0].handle(("migrate", "r", 1))  # A sends it to B
     engines[1].load_version(weights, 3)  # B moves on to a newer version meanwhile
-    loops[1].handle(inboxes[1].get_nowait())  # the sequence lands at B: passed on, not imported
+    coordinator_passes_on(0, 1)  # the sequence lands at B: passed on, not imported
     assert loops[1].migrations_forwarded == 1 and engines[1].stats.imports == 0
-    loops[2].handle(inboxes[2].get_nowait())
+    coordinator_passes_on(1, 2)
     (done,) = engines[2].run_until_done()
     assert done.request_id == "r" and len(done.response_ids) == 12 and engines[2].stats.prefills == 0
 

@@ -1,0 +1,159 @@
+"""Forced orders and injected faults for the runtime's tests: `InstanceLoop` and `TrainerLoop`
+subclasses, and bare report writers.
+
+A test passes a loop class to `Runtime(..., instance_loops={instance id: class})` or
+`Runtime(..., trainer_loop=class)`; the worker process then runs it instead of the plain loop. They live in the package (not in the tests)
+because a worker process is started from the fork server and must import its class by name.
+They place a fault or a pause at an exact point of the worker's code, so that a test checks an
+order it forced, never one that timing happened to produce.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+from typing import Any
+
+from .workers import InstanceLoop, TrainerLoop
+
+
+def die_mid_message(conn: Any, msg: Any) -> None:
+    """Write the first half of `msg` as `Connection.send` would frame it, then SIGKILL the
+    calling process: the state of a writer killed in the middle of a write (its channel holds a
+    length header and part of the bytes it announced)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = bytes(ForkingPickler.dumps(msg))
+    os.write(conn.fileno(), struct.pack("!i", len(buf)) + buf[: len(buf) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _CutOutbox:
+    """Passes reports through until `loop.armed`; the first report of a kind in `loop.kinds` after
+    that is cut in the middle of its write (`loop.cut`) or written in full, and the process dies
+    (SIGKILL)."""
+
+    def __init__(self, loop: "DieMidReport", outbox: Any) -> None:
+        self.loop = loop
+        self.outbox = outbox
+
+    def put(self, msg: Any) -> None:
+        if msg[0] == "loaded" and msg[2] >= 1:
+            self.loop.armed = True
+        if self.loop.armed and msg[0] in self.loop.kinds:
+            if self.loop.cut:
+                die_mid_message(self.outbox.conn, msg)
+            self.outbox.put(msg)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.outbox.put(msg)
+
+
+class DieMidReport(InstanceLoop):
+    """An instance killed while it writes on its own channel: once it has loaded a version >= 1
+    (mid-run), the first "finished" or "export" report it writes is cut in half and its process
+    gets SIGKILL (process backend: the outbox is a `PipeOutbox`)."""
+
+    kinds = ("finished", "export")
+    cut = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.outbox = _CutOutbox(self, self.outbox)
+
+
+class HoldForPublish(InstanceLoop):
+    """Makes a sequence span a weight load (mode `partial`), whatever the timing.
+
+    ("hold",) arms the hold. Once armed, the loop decodes until some unfinished sequence has at
+    least one response token, then stops decoding and reports ("held", iid, request_id, tokens);
+    the next ("load", ...) lifts the hold (in `partial` it pauses, loads and resumes that sequence
+    under the new version); a load before the hold is in force leaves it armed. If the engine has
+    no work once the commands waiting are taken, it reports ("hold_missed", iid) and disarms.
+    Commands (and the load) are still taken while it holds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.holding = False
+
+    def handle(self, cmd: tuple) -> None:
+        if cmd[0] == "hold":
+            self.armed = True
+            return
+        if cmd[0] == "load" and self.holding:  # a hold in force ends here (an armed one waits on)
+            self.armed = self.holding = False
+        super().handle(cmd)
+
+    def can_decode(self) -> bool:
+        if self.armed and not self.holding and not self.engine.has_work:
+            self.armed = False  # every command of this turn is taken: nothing left to hold
+            self.outbox.put(("hold_missed", self.iid))
+        return not self.holding and super().can_decode()
+
+    def decode(self) -> None:
+        super().decode()
+        if self.armed and not self.holding:
+            started = [(rid, n) for rid, n in self.engine.progress().items() if n >= 1]
+            if started:
+                self.holding = True
+                self.outbox.put(("held", self.iid, *started[0]))
+
+
+class DieMidExport(DieMidReport):
+    """Killed in the middle of writing its first "export" (the KV cache of a migrating sequence)."""
+
+    kinds = ("export",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = True
+
+
+class _DyingTrainerOutbox:
+    def __init__(self, outbox: Any, at_version: int) -> None:
+        self.outbox = outbox
+        self.at_version = at_version
+
+    def put(self, msg: Any) -> None:
+        self.outbox.put(msg)
+        if msg[0] == "checkpointed" and msg[1] >= self.at_version:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DieAfterCheckpoint(TrainerLoop):
+    """A trainer killed (SIGKILL) right after it reported its checkpoint of a version >= 4: the
+    report is complete on its pipe, the coordinator has not read it yet."""
+
+    at_version = 4
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outbox = _DyingTrainerOutbox(self.outbox, self.at_version)
+
+
+class DieAfterReport(DieMidReport):
+    """Killed right after it wrote its first "finished" report in full: the report is on its pipe,
+    unread, when the process is gone."""
+
+    kinds = ("finished",)
+    cut = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = True
+
+
+# ---------------------------------------------------------------------------------- bare writers
+def report_then_die_mid_message(outbox: Any, first: Any, cut: Any) -> None:
+    """A worker process that reports `first`, then dies (SIGKILL) half-way through writing `cut`."""
+    outbox.put(first)
+    die_mid_message(outbox.conn, cut)
+
+
+def report_when_told(outbox: Any, go: Any, messages: list) -> None:
+    """A worker process that reports each of `messages` when it receives a word on `go`."""
+    for msg in messages:
+        go.recv()
+        outbox.put(msg)

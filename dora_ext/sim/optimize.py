@@ -8,8 +8,9 @@ It relies on the throughput being unimodal in the rollout instance count: too fe
 the rollout is the bottleneck (throughput rises with each one), too many and the trainer is
 (throughput falls with each one taken from it). On that assumption it brackets the maximum by
 stepping out from the balance point (doubling steps), then narrows the bracket by golden-section
-search and finally checks the neighbours of the best point, climbing on if one is better, so a
-small non-unimodal wiggle next to the maximum is still caught. It does not trust the assumption
+search and finally checks the neighbours of the best point (within two instances, or 1/32 of the
+range on large clusters), climbing on if one is better, so a small non-unimodal wiggle next to
+the maximum is still caught. It does not trust the assumption
 blindly: `SplitSearch.unimodal` says whether the evaluated points rise then fall (within
 `tolerance`), and the tests compare it against a brute-force scan of every split on small presets.
 
@@ -58,6 +59,48 @@ def balanced_instances(preset: Preset, seed: int = 0, records: Any = None, group
     roll, train, _ = ideal_step_work(preset, [(0, d.prompt_tokens, d.response_tokens) for d in draws])
     train += preset.trainer.optimizer_acc_s * groups / preset.batch_size
     return preset.accelerators * roll / (roll + train) / preset.engine.accelerators
+
+
+def latency_floor(preset: Preset, max_staleness: int, seed: int = 0, records: Any = None,
+                  batches: int = 8) -> dict[str, float]:
+    """How far a staleness bound `K` lets any schedule get on this workload: a step-time floor.
+
+    A group admitted at version `v` cannot start before `v` is published and must be trained in
+    step `v + K` at the latest, so the `K + 1` steps from publishing `v` to publishing `v + K + 1`
+    last at least the longest of its trajectories run *alone* on an instance (its prefill, then
+    one decode iteration per token at `a + b + c * context`: no schedule decodes it faster), plus
+    the optimizer step on the whole cluster and a broadcast. Assuming each version's groups carry
+    their share of the longest episodes (versions of `B` groups in admission order, the first
+    `batches` batches of the workload), the mean step lasts at least the mean of
+    `(longest lone latency + optimizer + broadcast) / (K + 1)`. `ideal_step_s` is the step time
+    at `ideal_throughput` for the same groups; `efficiency_cap` = `min(1, ideal / floor)` says how
+    much of the ideal the bound `K` leaves reachable (the ideal itself ignores latency).
+    This is an estimate for reading results (it assumes the longest episodes spread over the
+    versions), not a metric of a run.
+    """
+    from .runner import ideal_step_work
+
+    ec, tc = preset.engine, preset.trainer
+    sampler = LengthSampler(preset.workload, seed, records)
+    floors, ideal = [], []
+    gid = 0
+    for _ in range(batches):
+        draws = [sampler.draw(gid + i) for i in range(preset.batch_size)]
+        gid += preset.batch_size
+        worst = 0.0
+        for d in draws:
+            p = d.prompt_tokens
+            for L in d.response_tokens:
+                lone = p * ec.prefill_s_per_token + L * (ec.decode_a_s + ec.decode_b_s) + ec.decode_c_s * (
+                    L * p + 0.5 * L * (L - 1))
+                worst = max(worst, lone)
+        floors.append((worst + tc.optimizer_acc_s / preset.accelerators + tc.broadcast_s) / (max_staleness + 1))
+        roll, train, _ = ideal_step_work(preset, [(0, d.prompt_tokens, d.response_tokens) for d in draws])
+        ideal.append((roll + train + tc.optimizer_acc_s) / preset.accelerators)
+    floor = sum(floors) / len(floors)
+    ideal_s = sum(ideal) / len(ideal)
+    return {"max_staleness": max_staleness, "step_floor_s": floor, "ideal_step_s": ideal_s,
+            "efficiency_cap": min(1.0, ideal_s / floor)}
 
 
 def is_unimodal(points: dict[int, float], tolerance: float = 0.002) -> bool:
@@ -161,10 +204,13 @@ def optimise_split(
             b = d - 1 if f(c) > f(d) else d
     for n in range(a, b + 1):
         f(n)
-    # Verify: climb while a neighbour (within two instances) beats the best.
+    # Verify: climb while a neighbour (within `radius` instances: 2, or 1/32 of the range on
+    # large clusters, where run-to-run wiggles span more than two instances) beats the best.
+    radius = max(2, n_max // 32)
     while True:
         best = max(thr, key=lambda n: (thr[n], -n))
-        better = [n for n in (best - 2, best - 1, best + 1, best + 2) if 1 <= n <= n_max and f(n) > thr[best]]
+        better = [n for n in range(best - radius, best + radius + 1)
+                  if n != best and 1 <= n <= n_max and f(n) > thr[best]]
         if not better:
             break
     best = max(thr, key=lambda n: (thr[n], -n))
@@ -289,12 +335,15 @@ def recommend(
     progress: Callable[[str], None] | None = None,
     cache: dict | None = None,
     start: dict[tuple[str, bool], int] | None = None,
+    exhaustive: int = 8,
 ) -> Recommendation:
     """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`.
 
     Every candidate's split is optimised (`optimise_split`) on full-length runs; a candidate's
     search starts from the best split of the previous K of the same mode. With `elastic`, the
-    modes of `ELASTIC_MODES` are also evaluated with elastic colocation.
+    modes of `ELASTIC_MODES` are also evaluated with elastic colocation. `exhaustive`: clusters
+    with at most that many rollout instance counts have every split scanned (exact even where the
+    throughput is not unimodal in the split; see `optimise_split`).
     """
     cands: list[Candidate] = []
     hint: dict[tuple[str, bool], int] = dict(start or {})
@@ -302,7 +351,7 @@ def recommend(
     for mode, k, el in candidates_for(max_staleness, modes, elastic):
         cfg = {"elastic": True} if el else None
         s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=k, records=records,
-                           config=cfg, start=hint.get((mode, el)), cache=cache)
+                           config=cfg, start=hint.get((mode, el)), cache=cache, exhaustive=exhaustive)
         if s.split is not None:
             hint[(mode, el)] = s.split[0] // tp
         c = Candidate(mode, s.max_staleness, el, s)

@@ -502,6 +502,12 @@ class Simulation:
         si.t_last = self.now
         si.slot_time = old.slot_time
         si.log = old.log
+        # Events of the instance's earlier life may still be on the heap (a finish computed before
+        # its last trajectory migrated away, a superseded load): they are told apart by `gen` and
+        # `load_token`, so both carry on instead of restarting at 0, where a stale finish could
+        # match the new counter and finish a trajectory early (or, with none running, crash).
+        si.gen = old.gen + 1
+        si.load_token = old.load_token
         self.inst[iid] = si
         self._cap_advance()
         self._rcap += cap

@@ -103,3 +103,41 @@ def test_moe_preset_is_listed_and_validated():
     with pytest.raises(WorkloadError, match="moe_imbalance"):
         dataclasses.replace(p.engine, moe_imbalance=-1.0)
     assert isinstance(p.engine, EngineCost)
+
+
+def test_a_finish_that_fires_is_due_also_across_role_switches(tiny):
+    # An instance that goes to the trainer and comes back is a fresh engine, but events of its
+    # earlier life can still be on the heap (a finish computed before its trajectories migrated
+    # away). A stale finish must never match the returned instance: every finish event that is
+    # handled must be the instance's true next finish (else a trajectory ends early).
+    p = _trainer_bound(tiny)
+    sim = Simulation(p, "dora", steps=20, seed=0, max_staleness=2, split=(6, 4), config={"elastic": True})
+    on_finish = sim._on_finish
+    handled = []
+
+    def check(si):
+        assert si.next_finish() == pytest.approx(sim.now, abs=1e-9), (si.id, si.next_finish(), sim.now)
+        handled.append(si.id)
+        on_finish(si)
+
+    sim._on_finish = check
+    # Force the collision: when an instance comes back, plant a stale finish of its earlier life
+    # (generation 1) shortly after, while the new engine loads its weights: a counter restarted
+    # at 0 reaches 1 with that load and would take the stale event for its own.
+    on_role = sim._on_role
+    planted = []
+
+    def role(iid, payload):
+        old = sim.inst[iid]
+        on_role(iid, payload)
+        if payload != "trainer":
+            new = sim.inst[iid]
+            assert new.gen > old.gen and new.load_token >= old.load_token
+            if old.gen >= 1:  # (an instance that starts on the trainer side has no earlier life)
+                sim._push(sim.now + 1e-3, 0, iid, 1)  # 0: the runner's finish event kind
+                planted.append(iid)
+
+    sim._on_role = role
+    res = sim.run()
+    assert res.metrics["role_switches"] > 0 and handled and planted
+    assert res.metrics["c2_ok"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dora_ext.sim.optimize import (
-    brute_force_split, candidates_for, is_unimodal, optimise_split, recommend,
+    brute_force_split, candidates_for, is_unimodal, latency_floor, optimise_split, recommend,
 )
+from dora_ext.sim import simulate
 from dora_ext.sim.workload import WorkloadError
 
 
@@ -68,3 +69,47 @@ def test_candidates_and_errors():
         candidates_for(-1)
     with pytest.raises(WorkloadError, match="unknown mode 'fast'"):
         candidates_for(1, ["fast"])
+
+
+def test_recommender_with_elastic_and_exhaustive_scan_beats_everything_it_considered(tiny):
+    # Split pools (elastic colocation needs them): the pick is compared with every (mode, K,
+    # elastic, split) run the recommender made, elastic ones included.
+    p = tiny(accelerators=10, split=(5, 5), colocated=False, cv=1.5, batch=8, n=2, capacity=6,
+             length=150, train=3e-3, optimizer=0.2, broadcast=0.05, load=0.1)
+    rec = recommend(p, max_staleness=3, modes=("dora", "pipeline", "one_step_off"), steps=12, seed=1,
+                    elastic=True, exhaustive=16)
+    considered = rec.considered()
+    assert {e for _, _, e, *_ in considered} == {False, True}
+    for c in rec.candidates:  # exhaustive: every split of the cluster was run
+        assert c.search.runs == (p.accelerators - 1) // p.engine.accelerators
+    pick = rec.pick.metrics["efficiency"]
+    for mode, k, elastic, split, eff, ok in considered:
+        if ok:
+            assert pick >= eff - 1e-12, (mode, k, elastic, split, eff, pick)
+    assert rec.pick.max_staleness <= 3
+
+
+def test_latency_floor_is_the_lone_decode_of_the_longest_episode(tiny):
+    # Deterministic lengths: every episode is 100 tokens after a 20-token prompt. Decoded alone:
+    # 20 prefill tokens, then 100 iterations at a + b + c * context.
+    p = tiny(accelerators=4, split=(2, 2), colocated=False, cv=0.0, length=100, prompt=20, batch=4, n=2)
+    ec, tc = p.engine, p.trainer
+    lone = 20 * ec.prefill_s_per_token + 100 * (ec.decode_a_s + ec.decode_b_s) + ec.decode_c_s * (100 * 20 + 50 * 99)
+    for k in (1, 3):
+        f = latency_floor(p, k)
+        assert f["step_floor_s"] == pytest.approx((lone + tc.optimizer_acc_s / 4 + tc.broadcast_s) / (k + 1))
+        assert f["efficiency_cap"] == min(1.0, f["ideal_step_s"] / f["step_floor_s"])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_no_run_beats_the_latency_floor(tiny, k):
+    # A long-tailed workload where K binds: dora's measured step time never undercuts the floor
+    # (were the floor not a bound, a schedule could beat it and this would fail).
+    p = tiny(accelerators=8, split=(4, 4), colocated=False, cv=2.0, length=200, batch=8, n=1, capacity=8,
+             train=1e-4, optimizer=0.05, broadcast=0.02, load=0.05)
+    f = latency_floor(p, k, batches=40)  # the 40 batches of B groups the runs admit (draws keyed by group id)
+    for split in ((2, 6), (4, 4), (6, 2)):
+        for cfg in (None, {"elastic": True}):
+            m = simulate(p, "dora", steps=40, max_staleness=k, split=split, config=cfg).metrics
+            assert m["step_time_s"] >= f["step_floor_s"], (split, cfg, m["step_time_s"], f)
+            assert m["efficiency"] <= f["efficiency_cap"], (split, cfg, m["efficiency"], f)

@@ -79,6 +79,21 @@ def _check_books(result, recipe, prepared):
     return redone
 
 
+def _running_at_each_failure(rt) -> list:
+    """A list that gets, for each `InstanceFailed` the runtime feeds its scheduler, how many
+    trajectories the scheduler still had running on that instance (what must be re-dispatched)."""
+    at_failure: list = []
+    handle = rt.sched.handle
+
+    def spy(event):
+        if isinstance(event, InstanceFailed):
+            at_failure.append(len(rt.sched.instances[event.instance_id].running))
+        return handle(event)
+
+    rt.sched.handle = spy
+    return at_failure
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,restarts", [("dora", 0), ("sync", 0), ("dora", 1), ("sync", 1)])
 def test_a_killed_instance_process_loses_nothing(mode, restarts):
@@ -92,15 +107,7 @@ def test_a_killed_instance_process_loses_nothing(mode, restarts):
         recipe = _kill_recipe(mode, seed, restarts)
         prepared = prepare(recipe)
         rt = KillingRuntime(recipe, prepared, keep_versions=True)
-        at_failure: list = []
-        handle = rt.sched.handle
-
-        def spy(event, rt=rt, at_failure=at_failure, handle=handle):
-            if isinstance(event, InstanceFailed):  # what the scheduler still had running there
-                at_failure.append(len(rt.sched.instances[event.instance_id].running))
-            return handle(event)
-
-        rt.sched.handle = spy
+        at_failure = _running_at_each_failure(rt)
         result = rt.run()
         if not getattr(rt, "killed", False):
             pytest.fail("instance 0 never had running trajectories after step 1; the kill did not happen")
@@ -606,15 +613,7 @@ def test_two_instances_killed_at_once_are_both_replaced():
         recipe = _kill_recipe("dora", seed, 2)
         prepared = prepare(recipe)
         rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
-        at_failure: list = []
-        handle = rt.sched.handle
-
-        def spy(event, rt=rt, at_failure=at_failure, handle=handle):
-            if isinstance(event, InstanceFailed):  # what the scheduler still had running there
-                at_failure.append(len(rt.sched.instances[event.instance_id].running))
-            return handle(event)
-
-        rt.sched.handle = spy
+        at_failure = _running_at_each_failure(rt)
         result = rt.run()
         if getattr(rt, "killed", False):
             break

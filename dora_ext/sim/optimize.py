@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import ELASTIC_MODES, MODES
 from .presets import Preset
-from .runner import RunResult, layout_for, simulate
+from .runner import RunResult, _staleness, layout_for, min_steps, simulate
 from .workload import LengthSampler, WorkloadError
 
 _GOLD = 0.3819660112501051  # 2 - golden ratio
@@ -142,6 +142,13 @@ def optimise_split(
     """
     run_one = runner or simulate
     tp, g = preset.engine.accelerators, preset.accelerators
+    if steps is not None:
+        k = _staleness(mode, max_staleness)
+        if steps < min_steps(k):
+            raise WorkloadError(
+                f"steps: {steps} is too few to rank {mode} K={k} splits; expected >= {min_steps(k)} "
+                f"(5 * (K + 2): shorter runs measure a burst after a long tail, not a steady state), "
+                f"or leave it unset for the default")
     kw = dict(steps=steps, seed=seed, max_staleness=max_staleness, records=records, config=config, plugins=plugins)
     if layout_for(preset, mode, None).colocated:
         res = run_one(preset, mode, split=None, **kw)
@@ -348,7 +355,15 @@ def recommend(
     cands: list[Candidate] = []
     hint: dict[tuple[str, bool], int] = dict(start or {})
     tp = preset.engine.accelerators
-    for mode, k, el in candidates_for(max_staleness, modes, elastic):
+    todo = candidates_for(max_staleness, modes, elastic)
+    if steps is not None:  # refuse before any run, not at the first K that is too large
+        worst = max(k for _, k, _ in todo) if todo else 0
+        if steps < min_steps(worst):
+            raise WorkloadError(
+                f"steps: {steps} is too few for a staleness budget of {max_staleness}; expected >= "
+                f"{min_steps(worst)} (5 * (K + 2): shorter runs measure a burst after a long tail, "
+                f"not a steady state), or leave it unset for the default")
+    for mode, k, el in todo:
         cfg = {"elastic": True} if el else None
         s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=k, records=records,
                            config=cfg, start=hint.get((mode, el)), cache=cache, exhaustive=exhaustive)

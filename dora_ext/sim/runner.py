@@ -767,7 +767,18 @@ def _staleness(mode: str, k: int | None) -> int:
 def default_steps(preset: Preset, max_staleness: int) -> int:
     """The preset's step count, or more for a large K: the steady-state window (`window`) skips
     K + 1 warm-up and K + 2 drain steps and keeps at least as many in between."""
-    return max(preset.default_steps, 5 * (max_staleness + 2))
+    return max(preset.default_steps, min_steps(max_staleness))
+
+
+def min_steps(max_staleness: int) -> int:
+    """The fewest steps whose steady-state window measures a steady state for staleness `K`.
+
+    With fewer, the window (`window`) holds a step or two right after a long trajectory that
+    gated the trainer: the groups of the next K versions, rolled out meanwhile, are trained back
+    to back, and the window's throughput exceeded `ideal_throughput` (1.29x and 1.5x at 10 steps
+    and K = 3 on a small preset; thousands of times on a long tail). Decisions taken on such runs
+    (`optimise_split`, `recommend`) refuse them."""
+    return 5 * (max_staleness + 2)
 
 
 def window(steps: int, max_staleness: int = 0) -> tuple[int, int]:

@@ -72,7 +72,7 @@ class GroupDraw:
     """The lengths of one admitted group: its prompt and each trajectory's response.
 
     `truncated`: how many of its responses were cut at the response cap (a drawn length above
-    the cap, or a replayed length at or above it).
+    the cap, or a replayed length at or above it; a replayed one above it is cut to it too).
     """
 
     prompt_tokens: int
@@ -113,9 +113,11 @@ class LengthSampler:
                 out.append(resp)
                 if i == 0 and p is not None:
                     prompt = p
-            # A replayed length is what the run produced: it is not cut again, but one at the
-            # preset's cap counts as cut there (the run hit its max length).
-            return GroupDraw(prompt, tuple(out), sum(1 for x in out if x >= w.response_cap))
+            # A replayed length at the preset's cap counts as cut there (the run hit its max
+            # length); one above it (a log of a run with a larger cap) is cut at the preset's cap
+            # like a drawn one: it used to run at its full length while counted as cut.
+            cap = w.response_cap
+            return GroupDraw(prompt, tuple(min(cap, x) for x in out), sum(1 for x in out if x >= cap))
         base = self._mu + self._sd * rng.gauss(0.0, 1.0)
         cap = w.response_cap
         raw = [max(1, round(math.exp(base + self._sw * rng.gauss(0.0, 1.0)))) for _ in range(n)]

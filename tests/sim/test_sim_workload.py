@@ -10,6 +10,7 @@ import pytest
 
 from dora_ext.sim import LengthSampler, Workload, WorkloadError, load_lengths, simulate
 from dora_ext.sim.presets import PRESETS, get_preset
+from dora_ext.sim.runner import Simulation
 
 
 def test_draws_depend_only_on_seed_and_group():
@@ -129,3 +130,16 @@ def test_truncated_counts_responses_cut_at_the_cap(tiny):
     recs = [(100, None), (50, None), (150, None), (20, None)]
     assert LengthSampler(preset.workload, 0, recs).draw(0).truncated == 1
     assert LengthSampler(preset.workload, 0, recs).draw(1).truncated == 1
+    # ... and one above it is cut to it: it ran 150 tokens under a cap of 100 while counted as cut.
+    assert LengthSampler(preset.workload, 0, recs).draw(1).response_tokens == (100, 20)
+
+
+def test_replayed_lengths_above_the_cap_run_at_the_cap_and_count_as_truncated(tiny):
+    preset = _capped(tiny(batch=2, n=2, capacity=4), 100)
+    recs = [(400, None), (30, None), (100, None), (99, None)]  # two of four at or above the cap
+    res = simulate(preset, "sync", steps=4, seed=0, records=recs)
+    # sync trains exactly the first 4 * B groups: 8 groups of 2, half of the responses cut.
+    assert res.metrics["truncated"] == 8
+    sim = Simulation(preset, "sync", steps=4, seed=0, records=recs)
+    sim.run()
+    assert max(x for _, _, lengths in sim.groups.values() for x in lengths) == 100

@@ -216,7 +216,8 @@ def _stop_or_resume(args: argparse.Namespace) -> int:
     """`--stop-after-events N --checkpoint FILE` and `--resume FILE` (one mode at a time)."""
     from ..core import ProtocolError
     from . import SimError, WorkloadError, get_preset, load_lengths
-    from .runner import Simulation, parse_split
+    from ..config import ELASTIC_MODES
+    from .runner import Simulation, _staleness, default_steps, parse_split
 
     try:
         if args.resume:
@@ -234,12 +235,18 @@ def _stop_or_resume(args: argparse.Namespace) -> int:
             modes = [m.strip() for m in args.modes.split(",") if m.strip()]
             if len(modes) != 1 or modes[0] not in MODES:
                 raise WorkloadError(f"--modes: a checkpointed run takes exactly one mode of {', '.join(MODES)}")
+            if args.elastic and modes[0] not in ELASTIC_MODES:
+                raise WorkloadError(f"--elastic: mode {modes[0]} does not take it; accepted: {', '.join(ELASTIC_MODES)}")
             split = parse_split(args.split)
             preset = get_preset(args.preset)
-            sim = Simulation(preset, modes[0], steps=args.steps or preset.default_steps, seed=args.seed,
+            # The same run as without a checkpoint: the same default steps for this K (they grow
+            # with K) and elastic colocation when asked (both were dropped here: a "resumed"
+            # run was not the run the user asked for).
+            steps = args.steps or default_steps(preset, _staleness(modes[0], args.max_staleness))
+            sim = Simulation(preset, modes[0], steps=steps, seed=args.seed,
                              max_staleness=args.max_staleness, split=split if isinstance(split, tuple) else None,
                              records=load_lengths(args.lengths) if args.lengths else None,
-                             instances=args.instances)
+                             instances=args.instances, config={"elastic": True} if args.elastic else None)
             result = sim.run(stop_after_events=args.stop_after_events)
             if result is None:
                 sim.save(args.checkpoint)

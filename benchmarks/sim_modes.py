@@ -41,6 +41,7 @@ from dora_ext.config import MODES
 from dora_ext.sim import get_preset, simulate
 from dora_ext.sim.compare import compare
 from dora_ext.sim.optimize import format_recommendation, latency_floor, optimise_split, recommend
+from dora_ext.sim.runner import min_steps
 
 CACHE: dict = {}  # runs shared between sections (same preset, mode, steps, seed, K, config, split)
 
@@ -188,7 +189,7 @@ def bench_agentic(seed: int, quick: bool) -> dict:
     for k in ks:
         for el in (False, True):
             r = optimise_split(p, "dora", seed=seed, max_staleness=k, config={"elastic": True} if el else None,
-                               steps=10 if quick else None, cache=CACHE, exhaustive=scan).result
+                               steps=min_steps(k) if quick else None, cache=CACHE, exhaustive=scan).result
             rows.append(with_steps(row("dora", r.metrics), r))
             out["per_k"].setdefault(k, {})["elastic" if el else "static"] = rows[-1]
     print(f"\n== agentic-long-tail: dora per K with and without elastic colocation (every split scanned each); "

@@ -170,7 +170,7 @@ def test_recommend_prints_pick_runner_up_and_costs(capsys, tmp_path):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(x) for x in [300, 1200, 800, 8192, 150, 2500, 600, 4000] * 4))
     rc = main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--lengths", str(lengths),
-               "--modes", "dora,pipeline", "--max-staleness", "2", "--steps", "12", "--json"])
+               "--modes", "dora,pipeline", "--max-staleness", "2", "--steps", "20", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["max_staleness_budget"] == 2
@@ -182,10 +182,14 @@ def test_recommend_prints_pick_runner_up_and_costs(capsys, tmp_path):
     for c in out["candidates"]:
         assert len(c["splits_evaluated"]) == 7  # 8 accelerators: every split 1:7 .. 7:1
     rc = main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--modes", "dora",
-               "--max-staleness", "1", "--steps", "12"])
+               "--max-staleness", "1", "--steps", "15"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "pick:      dora K=1" in text and "costs:" in text
+    # Too few steps for the budget's largest K: refused, naming the field and the least accepted.
+    assert main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--modes", "dora",
+                 "--max-staleness", "2", "--steps", "12"]) == 2
+    assert "steps: 12 is too few" in capsys.readouterr().err
 
 
 def test_recommend_and_elastic_errors(capsys):

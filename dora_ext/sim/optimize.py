@@ -17,7 +17,8 @@ blindly: `SplitSearch.unimodal` says whether the evaluated points rise then fall
 `recommend` answers "which mode, K and split": for each candidate (mode, K) up to a staleness
 budget it optimises the split, keeps the runs that hold C1-C3, and ranks them by efficiency
 (throughput over the preset's physical limit). Modes that break C1 (`partial`) are evaluated and
-shown with what they cost (multi-version share, re-prefilled tokens) but never picked.
+shown with what they cost (multi-version share, re-prefilled tokens) but never picked, also on a
+replay where they happened to hold C1 (`UNPICKED_MODES`: they do not keep it by construction).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from .runner import RunResult, _staleness, layout_for, min_steps, simulate
 from .workload import LengthSampler, WorkloadError
 
 _GOLD = 0.3819660112501051  # 2 - golden ratio
+
+#: Modes evaluated and shown but never recommended: they do not keep C1 by construction.
+UNPICKED_MODES = ("partial",)
 
 
 @dataclass
@@ -257,6 +261,13 @@ class Candidate:
         return bool(m["c1_ok"] and m["c2_ok"] and m["c3_ok"])
 
     @property
+    def eligible(self) -> bool:
+        """May it be picked? It kept C1-C3, and its mode keeps C1 by construction: `partial`
+        resumes preempted trajectories under a newer version, so a replay where that happened
+        not to occur (it held C1 on these lengths) says nothing about the user's next run."""
+        return self.ok and self.mode not in UNPICKED_MODES
+
+    @property
     def label(self) -> str:
         return f"{self.mode} K={self.max_staleness}" + (" elastic" if self.elastic else "")
 
@@ -265,7 +276,7 @@ class Candidate:
         return {
             "mode": self.mode, "max_staleness": self.max_staleness, "elastic": self.elastic,
             "split": m["split"], "efficiency": m["efficiency"],
-            "throughput_tokens_per_s": m["throughput_tokens_per_s"], "ok": self.ok,
+            "throughput_tokens_per_s": m["throughput_tokens_per_s"], "ok": self.ok, "eligible": self.eligible,
             "c1_ok": m["c1_ok"], "c2_ok": m["c2_ok"], "c3_ok": m["c3_ok"],
             "trainer_wait_ratio": m["trainer_wait_ratio"], "staleness_mean": m["staleness_mean"],
             "multi_version_trajectory_share": m["multi_version_trajectory_share"],
@@ -375,7 +386,7 @@ def recommend(
             m = c.metrics
             progress(f"  {c.label}: split {m['split']}, efficiency {m['efficiency']:.3f}, "
                      f"C1-C3 {'held' if c.ok else 'broken'} ({s.runs} runs)")
-    ranked = sorted((c for c in cands if c.ok), key=lambda c: -c.metrics["efficiency"])
+    ranked = sorted((c for c in cands if c.eligible), key=lambda c: -c.metrics["efficiency"])
     if not ranked:
         raise WorkloadError("recommend: no candidate kept C1-C3 (see the candidates)")
     return Recommendation(ranked[0], ranked[1] if len(ranked) > 1 else None, cands)
@@ -406,7 +417,12 @@ def format_recommendation(rec: Recommendation, preset: str, max_staleness: int) 
     out.append("  all candidates (best split each):")
     for c in sorted(rec.candidates, key=lambda c: -c.metrics["efficiency"]):
         m = c.metrics
-        flag = "" if c.ok else "  (breaks " + ",".join(x for x in ("C1", "C2", "C3") if not m[f"{x.lower()}_ok"]) + ": not picked)"
+        if not c.ok:
+            flag = "  (breaks " + ",".join(x for x in ("C1", "C2", "C3") if not m[f"{x.lower()}_ok"]) + ": not picked)"
+        elif not c.eligible:
+            flag = "  (held C1 on this run, but does not keep it by construction: not picked)"
+        else:
+            flag = ""
         out.append(f"    {c.label:<22} split {m['split']:>9}  efficiency {m['efficiency']:.3f}  "
                    f"({c.search.runs} split runs{'' if c.search.unimodal else ', NOT unimodal'}){flag}")
     return "\n".join(out)

@@ -141,3 +141,56 @@ def test_a_finish_that_fires_is_due_also_across_role_switches(tiny):
     res = sim.run()
     assert res.metrics["role_switches"] > 0 and handled and planted
     assert res.metrics["c2_ok"]
+
+
+def test_every_role_switch_pays_its_cost_and_a_returning_instance_loads_before_serving(tiny):
+    # Each lend waits join_s before the trainer has the accelerators, each return leave_s (after
+    # the trainer's current item) before the instance exists again, and a returned instance
+    # serves nothing before it has loaded weights: timed per switch, not only in total.
+    p = _trainer_bound(tiny)
+    p = dataclasses.replace(p, trainer=dataclasses.replace(p.trainer, join_s=0.7, leave_s=0.3))
+    sim = Simulation(p, "dora", steps=20, seed=0, max_staleness=2, split=(6, 4), config={"elastic": True})
+    asked, back, loaded, errors = {}, [], set(), []
+    to_t, to_r, on_role, on_loaded, dispatch = (sim._switch_to_trainer, sim._switch_to_rollout, sim._on_role,
+                                                sim._on_loaded, sim._dispatch)
+
+    charged = []
+
+    def switch_to_trainer(act):
+        asked[act.instance_id] = ("trainer", sim.now)
+        charged.append(p.trainer.join_s)  # TP 1: one accelerator per instance
+        to_t(act)
+
+    def switch_to_rollout(act):
+        start = max(sim.now, sim._tbusy_until) if sim._tbusy else sim.now
+        asked[act.instance_id] = ("rollout", start)
+        charged.append(start - sim.now + p.trainer.leave_s)
+        to_r(act)
+
+    def role(iid, payload):
+        kind, t = asked.pop(iid)
+        cost = p.trainer.join_s if kind == "trainer" else p.trainer.leave_s
+        if sim.now != pytest.approx(t + cost, abs=1e-9) or (kind == "trainer") != (payload == "trainer"):
+            errors.append((iid, kind, t, sim.now))
+        if payload != "trainer":
+            back.append(iid)
+            loaded.discard(iid)
+        on_role(iid, payload)
+
+    def on_load(iid, payload):
+        on_loaded(iid, payload)
+        if payload[1] == sim.inst[iid].load_token:
+            loaded.add(iid)
+
+    def disp(act):
+        if act.instance_id in back and act.instance_id not in loaded:
+            errors.append(("served before loading", act.instance_id))
+        dispatch(act)
+
+    sim._switch_to_trainer, sim._switch_to_rollout, sim._on_role = switch_to_trainer, switch_to_rollout, role
+    sim._on_loaded, sim._dispatch = on_load, disp
+    m = sim.run().metrics
+    assert not errors, errors[:5]
+    assert back and m["role_switches"] == len(charged)
+    # The total charged is every switch's own cost, plus a return's wait for the trainer's item.
+    assert m["role_switch_s"] == pytest.approx(sum(charged))

@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(to_json(preset.name, args.seed, steps, results), indent=2))
     else:
         print(format_table(preset.name, args.seed, steps, results))
+    _warn_short(args, modes)
     if args.plot:
         from .plot import plot_timelines
 
@@ -151,6 +152,18 @@ def _recommend(args: argparse.Namespace, preset: Any, modes: list[str], records:
     else:
         print(format_recommendation(rec, preset.name, budget))
     return 0
+
+
+def _warn_short(args: argparse.Namespace, modes: list[str]) -> None:
+    """Too few steps for a steady state: the measured window may be a burst of groups trained back
+    to back after a gating straggler, so throughput and efficiency can exceed the ideal."""
+    from .runner import _staleness, min_steps
+
+    need = max(min_steps(_staleness(m, args.max_staleness)) for m in modes)
+    if args.steps is not None and args.steps < need:
+        print(f"dora-ext simulate: note: --steps {args.steps} is fewer than {need}, the fewest whose "
+              f"steady-state window measures a steady state here; throughput and efficiency may "
+              f"exceed the ideal (use the default or --steps >= {need})", file=sys.stderr)
 
 
 def to_json(preset: str, seed: int, steps: int, results: dict) -> dict[str, Any]:

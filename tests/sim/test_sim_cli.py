@@ -257,3 +257,16 @@ def test_cli_checkpoint_and_resume_is_the_run_asked_for(tmp_path, capsys, extra)
         assert main(["simulate", "--preset", "rolloutpipe-8k", "--modes", "sync", "--elastic",
                      "--stop-after-events", "5", "--checkpoint", str(ck)]) == 2
         assert "--elastic" in capsys.readouterr().err
+
+
+def test_too_few_steps_are_named_on_stderr(capsys):
+    """Fewer steps than `min_steps(K)` can measure a burst (efficiency above 1): said, not hidden."""
+    from dora_ext.sim.runner import min_steps
+
+    assert main(["simulate", "--preset", "rolloutpipe-8k", "--modes", "dora", "--steps", "2",
+                 "--max-staleness", "1", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert f"--steps 2 is fewer than {min_steps(1)}" in err
+    assert main(["simulate", "--preset", "rolloutpipe-8k", "--modes", "sync", "--steps", str(min_steps(0)),
+                 "--json"]) == 0
+    assert "fewer than" not in capsys.readouterr().err

@@ -77,12 +77,9 @@ def truncated_logprob(logits: torch.Tensor, token: int, temperature: float, top_
     return float(torch.tensor(probs[token] / mass).log())
 
 
-def test_prompts_of_one_length_admitted_together_prefill_in_one_batched_pass(weights):
-    """Equal-length prompts admitted in the same step share one prefill forward (consecutive
-    slots); a different length starts a new one. The tokens
-    and log-probs are those of one-at-a-time decoding."""
-    e = engine(weights, capacity=6)
-    calls = []
+def _record_prefills(e) -> list:
+    """A list that gets the (rows, tokens) shape of every prefill forward `e`'s model runs."""
+    calls: list = []
     real = e.model.forward
 
     def spy(ids, past=None):
@@ -91,6 +88,15 @@ def test_prompts_of_one_length_admitted_together_prefill_in_one_batched_pass(wei
         return real(ids, past)
 
     e.model.forward = spy
+    return calls
+
+
+def test_prompts_of_one_length_admitted_together_prefill_in_one_batched_pass(weights):
+    """Equal-length prompts admitted in the same step share one prefill forward (consecutive
+    slots); a different length starts a new one. The tokens
+    and log-probs are those of one-at-a-time decoding."""
+    e = engine(weights, capacity=6)
+    calls = _record_prefills(e)
     prompts = {"a": [1, 2, 3], "b": [1, 4, 5], "c": [1, 6, 7], "d": [1, 2, 3, 4], "e": [1, 3, 3, 4], "f": [2, 2, 2]}
     for rid, p in prompts.items():
         e.submit(rid, p, 5, GREEDY)
@@ -461,15 +467,7 @@ def test_batched_prefill_around_imported_sequences_keeps_every_output(weights):
     dst.submit("b", prompts["b"], 12, sampling, seed=seeds["b"])
     dst.import_sequence(m_state)
     dst.import_sequence(n_state)  # the queue: n, m, a, b
-    calls = []
-    real = dst.model.forward
-
-    def spy(ids, past=None):
-        if ids.shape[1] > 1:
-            calls.append(tuple(ids.shape))
-        return real(ids, past)
-
-    dst.model.forward = spy
+    calls = _record_prefills(dst)
     got = {f.request_id: f for f in dst.run_until_done()}
     assert calls == [(1, 3), (2, 3)]
     for rid, p in prompts.items():

@@ -43,17 +43,22 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 import numbers
-from collections import deque
 from typing import Any, Callable, Iterable
 
 from ..config import DoraConfig
 from . import actions as A
 from . import events as E
 
-_QUEUED, _RUNNING, _AWAIT_REWARD, _DONE, _DEAD = "Q", "R", "F", "D", "X"
+# Trajectory states, kept as small ints in a byte array (`_ts`); the letters name them in
+# snapshots and error messages.
+_QUEUED, _RUNNING, _AWAIT_REWARD, _DONE, _DEAD = 0, 1, 2, 3, 4
+_LETTERS = "QRFDX"
+_CODES = {c: i for i, c in enumerate(_LETTERS)}
 _ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = "active", "complete", "assigned", "trained", "failed"
 _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing is pinned
+_NAN = float("nan")  # `_tr`: no reward yet
 
 #: `snapshot()` writes this format; `restore()` reads only this format.
 SNAPSHOT_FORMAT = 2
@@ -92,40 +97,37 @@ def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
     return [x - base for x in vs]
 
 
-class _Traj:
-    __slots__ = ("status", "instance", "attempt", "tokens", "versions", "reward", "retries", "moved")
-
-    def __init__(self) -> None:
-        self.status = _QUEUED
-        self.instance: int | None = None
-        self.attempt = 0
-        self.tokens = 0
-        # Versions that generated it: None (none yet), an int (one: the case outside `partial`,
-        # kept unboxed so a dispatch allocates no list), or a list of several (`partial`).
-        self.versions: int | list[int] | None = None
-        self.reward: float | None = None
-        self.retries = 0
-        self.moved = False  # migrated once in this attempt (never moved twice: it may be in flight)
-
-
 class _Group:
-    __slots__ = ("gid", "version", "seq", "key", "meta", "trajs", "pending", "done", "state",
+    """A live group. Its trajectories are not objects: trajectory `idx` is the integer handle
+    `base + idx` into the scheduler's per-field arrays (`_ts`, `_ti`, ...), and the group's slot
+    of `n` handles is reused once the group leaves.
+
+    Pending trajectories (queued, in dispatch order) are `reversed(retry) + range(next, n)`:
+    fresh ones in index order behind the re-queued ones (a stack, the last re-queued first), so
+    a group holds no per-trajectory container while nothing is retried."""
+
+    __slots__ = ("gid", "version", "seq", "key", "meta", "base", "retry", "next", "done", "state",
                  "step", "complete_seq", "in_queue", "live")
 
-    def __init__(self, gid: Any, version: int, seq: int, key: tuple, meta: Any, n: int) -> None:
+    def __init__(self, gid: Any, version: int, seq: int, key: tuple, meta: Any, base: int) -> None:
         self.gid = gid
         self.version = version
         self.seq = seq
         self.key = key
         self.meta = meta
-        self.trajs = [_Traj() for _ in range(n)]
-        self.pending: deque[int] = deque(range(n))
+        self.base = base  # handle of trajectory 0
+        self.retry: list[int] | None = None  # re-queued trajectories, the next to dispatch last
+        self.next = 0  # fresh trajectories `next .. n - 1` are pending
         self.done = 0
         self.state = _ACTIVE
         self.step: int | None = None
         self.complete_seq: int | None = None
         self.in_queue = False
         self.live = 0  # trajectories running or awaiting their reward
+
+    def pending(self, n: int) -> list[int]:
+        """The pending trajectories' indices, in dispatch order."""
+        return (self.retry[::-1] if self.retry else []) + list(range(self.next, n))
 
 
 class _Instance:
@@ -136,11 +138,31 @@ class _Instance:
         self.capacity = capacity
         self.version: int | None = None  # loaded version (None: nothing loaded yet)
         self.loading: int | None = None  # version being loaded
-        self.running: dict[tuple, None] = {}  # (gid, index) in dispatch order
+        self.running: dict[int, None] = {}  # trajectory handles, in dispatch order
 
     @property
     def target(self) -> int | None:
         return self.loading if self.loading is not None else self.version
+
+
+class TrajectoryView:
+    """A read-only view of one live trajectory's state (`Scheduler.trajectory`), for tests and
+    debugging; it reads the scheduler's arrays when accessed, so it goes stale once its group
+    leaves the scheduler."""
+
+    __slots__ = ("_s", "_h")
+
+    def __init__(self, sched: "Scheduler", h: int) -> None:
+        self._s, self._h = sched, h
+
+    status = property(lambda self: _LETTERS[self._s._ts[self._h]])
+    instance = property(lambda self: self._s._ti[self._h])
+    attempt = property(lambda self: self._s._ta[self._h])
+    tokens = property(lambda self: self._s._tt[self._h])
+    versions = property(lambda self: self._s._tv[self._h])
+    retries = property(lambda self: self._s._tn[self._h])
+    moved = property(lambda self: bool(self._s._tm[self._h]))
+    reward = property(lambda self: None if (r := self._s._tr[self._h]) != r else r)
 
 
 class Scheduler:
@@ -177,6 +199,26 @@ class Scheduler:
         self._form_dirty = True  # an input of batch formation changed since it last ran
 
         self.groups: dict[Any, _Group] = {}  # live groups only
+        # Trajectory state, one entry per integer handle (`_Group.base + index`), per field: no
+        # per-trajectory object (nothing the cyclic GC walks per trajectory, no tuple per event).
+        # Slots of `n` handles are reused once their group leaves (`_free`), so the arrays are as
+        # long as the most groups ever live at once.
+        self._ts = array("b")  # status (`_QUEUED` ...)
+        self._ta = array("q")  # attempt
+        self._tn = array("q")  # retries
+        self._tm = array("b")  # moved once in this attempt (never moved twice: it may be in flight)
+        self._tr = array("d")  # reward (NaN: none yet)
+        self._ti: list = []  # instance running it (None: none)
+        self._tt: list = []  # tokens (as the runtime reported them)
+        # Versions that generated it: None (none yet), an int (one: the case outside `partial`,
+        # kept unboxed so a dispatch allocates no list), or a list of several (`partial`).
+        self._tv: list = []
+        self._slot: list[_Group | None] = []  # handle // n -> its group
+        self._free: list[int] = []  # bases of free slots
+        self._zero_b = array("b", bytes(self.n))
+        self._zero_q = array("q", [0]) * self.n
+        self._nan_d = array("d", [_NAN]) * self.n
+        self._none = [None] * self.n
         self.instances: dict[int, _Instance] = {}
         self._unassigned: dict[int, int] = {}  # version -> admitted groups not yet in a step
         self._queue: dict[int, list] = {}  # bucket -> heap of (key, seq, gid)
@@ -365,11 +407,11 @@ class Scheduler:
 
     def _on_migration_landed(self, ev: E.MigrationLanded) -> None:
         g = self._group(ev.group_id)
-        t = self._traj(g, ev.index)
-        if (ev.attempt is not None and ev.attempt != t.attempt) or t.status != _RUNNING:
+        h = self._traj(g, ev.index)
+        if (ev.attempt is not None and ev.attempt != self._ta[h]) or self._ts[h] != _RUNNING:
             self.m["stale_events"] += 1  # it finished, failed or was re-dispatched meanwhile
             return
-        t.moved = False  # it runs on its destination: it may move again (R5)
+        self._tm[h] = 0  # it runs on its destination: it may move again (R5)
 
     def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
         self._trainer_idle = self._trainer_busy is None
@@ -396,24 +438,24 @@ class Scheduler:
                 f"instance {inst.id} reported version {ev.version} loaded, but was asked for {inst.loading}"
             )
         # The scheduler's own int, not the event's equal value (a host may report a numpy integer):
-        # a trajectory keeps the version it ran under unboxed (`_Traj.versions`), as an int.
+        # a trajectory keeps the version it ran under unboxed (`_tv`), as an int.
         v = inst.loading
         inst.version = v
         self.m["weight_loads"] += 1
         if not self._pinned:
             # partial: preempted trajectories resume under the new version (C1 broken, metered).
-            for gid, idx in inst.running:
-                t = self.groups[gid].trajs[idx]
-                vs = t.versions
+            tv = self._tv
+            for h in inst.running:
+                vs = tv[h]
                 if type(vs) is int:
                     if vs != v:
-                        t.versions = [vs, v]
+                        tv[h] = [vs, v]
                 elif vs[-1] != v:
                     vs.append(v)
             if v < self.newest:
                 # A newer version was published while this one loaded: load it too (the
                 # instance stays in the loading state throughout).
-                self._start_load(inst, self.newest, preempt=tuple(inst.running))
+                self._start_load(inst, self.newest, preempt=True)
                 return
         inst.loading = None
         self._n_loading -= 1
@@ -450,20 +492,20 @@ class Scheduler:
         del self.instances[inst.id]
         self._dead.add(inst.id)
         touched = set()
-        for gid, idx in inst.running:
-            g = self.groups[gid]
-            t = g.trajs[idx]
-            t.instance = None
-            t.attempt += 1
-            t.tokens = 0
-            t.versions = None
+        n, slot = self.n, self._slot
+        for h in inst.running:
+            g = slot[h // n]
+            self._ti[h] = None
+            self._ta[h] += 1
+            self._tt[h] = 0
+            self._tv[h] = None
             self.m["redispatched"] += 1
             if g.state == _FAILED:
-                self._retire(g, t)
+                self._retire(g, h)
                 continue
-            t.status = _QUEUED
+            self._ts[h] = _QUEUED
             g.live -= 1
-            g.pending.appendleft(idx)
+            self._requeue(g, h - g.base)
             self._enqueue(g, 1)
             touched.add(self._bucket(g.version))
         for bb in touched:
@@ -480,7 +522,8 @@ class Scheduler:
         seq = self._seq
         self._seq += 1
         key = tuple(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=ev.meta, mode=self.mode))
-        g = _Group(ev.group_id, v, seq, key, ev.meta, self.n)
+        g = _Group(ev.group_id, v, seq, key, ev.meta, self._alloc())
+        self._slot[g.base // self.n] = g
         self.groups[ev.group_id] = g
         self._admitted += 1
         self.m["groups_admitted"] += 1
@@ -501,66 +544,68 @@ class Scheduler:
         self._form_dirty = True
 
     def _on_progressed(self, ev: E.TrajectoryProgressed) -> None:
-        t = self._running_traj(ev.group_id, ev.index, ev.attempt)
-        if t is not None:
-            t.tokens = ev.tokens
+        h = self._running_traj(ev.group_id, ev.index, ev.attempt)
+        if h is not None:
+            self._tt[h] = ev.tokens
 
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
         g = self.groups.get(ev.group_id)
         idx = ev.index
-        if (g is None or not 0 <= idx < len(g.trajs) or (t := g.trajs[idx]).status != _RUNNING
-                or (ev.attempt is not None and ev.attempt != t.attempt)):
+        if (g is None or not 0 <= idx < self.n or self._ts[h := g.base + idx] != _RUNNING
+                or (ev.attempt is not None and ev.attempt != self._ta[h])):
             # the general path: errors and stale reports
-            t = self._running_traj(ev.group_id, idx, ev.attempt)
-            if t is None:
+            h = self._running_traj(ev.group_id, idx, ev.attempt)
+            if h is None:
                 return
             g = self.groups[ev.group_id]
-        t.tokens = ev.tokens
+        self._tt[h] = ev.tokens
         if ev.truncated_early:
             self.m["truncated"] += 1
-        self._release(g, ev.index, t)
+        self._release(h)
         if g.state == _FAILED and ev.reward is not None:
-            self._retire(g, t)
+            self._retire(g, h)
             return
         # (A trajectory of a failed group without its reward yet stays until the runtime sends
         # the reward or a failure for it, so that those events are still understood.)
-        t.status = _AWAIT_REWARD
+        self._ts[h] = _AWAIT_REWARD
         if g.state == _FAILED:
             return
         if ev.reward is not None:
-            self._set_reward(g, ev.index, t, ev.reward)
+            self._set_reward(g, h, ev.reward)
 
     def _on_reward(self, ev: E.RewardReady) -> None:
         g = self._group(ev.group_id, ev.attempt)
         if g is None:
             return
-        t = self._traj(g, ev.index)
-        if ev.attempt is not None and ev.attempt != t.attempt:
+        h = self._traj(g, ev.index)
+        if ev.attempt is not None and ev.attempt != self._ta[h]:
             self.m["stale_events"] += 1
             return
         if g.state == _FAILED:
-            self._retire(g, t)
+            self._retire(g, h)
             return
-        if t.status != _AWAIT_REWARD:
-            raise ProtocolError(f"reward for trajectory {g.gid!r}/{ev.index}, which is not awaiting one ({t.status})")
-        self._set_reward(g, ev.index, t, ev.reward)
+        if self._ts[h] != _AWAIT_REWARD:
+            raise ProtocolError(f"reward for trajectory {g.gid!r}/{ev.index}, which is not awaiting one "
+                                f"({_LETTERS[self._ts[h]]})")
+        self._set_reward(g, h, ev.reward)
 
     def _on_failed(self, ev: E.TrajectoryFailed) -> None:
         g = self._group(ev.group_id, ev.attempt)
         if g is None:
             return
-        t = self._traj(g, ev.index)
-        if ev.attempt is not None and ev.attempt != t.attempt:
+        h = self._traj(g, ev.index)
+        if ev.attempt is not None and ev.attempt != self._ta[h]:
             self.m["stale_events"] += 1
             return
-        if t.status == _RUNNING:
-            self._release(g, ev.index, t)
-        elif t.status != _AWAIT_REWARD:
-            raise ProtocolError(f"trajectory {g.gid!r}/{ev.index} failed but is not running ({t.status})")
+        st = self._ts[h]
+        if st == _RUNNING:
+            self._release(h)
+        elif st != _AWAIT_REWARD:
+            raise ProtocolError(f"trajectory {g.gid!r}/{ev.index} failed but is not running ({_LETTERS[st]})")
         if g.state == _FAILED:
-            self._retire(g, t)  # its group was already reported failed
+            self._retire(g, h)  # its group was already reported failed
             return
-        self._fail_traj(g, ev.index, t, ev.reason)
+        self._fail_traj(g, h, ev.reason)
 
     def _on_step_started(self, ev: E.TrainerStepStarted) -> None:
         if self._trainer_busy != ev.step:
@@ -571,8 +616,9 @@ class Scheduler:
             raise ProtocolError(f"trainer finished step {ev.step}, but the running step is {self._trainer_busy}")
         groups = self.groups
         for gid in self._forming:
-            groups[gid].state = _TRAINED
-            del groups[gid]  # trained: it leaves the scheduler (its totals are in the metrics)
+            g = groups.pop(gid)  # trained: it leaves the scheduler (its totals are in the metrics)
+            g.state = _TRAINED
+            self._release_slot(g)
         self._forming = []
         self._trainer_busy = None
         self.step += 1
@@ -595,7 +641,7 @@ class Scheduler:
             for inst in list(self.instances.values()):
                 if inst.version is None or inst.loading is not None or inst.version == ev.version:
                     continue
-                self._start_load(inst, ev.version, preempt=tuple(inst.running))
+                self._start_load(inst, ev.version, preempt=True)
             return
         self._plan_all()
 
@@ -636,22 +682,73 @@ class Scheduler:
             raise ProtocolError(f"unknown group {gid!r} (never admitted, or already trained/failed)")
         return g
 
-    def _traj(self, g: _Group, idx: int) -> _Traj:
-        if not 0 <= idx < len(g.trajs):
-            raise ProtocolError(f"group {g.gid!r} has no trajectory {idx} (group size {len(g.trajs)})")
-        return g.trajs[idx]
+    def _traj(self, g: _Group, idx: int) -> int:
+        """The handle of trajectory `idx` of `g`."""
+        if not 0 <= idx < self.n:
+            raise ProtocolError(f"group {g.gid!r} has no trajectory {idx} (group size {self.n})")
+        return g.base + idx
 
-    def _running_traj(self, gid: Any, idx: int, attempt: int | None) -> _Traj | None:
+    def _running_traj(self, gid: Any, idx: int, attempt: int | None) -> int | None:
         g = self._group(gid, attempt)
         if g is None:
             return None
-        t = self._traj(g, idx)
-        if attempt is not None and attempt != t.attempt:
+        h = self._traj(g, idx)
+        if attempt is not None and attempt != self._ta[h]:
             self.m["stale_events"] += 1
             return None
-        if t.status != _RUNNING:
-            raise ProtocolError(f"trajectory {gid!r}/{idx} is not running ({t.status})")
-        return t
+        if self._ts[h] != _RUNNING:
+            raise ProtocolError(f"trajectory {gid!r}/{idx} is not running ({_LETTERS[self._ts[h]]})")
+        return h
+
+    def _key(self, h: int) -> tuple[Any, int]:
+        """The runtime's name `(group_id, index)` of handle `h` (at the event boundary only)."""
+        g = self._slot[h // self.n]
+        return (g.gid, h - g.base)
+
+    def trajectory(self, group_id: Any, index: int) -> TrajectoryView:
+        """A read-only view of a live trajectory's state (status letter, instance, attempt,
+        tokens, versions, retries, moved, reward), for tests and debugging."""
+        return TrajectoryView(self, self._traj(self._group(group_id), index))
+
+    def running_on(self, instance_id: int) -> list[tuple[Any, int]]:
+        """The trajectories `(group_id, index)` running on a live instance, in dispatch order."""
+        return [self._key(h) for h in self._instance(instance_id).running]
+
+    def trajectories(self, group_id: Any) -> list[TrajectoryView]:
+        g = self._group(group_id)
+        return [TrajectoryView(self, g.base + i) for i in range(self.n)]
+
+    def _alloc(self) -> int:
+        """A slot of `n` trajectory handles in their initial state; returns its base."""
+        n = self.n
+        if self._free:
+            base = self._free.pop()
+            end = base + n
+            self._ts[base:end] = self._zero_b
+            self._ta[base:end] = self._zero_q
+            self._tn[base:end] = self._zero_q
+            self._tm[base:end] = self._zero_b
+            self._tr[base:end] = self._nan_d
+            self._ti[base:end] = self._none
+            self._tt[base:end] = self._zero_q.tolist()
+            self._tv[base:end] = self._none
+            return base
+        base = len(self._ts)
+        self._ts.extend(self._zero_b)
+        self._ta.extend(self._zero_q)
+        self._tn.extend(self._zero_q)
+        self._tm.extend(self._zero_b)
+        self._tr.extend(self._nan_d)
+        self._ti.extend(self._none)
+        self._tt.extend(self._zero_q.tolist())
+        self._tv.extend(self._none)
+        self._slot.append(None)
+        return base
+
+    def _release_slot(self, g: _Group) -> None:
+        """`g` left the scheduler: its slot of handles is free for the next admitted group."""
+        self._slot[g.base // self.n] = None
+        self._free.append(g.base)
 
     def _bucket(self, version: int) -> int:
         return version if self._pinned else _ANY
@@ -673,7 +770,8 @@ class Scheduler:
         else:
             del self._targets[version]
 
-    def _start_load(self, inst: _Instance, version: int, preempt: tuple = ()) -> None:
+    def _start_load(self, inst: _Instance, version: int, preempt: bool = False) -> None:
+        """`inst` loads `version`; `preempt` (partial): its running trajectories pause meanwhile."""
         old = inst.target
         if old is not None:
             self._dec_target(old)
@@ -690,7 +788,15 @@ class Scheduler:
             self._n_loading += 1
         inst.loading = version
         self._idle.pop(inst.id, None)
-        self._out.append(A.LoadVersion(inst.id, version, preempt))
+        self._out.append(A.LoadVersion(inst.id, version, tuple(map(self._key, inst.running)) if preempt else ()))
+
+    @staticmethod
+    def _requeue(g: _Group, idx: int) -> None:
+        """Trajectory `idx` of `g` is pending again, first in line (it ran before)."""
+        if g.retry is None:
+            g.retry = [idx]
+        else:
+            g.retry.append(idx)
 
     def _enqueue(self, g: _Group, added: int) -> None:
         """`added` trajectories of `g` joined its pending list; make sure the group is queued."""
@@ -698,7 +804,7 @@ class Scheduler:
         self._queued[b] = self._queued.get(b, 0) + added
         if self._pinned and not self._cap.get(b):
             self._orphaned = True  # no instance holds or loads this version: see `_finish`
-        if not g.in_queue and g.pending:
+        if not g.in_queue and (g.retry or g.next < self.n):
             heapq.heappush(self._queue.setdefault(b, []), (g.key, g.seq, g.gid))
             g.in_queue = True
 
@@ -768,6 +874,8 @@ class Scheduler:
             return
         groups = self.groups
         instances = self.instances
+        n = self.n
+        ts, ti, tm, tv, ta = self._ts, self._ti, self._tm, self._tv, self._ta
         share_of = self._cap[b]
         work = self._occupied[b] + self._queued[b]  # constant here: each dispatch moves one over
         out = self._out
@@ -777,7 +885,7 @@ class Scheduler:
         while heap:
             gid = heap[0][2]
             g = groups.get(gid)
-            if g is None or not g.pending:
+            if g is None or not (g.retry or g.next < n):
                 heapq.heappop(heap)
                 if g is not None:
                     g.in_queue = False
@@ -800,12 +908,21 @@ class Scheduler:
                 iid = inst.id
             running = inst.running
             n_run = len(running)
-            idx = g.pending.popleft()
-            t = g.trajs[idx]
-            t.status, t.instance, t.moved = _RUNNING, iid, False
-            t.versions = inst.version
+            retry = g.retry
+            if retry:
+                idx = retry.pop()
+                if not retry:
+                    g.retry = None
+            else:
+                idx = g.next
+                g.next = idx + 1
+            h = g.base + idx
+            ts[h] = _RUNNING
+            ti[h] = iid
+            tm[h] = 0
+            tv[h] = inst.version
             g.live += 1
-            running[(gid, idx)] = None
+            running[h] = None
             if n_run:
                 # one level up (the `_lv_set` common case, inlined)
                 d = lv[n_run]
@@ -822,18 +939,19 @@ class Scheduler:
                 self._lv_set(b, iid, 0, 1)
             self._occupied[b] += 1
             self._queued[b] -= 1
-            out.append(A.Dispatch(gid, idx, iid, inst.version, t.attempt))
+            out.append(A.Dispatch(gid, idx, iid, inst.version, ta[h]))
         if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
             del self._queue[b], self._queued[b]  # keep per-version dicts as short as the live set
 
-    def _release(self, g: _Group, idx: int, t: _Traj) -> None:
-        """A running trajectory left its instance (finished or failed)."""
-        inst = self.instances.get(t.instance)
-        t.instance = None
+    def _release(self, h: int) -> None:
+        """Running trajectory `h` left its instance (finished or failed)."""
+        ti = self._ti
+        inst = self.instances.get(ti[h])
+        ti[h] = None
         if inst is None:
             return
         running = inst.running
-        del running[(g.gid, idx)]
+        del running[h]
         n_run = len(running)
         if inst.loading is None:
             v = inst.version
@@ -871,29 +989,31 @@ class Scheduler:
             # partial: preempted while loading; it stops counting against the version it loads.
             self._occupied[self._bucket(inst.loading)] -= 1
 
-    def _retire(self, g: _Group, t: _Traj) -> None:
+    def _retire(self, g: _Group, h: int) -> None:
         """A trajectory of a failed group stopped running (or got its late reward): once none of
         them runs, the group leaves the scheduler."""
-        if t.status in (_RUNNING, _AWAIT_REWARD):
+        if self._ts[h] in (_RUNNING, _AWAIT_REWARD):
             g.live -= 1
-        t.status = _DEAD
+        self._ts[h] = _DEAD
         if g.live == 0 and self.groups.get(g.gid) is g:
             del self.groups[g.gid]
+            self._release_slot(g)
 
-    def _set_reward(self, g: _Group, idx: int, t: _Traj, reward: Any) -> None:
+    def _set_reward(self, g: _Group, h: int, reward: Any) -> None:
         # Any real number (numpy/torch scalars register as `numbers.Real`), finite.
         if (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
                 or not math.isfinite(reward)):
             self.m["invalid_rewards"] += 1
+            idx = h - g.base
             msg = f"invalid reward {reward!r} for trajectory {g.gid!r}/{idx} (version {g.version})"
             self._out.append(A.ReportError(g.gid, idx, msg))
-            self._fail_traj(g, idx, t, msg)
+            self._fail_traj(g, h, msg)
             return
-        t.reward = float(reward)
-        t.status = _DONE
+        self._tr[h] = float(reward)
+        self._ts[h] = _DONE
         g.live -= 1
         g.done += 1
-        if g.done == len(g.trajs):
+        if g.done == self.n:
             g.state = _COMPLETE
             self.m["groups_completed"] += 1
             self._n_active -= 1
@@ -904,15 +1024,16 @@ class Scheduler:
             self._pool_n += 1
             self._form_dirty = True
 
-    def _fail_traj(self, g: _Group, idx: int, t: _Traj, reason: str) -> None:
-        """Trajectory `idx` (running before, already released, or awaiting its reward) failed."""
-        if t.retries < self.config.max_retries:
-            t.retries += 1
-            t.attempt += 1
-            t.status, t.tokens, t.versions, t.reward = _QUEUED, 0, None, None
+    def _fail_traj(self, g: _Group, h: int, reason: str) -> None:
+        """Trajectory `h` (running before, already released, or awaiting its reward) failed."""
+        idx = h - g.base
+        if self._tn[h] < self.config.max_retries:
+            self._tn[h] += 1
+            self._ta[h] += 1
+            self._ts[h], self._tt[h], self._tv[h], self._tr[h] = _QUEUED, 0, None, _NAN
             g.live -= 1
             self.m["retries"] += 1
-            g.pending.appendleft(idx)
+            self._requeue(g, idx)
             self._enqueue(g, 1)
             self._dispatch(self._bucket(g.version))
             return
@@ -923,13 +1044,14 @@ class Scheduler:
         self._dec_unassigned(g.version)
         self._form_dirty = True
         b = self._bucket(g.version)
-        self._queued[b] = self._queued.get(b, 0) - len(g.pending)
-        for i in g.pending:
-            g.trajs[i].status = _DEAD
-        g.pending.clear()
+        pending = g.pending(self.n)
+        self._queued[b] = self._queued.get(b, 0) - len(pending)
+        for i in pending:
+            self._ts[g.base + i] = _DEAD
+        g.retry, g.next = None, self.n
         self.m["failed_groups"] += 1
-        self._out.append(A.ReportGroupFailed(g.gid, f"trajectory {idx} failed {t.retries + 1} times: {reason}"))
-        self._retire(g, t)
+        self._out.append(A.ReportGroupFailed(g.gid, f"trajectory {idx} failed {self._tn[h] + 1} times: {reason}"))
+        self._retire(g, h)
         self._check_storm(reason)
 
     def _check_storm(self, reason: str) -> None:
@@ -1047,9 +1169,9 @@ class Scheduler:
                 break
             src = instances[next(iter(lv[min(n for n in lv if n)]))]
             progressed = False
-            for gid, idx in list(src.running):
-                t = self.groups[gid].trajs[idx]
-                if t.moved:
+            tm = self._tm
+            for h in list(src.running):
+                if tm[h]:
                     continue  # its first move may still be in flight: a trajectory moves at most once
                 if dst is None or dst is src or len(dst.running) >= max(1, int(fill * dst.capacity)):
                     # The most loaded holder still below the threshold (the previous destination
@@ -1064,7 +1186,7 @@ class Scheduler:
                             break
                     if dst is None:
                         break
-                self._move(v, gid, idx, t, src, dst)
+                self._move(v, h, src, dst)
                 progressed = True
             if src.running or not progressed:
                 break
@@ -1079,7 +1201,8 @@ class Scheduler:
         holders.sort(key=lambda i: i.id)
         plan = self._plan_migration(
             version=v,
-            instances=[{"id": i.id, "capacity": i.capacity, "running": list(i.running)} for i in holders],
+            instances=[{"id": i.id, "capacity": i.capacity, "running": list(map(self._key, i.running))}
+                       for i in holders],
             newest_version=self.newest,
             fill=self.config.migrate_threshold,
         )
@@ -1087,12 +1210,14 @@ class Scheduler:
             s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
-            if (gid, idx) not in s.running or len(d.running) >= d.capacity:
+            g = self.groups.get(gid)
+            ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
+            h = g.base + int(idx) if ok else None
+            if h not in s.running or len(d.running) >= d.capacity:
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
-            t = self.groups[gid].trajs[idx]
-            if t.moved:
+            if self._tm[h]:
                 continue  # its first move may still be in flight: a trajectory moves at most once
-            self._move(v, gid, idx, t, s, d)
+            self._move(v, h, s, d)
         for i in holders:
             if not i.running:
                 self._plan_instance(i)
@@ -1140,13 +1265,13 @@ class Scheduler:
             self._spreading[inst.id] = v
             self._start_load(inst, v)  # it spreads when loaded (`_plan_instance` again)
             return True
-        for h, gid, idx, t in plan:
-            self._move(v, gid, idx, t, h, inst)
+        for src, h in plan:
+            self._move(v, h, src, inst)
         self._idle.pop(inst.id, None)
         return True
 
     def _spread_plan(self, v: int, inst: _Instance) -> list:
-        """The moves (holder, gid, idx, trajectory) that give idle `inst` its even share of
+        """The moves (holder, trajectory handle) that give idle `inst` its even share of
         version `v`'s running trajectories: from the most loaded holders, only what they run
         above the even share, never a trajectory that moved and has not landed.
 
@@ -1169,31 +1294,32 @@ class Scheduler:
         want = (pending + 1) * room
         holders = [self.instances[i] for level, d in lv.items() if level > keep for i in d if i != inst.id]
         plan = []
-        for h in sorted(holders, key=lambda h: (-len(h.running), h.id)):
-            excess = len(h.running) - keep
-            for gid, idx in h.running:
+        tm = self._tm
+        for src in sorted(holders, key=lambda i: (-len(i.running), i.id)):
+            excess = len(src.running) - keep
+            for h in src.running:
                 if len(plan) >= want or excess <= 0:
                     break
-                t = self.groups[gid].trajs[idx]
-                if t.moved:
+                if tm[h]:
                     continue  # it moves again only after MigrationLanded (it may be in flight)
                 excess -= 1
-                plan.append((h, gid, idx, t))
+                plan.append((src, h))
             if len(plan) >= want:
                 break
         return plan[pending * room:]
 
-    def _move(self, v: int, gid: Any, idx: int, t: _Traj, s: _Instance, d: _Instance) -> None:
+    def _move(self, v: int, h: int, s: _Instance, d: _Instance) -> None:
         ns, nd = len(s.running), len(d.running)
-        del s.running[(gid, idx)]
-        d.running[(gid, idx)] = None
+        del s.running[h]
+        d.running[h] = None
         self._lv_set(v, s.id, ns, ns - 1)
         self._lv_set(v, d.id, nd, nd + 1)
-        t.instance = d.id
-        t.moved = True
+        self._ti[h] = d.id
+        self._tm[h] = 1
         if ns == 1:
             self._idle[s.id] = None
         self.m["migrations"] += 1
+        gid, idx = self._key(h)
         self._out.append(A.Migrate(gid, idx, s.id, d.id, v))
 
     # ------------------------------------------------------------------ admission (R2)
@@ -1321,6 +1447,7 @@ class Scheduler:
         m = self.m
         seen: set = set()
         pinned = self._pinned
+        n, tt, tv = self.n, self._tt, self._tv
         trajs = tokens = multi = c1 = 0
         for gid in gids:
             g = self.groups[gid]
@@ -1333,14 +1460,15 @@ class Scheduler:
                 m["duplicated"] += 1
             seen.add(gid)
             v = g.version
-            for t in g.trajs:
-                tokens += t.tokens
-                vs = t.versions  # several only when a resume appended a different one
+            base = g.base
+            for tok in tt[base:base + n]:
+                tokens += tok
+            for vs in tv[base:base + n]:  # several only when a resume appended a different one
                 if type(vs) is list:
                     multi += 1
                 elif pinned and vs != v:
                     c1 += 1
-            trajs += len(g.trajs)
+            trajs += n
         m["trajectories_trained"] += trajs
         m["tokens_trained"] += tokens
         m["multi_version_trajectories"] += multi
@@ -1366,8 +1494,11 @@ class Scheduler:
         Runtimes store it in their own checkpoints and resume from it.
         """
         groups = []
+        n = self.n
+        ts, ti, ta, tt, tv, tr, tn, tm = self._ts, self._ti, self._ta, self._tt, self._tv, self._tr, self._tn, self._tm
         for g in self.groups.values():
             v = g.version
+            b0 = g.base
             # Compact (delta-coded, so the size does not grow with the counters' digits): version,
             # seq, step and completion order relative to the scheduler's own counters, the
             # admission key only when it is not the default `(seq,)`, trajectory versions
@@ -1376,11 +1507,11 @@ class Scheduler:
                 g.gid, self.newest - v, self._seq - g.seq, None if g.key == (g.seq,) else list(g.key), g.meta,
                 g.state, None if g.step is None else self.step - g.step,
                 None if g.complete_seq is None else self._complete_seq - g.complete_seq,
-                g.in_queue, list(g.pending), g.done, g.live,
-                [[t.status, t.instance, t.attempt, t.tokens, _vlist(t.versions, v), t.reward, t.retries,
-                  t.moved] for t in g.trajs],
+                g.in_queue, g.pending(n), g.done, g.live,
+                [[_LETTERS[ts[h]], ti[h], ta[h], tt[h], _vlist(tv[h], v), None if tr[h] != tr[h] else tr[h], tn[h],
+                  bool(tm[h])] for h in range(b0, b0 + n)],
             ])
-        insts = [[i.id, i.capacity, i.version, i.loading, [list(k) for k in i.running]]
+        insts = [[i.id, i.capacity, i.version, i.loading, [list(self._key(h)) for h in i.running]]
                  for i in self.instances.values()]
         live = self.groups
 
@@ -1438,19 +1569,30 @@ class Scheduler:
             version, seq = self.newest - dv, self._seq - dseq
             step = None if dstep is None else self.step - dstep
             cseq = None if dcseq is None else self._complete_seq - dcseq
-            g = _Group(gid, version, seq, (seq,) if key is None else tuple(key), meta, len(trajs))
+            if len(trajs) != self.n:
+                raise ProtocolError(f"snapshot group {gid!r} has {len(trajs)} trajectories, group_size is {self.n}")
+            g = _Group(gid, version, seq, (seq,) if key is None else tuple(key), meta, self._alloc())
+            self._slot[g.base // self.n] = g
             g.state, g.step, g.complete_seq, g.in_queue = state, step, cseq, in_queue
-            g.pending = deque(pending)
+            # Pending: re-queued ones first (the retry stack), then the fresh tail `next .. n - 1`.
+            j, n_p = len(pending), len(pending)
+            while j > 0 and pending[j - 1] == self.n - (n_p - j) - 1:
+                j -= 1
+            g.next = self.n - (n_p - j)
+            g.retry = list(reversed(pending[:j])) or None
             g.done, g.live = done, live
-            for t, (status, inst, attempt, tokens, versions, reward, retries, moved) in zip(g.trajs, trajs):
-                t.status, t.instance, t.attempt, t.tokens, t.moved = status, inst, attempt, tokens, moved
+            for h, (status, inst, attempt, tokens, versions, reward, retries, moved) in enumerate(trajs, g.base):
+                self._ts[h], self._ti[h], self._ta[h], self._tt[h] = _CODES[status], inst, attempt, tokens
+                self._tm[h] = 1 if moved else 0
                 vs = [x + version for x in versions]
-                t.versions, t.reward, t.retries = (None if not vs else vs[0] if len(vs) == 1 else vs), reward, retries
+                self._tv[h] = None if not vs else vs[0] if len(vs) == 1 else vs
+                self._tr[h] = _NAN if reward is None else reward
+                self._tn[h] = retries
             self.groups[gid] = g
         for iid, cap, version, loading, running in snap["instances"]:
             inst = _Instance(iid, cap)
             inst.version, inst.loading = version, loading
-            inst.running = {(gid, idx): None for gid, idx in running}
+            inst.running = {self.groups[gid].base + idx: None for gid, idx in running}
             self.instances[iid] = inst
             target = inst.target
             if target is not None:

@@ -59,6 +59,8 @@ _CODES = {c: i for i, c in enumerate(_LETTERS)}
 _ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = "active", "complete", "assigned", "trained", "failed"
 _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing is pinned
 _NAN = float("nan")  # `_tr`: no reward yet
+_NOI = -(2**63)  # `_ti`: running on no instance
+_NOV, _MULTI = -1, -2  # `_tv`: no version yet; several versions (in `_tvm`)
 
 #: `snapshot()` writes this format; `restore()` reads only this format.
 SNAPSHOT_FORMAT = 2
@@ -156,10 +158,10 @@ class TrajectoryView:
         self._s, self._h = sched, h
 
     status = property(lambda self: _LETTERS[self._s._ts[self._h]])
-    instance = property(lambda self: self._s._ti[self._h])
+    instance = property(lambda self: None if (i := self._s._ti[self._h]) == _NOI else i)
     attempt = property(lambda self: self._s._ta[self._h])
     tokens = property(lambda self: self._s._tt[self._h])
-    versions = property(lambda self: self._s._tv[self._h])
+    versions = property(lambda self: self._s._versions(self._h))
     retries = property(lambda self: self._s._tn[self._h])
     moved = property(lambda self: bool(self._s._tm[self._h]))
     reward = property(lambda self: None if (r := self._s._tr[self._h]) != r else r)
@@ -208,17 +210,19 @@ class Scheduler:
         self._tn = array("q")  # retries
         self._tm = array("b")  # moved once in this attempt (never moved twice: it may be in flight)
         self._tr = array("d")  # reward (NaN: none yet)
-        self._ti: list = []  # instance running it (None: none)
-        self._tt: list = []  # tokens (as the runtime reported them)
-        # Versions that generated it: None (none yet), an int (one: the case outside `partial`,
-        # kept unboxed so a dispatch allocates no list), or a list of several (`partial`).
-        self._tv: list = []
+        self._ti = array("q")  # instance running it (`_NOI`: none)
+        self._tt = array("q")  # tokens
+        # The version that generated it (`_NOV`: none yet), or `_MULTI`: several, listed in `_tvm`
+        # (`partial` only, where a preempted trajectory resumes under a newer version).
+        self._tv = array("q")
+        self._tvm: dict[int, list[int]] = {}
         self._slot: list[_Group | None] = []  # handle // n -> its group
         self._free: list[int] = []  # bases of free slots
         self._zero_b = array("b", bytes(self.n))
         self._zero_q = array("q", [0]) * self.n
         self._nan_d = array("d", [_NAN]) * self.n
-        self._none = [None] * self.n
+        self._noi = array("q", [_NOI]) * self.n
+        self._nov = array("q", [_NOV]) * self.n
         self.instances: dict[int, _Instance] = {}
         self._unassigned: dict[int, int] = {}  # version -> admitted groups not yet in a step
         self._queue: dict[int, list] = {}  # bucket -> heap of (key, seq, gid)
@@ -444,13 +448,14 @@ class Scheduler:
         self.m["weight_loads"] += 1
         if not self._pinned:
             # partial: preempted trajectories resume under the new version (C1 broken, metered).
-            tv = self._tv
+            tv, tvm = self._tv, self._tvm
             for h in inst.running:
                 vs = tv[h]
-                if type(vs) is int:
+                if vs >= 0:
                     if vs != v:
-                        tv[h] = [vs, v]
-                elif vs[-1] != v:
+                        tv[h] = _MULTI
+                        tvm[h] = [vs, v]
+                elif (vs := tvm[h])[-1] != v:
                     vs.append(v)
             if v < self.newest:
                 # A newer version was published while this one loaded: load it too (the
@@ -495,10 +500,10 @@ class Scheduler:
         n, slot = self.n, self._slot
         for h in inst.running:
             g = slot[h // n]
-            self._ti[h] = None
+            self._ti[h] = _NOI
             self._ta[h] += 1
             self._tt[h] = 0
-            self._tv[h] = None
+            self._clear_versions(h)
             self.m["redispatched"] += 1
             if g.state == _FAILED:
                 self._retire(g, h)
@@ -546,7 +551,7 @@ class Scheduler:
     def _on_progressed(self, ev: E.TrajectoryProgressed) -> None:
         h = self._running_traj(ev.group_id, ev.index, ev.attempt)
         if h is not None:
-            self._tt[h] = ev.tokens
+            self._set_tokens(h, ev.tokens)
 
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
         g = self.groups.get(ev.group_id)
@@ -558,7 +563,10 @@ class Scheduler:
             if h is None:
                 return
             g = self.groups[ev.group_id]
-        self._tt[h] = ev.tokens
+        try:
+            self._tt[h] = ev.tokens
+        except (TypeError, OverflowError):
+            self._set_tokens(h, ev.tokens)
         if ev.truncated_early:
             self.m["truncated"] += 1
         self._release(h)
@@ -729,9 +737,9 @@ class Scheduler:
             self._tn[base:end] = self._zero_q
             self._tm[base:end] = self._zero_b
             self._tr[base:end] = self._nan_d
-            self._ti[base:end] = self._none
-            self._tt[base:end] = self._zero_q.tolist()
-            self._tv[base:end] = self._none
+            self._ti[base:end] = self._noi
+            self._tt[base:end] = self._zero_q
+            self._tv[base:end] = self._nov
             return base
         base = len(self._ts)
         self._ts.extend(self._zero_b)
@@ -739,9 +747,9 @@ class Scheduler:
         self._tn.extend(self._zero_q)
         self._tm.extend(self._zero_b)
         self._tr.extend(self._nan_d)
-        self._ti.extend(self._none)
-        self._tt.extend(self._zero_q.tolist())
-        self._tv.extend(self._none)
+        self._ti.extend(self._noi)
+        self._tt.extend(self._zero_q)
+        self._tv.extend(self._nov)
         self._slot.append(None)
         return base
 
@@ -749,12 +757,34 @@ class Scheduler:
         """`g` left the scheduler: its slot of handles is free for the next admitted group."""
         self._slot[g.base // self.n] = None
         self._free.append(g.base)
+        if self._tvm:
+            for h in range(g.base, g.base + self.n):
+                self._tvm.pop(h, None)
+
+    def _versions(self, h: int) -> int | list[int] | None:
+        """Trajectory `h`'s versions: None, the one version, or a list of several."""
+        v = self._tv[h]
+        return v if v >= 0 else None if v == _NOV else self._tvm[h]
+
+    def _clear_versions(self, h: int) -> None:
+        if self._tv[h] == _MULTI:
+            del self._tvm[h]
+        self._tv[h] = _NOV
+
+    def _set_tokens(self, h: int, tokens: Any) -> None:
+        try:
+            self._tt[h] = tokens
+        except (TypeError, OverflowError):
+            raise ProtocolError(f"trajectory {self._key(h)!r}: tokens must be an integer (64-bit), "
+                                f"got {tokens!r}") from None
 
     def _bucket(self, version: int) -> int:
         return version if self._pinned else _ANY
 
     # ------------------------------------------------------------------ state changes
     def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
+        if not isinstance(iid, numbers.Integral) or not _NOI < iid < 2**63:
+            raise ProtocolError(f"instance id {iid!r}: expected a 64-bit integer")
         self.instances[iid] = inst = _Instance(iid, capacity)
         if capacity != self._cap_max and self.instances.keys() - {iid}:
             self._uniform = False
@@ -947,7 +977,7 @@ class Scheduler:
         """Running trajectory `h` left its instance (finished or failed)."""
         ti = self._ti
         inst = self.instances.get(ti[h])
-        ti[h] = None
+        ti[h] = _NOI
         if inst is None:
             return
         running = inst.running
@@ -1030,7 +1060,8 @@ class Scheduler:
         if self._tn[h] < self.config.max_retries:
             self._tn[h] += 1
             self._ta[h] += 1
-            self._ts[h], self._tt[h], self._tv[h], self._tr[h] = _QUEUED, 0, None, _NAN
+            self._ts[h], self._tt[h], self._tr[h] = _QUEUED, 0, _NAN
+            self._clear_versions(h)
             g.live -= 1
             self.m["retries"] += 1
             self._requeue(g, idx)
@@ -1461,10 +1492,9 @@ class Scheduler:
             seen.add(gid)
             v = g.version
             base = g.base
-            for tok in tt[base:base + n]:
-                tokens += tok
+            tokens += sum(tt[base:base + n])
             for vs in tv[base:base + n]:  # several only when a resume appended a different one
-                if type(vs) is list:
+                if vs == _MULTI:
                     multi += 1
                 elif pinned and vs != v:
                     c1 += 1
@@ -1508,7 +1538,8 @@ class Scheduler:
                 g.state, None if g.step is None else self.step - g.step,
                 None if g.complete_seq is None else self._complete_seq - g.complete_seq,
                 g.in_queue, g.pending(n), g.done, g.live,
-                [[_LETTERS[ts[h]], ti[h], ta[h], tt[h], _vlist(tv[h], v), None if tr[h] != tr[h] else tr[h], tn[h],
+                [[_LETTERS[ts[h]], None if ti[h] == _NOI else ti[h], ta[h], tt[h], _vlist(self._versions(h), v),
+                  None if tr[h] != tr[h] else tr[h], tn[h],
                   bool(tm[h])] for h in range(b0, b0 + n)],
             ])
         insts = [[i.id, i.capacity, i.version, i.loading, [list(self._key(h)) for h in i.running]]
@@ -1582,10 +1613,12 @@ class Scheduler:
             g.retry = list(reversed(pending[:j])) or None
             g.done, g.live = done, live
             for h, (status, inst, attempt, tokens, versions, reward, retries, moved) in enumerate(trajs, g.base):
-                self._ts[h], self._ti[h], self._ta[h], self._tt[h] = _CODES[status], inst, attempt, tokens
+                self._ts[h], self._ti[h], self._ta[h], self._tt[h] = _CODES[status], _NOI if inst is None else inst, attempt, tokens
                 self._tm[h] = 1 if moved else 0
                 vs = [x + version for x in versions]
-                self._tv[h] = None if not vs else vs[0] if len(vs) == 1 else vs
+                self._tv[h] = _NOV if not vs else vs[0] if len(vs) == 1 else _MULTI
+                if len(vs) > 1:
+                    self._tvm[h] = vs
                 self._tr[h] = _NAN if reward is None else reward
                 self._tn[h] = retries
             self.groups[gid] = g

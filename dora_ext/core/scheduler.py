@@ -45,6 +45,7 @@ import heapq
 import math
 from array import array
 import numbers
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 from ..config import DoraConfig
@@ -56,7 +57,10 @@ from . import events as E
 _QUEUED, _RUNNING, _AWAIT_REWARD, _DONE, _DEAD = 0, 1, 2, 3, 4
 _LETTERS = "QRFDX"
 _CODES = {c: i for i, c in enumerate(_LETTERS)}
-_ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = "active", "complete", "assigned", "trained", "failed"
+# Group states, kept as small ints in a byte array (`_gst`); `_STATES` names them.
+_ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = 0, 1, 2, 3, 4
+_STATES = ("active", "complete", "assigned", "trained", "failed")
+_STATE_CODES = {c: i for i, c in enumerate(_STATES)}
 _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing is pinned
 _NAN = float("nan")  # `_tr`: no reward yet
 _NOI = -(2**63)  # `_ti`: running on no instance
@@ -99,37 +103,52 @@ def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
     return [x - base for x in vs]
 
 
-class _Group:
-    """A live group. Its trajectories are not objects: trajectory `idx` is the integer handle
-    `base + idx` into the scheduler's per-field arrays (`_ts`, `_ti`, ...), and the group's slot
-    of `n` handles is reused once the group leaves.
+class GroupView:
+    """A read-only view of one live group (`Scheduler.groups[gid]`): `gid`, `version`, `state`
+    ("active", "complete", "assigned", "trained", "failed"), `step`, `meta`, `seq`, `key`,
+    `done`, `live`, `complete_seq`, `in_queue`. It reads the scheduler's per-group arrays when
+    accessed, so it goes stale once the group leaves the scheduler."""
 
-    Pending trajectories (queued, in dispatch order) are `reversed(retry) + range(next, n)`:
-    fresh ones in index order behind the re-queued ones (a stack, the last re-queued first), so
-    a group holds no per-trajectory container while nothing is retried."""
+    __slots__ = ("_s", "_g")
 
-    __slots__ = ("gid", "version", "seq", "key", "meta", "base", "retry", "next", "done", "state",
-                 "step", "complete_seq", "in_queue", "live")
+    def __init__(self, sched: "Scheduler", slot: int) -> None:
+        self._s, self._g = sched, slot
 
-    def __init__(self, gid: Any, version: int, seq: int, key: tuple, meta: Any, base: int) -> None:
-        self.gid = gid
-        self.version = version
-        self.seq = seq
-        self.key = key
-        self.meta = meta
-        self.base = base  # handle of trajectory 0
-        self.retry: list[int] | None = None  # re-queued trajectories, the next to dispatch last
-        self.next = 0  # fresh trajectories `next .. n - 1` are pending
-        self.done = 0
-        self.state = _ACTIVE
-        self.step: int | None = None
-        self.complete_seq: int | None = None
-        self.in_queue = False
-        self.live = 0  # trajectories running or awaiting their reward
+    gid = property(lambda self: self._s._ggid[self._g])
+    version = property(lambda self: self._s._gver[self._g])
+    seq = property(lambda self: self._s._gseq[self._g])
+    key = property(lambda self: self._s._key_of(self._g))
+    meta = property(lambda self: self._s._gmeta.get(self._g))
+    state = property(lambda self: _STATES[self._s._gst[self._g]])
+    step = property(lambda self: None if (x := self._s._gstep[self._g]) < 0 else x)
+    complete_seq = property(lambda self: None if (x := self._s._gcseq[self._g]) < 0 else x)
+    done = property(lambda self: self._s._gdone[self._g])
+    live = property(lambda self: self._s._glive[self._g])
+    in_queue = property(lambda self: bool(self._s._ginq[self._g]))
 
-    def pending(self, n: int) -> list[int]:
-        """The pending trajectories' indices, in dispatch order."""
-        return (self.retry[::-1] if self.retry else []) + list(range(self.next, n))
+    def __repr__(self) -> str:
+        return f"GroupView(gid={self.gid!r}, version={self.version}, state={self.state!r})"
+
+
+class _Groups(Mapping):
+    """`Scheduler.groups`: the live groups by id, as read-only `GroupView`s."""
+
+    __slots__ = ("_s",)
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self._s = sched
+
+    def __getitem__(self, gid: Any) -> GroupView:
+        return GroupView(self._s, self._s._gslot[gid])
+
+    def __contains__(self, gid: Any) -> bool:
+        return gid in self._s._gslot
+
+    def __iter__(self):
+        return iter(self._s._gslot)
+
+    def __len__(self) -> int:
+        return len(self._s._gslot)
 
 
 class _Instance:
@@ -200,11 +219,31 @@ class Scheduler:
         self._halted: str | None = None  # the circuit breaker's message once it tripped
         self._form_dirty = True  # an input of batch formation changed since it last ran
 
-        self.groups: dict[Any, _Group] = {}  # live groups only
-        # Trajectory state, one entry per integer handle (`_Group.base + index`), per field: no
-        # per-trajectory object (nothing the cyclic GC walks per trajectory, no tuple per event).
-        # Slots of `n` handles are reused once their group leaves (`_free`), so the arrays are as
-        # long as the most groups ever live at once.
+        # Live groups only. A group is an integer slot `g`: its fields are per-slot arrays and
+        # dicts keyed by slot, its trajectories the integer handles `g * n + index`. No object
+        # per group or per trajectory: the cyclic GC walks nothing per group or trajectory (the
+        # dicts below hold ints and strings, which the GC does not track), and no tuple is built
+        # per event. Slots are reused once their group leaves (`_free`), so every array is as
+        # long as the most groups ever live at once. Group ids map to slots only at the event
+        # boundary (`_gslot`) and back in actions (`_ggid`).
+        self._gslot: dict[Any, int] = {}  # group id -> slot
+        self._ggid: dict[int, Any] = {}  # slot -> group id
+        self._gver = array("q")  # version it was admitted under
+        self._gseq = array("q")  # admission order
+        self._gst = array("b")  # state (`_ACTIVE` ...)
+        self._gstep = array("q")  # trainer step it is assigned to (-1: none)
+        self._gcseq = array("q")  # completion order (-1: not complete)
+        self._gdone = array("q")  # trajectories with their reward
+        self._glive = array("q")  # trajectories running or awaiting their reward
+        self._ginq = array("b")  # in its version's queue heap
+        # Pending trajectories (queued, in dispatch order) are `reversed(_gretry[g]) +
+        # range(_gnext[g], n)`: fresh ones in index order behind the re-queued ones (a stack,
+        # the last re-queued first).
+        self._gnext = array("q")
+        self._gretry: dict[int, list[int]] = {}  # slot -> re-queued trajectories (when any)
+        self._gkey: dict[int, tuple] = {}  # slot -> admission key, when not the default `(seq,)`
+        self._gmeta: dict[int, Any] = {}  # slot -> meta, when not None
+        # Trajectory state, one entry per handle, per field.
         self._ts = array("b")  # status (`_QUEUED` ...)
         self._ta = array("q")  # attempt
         self._tn = array("q")  # retries
@@ -216,8 +255,7 @@ class Scheduler:
         # (`partial` only, where a preempted trajectory resumes under a newer version).
         self._tv = array("q")
         self._tvm: dict[int, list[int]] = {}
-        self._slot: list[_Group | None] = []  # handle // n -> its group
-        self._free: list[int] = []  # bases of free slots
+        self._free: list[int] = []  # free slots
         self._zero_b = array("b", bytes(self.n))
         self._zero_q = array("q", [0]) * self.n
         self._nan_d = array("d", [_NAN]) * self.n
@@ -362,6 +400,11 @@ class Scheduler:
         return self.newest
 
     @property
+    def groups(self) -> Mapping[Any, GroupView]:
+        """The live groups by id (read-only views)."""
+        return _Groups(self)
+
+    @property
     def trainer_busy(self) -> int | None:
         return self._trainer_busy
 
@@ -383,11 +426,12 @@ class Scheduler:
         m["steps"] = self.step
         # Dropped: admitted groups that are neither trained, nor reported failed, nor still held.
         # Counted from the group table itself, so a group lost from it shows up here.
-        held = sum(1 for g in self.groups.values() if g.state in (_ACTIVE, _COMPLETE))
+        gst = self._gst
+        held = sum(1 for g in self._gslot.values() if gst[g] in (_ACTIVE, _COMPLETE))
         if self._trainer_busy is None:
             held += len(self._forming)
         m["dropped"] = m["groups_admitted"] - m["groups_trained"] - m["failed_groups"] - held
-        m["live_groups"] = len(self.groups)
+        m["live_groups"] = len(self._gslot)
         m["halted"] = self._halted or ""
         m["c1_ok"] = m["c1_violations"] == 0 and m["multi_version_trajectories"] == 0
         m["c2_ok"] = m["dropped"] == 0 and m["truncated"] == 0 and m["duplicated"] == 0
@@ -497,22 +541,22 @@ class Scheduler:
         del self.instances[inst.id]
         self._dead.add(inst.id)
         touched = set()
-        n, slot = self.n, self._slot
+        n = self.n
         for h in inst.running:
-            g = slot[h // n]
+            g = h // n
             self._ti[h] = _NOI
             self._ta[h] += 1
             self._tt[h] = 0
             self._clear_versions(h)
             self.m["redispatched"] += 1
-            if g.state == _FAILED:
+            if self._gst[g] == _FAILED:
                 self._retire(g, h)
                 continue
             self._ts[h] = _QUEUED
-            g.live -= 1
-            self._requeue(g, h - g.base)
+            self._glive[g] -= 1
+            self._requeue(g, h - g * n)
             self._enqueue(g, 1)
-            touched.add(self._bucket(g.version))
+            touched.add(self._bucket(self._gver[g]))
         for bb in touched:
             self._dispatch(bb)
         self._plan_all()
@@ -520,16 +564,22 @@ class Scheduler:
     def _on_group_admitted(self, ev: E.GroupAdmitted) -> None:
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")
-        if ev.group_id in self.groups:
+        if ev.group_id in self._gslot:
             raise ProtocolError(f"group id {ev.group_id!r} admitted twice")
         self._outstanding -= 1
         v = self.newest
         seq = self._seq
         self._seq += 1
         key = tuple(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=ev.meta, mode=self.mode))
-        g = _Group(ev.group_id, v, seq, key, ev.meta, self._alloc())
-        self._slot[g.base // self.n] = g
-        self.groups[ev.group_id] = g
+        g = self._alloc()
+        self._gslot[ev.group_id] = g
+        self._ggid[g] = ev.group_id
+        self._gver[g] = v
+        self._gseq[g] = seq
+        if key != (seq,):
+            self._gkey[g] = key
+        if ev.meta is not None:
+            self._gmeta[g] = ev.meta
         self._admitted += 1
         self.m["groups_admitted"] += 1
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
@@ -554,15 +604,16 @@ class Scheduler:
             self._set_tokens(h, ev.tokens)
 
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
-        g = self.groups.get(ev.group_id)
+        g = self._gslot.get(ev.group_id)
         idx = ev.index
-        if (g is None or not 0 <= idx < self.n or self._ts[h := g.base + idx] != _RUNNING
+        n = self.n
+        if (g is None or not 0 <= idx < n or self._ts[h := g * n + idx] != _RUNNING
                 or (ev.attempt is not None and ev.attempt != self._ta[h])):
             # the general path: errors and stale reports
             h = self._running_traj(ev.group_id, idx, ev.attempt)
             if h is None:
                 return
-            g = self.groups[ev.group_id]
+            g = h // n
         try:
             self._tt[h] = ev.tokens
         except (TypeError, OverflowError):
@@ -570,13 +621,14 @@ class Scheduler:
         if ev.truncated_early:
             self.m["truncated"] += 1
         self._release(h)
-        if g.state == _FAILED and ev.reward is not None:
+        failed = self._gst[g] == _FAILED
+        if failed and ev.reward is not None:
             self._retire(g, h)
             return
         # (A trajectory of a failed group without its reward yet stays until the runtime sends
         # the reward or a failure for it, so that those events are still understood.)
         self._ts[h] = _AWAIT_REWARD
-        if g.state == _FAILED:
+        if failed:
             return
         if ev.reward is not None:
             self._set_reward(g, h, ev.reward)
@@ -589,11 +641,11 @@ class Scheduler:
         if ev.attempt is not None and ev.attempt != self._ta[h]:
             self.m["stale_events"] += 1
             return
-        if g.state == _FAILED:
+        if self._gst[g] == _FAILED:
             self._retire(g, h)
             return
         if self._ts[h] != _AWAIT_REWARD:
-            raise ProtocolError(f"reward for trajectory {g.gid!r}/{ev.index}, which is not awaiting one "
+            raise ProtocolError(f"reward for trajectory {ev.group_id!r}/{ev.index}, which is not awaiting one "
                                 f"({_LETTERS[self._ts[h]]})")
         self._set_reward(g, h, ev.reward)
 
@@ -609,8 +661,8 @@ class Scheduler:
         if st == _RUNNING:
             self._release(h)
         elif st != _AWAIT_REWARD:
-            raise ProtocolError(f"trajectory {g.gid!r}/{ev.index} failed but is not running ({_LETTERS[st]})")
-        if g.state == _FAILED:
+            raise ProtocolError(f"trajectory {ev.group_id!r}/{ev.index} failed but is not running ({_LETTERS[st]})")
+        if self._gst[g] == _FAILED:
             self._retire(g, h)  # its group was already reported failed
             return
         self._fail_traj(g, h, ev.reason)
@@ -622,10 +674,10 @@ class Scheduler:
     def _on_step_finished(self, ev: E.TrainerStepFinished) -> None:
         if self._trainer_busy != ev.step:
             raise ProtocolError(f"trainer finished step {ev.step}, but the running step is {self._trainer_busy}")
-        groups = self.groups
+        gslot = self._gslot
         for gid in self._forming:
-            g = groups.pop(gid)  # trained: it leaves the scheduler (its totals are in the metrics)
-            g.state = _TRAINED
+            g = gslot.pop(gid)  # trained: it leaves the scheduler (its totals are in the metrics)
+            self._gst[g] = _TRAINED
             self._release_slot(g)
         self._forming = []
         self._trainer_busy = None
@@ -679,10 +731,10 @@ class Scheduler:
         except KeyError:
             raise ProtocolError(f"unknown (or failed) instance {iid!r}") from None
 
-    def _group(self, gid: Any, attempt: int | None = None) -> _Group | None:
+    def _group(self, gid: Any, attempt: int | None = None) -> int | None:
         """The live group `gid`. A trajectory event carrying an `attempt` for a group that is no
         longer held (trained, or failed and retired) is a late report: counted and ignored."""
-        g = self.groups.get(gid)
+        g = self._gslot.get(gid)
         if g is None:
             if attempt is not None:
                 self.m["stale_events"] += 1
@@ -690,11 +742,11 @@ class Scheduler:
             raise ProtocolError(f"unknown group {gid!r} (never admitted, or already trained/failed)")
         return g
 
-    def _traj(self, g: _Group, idx: int) -> int:
-        """The handle of trajectory `idx` of `g`."""
+    def _traj(self, g: int, idx: int) -> int:
+        """The handle of trajectory `idx` of group slot `g`."""
         if not 0 <= idx < self.n:
-            raise ProtocolError(f"group {g.gid!r} has no trajectory {idx} (group size {self.n})")
-        return g.base + idx
+            raise ProtocolError(f"group {self._ggid[g]!r} has no trajectory {idx} (group size {self.n})")
+        return g * self.n + idx
 
     def _running_traj(self, gid: Any, idx: int, attempt: int | None) -> int | None:
         g = self._group(gid, attempt)
@@ -710,8 +762,18 @@ class Scheduler:
 
     def _key(self, h: int) -> tuple[Any, int]:
         """The runtime's name `(group_id, index)` of handle `h` (at the event boundary only)."""
-        g = self._slot[h // self.n]
-        return (g.gid, h - g.base)
+        g, idx = divmod(h, self.n)
+        return (self._ggid[g], idx)
+
+    def _key_of(self, g: int) -> tuple:
+        """Group slot `g`'s admission key."""
+        key = self._gkey.get(g)
+        return (self._gseq[g],) if key is None else key
+
+    def _pending(self, g: int) -> list[int]:
+        """Group slot `g`'s pending trajectories' indices, in dispatch order."""
+        retry = self._gretry.get(g)
+        return (retry[::-1] if retry else []) + list(range(self._gnext[g], self.n))
 
     def trajectory(self, group_id: Any, index: int) -> TrajectoryView:
         """A read-only view of a live trajectory's state (status letter, instance, attempt,
@@ -724,13 +786,15 @@ class Scheduler:
 
     def trajectories(self, group_id: Any) -> list[TrajectoryView]:
         g = self._group(group_id)
-        return [TrajectoryView(self, g.base + i) for i in range(self.n)]
+        return [TrajectoryView(self, g * self.n + i) for i in range(self.n)]
 
     def _alloc(self) -> int:
-        """A slot of `n` trajectory handles in their initial state; returns its base."""
+        """A free group slot, its group fields and `n` trajectory handles in their initial
+        state (version, seq, key and meta are the caller's to set)."""
         n = self.n
         if self._free:
-            base = self._free.pop()
+            g = self._free.pop()
+            base = g * n
             end = base + n
             self._ts[base:end] = self._zero_b
             self._ta[base:end] = self._zero_q
@@ -740,8 +804,12 @@ class Scheduler:
             self._ti[base:end] = self._noi
             self._tt[base:end] = self._zero_q
             self._tv[base:end] = self._nov
-            return base
-        base = len(self._ts)
+            self._gst[g] = _ACTIVE
+            self._gstep[g] = -1
+            self._gcseq[g] = -1
+            self._gdone[g] = self._glive[g] = self._ginq[g] = self._gnext[g] = 0
+            return g
+        g = len(self._gver)
         self._ts.extend(self._zero_b)
         self._ta.extend(self._zero_q)
         self._tn.extend(self._zero_q)
@@ -750,15 +818,23 @@ class Scheduler:
         self._ti.extend(self._noi)
         self._tt.extend(self._zero_q)
         self._tv.extend(self._nov)
-        self._slot.append(None)
-        return base
+        for a in (self._gver, self._gseq, self._gdone, self._glive, self._gnext):
+            a.append(0)
+        self._gst.append(_ACTIVE)
+        self._ginq.append(0)
+        self._gstep.append(-1)
+        self._gcseq.append(-1)
+        return g
 
-    def _release_slot(self, g: _Group) -> None:
-        """`g` left the scheduler: its slot of handles is free for the next admitted group."""
-        self._slot[g.base // self.n] = None
-        self._free.append(g.base)
+    def _release_slot(self, g: int) -> None:
+        """Group slot `g` left the scheduler: it is free for the next admitted group."""
+        del self._ggid[g]
+        self._gkey.pop(g, None)
+        self._gmeta.pop(g, None)
+        self._gretry.pop(g, None)
+        self._free.append(g)
         if self._tvm:
-            for h in range(g.base, g.base + self.n):
+            for h in range(g * self.n, (g + 1) * self.n):
                 self._tvm.pop(h, None)
 
     def _versions(self, h: int) -> int | list[int] | None:
@@ -820,23 +896,24 @@ class Scheduler:
         self._idle.pop(inst.id, None)
         self._out.append(A.LoadVersion(inst.id, version, tuple(map(self._key, inst.running)) if preempt else ()))
 
-    @staticmethod
-    def _requeue(g: _Group, idx: int) -> None:
-        """Trajectory `idx` of `g` is pending again, first in line (it ran before)."""
-        if g.retry is None:
-            g.retry = [idx]
+    def _requeue(self, g: int, idx: int) -> None:
+        """Trajectory `idx` of group slot `g` is pending again, first in line (it ran before)."""
+        retry = self._gretry.get(g)
+        if retry is None:
+            self._gretry[g] = [idx]
         else:
-            g.retry.append(idx)
+            retry.append(idx)
 
-    def _enqueue(self, g: _Group, added: int) -> None:
-        """`added` trajectories of `g` joined its pending list; make sure the group is queued."""
-        b = self._bucket(g.version)
+    def _enqueue(self, g: int, added: int) -> None:
+        """`added` trajectories of group slot `g` joined its pending list; make sure the group is
+        queued."""
+        b = self._bucket(self._gver[g])
         self._queued[b] = self._queued.get(b, 0) + added
         if self._pinned and not self._cap.get(b):
             self._orphaned = True  # no instance holds or loads this version: see `_finish`
-        if not g.in_queue and (g.retry or g.next < self.n):
-            heapq.heappush(self._queue.setdefault(b, []), (g.key, g.seq, g.gid))
-            g.in_queue = True
+        if not self._ginq[g] and (g in self._gretry or self._gnext[g] < self.n):
+            heapq.heappush(self._queue.setdefault(b, []), (self._key_of(g), self._gseq[g], self._ggid[g]))
+            self._ginq[g] = 1
 
     def _lv_set(self, b: int, iid: int, old: int | None, new: int | None) -> None:
         """Loaded instance `iid` of bucket `b` went from `old` to `new` running trajectories
@@ -902,10 +979,11 @@ class Scheduler:
         lv = self._lv.get(b)
         if not heap or not lv:
             return
-        groups = self.groups
+        gslot = self._gslot
         instances = self.instances
         n = self.n
         ts, ti, tm, tv, ta = self._ts, self._ti, self._tm, self._tv, self._ta
+        gretry, gnext, glive = self._gretry, self._gnext, self._glive
         share_of = self._cap[b]
         work = self._occupied[b] + self._queued[b]  # constant here: each dispatch moves one over
         out = self._out
@@ -914,11 +992,11 @@ class Scheduler:
         idle = self._idle
         while heap:
             gid = heap[0][2]
-            g = groups.get(gid)
-            if g is None or not (g.retry or g.next < n):
+            g = gslot.get(gid)
+            if g is None or not (g in gretry or gnext[g] < n):
                 heapq.heappop(heap)
                 if g is not None:
-                    g.in_queue = False
+                    self._ginq[g] = 0
                 continue
             # `_pick`, inlined for the common case (equal capacities): the least loaded instance
             lo = lo_of[b]
@@ -938,20 +1016,20 @@ class Scheduler:
                 iid = inst.id
             running = inst.running
             n_run = len(running)
-            retry = g.retry
-            if retry:
+            retry = gretry.get(g)
+            if retry is not None:
                 idx = retry.pop()
                 if not retry:
-                    g.retry = None
+                    del gretry[g]
             else:
-                idx = g.next
-                g.next = idx + 1
-            h = g.base + idx
+                idx = gnext[g]
+                gnext[g] = idx + 1
+            h = g * n + idx
             ts[h] = _RUNNING
             ti[h] = iid
             tm[h] = 0
             tv[h] = inst.version
-            g.live += 1
+            glive[g] += 1
             running[h] = None
             if n_run:
                 # one level up (the `_lv_set` common case, inlined)
@@ -1019,69 +1097,74 @@ class Scheduler:
             # partial: preempted while loading; it stops counting against the version it loads.
             self._occupied[self._bucket(inst.loading)] -= 1
 
-    def _retire(self, g: _Group, h: int) -> None:
+    def _retire(self, g: int, h: int) -> None:
         """A trajectory of a failed group stopped running (or got its late reward): once none of
         them runs, the group leaves the scheduler."""
         if self._ts[h] in (_RUNNING, _AWAIT_REWARD):
-            g.live -= 1
+            self._glive[g] -= 1
         self._ts[h] = _DEAD
-        if g.live == 0 and self.groups.get(g.gid) is g:
-            del self.groups[g.gid]
+        if self._glive[g] == 0 and self._gslot.get(gid := self._ggid[g]) == g:
+            del self._gslot[gid]
             self._release_slot(g)
 
-    def _set_reward(self, g: _Group, h: int, reward: Any) -> None:
+    def _set_reward(self, g: int, h: int, reward: Any) -> None:
         # Any real number (numpy/torch scalars register as `numbers.Real`), finite.
         if (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
                 or not math.isfinite(reward)):
             self.m["invalid_rewards"] += 1
-            idx = h - g.base
-            msg = f"invalid reward {reward!r} for trajectory {g.gid!r}/{idx} (version {g.version})"
-            self._out.append(A.ReportError(g.gid, idx, msg))
+            idx = h - g * self.n
+            gid = self._ggid[g]
+            msg = f"invalid reward {reward!r} for trajectory {gid!r}/{idx} (version {self._gver[g]})"
+            self._out.append(A.ReportError(gid, idx, msg))
             self._fail_traj(g, h, msg)
             return
         self._tr[h] = float(reward)
         self._ts[h] = _DONE
-        g.live -= 1
-        g.done += 1
-        if g.done == self.n:
-            g.state = _COMPLETE
+        self._glive[g] -= 1
+        done = self._gdone[g] = self._gdone[g] + 1
+        if done == self.n:
+            self._gst[g] = _COMPLETE
             self.m["groups_completed"] += 1
             self._n_active -= 1
-            g.complete_seq = self._complete_seq
+            cseq = self._gcseq[g] = self._complete_seq
             self._complete_seq += 1
-            key = tuple(self._batch_key(group_id=g.gid, version=g.version, complete_seq=g.complete_seq, mode=self.mode))
-            heapq.heappush(self._pools.setdefault(g.version, []), (key, g.complete_seq, g.gid))
+            gid, v = self._ggid[g], self._gver[g]
+            key = tuple(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode))
+            heapq.heappush(self._pools.setdefault(v, []), (key, cseq, gid))
             self._pool_n += 1
             self._form_dirty = True
 
-    def _fail_traj(self, g: _Group, h: int, reason: str) -> None:
+    def _fail_traj(self, g: int, h: int, reason: str) -> None:
         """Trajectory `h` (running before, already released, or awaiting its reward) failed."""
-        idx = h - g.base
+        n = self.n
+        idx = h - g * n
+        v = self._gver[g]
         if self._tn[h] < self.config.max_retries:
             self._tn[h] += 1
             self._ta[h] += 1
             self._ts[h], self._tt[h], self._tr[h] = _QUEUED, 0, _NAN
             self._clear_versions(h)
-            g.live -= 1
+            self._glive[g] -= 1
             self.m["retries"] += 1
             self._requeue(g, idx)
             self._enqueue(g, 1)
-            self._dispatch(self._bucket(g.version))
+            self._dispatch(self._bucket(v))
             return
         # Retries exhausted: the group is reported, never silently dropped (C2).
-        g.state = _FAILED
+        self._gst[g] = _FAILED
         self._admitted -= 1
         self._n_active -= 1
-        self._dec_unassigned(g.version)
+        self._dec_unassigned(v)
         self._form_dirty = True
-        b = self._bucket(g.version)
-        pending = g.pending(self.n)
+        b = self._bucket(v)
+        pending = self._pending(g)
         self._queued[b] = self._queued.get(b, 0) - len(pending)
         for i in pending:
-            self._ts[g.base + i] = _DEAD
-        g.retry, g.next = None, self.n
+            self._ts[g * n + i] = _DEAD
+        self._gretry.pop(g, None)
+        self._gnext[g] = n
         self.m["failed_groups"] += 1
-        self._out.append(A.ReportGroupFailed(g.gid, f"trajectory {idx} failed {self._tn[h] + 1} times: {reason}"))
+        self._out.append(A.ReportGroupFailed(self._ggid[g], f"trajectory {idx} failed {self._tn[h] + 1} times: {reason}"))
         self._retire(g, h)
         self._check_storm(reason)
 
@@ -1241,9 +1324,9 @@ class Scheduler:
             s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
-            g = self.groups.get(gid)
+            g = self._gslot.get(gid)
             ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
-            h = g.base + int(idx) if ok else None
+            h = g * self.n + int(idx) if ok else None
             if h not in s.running or len(d.running) >= d.capacity:
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
             if self._tm[h]:
@@ -1454,7 +1537,7 @@ class Scheduler:
             if not heap:
                 del pools[v]
             self._pool_n -= 1
-            self._assign(self.groups[gid], k)
+            self._assign(self._gslot[gid], k)
             r -= 1
         r = self.B - len(self._forming)
         if r == 0 or (r > 0 and self._forming and self._nothing_more_coming()):
@@ -1463,14 +1546,15 @@ class Scheduler:
     def _nothing_more_coming(self) -> bool:
         return self._exhausted and not self._pool_n and self._n_active == 0
 
-    def _assign(self, g: _Group, k: int) -> None:
-        g.state = _ASSIGNED
-        g.step = k
-        self._dec_unassigned(g.version)
-        self._forming.append(g.gid)
+    def _assign(self, g: int, k: int) -> None:
+        self._gst[g] = _ASSIGNED
+        self._gstep[g] = k
+        self._dec_unassigned(self._gver[g])
+        gid = self._ggid[g]
+        self._forming.append(gid)
         self._trainer_idle = False
         if self._cgp:
-            self._out.append(A.DeliverGroup(g.gid, k))
+            self._out.append(A.DeliverGroup(gid, k))
 
     def _start_step(self, k: int) -> None:
         gids = tuple(self._forming)
@@ -1481,17 +1565,17 @@ class Scheduler:
         n, tt, tv = self.n, self._tt, self._tv
         trajs = tokens = multi = c1 = 0
         for gid in gids:
-            g = self.groups[gid]
-            s = k - g.version
+            g = self._gslot[gid]
+            v = self._gver[g]
+            s = k - v
             hist[s] = hist.get(s, 0) + 1
             if s > self.K or s < 0:
                 m["c3_violations"] += 1
             # Trained twice: twice in this batch, or not in the state of a group assigned to it.
-            if gid in seen or g.state != _ASSIGNED or g.step != k:
+            if gid in seen or self._gst[g] != _ASSIGNED or self._gstep[g] != k:
                 m["duplicated"] += 1
             seen.add(gid)
-            v = g.version
-            base = g.base
+            base = g * n
             tokens += sum(tt[base:base + n])
             for vs in tv[base:base + n]:  # several only when a resume appended a different one
                 if vs == _MULTI:
@@ -1526,25 +1610,27 @@ class Scheduler:
         groups = []
         n = self.n
         ts, ti, ta, tt, tv, tr, tn, tm = self._ts, self._ti, self._ta, self._tt, self._tv, self._tr, self._tn, self._tm
-        for g in self.groups.values():
-            v = g.version
-            b0 = g.base
+        gst, gstep, gcseq = self._gst, self._gstep, self._gcseq
+        for gid, g in self._gslot.items():
+            v = self._gver[g]
+            b0 = g * n
+            key = self._gkey.get(g)
             # Compact (delta-coded, so the size does not grow with the counters' digits): version,
             # seq, step and completion order relative to the scheduler's own counters, the
             # admission key only when it is not the default `(seq,)`, trajectory versions
             # relative to the group's version (almost always `[0]`).
             groups.append([
-                g.gid, self.newest - v, self._seq - g.seq, None if g.key == (g.seq,) else list(g.key), g.meta,
-                g.state, None if g.step is None else self.step - g.step,
-                None if g.complete_seq is None else self._complete_seq - g.complete_seq,
-                g.in_queue, g.pending(n), g.done, g.live,
+                gid, self.newest - v, self._seq - self._gseq[g], None if key is None else list(key), self._gmeta.get(g),
+                _STATES[gst[g]], None if gstep[g] < 0 else self.step - gstep[g],
+                None if gcseq[g] < 0 else self._complete_seq - gcseq[g],
+                bool(self._ginq[g]), self._pending(g), self._gdone[g], self._glive[g],
                 [[_LETTERS[ts[h]], None if ti[h] == _NOI else ti[h], ta[h], tt[h], _vlist(self._versions(h), v),
                   None if tr[h] != tr[h] else tr[h], tn[h],
                   bool(tm[h])] for h in range(b0, b0 + n)],
             ])
         insts = [[i.id, i.capacity, i.version, i.loading, [list(self._key(h)) for h in i.running]]
                  for i in self.instances.values()]
-        live = self.groups
+        live = self._gslot
 
         def heap(h):
             return [[list(e[0]), e[1], e[2]] for e in h if e[2] in live]
@@ -1602,17 +1688,24 @@ class Scheduler:
             cseq = None if dcseq is None else self._complete_seq - dcseq
             if len(trajs) != self.n:
                 raise ProtocolError(f"snapshot group {gid!r} has {len(trajs)} trajectories, group_size is {self.n}")
-            g = _Group(gid, version, seq, (seq,) if key is None else tuple(key), meta, self._alloc())
-            self._slot[g.base // self.n] = g
-            g.state, g.step, g.complete_seq, g.in_queue = state, step, cseq, in_queue
+            g = self._alloc()
+            self._gslot[gid], self._ggid[g], self._gver[g], self._gseq[g] = g, gid, version, seq
+            if key is not None and tuple(key) != (seq,):
+                self._gkey[g] = tuple(key)
+            if meta is not None:
+                self._gmeta[g] = meta
+            self._gst[g], self._ginq[g] = _STATE_CODES[state], 1 if in_queue else 0
+            self._gstep[g] = -1 if step is None else step
+            self._gcseq[g] = -1 if cseq is None else cseq
             # Pending: re-queued ones first (the retry stack), then the fresh tail `next .. n - 1`.
             j, n_p = len(pending), len(pending)
             while j > 0 and pending[j - 1] == self.n - (n_p - j) - 1:
                 j -= 1
-            g.next = self.n - (n_p - j)
-            g.retry = list(reversed(pending[:j])) or None
-            g.done, g.live = done, live
-            for h, (status, inst, attempt, tokens, versions, reward, retries, moved) in enumerate(trajs, g.base):
+            self._gnext[g] = self.n - (n_p - j)
+            if j:
+                self._gretry[g] = list(reversed(pending[:j]))
+            self._gdone[g], self._glive[g] = done, live
+            for h, (status, inst, attempt, tokens, versions, reward, retries, moved) in enumerate(trajs, g * self.n):
                 self._ts[h], self._ti[h], self._ta[h], self._tt[h] = _CODES[status], _NOI if inst is None else inst, attempt, tokens
                 self._tm[h] = 1 if moved else 0
                 vs = [x + version for x in versions]
@@ -1621,11 +1714,10 @@ class Scheduler:
                     self._tvm[h] = vs
                 self._tr[h] = _NAN if reward is None else reward
                 self._tn[h] = retries
-            self.groups[gid] = g
         for iid, cap, version, loading, running in snap["instances"]:
             inst = _Instance(iid, cap)
             inst.version, inst.loading = version, loading
-            inst.running = {self.groups[gid].base + idx: None for gid, idx in running}
+            inst.running = {self._gslot[gid] * self.n + idx: None for gid, idx in running}
             self.instances[iid] = inst
             target = inst.target
             if target is not None:

@@ -45,6 +45,7 @@ import heapq
 import math
 from array import array
 import numbers
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
@@ -61,6 +62,11 @@ _CODES = {c: i for i, c in enumerate(_LETTERS)}
 _ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = 0, 1, 2, 3, 4
 _STATES = ("active", "complete", "assigned", "trained", "failed")
 _STATE_CODES = {c: i for i, c in enumerate(_STATES)}
+# One occupancy level's instances in arrival order (`Scheduler._lv`). An OrderedDict, not a dict:
+# dispatch takes the first one (`next(iter(...))`), which is O(1) in a linked list but O(deleted
+# entries) in a dict, whose deleted slots stay in front until it resizes (with 10k instances
+# moving through a level, the scan made every dispatch slower).
+_Level = OrderedDict
 _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing is pinned
 _NAN = float("nan")  # `_tr`: no reward yet
 _NOI = -(2**63)  # `_ti`: running on no instance
@@ -937,7 +943,7 @@ class Scheduler:
         if new is not None:
             d = lv.get(new)
             if d is None:
-                lv[new] = {iid: None}
+                lv[new] = _Level(((iid, None),))
             else:
                 d[iid] = None
             if new < self._lo[b]:
@@ -1039,7 +1045,7 @@ class Scheduler:
                     del lv[n_run]
                 d = lv.get(n_run + 1)
                 if d is None:
-                    lv[n_run + 1] = {iid: None}
+                    lv[n_run + 1] = _Level(((iid, None),))
                 else:
                     d[iid] = None
             else:
@@ -1074,7 +1080,7 @@ class Scheduler:
                 del lv[n_run + 1]
             d = lv.get(n_run)
             if d is None:
-                lv[n_run] = {iid: None}
+                lv[n_run] = _Level(((iid, None),))
             else:
                 d[iid] = None
             if n_run < self._lo[b]:
@@ -1730,7 +1736,7 @@ class Scheduler:
         self._cap_max = sc["cap_max"]
         # Insertion orders matter (round robin, R5's choice among equals): restored as saved.
         self._idle = dict.fromkeys(snap["idle"])
-        self._lv = {b: {n: dict.fromkeys(d) for n, d in lv} for b, _, lv in snap["levels"]}
+        self._lv = {b: {n: _Level.fromkeys(d) for n, d in lv} for b, _, lv in snap["levels"]}
         self._lo = {b: lo for b, lo, _ in snap["levels"]}
         self._nhold = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._lv.items()}
         self._nhold = {b: c for b, c in self._nhold.items() if c}

@@ -943,7 +943,8 @@ class Scheduler:
         if new is not None:
             d = lv.get(new)
             if d is None:
-                lv[new] = _Level(((iid, None),))
+                lv[new] = d = _Level()
+                d[iid] = None
             else:
                 d[iid] = None
             if new < self._lo[b]:
@@ -1045,7 +1046,8 @@ class Scheduler:
                     del lv[n_run]
                 d = lv.get(n_run + 1)
                 if d is None:
-                    lv[n_run + 1] = _Level(((iid, None),))
+                    lv[n_run + 1] = d = _Level()
+                    d[iid] = None
                 else:
                     d[iid] = None
             else:
@@ -1080,7 +1082,8 @@ class Scheduler:
                 del lv[n_run + 1]
             d = lv.get(n_run)
             if d is None:
-                lv[n_run] = _Level(((iid, None),))
+                lv[n_run] = d = _Level()
+                d[iid] = None
             else:
                 d[iid] = None
             if n_run < self._lo[b]:

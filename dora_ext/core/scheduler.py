@@ -1100,8 +1100,9 @@ class Scheduler:
             if not running:
                 self._idle[inst.id] = None
                 self._plan_instance(inst)
-            elif self._migrate and v < self.newest:
-                self._maybe_consolidate(v)
+            elif (self._migrate and v < self.newest and v + self.K > self.step
+                  and self._queued.get(v, 0) <= 0 and self._nhold.get(v, 0) >= 2):
+                self._maybe_consolidate(v)  # (its first O(1) tests, inlined: this runs on every finish)
         else:
             # partial: preempted while loading; it stops counting against the version it loads.
             self._occupied[self._bucket(inst.loading)] -= 1

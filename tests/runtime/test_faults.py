@@ -795,7 +795,7 @@ def test_resume_sends_a_fresh_instance_no_void_attempt():
 
     recipe = recipe_from_dict(tiny(steps=6))
     rt = Runtime(recipe, prepare(recipe))
-    rt.trainer_inboxes, rt._next_rank = [queue.SimpleQueue()], 0  # DeliverGroup lands here
+    rt.trainer_inboxes = [queue.SimpleQueue()]  # DeliverGroup lands here
     rt._execute(rt.sched.start())
     for iid in list(rt.sched.instances):
         rt._execute(rt.sched.handle(E.InstanceLoaded(iid, 0)))

@@ -826,9 +826,29 @@ class Runtime:
         elif kind == "ready":  # a replacement instance (the first ones report in `_wait_ready`)
             self._on_ready(msg[1], msg[2], msg[3] if len(msg) > 3 else None, msg[4] if len(msg) > 4 else 0)
         elif kind == "error":
+            if msg[1].startswith("trainer") and len(self.trainer_handles) > 1:
+                self._peer_died(msg[1], msg[2])
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
             raise RuntimeError(f"unknown worker report {kind!r}")
+
+    def _peer_died(self, name: str, error: str, wait_s: float = 5.0) -> None:
+        """A data-parallel trainer rank reported an error: most often a collective that failed
+        because a peer rank's process died (gloo: "Connection closed by peer"). If another rank's
+        process is gone (it is given `wait_s` to be seen so), the run ends as for a dead trainer,
+        `WorkerDied` naming `--resume`; otherwise the caller reports the error itself."""
+        me = 0 if name == "trainer" else int(name.rsplit("-", 1)[1])
+        deadline = time.perf_counter() + wait_s
+        while True:
+            dead = [(r, h) for r, h in enumerate(self.trainer_handles) if r != me and not h.is_alive()]
+            if dead or time.perf_counter() > deadline:
+                break
+            time.sleep(0.05)  # polling a process's state, not synchronising with it
+        if dead:
+            r, h = dead[0]
+            raise WorkerDied(self._died_message(
+                f"the trainer process exited (rank {r}, exit code {h.exitcode}); rank {me} then reported: "
+                f"{error[:300]}"))
 
     def _on_lost(self, name: str, why: str) -> None:
         """A complete report of worker `name` could not be read (`PipeHub`: most often an export

@@ -192,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     for m in labels:
         shares = [r.metrics.get("trainer_rank_token_share") for r in results[m]]
         share = "; ".join("-" if x is None else "/".join(f"{v:.2f}" for v in x) for x in shares)
-        print(f"  {m:>8}: {results[m][0].metrics.get('core_assignment')}; rank token shares per seed: {share}")
+        secs = [r.metrics.get("trainer_rank_seconds") for r in results[m]]
+        sec = "; ".join("-" if x is None else " ".join(f"{a:.0f}/{b:.0f}" for a, b in x) for x in secs)
+        print(f"  {m:>8}: {results[m][0].metrics.get('core_assignment')}; rank token shares per seed: {share}; "
+              f"per rank seconds computing/in collectives: {sec}")
     print(f"load average before/after: {load_before} / {load_after}")
     print(f"files: {args.out}/cpu_compare.json, reward_vs_time.png, rewards.png, timeline.png")
     return 0

@@ -244,6 +244,7 @@ class Runtime:
         self.trainer_config = recipe.trainer_config()
         self.rank_speed: list[float | None] = [None]  # tokens per compute second of each trainer rank
         self.rank_tokens: list[int] = [0]  # tokens each trainer rank trained
+        self.rank_seconds: list[list[float]] = [[0.0, 0.0]]  # per rank: [computing, in collectives]
         self._position = 0  # the next group's place in the trainer's current batch
         self._order: list = []  # the current batch's groups by position
         self.step_order: list[list] = []  # per step handed to the trainer: its groups by position
@@ -414,6 +415,7 @@ class Runtime:
             ranks = self.trainer_ranks
             self.rank_speed = [None] * ranks
             self.rank_tokens = [0] * ranks
+            self.rank_seconds = [[0.0, 0.0] for _ in range(ranks)]
             rank_threads = rank_nice = None
             if self.borrowing:
                 # rank 0 on the trainer's cores; rank 1 on the rollout cores, below the instances' priority
@@ -1051,8 +1053,10 @@ class Runtime:
         """Each rank's speed (tokens per compute second) from its last step, averaged with the
         previous estimate. A rank that got nothing to do looks 25% faster each step, so that it is
         tried again (a busy borrowed core may have become free)."""
-        for r, (tokens, seconds) in enumerate(work):
+        for r, (tokens, seconds, *comm) in enumerate(work):
             self.rank_tokens[r] += tokens
+            self.rank_seconds[r][0] += seconds
+            self.rank_seconds[r][1] += comm[0] if comm else 0.0
             old = self.rank_speed[r]
             if tokens > 0 and seconds > 0:
                 new = tokens / seconds
@@ -1176,6 +1180,9 @@ class Runtime:
             # data parallel: the share of the trained tokens (prompt + response) each rank trained
             "trainer_rank_token_share": ([t / sum(self.rank_tokens) for t in self.rank_tokens]
                                          if len(self.rank_tokens) > 1 and sum(self.rank_tokens) else None),
+            # data parallel: per rank, wall seconds computing and in collectives (waiting for the others)
+            "trainer_rank_seconds": ([[round(a, 3), round(b, 3)] for a, b in self.rank_seconds]
+                                     if len(self.rank_tokens) > 1 else None),
         }
         instance_logs = [[(max(0.0, t - z), c) for t, c in st.get("log", ())] for st in stats]
         ledger = {

@@ -525,7 +525,8 @@ class TrainerLoop:
     Reports: ("step_done", step, metrics, gids, t, weights) with the weights of version step+1,
     packed into one shared-memory tensor when the instances are processes (that copy is the
     broadcast, and the trainer pays it, as a real one would). Data parallel, rank 0 reports for
-    every rank, with metrics["rank_work"] = [(tokens, compute seconds), ...] per rank for the step.
+    every rank, with metrics["rank_work"] = [(tokens, compute seconds, seconds in collectives), ...]
+    per rank for the step.
     `busy` [(t0, t1)] records when it computed, for the timeline and `trainer_wait_ratio`; `cpu`
     the CPU seconds of those spans (busy wall minus time spent waiting for a core).
     """
@@ -542,7 +543,8 @@ class TrainerLoop:
         self.cpu = 0.0
         self._gids: list[Any] = []
         self._tokens = 0  # tokens (prompt + response) of this step's groups so far
-        self._compute0 = trainer.compute_s if hasattr(trainer, "compute_s") else 0.0
+        self._compute0 = getattr(trainer, "compute_s", 0.0)
+        self._comm0 = getattr(trainer, "comm_s", 0.0)
 
     def _add(self, gid: Any, trajectories: Any, position: int | None = None) -> None:
         """Train one group (streamed, or with the step command); `position`: its place in the
@@ -581,10 +583,11 @@ class TrainerLoop:
                     self._add(*item)
                 metrics = self.trainer.finish_step(step)
                 gids, self._gids = self._gids, []
-                # This rank's work in the step: tokens, and wall seconds computing (waits at the
-                # collectives excluded), from which the coordinator shares the next batches by speed.
-                work = (self._tokens, self.trainer.compute_s - self._compute0)
-                self._tokens, self._compute0 = 0, self.trainer.compute_s
+                # This rank's work in the step: tokens, wall seconds computing (waits at the
+                # collectives excluded), from which the coordinator shares the next batches by speed,
+                # and wall seconds in the collectives (mostly waiting for the other ranks).
+                work = (self._tokens, self.trainer.compute_s - self._compute0, self.trainer.comm_s - self._comm0)
+                self._tokens, self._compute0, self._comm0 = 0, self.trainer.compute_s, self.trainer.comm_s
                 if rank > 0:  # data parallel: rank 0 reports the step for every rank
                     dist.gather_object((gids, work), None, dst=0)
                     t1 = time.perf_counter()

@@ -364,6 +364,7 @@ def test_a_borrowing_trainer_takes_the_single_trainers_steps():
     m = result.metrics
     assert re.search(r"trainer 2 rank\(s\) @\S+ @\S+\(nice \d+\)$", m["core_assignment"]), m["core_assignment"]
     assert len(m["trainer_rank_token_share"]) == 2 and min(m["trainer_rank_token_share"]) > 0
+    assert all(compute > 0 and comm > 0 for compute, comm in m["trainer_rank_seconds"])
     led = result.ledger
     assert [sorted(o) for o in led["step_order"]] == [sorted(g) for g in led["step_groups"]]
     single = build_trainer(TrainerRecipe(prepared.model_config, dict(recipe.trainer), prepared.weights, "cpu"))
@@ -391,7 +392,7 @@ def test_groups_are_shared_by_measured_speed_within_each_minibatch():
     recipe = recipe_from_dict(data)
     rt = Runtime(recipe, prepare(recipe))
     rt.trainer_inboxes = [queue.SimpleQueue(), queue.SimpleQueue()]
-    rt.rank_speed, rt.rank_tokens = [None, None], [0, 0]
+    rt.rank_speed, rt.rank_tokens, rt.rank_seconds = [None, None], [0, 0], [[0.0, 0.0], [0.0, 0.0]]
     group = [Trajectory([1, 2], [3] * 8, [0.0] * 8, 1.0, 0)] * 2  # 20 tokens
 
     def one_step() -> list[tuple[int, int]]:
@@ -407,6 +408,7 @@ def test_groups_are_shared_by_measured_speed_within_each_minibatch():
     for mb in (range(0, 4), range(4, 8)):  # each minibatch: 3 groups on the fast rank, 1 on the slow
         assert sorted(second[p][0] for p in mb) == [0, 0, 0, 1]
     assert rt.step_order[0] == rt.step_order[1] == list(range(8))
-    rt._update_speeds([(80, 1.0), (0, 0.0)])  # rank 1 got nothing: it looks 25% faster
+    rt._update_speeds([(80, 1.0, 0.5), (0, 0.0, 1.5)])  # rank 1 got nothing: it looks 25% faster
     assert rt.rank_speed[1] == pytest.approx(10 * 1.25)
     assert rt.rank_tokens == [140, 20]
+    assert rt.rank_seconds == [[3.0, 0.5], [2.0, 1.5]]

@@ -8,7 +8,7 @@
     warm_start: {steps: 100, batch_size: 16, lr: 0.003}     # supervised start (tiny models only)
     trainer:   {algorithm: grpo, lr: 0.0005, ...}           # TrainerConfig fields
     engine:    {temperature: 1.0, top_p: 1.0, device: cpu}
-    runtime:   {cores: 2, trainer_cores: 1, pin: true, backend: auto, trainer_borrow: false}  # the core split, see below
+    runtime:   {cores: 2, trainer_cores: 1, pin: true, trainer_borrow: false}  # the core split, see below
     eval:      {prompts: 64, samples: 2}
     dora:      {mode: dora, max_staleness: 2, batch_size: 4, group_size: 4, instances: 2, capacity: 8}
 

@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_compare.py [--recipe recipes/cpu/long-tail.yaml] [--seeds 3] [--steps N]
                                      [--repeats 2] [--out DIR] [--set section.key=value ...]
+                                     [--borrow recipe|on|off|both]
 
 For each seed the three modes run from the same warm-started version 0 on the same prompt stream,
 with the same algorithm settings (only `dora.mode` and `dora.max_staleness` differ). The order is
@@ -13,7 +14,10 @@ sum(dora) / sum(sync) over its runs; rewards and curves come from each mode's fi
 Equal hardware: every mode gets the recipe's cores. sync trains on all of them (a data-parallel
 trainer, one gloo rank per core) and generates on all of them; the asynchronous modes split them,
 pinned with CPU affinity when the recipe says `runtime.pin: true`. The core assignment each worker
-reported is printed.
+reported is printed. `--borrow on|off` sets the dora runs' `runtime.trainer_borrow` (a second,
+low-priority trainer rank on the rollout cores; sync already trains on every core, so the option
+does not apply to it); `both` runs dora K=1 and K=2 without and with it ("dora K=2 borrow"), in
+the same ABBA order; `recipe` (the default) keeps the recipe's setting.
 
 Reported:
 - held-out reward of the final policy per seed and mode; whether dora K=1 and K=2 each end within
@@ -53,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per mode and seed (default 1; the order alternates from seed to seed)")
     p.add_argument("--window", type=int, default=20, help="moving-average window of the reward curves (steps)")
+    p.add_argument("--borrow", choices=("recipe", "on", "off", "both"), default="recipe",
+                   help="runtime.trainer_borrow of the dora runs (default: the recipe's); both = each dora K twice")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
@@ -64,11 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     base_recipe = load_recipe(args.recipe, args.set)
     if args.steps:
         base_recipe = base_recipe.with_steps(args.steps)
-    k1 = load_recipe(args.recipe, [*args.set, "dora.max_staleness=1"])
-    k2 = load_recipe(args.recipe, [*args.set, "dora.max_staleness=2"])
-    if args.steps:
-        k1, k2 = k1.with_steps(args.steps), k2.with_steps(args.steps)
-    variants = {"sync": base_recipe.with_mode("sync"), "dora K=1": k1.with_mode("dora"), "dora K=2": k2.with_mode("dora")}
+    def dora(k: int, borrow: str) -> object:
+        extra = [] if borrow == "recipe" else [f"runtime.trainer_borrow={'true' if borrow == 'on' else 'false'}"]
+        r = load_recipe(args.recipe, [*args.set, f"dora.max_staleness={k}", *extra])
+        return (r.with_steps(args.steps) if args.steps else r).with_mode("dora")
+
+    variants = {"sync": base_recipe.with_mode("sync")}
+    for k in (1, 2):
+        if args.borrow == "both":
+            variants[f"dora K={k}"] = dora(k, "off")
+            variants[f"dora K={k} borrow"] = dora(k, "on")
+        else:
+            variants[f"dora K={k}"] = dora(k, args.borrow)
     labels = list(variants)
     os.makedirs(args.out, exist_ok=True)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in labels:  # the table's speedup: the ABBA ratio (median over seeds), not the first runs' alone
         summary["modes"][m]["speedup_vs_sync"] = statistics.median(ratios[m])
     dump_json(os.path.join(args.out, "cpu_compare.json"), summary)
-    title = f"{base_recipe.name}: sync vs dora K=1, K=2; {args.seeds} seeds, {base_recipe.steps} steps"
+    title = f"{base_recipe.name}: {' vs '.join(labels)}; {args.seeds} seeds, {base_recipe.steps} steps"
     plot_reward_vs_time(results, os.path.join(args.out, "reward_vs_time.png"), title=title, window=args.window)
     plot_rewards(results, os.path.join(args.out, "rewards.png"), title=title)
     plot_timeline({m: runs[0] for m, runs in results.items()}, os.path.join(args.out, "timeline.png"),
@@ -174,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     for m in labels[1:]:
         print(f"  {m:>8}: {', '.join(f'{x:.2f}' for x in ratios[m])}; median {statistics.median(ratios[m]):.2f}x, "
               f"min {min(ratios[m]):.2f}x, max {max(ratios[m]):.2f}x")
+    print("core assignment (as each worker reported it; trainer ranks: rank 0 first) and the share of the "
+          "trained tokens each trainer rank trained:")
+    for m in labels:
+        shares = [r.metrics.get("trainer_rank_token_share") for r in results[m]]
+        share = "; ".join("-" if x is None else "/".join(f"{v:.2f}" for v in x) for x in shares)
+        secs = [r.metrics.get("trainer_rank_seconds") for r in results[m]]
+        sec = "; ".join("-" if x is None else " ".join(f"{a:.0f}/{b:.0f}" for a, b in x) for x in secs)
+        print(f"  {m:>8}: {results[m][0].metrics.get('core_assignment')}; rank token shares per seed: {share}; "
+              f"per rank seconds computing/in collectives: {sec}")
     print(f"load average before/after: {load_before} / {load_after}")
     print(f"files: {args.out}/cpu_compare.json, reward_vs_time.png, rewards.png, timeline.png")
     return 0

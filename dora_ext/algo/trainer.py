@@ -38,6 +38,10 @@ consecutive chunks of groups and takes one optimizer step per chunk, `ppo_epochs
 version advances once per batch. With `micro_tokens` > 0 every forward runs over length-sorted
 micro-batches of the rows (of a group, or of a chunk) instead of one padded forward per group:
 a long-tailed group pads every short answer to its longest, and the sums are the same.
+Data parallel (torch.distributed initialised by the host), each rank adds its own share of the
+groups; with `add_group(group, position=p)` (p = the group's place in the whole batch) minibatch
+i is the same groups as the single trainer's i-th chunk however unevenly the groups were shared,
+so the summed update equals the single trainer's (a host may share them by each rank's speed).
 SAO always measures its ratio against pi_rollout: staleness is what its mask guards against.
 
 Rollout log-probs must come from the same temperature-scaled distribution the engine sampled
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -68,7 +73,8 @@ from dora_ext.algo.losses import (
 )
 from dora_ext.config import ConfigError
 
-__all__ = ["ALGORITHMS", "CORRECTIONS", "Trajectory", "TrainerConfig", "Trainer", "default_logits_fn"]
+__all__ = ["ALGORITHMS", "CORRECTIONS", "Trajectory", "TrainerConfig", "Trainer", "default_logits_fn",
+           "minibatch_bounds", "minibatch_of"]
 
 ALGORITHMS = ("grpo", "sao")
 CORRECTIONS = ("none", "tis", "decoupled", "sao")
@@ -105,8 +111,9 @@ class TrainerConfig:
       (the module docstring says what each does).
     is_cap: C of the importance weight. is_cap_mode: "truncate" or "mask" (decoupled only).
     ppo_epochs, ppo_minibatches: optimizer steps per batch = epochs x minibatches (PPO's inner loop).
-      Minibatches are consecutive chunks of groups; data parallel, each rank chunks its own share
-      (minibatch i = every rank's i-th chunk), the same split when each share divides evenly.
+      Minibatches are consecutive chunks of groups; data parallel, by the groups' positions in the
+      whole batch when `add_group` is given them (the single trainer's chunks), else each rank
+      chunks its own share (minibatch i = every rank's i-th chunk).
     kl_coef: weight of the k3 KL penalty to the initial policy (0 = no reference model).
     critic_warmup: SAO: the first steps train only the value head (the policy is published
       unchanged), so that the fresh critic's advantages are not noise when the policy starts moving.
@@ -222,6 +229,23 @@ class TrainerConfig:
             raise ConfigError(f"{pre}{e.field}", str(e).split(": ", 1)[1]) from None
 
 
+def minibatch_bounds(n: int, m: int) -> list[int]:
+    """The PPO minibatch boundaries of a batch of `n` groups split into `m` consecutive chunks:
+    minibatch i is groups bounds[i] .. bounds[i+1] - 1 (in arrival order, or by data-parallel
+    position)."""
+    return [round(i * n / m) for i in range(m + 1)]
+
+
+def minibatch_of(position: int, n: int, m: int) -> int:
+    """The minibatch of the group at `position` in a batch of `n` groups split into `m` chunks."""
+    m = max(1, min(m, n))
+    bounds = minibatch_bounds(n, m)
+    for i in range(m):
+        if position < bounds[i + 1]:
+            return i
+    return m - 1
+
+
 def default_logits_fn(model: nn.Module, input_ids: Tensor) -> Tensor:
     """`model(input_ids)` -> logits `[B, L, V]`; accepts a bare tensor, `(logits, past)` or an
     object with `.logits` (a transformers `CausalLMOutput`)."""
@@ -322,6 +346,10 @@ class Trainer:
             groups.append({"params": self.value_params, "lr": c.value_lr or c.lr})
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
         self.device = self.policy_params[0].device
+        # Wall seconds spent computing (forwards, backwards) and in collectives (data parallel), since
+        # construction: what a host needs to share a batch between ranks by their speed.
+        self.compute_s = 0.0
+        self.comm_s = 0.0
         self.ref_policy: nn.Module | None = None
         if c.kl_coef > 0:
             import copy
@@ -344,9 +372,18 @@ class Trainer:
         gradients are summed over ranks in `_apply`."""
         import torch.distributed as dist
 
-        mine = (self._groups, self._units_total, self._tokens, self._rewards, self._staleness, self._sums)
+        mine = (self._groups, self._units_total, self._tokens, self._rewards, self._staleness, self._sums,
+                self._positions)
         parts: list = [None] * dist.get_world_size()
+        t0 = time.perf_counter()
         dist.all_gather_object(parts, mine)
+        self.comm_s += time.perf_counter() - t0
+        positions = [x for p in parts for x in p[6]]
+        if positions and (sorted(positions) != list(range(sum(p[0] for p in parts)))
+                          or any(p[0] and not p[6] for p in parts)):
+            raise ValueError(f"data parallel: the groups' positions must be 0..n-1 over all ranks, got "
+                             f"{sorted(positions)}")
+        self._batch_groups = sum(p[0] for p in parts) if positions else None
         self._groups = sum(p[0] for p in parts)
         self._units_total = sum(p[1] for p in parts)
         self._tokens = sum(p[2] for p in parts)
@@ -365,7 +402,9 @@ class Trainer:
         params = self.policy_params + self.value_params
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                          + [torch.tensor([units], dtype=params[0].dtype, device=self.device)])
+        t0 = time.perf_counter()
         dist.all_reduce(flat)
+        self.comm_s += time.perf_counter() - t0
         off = 0
         for p in params:
             n = p.numel()
@@ -384,11 +423,19 @@ class Trainer:
         """Groups added since the last `finish_step`."""
         return self._groups
 
-    def add_group(self, group: Any) -> dict[str, float]:
+    def add_group(self, group: Any, position: int | None = None) -> dict[str, float]:
         """Forward and backward one complete group now; gradients accumulate until `finish_step`.
 
-        Returns the group's own metrics (its per-token means), for logging.
+        `position`: data parallel, the group's place in the whole batch's order (0, 1, ... over
+        every rank), which decides its PPO minibatch as the single trainer's arrival order does
+        (see `_inner_loop`); every group of a step gives one, or none does. Returns the group's
+        own metrics (its per-token means), for logging.
         """
+        t_start = time.perf_counter()
+        if position is not None and (isinstance(position, bool) or not isinstance(position, int) or position < 0):
+            raise ValueError(f"position: expected an integer >= 0 or None, got {position!r}")
+        if self._groups and (position is None) != (not self._positions):
+            raise ValueError("position: give one for every group of a step or for none")
         trajectories = _as_trajectories(group)
         meta = self._collate(trajectories, meta_only=True)  # validates; rewards, versions
         seq_adv = self._group_advantages(meta)
@@ -416,6 +463,8 @@ class Trainer:
                 part_sums[k] = part_sums.get(k, 0.0) + (v if k in _SUM_METRICS else v * t)
         if self.updates_per_step > 1:
             self._stored.append((trajectories, seq_adv, rows, units))
+        if position is not None:
+            self._positions.append(position)
         # Bookkeeping in "sum" form so that the step's metrics are batch means.
         self._groups += 1
         self._units_total += units
@@ -426,6 +475,7 @@ class Trainer:
             self._sums[k] = self._sums.get(k, 0.0) + v
         out = {k: (v / max(units, 1.0) if k in _SUM_METRICS else v / max(tokens, 1.0)) for k, v in part_sums.items()}
         out["loss"] = out.pop("total_loss")
+        self.compute_s += time.perf_counter() - t_start
         return {**out, "tokens": tokens, "reward_mean": float(meta.rewards.mean())}
 
     def _micro_split(self, trajectories: Sequence[Trajectory]) -> list[list[int]]:
@@ -476,6 +526,11 @@ class Trainer:
             raise ValueError(f"step: expected {self.version} (the current version), got {step}")
         if self._world > 1:
             self._merge_ranks()
+        elif self._positions:
+            if sorted(self._positions) != list(range(self._groups)):
+                raise ValueError(f"position: expected the groups' positions to be 0..{self._groups - 1}, got "
+                                 f"{sorted(self._positions)}")
+            self._batch_groups = self._groups
         if self._groups == 0:
             raise ValueError(f"step {step}: no group was added; call add_group before finish_step")
         if self.updates_per_step == 1:
@@ -528,10 +583,20 @@ class Trainer:
         token-weighted means of the per-update ratio metrics."""
         c = self.config
         items = self._stored
-        # Every data-parallel rank takes the same number of optimizer steps (some chunks may be empty).
-        m = c.ppo_minibatches if self._world > 1 else min(c.ppo_minibatches, len(items))
-        bounds = [round(i * len(items) / m) for i in range(m + 1)]
-        chunks = [items[bounds[i]:bounds[i + 1]] for i in range(m)]
+        if self._batch_groups is not None:
+            # Data parallel with positions: minibatch i is the groups at positions bounds[i] ..
+            # bounds[i+1] - 1 of the whole batch, wherever they were trained: the single trainer's
+            # chunks of its arrival order, however the groups were shared between ranks.
+            n = self._batch_groups
+            m = min(c.ppo_minibatches, n)
+            bounds = minibatch_bounds(n, m)
+            chunks = [[it for it, pos in zip(items, self._positions) if bounds[i] <= pos < bounds[i + 1]]
+                      for i in range(m)]
+        else:
+            # Every data-parallel rank takes the same number of optimizer steps (some chunks may be empty).
+            m = c.ppo_minibatches if self._world > 1 else min(c.ppo_minibatches, len(items))
+            bounds = minibatch_bounds(len(items), m)
+            chunks = [items[bounds[i]:bounds[i + 1]] for i in range(m)]
         norms, vnorms = [], []
         sums: dict[str, float] = {}
         weight = 0.0
@@ -547,6 +612,7 @@ class Trainer:
                     starts = [sum(sizes[:g]) for g in range(len(sizes))]
                     parts = [list(range(a, a + n)) for a, n in zip(starts, sizes)]
                 for idx in parts:
+                    t_fwd = time.perf_counter()
                     batch = self._collate([trajs[i] for i in idx])
                     seq_adv = torch.stack([rows[i][1] for i in idx]) if c.algorithm == "grpo" else None
                     T = batch.mask.shape[1]
@@ -560,6 +626,7 @@ class Trainer:
                     weight += tokens
                     for k in _UPDATE_METRICS & metrics.keys():
                         sums[k] = sums.get(k, 0.0) + metrics[k] * tokens
+                    self.compute_s += time.perf_counter() - t_fwd
                 g, v = self._apply(sum(u for *_, u in chunk))
                 norms.append(g)
                 vnorms.append(v)
@@ -567,7 +634,9 @@ class Trainer:
             import torch.distributed as dist
 
             parts: list = [None] * dist.get_world_size()
+            t0 = time.perf_counter()
             dist.all_gather_object(parts, (weight, sums))
+            self.comm_s += time.perf_counter() - t0
             weight = sum(p[0] for p in parts)
             keys = set().union(*(p[1] for p in parts))
             sums = {k: sum(p[1].get(k, 0.0) for p in parts) for k in keys}
@@ -618,6 +687,8 @@ class Trainer:
         self._staleness: list[int] = []
         self._sums: dict[str, float] = {}
         self._stored: list[tuple] = []  # (batch, advantages, pre-update pass, units) when updates_per_step > 1
+        self._positions: list[int] = []  # data parallel: each added group's place in the whole batch
+        self._batch_groups: int | None = None  # data parallel with positions: the whole batch's groups
 
     def _units(self, mask: Tensor) -> float:
         """The batch-mean divisor this part of the batch contributes: tokens, or sequences with a token."""

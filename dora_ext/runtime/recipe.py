@@ -8,7 +8,7 @@
     warm_start: {steps: 100, batch_size: 16, lr: 0.003}     # supervised start (tiny models only)
     trainer:   {algorithm: grpo, lr: 0.0005, ...}           # TrainerConfig fields
     engine:    {temperature: 1.0, top_p: 1.0, device: cpu}
-    runtime:   {cores: 2, trainer_cores: 1, pin: true, backend: auto}  # the core split, see below
+    runtime:   {cores: 2, trainer_cores: 1, pin: true, trainer_borrow: false}  # the core split, see below
     eval:      {prompts: 64, samples: 2}
     dora:      {mode: dora, max_staleness: 2, batch_size: 4, group_size: 4, instances: 2, capacity: 8}
 
@@ -21,7 +21,9 @@ Cores (`runtime:`). Equal hardware, as in design.md: `sync` is colocated, so its
 share all `cores` while they generate and the trainer has all `cores` while it trains (never both
 at once); the other modes split them, `cores - trainer_cores` for the rollout instances and
 `trainer_cores` for the trainer, both busy at the same time. The split sets each worker's torch
-intra-op thread count (capped by `max_threads`). `pin: true` also pins each worker to its cores
+intra-op thread count (capped by `max_threads`). With `trainer_borrow: true` the asynchronous
+modes' trainer also runs a second, low-priority rank on the rollout cores, which takes only the
+time the instances leave idle there. `pin: true` also pins each worker to its cores
 (Linux `sched_setaffinity`), so that neither side can borrow the other's idle core; `pin: false`
 (the CPU recipes' choice) lets the OS place the workers on the same `cores`: with a trainer that is
 idle most of a step, a pinned split would leave its core idle, which no real deployment would do,
@@ -89,7 +91,13 @@ class RuntimeSpec:
     0 (the default) = one rank per core on the process backend, 1 = a single trainer process.
     `max_instance_restarts`: how many times one run (or one resume) starts a fresh process in place
     of a rollout instance process that exited (process backend); after that the run goes on with
-    the instances left, and ends with `WorkerDied` when none is left. 0 = never restart."""
+    the instances left, and ends with `WorkerDied` when none is left. 0 = never restart.
+    `trainer_borrow`: the asynchronous modes' trainer gets a second data-parallel rank on the
+    rollout cores, started at a scheduling priority `trainer_borrow_nice` (0-19) below the
+    instances', so that it computes only in the time the instances leave idle; each step's groups
+    are shared between the two ranks by their measured speed (`Runtime._assign`), the minibatches
+    stay the single trainer's (the update is the same). CPU and the process backend only (a
+    run elsewhere has one rank, as `core_assignment` says); sync already trains on every core."""
 
     cores: int
     trainer_cores: int
@@ -99,6 +107,8 @@ class RuntimeSpec:
     stall_timeout_s: float = 300.0
     sync_trainer_ranks: int = 0
     max_instance_restarts: int = 3
+    trainer_borrow: bool = False
+    trainer_borrow_nice: int = 19
 
     @property
     def rollout_cores(self) -> int:
@@ -413,7 +423,21 @@ def _runtime(data: Mapping[str, Any]) -> RuntimeSpec:
     if ranks > cores:
         raise ConfigError("runtime.sync_trainer_ranks", f"expected an integer in [0, {cores}] (runtime.cores), got {ranks}")
     restarts = _positive_int(data.get("max_instance_restarts", 3), "runtime.max_instance_restarts", 0)
-    return RuntimeSpec(cores, min(trainer_cores, cores), pin, backend, max_threads, stall, ranks, restarts)
+    borrow = data.get("trainer_borrow", False)
+    if not isinstance(borrow, bool):
+        raise ConfigError("runtime.trainer_borrow", f"expected true or false, got {borrow!r}")
+    if borrow and backend == "thread":
+        raise ConfigError("runtime.trainer_borrow", "needs the process backend (runtime.backend: process or auto): "
+                          "a borrowing trainer rank is a process of its own, at a lower priority")
+    if borrow and cores < 2:
+        raise ConfigError("runtime.trainer_borrow", f"needs runtime.cores >= 2 (rollout cores to borrow from), "
+                          f"got cores {cores}")
+    borrow_nice = data.get("trainer_borrow_nice", 19)
+    if isinstance(borrow_nice, bool) or not isinstance(borrow_nice, int) or not 0 <= borrow_nice <= 19:
+        raise ConfigError("runtime.trainer_borrow_nice", f"expected an integer in [0, 19] (how much lower the "
+                          f"borrowing rank's priority is), got {borrow_nice!r}")
+    return RuntimeSpec(cores, min(trainer_cores, cores), pin, backend, max_threads, stall, ranks, restarts,
+                       borrow, borrow_nice)
 
 
 def _eval(data: Mapping[str, Any]) -> EvalSpec:

@@ -241,6 +241,14 @@ class Runtime:
         self._outgoing: dict[int, list] = {}
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.colocated = self.mode == "sync"
+        self.trainer_config = recipe.trainer_config()
+        self.rank_speed: list[float | None] = [None]  # tokens per compute second of each trainer rank
+        self.rank_tokens: list[int] = [0]  # tokens each trainer rank trained
+        self.rank_seconds: list[list[float]] = [[0.0, 0.0]]  # per rank: [computing, in collectives]
+        self._position = 0  # the next group's place in the trainer's current batch
+        self._order: list = []  # the current batch's groups by position
+        self.step_order: list[list] = []  # per step handed to the trainer: its groups by position
+        self._rank_load: dict[int, list[float]] = {}  # minibatch -> tokens given to each rank this step
         self.versions: dict[int, dict[str, torch.Tensor]] = {0: prepared.weights}
         self._stream = self.task.prompts(seed=recipe.seed)
         # ledger
@@ -322,9 +330,20 @@ class Runtime:
         return roll, train, per_inst, t_threads
 
     @property
-    def trainer_ranks(self) -> int:
-        """Data-parallel trainer processes: several only for colocated sync on the process backend."""
+    def borrowing(self) -> bool:
+        """Whether an asynchronous mode's trainer has a second, low-priority rank on the rollout
+        cores (`runtime.trainer_borrow`; CPU, process backend, at least 2 cores)."""
         rt = self.recipe.runtime
+        return (rt.trainer_borrow and not self.colocated and rt.cores >= 2 and self.backend == "process"
+                and self.device.type == "cpu")
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Data-parallel trainer processes: several for colocated sync on the process backend (one
+        per core by default), two for an asynchronous mode that borrows (`borrowing`)."""
+        rt = self.recipe.runtime
+        if self.borrowing:
+            return 2
         if not self.colocated or self.backend != "process" or self.device.type != "cpu":
             return 1
         return rt.sync_trainer_ranks or rt.cores
@@ -338,15 +357,21 @@ class Runtime:
 
     def core_assignment(self) -> str:
         """What each worker really ran on: the CPU affinity each process reported when it started
-        (every CPU of the machine when unpinned) and the number of trainer ranks."""
+        (every CPU of the machine when unpinned), its nice value when not 0 (as it reported it),
+        and the number of trainer ranks, rank 0 first: `trainer 2 rank(s) @1 @0(nice 19)` is a
+        trainer on CPU 1 with a second rank borrowing CPU 0 at nice 19."""
         def fmt(cpus: list[int]) -> str:
             return ",".join(map(str, cpus)) if cpus else "?"
+
+        def nice(name: str) -> str:
+            n = self.nice.get(name, 0)
+            return f"(nice {n})" if n else ""
 
         inst = sorted((k, v) for k, v in self.affinity.items() if k.startswith("instance"))
         train = sorted((k, v) for k, v in self.affinity.items() if k.startswith("trainer"))
         pinned = "pinned" if self.recipe.runtime.pin and self.device.type == "cpu" else "unpinned"
-        return (f"{pinned}; instances " + " ".join(f"{k.split('-')[-1]}@{fmt(v)}" for k, v in inst)
-                + f"; trainer {len(train)} rank(s) " + " ".join(f"@{fmt(v)}" for _, v in train))
+        return (f"{pinned}; instances " + " ".join(f"{k.split('-')[-1]}@{fmt(v)}{nice(k)}" for k, v in inst)
+                + f"; trainer {len(train)} rank(s) " + " ".join(f"@{fmt(v)}{nice(k)}" for k, v in train))
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
@@ -374,7 +399,7 @@ class Runtime:
         self.trainer_inbox: Any = None
         self.trainer_inboxes: list[Any] = []
         self.affinity: dict[str, list[int]] = {}
-        self._next_rank = 0
+        self.nice: dict[str, int] = {}
         self.instance_stats: dict[Any, dict] = {}
         self.torch_threads: dict[str, int] = {}
         ok = False
@@ -388,9 +413,20 @@ class Runtime:
                 # rollout cores, never on the trainer's.
                 os.sched_setaffinity(0, set(roll))
             ranks = self.trainer_ranks
-            rank_cpus = [[train[r % len(train)]] for r in range(ranks)] if (ranks > 1 and train) else None
+            self.rank_speed = [None] * ranks
+            self.rank_tokens = [0] * ranks
+            self.rank_seconds = [[0.0, 0.0] for _ in range(ranks)]
+            rank_threads = rank_nice = None
+            if self.borrowing:
+                # rank 0 on the trainer's cores; rank 1 on the rollout cores, below the instances' priority
+                rt = self.recipe.runtime
+                rank_cpus = [train, roll]
+                rank_threads = [t_threads, rt.threads(rt.rollout_cores)]
+                rank_nice = [0, rt.trainer_borrow_nice]
+            else:
+                rank_cpus = [[train[r % len(train)]] for r in range(ranks)] if (ranks > 1 and train) else None
             self.trainer_inboxes, ths = start_trainer(trainer_spec, 1 if ranks > 1 else t_threads, train, self.outbox,
-                                                      self.backend, ranks, rank_cpus)
+                                                      self.backend, ranks, rank_cpus, rank_threads, rank_nice)
             self.trainer_inbox, th = self.trainer_inboxes[0], ths[0]
             self.trainer_handles = ths
             handles.extend(ths)
@@ -547,7 +583,7 @@ class Runtime:
         inboxes, (h,) = start_instances({new: spec}, per_inst, roll, self.outbox, self.backend)
         self.starting[new] = (inboxes[new], h)
 
-    def _on_ready(self, name: str, threads: int, affinity: list | None) -> None:
+    def _on_ready(self, name: str, threads: int, affinity: list | None, nice: int = 0) -> None:
         """A replacement instance process is up: it joins the scheduler, which asks it to load a version."""
         iid = int(name.rsplit("-", 1)[1])
         entry = self.starting.pop(iid, None)
@@ -557,6 +593,7 @@ class Runtime:
         self.torch_threads[name] = threads
         if affinity is not None:
             self.affinity[name] = affinity
+        self.nice[name] = nice
         self.inboxes[iid] = inbox
         self.instance_handles[iid] = h
         self.instance_pids[iid] = h.pid
@@ -739,6 +776,8 @@ class Runtime:
             self.torch_threads[msg[1]] = msg[2]
             if len(msg) > 3:
                 self.affinity[msg[1]] = msg[3]
+            if len(msg) > 4:
+                self.nice[msg[1]] = msg[4]
             ready += 1
 
     def _collect_stats(self, count: int) -> None:
@@ -787,11 +826,31 @@ class Runtime:
         elif kind == "lost":
             self._on_lost(msg[1], msg[2])
         elif kind == "ready":  # a replacement instance (the first ones report in `_wait_ready`)
-            self._on_ready(msg[1], msg[2], msg[3] if len(msg) > 3 else None)
+            self._on_ready(msg[1], msg[2], msg[3] if len(msg) > 3 else None, msg[4] if len(msg) > 4 else 0)
         elif kind == "error":
+            if msg[1].startswith("trainer") and len(self.trainer_handles) > 1:
+                self._peer_died(msg[1], msg[2])
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
             raise RuntimeError(f"unknown worker report {kind!r}")
+
+    def _peer_died(self, name: str, error: str, wait_s: float = 5.0) -> None:
+        """A data-parallel trainer rank reported an error: most often a collective that failed
+        because a peer rank's process died (gloo: "Connection closed by peer"). If another rank's
+        process is gone (it is given `wait_s` to be seen so), the run ends as for a dead trainer,
+        `WorkerDied` naming `--resume`; otherwise the caller reports the error itself."""
+        me = 0 if name == "trainer" else int(name.rsplit("-", 1)[1])
+        deadline = time.perf_counter() + wait_s
+        while True:
+            dead = [(r, h) for r, h in enumerate(self.trainer_handles) if r != me and not h.is_alive()]
+            if dead or time.perf_counter() > deadline:
+                break
+            time.sleep(0.05)  # polling a process's state, not synchronising with it
+        if dead:
+            r, h = dead[0]
+            raise WorkerDied(self._died_message(
+                f"the trainer process exited (rank {r}, exit code {h.exitcode}); rank {me} then reported: "
+                f"{error[:300]}"))
 
     def _on_lost(self, name: str, why: str) -> None:
         """A complete report of worker `name` could not be read (`PipeHub`: most often an export
@@ -856,6 +915,10 @@ class Runtime:
             tokens += sum(len(tr.response_ids) for tr in self.results[gid])
         self.tokens_trained += tokens
         v = step + 1
+        work = metrics.pop("rank_work", None)
+        if work:
+            self._update_speeds(work)
+            metrics["rank_tokens"] = [w[0] for w in work]
         self.versions[v] = weights
         if not self.keep_versions:
             # Older versions can still be loaded for queued work of their groups (an instance may be
@@ -876,7 +939,7 @@ class Runtime:
             "c1_ok": core["c1_ok"], "c2_ok": core["c2_ok"], "c3_ok": core["c3_ok"],
             "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"), "entropy": metrics.get("entropy"),
         }
-        for k in ("pg_clipfrac", "is_weight_mean", "masked_frac", "value_loss"):
+        for k in ("pg_clipfrac", "is_weight_mean", "masked_frac", "value_loss", "rank_tokens"):
             if k in metrics:
                 record[k] = metrics[k]
         self.step_records.append(record)
@@ -925,9 +988,9 @@ class Runtime:
                 self._send(act.src, ("migrate", rid, act.dst))
             elif isinstance(act, A.DeliverGroup):
                 self.delivered.add(act.group_id)
-                rank = self._next_rank % len(self.trainer_inboxes)
-                self._next_rank += 1
-                self.trainer_inboxes[rank].put(("group", act.group_id, self._group(act.group_id)))
+                group = self._group(act.group_id)
+                rank, position = self._assign(act.group_id, group)
+                self.trainer_inboxes[rank].put(("group", act.group_id, group, position))
             elif isinstance(act, A.StartStep):
                 if act.step != len(self.step_groups):
                     raise RuntimeError(f"scheduler started step {act.step}, expected {len(self.step_groups)}")
@@ -943,16 +1006,63 @@ class Runtime:
                 raise RuntimeError(f"unknown action {act!r}")
 
     def _send_step(self, step: int, rest: list) -> None:
-        """The groups of `step` not streamed yet, dealt round-robin after the streamed ones, and the
-        step command to every trainer rank."""
+        """The groups of `step` not streamed yet, shared out after the streamed ones (`_assign`),
+        and the step command to every trainer rank."""
         n = len(self.trainer_inboxes)
         shares: list[list] = [[] for _ in range(n)]
-        for g in rest:
-            shares[self._next_rank % n].append(g)
-            self._next_rank += 1
-        self._next_rank = 0
+        for gid, group in rest:
+            rank, position = self._assign(gid, group)
+            shares[rank].append((gid, group, position))
+        self.step_order.append(self._order)
+        self._order = []
+        self._position = 0
+        self._rank_load = {}
         for inbox, share in zip(self.trainer_inboxes, shares):
             inbox.put(("step", step, share))
+
+    def _assign(self, gid: Hashable, group: list) -> tuple[int, int]:
+        """(trainer rank, position in the batch) for the next group of the current step.
+
+        Positions count the step's groups in the order they are handed out, which is the order a
+        single trainer would add them in; the trainer's PPO minibatches follow them
+        (`Trainer.add_group`), so sharing groups between data-parallel ranks never changes what a
+        minibatch holds. The rank: the one that would finish this group's minibatch share first,
+        at each rank's measured speed (tokens per compute second, from the previous steps'
+        `rank_work`), so that a slow rank (one borrowing a busy core) gets proportionally less and
+        the ranks reach each minibatch's allreduce together. Until every rank was measured, the
+        ranks count as equally fast."""
+        position = self._position
+        self._position += 1
+        self._order.append(gid)
+        n = len(self.trainer_inboxes)
+        if n == 1:
+            return 0, position
+        from ..algo.trainer import minibatch_of
+
+        tc = self.trainer_config
+        minibatches = tc.ppo_minibatches if tc.ppo_epochs * tc.ppo_minibatches > 1 else 1
+        mb = minibatch_of(position, self.config.batch_size, minibatches)
+        work = float(sum(len(t.prompt_ids) + len(t.response_ids) for t in group))
+        speed = self.rank_speed if all(s is not None for s in self.rank_speed) else [1.0] * n
+        load = self._rank_load.setdefault(mb, [0.0] * n)
+        rank = min(range(n), key=lambda r: ((load[r] + work) / speed[r], r))
+        load[rank] += work
+        return rank, position
+
+    def _update_speeds(self, work: list) -> None:
+        """Each rank's speed (tokens per compute second) from its last step, averaged with the
+        previous estimate. A rank that got nothing to do looks 25% faster each step, so that it is
+        tried again (a busy borrowed core may have become free)."""
+        for r, (tokens, seconds, *comm) in enumerate(work):
+            self.rank_tokens[r] += tokens
+            self.rank_seconds[r][0] += seconds
+            self.rank_seconds[r][1] += comm[0] if comm else 0.0
+            old = self.rank_speed[r]
+            if tokens > 0 and seconds > 0:
+                new = tokens / seconds
+                self.rank_speed[r] = new if old is None else 0.5 * old + 0.5 * new
+            elif old is not None:
+                self.rank_speed[r] = old * 1.25
 
     def _dispatch(self, act: A.Dispatch) -> None:
         key = (act.group_id, act.index)
@@ -1067,12 +1177,19 @@ class Runtime:
             "max_staleness": self.config.max_staleness,
             "split": self.split,
             "core_assignment": self.core_assignment(),
+            # data parallel: the share of the trained tokens (prompt + response) each rank trained
+            "trainer_rank_token_share": ([t / sum(self.rank_tokens) for t in self.rank_tokens]
+                                         if len(self.rank_tokens) > 1 and sum(self.rank_tokens) else None),
+            # data parallel: per rank, wall seconds computing and in collectives (waiting for the others)
+            "trainer_rank_seconds": ([[round(a, 3), round(b, 3)] for a, b in self.rank_seconds]
+                                     if len(self.rank_tokens) > 1 else None),
         }
         instance_logs = [[(max(0.0, t - z), c) for t, c in st.get("log", ())] for st in stats]
         ledger = {
             "prompts": self.prompts, "group_version": self.group_version, "results": self.results,
             "token_versions": self.token_versions, "dispatch_versions": self.dispatch_versions,
             "trained": self.trained, "step_groups": self.step_groups, "dispatch": self.dispatch,
+            "step_order": self.step_order,
             "migrations_executed": sum(st.get("migrations_out", 0) for st in stats),
             "migrations_missed": sum(st.get("migrations_missed", 0) for st in stats),
             "migrations_forwarded": sum(st.get("migrations_forwarded", 0) for st in stats),

@@ -238,7 +238,7 @@ class InstanceLoop:
       ("import", SequenceState)             a migrated sequence arriving (from the coordinator)
       ("stop",)                             report ("stats", iid, {...}) and return
       ("batch", [commands])                 several of the above, executed in order (one wake-up)
-    Reports: ("ready", name, torch_threads), ("loaded", iid, version, seconds), ("imported", iid, rid),
+    Reports: ("ready", name, torch_threads, cpus, nice), ("loaded", iid, version, seconds), ("imported", iid, rid),
     ("finished", iid, [Finished, ...], t), ("export", iid, dst, SequenceState),
     ("error", name, message, traceback).
 
@@ -396,7 +396,7 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
             stream = torch.cuda.Stream(engine.device)
         loop = (spec.loop or InstanceLoop)(iid, engine, inbox, outbox,
                                            sync=stream.synchronize if stream else (lambda: None), watch_pid=watch_pid)
-        outbox.put(("ready", name, n, _affinity()))
+        outbox.put(("ready", name, n, _affinity(), _nice()))
         if stream is not None:
             with torch.cuda.stream(stream):
                 loop.run()
@@ -517,13 +517,16 @@ def load_trainer_checkpoint(trainer: Any, path: str) -> None:
 class TrainerLoop:
     """The trainer's command loop (thread or process).
 
-    Commands: ("group", gid, trajectories)  forward/backward now (streamed, R7);
+    Commands: ("group", gid, trajectories, position)  forward/backward now (streamed, R7);
+              `position`: the group's place in the whole batch (data parallel; may be left out);
               ("checkpoint", path)  save model, critic, optimizer and version (reports ("checkpointed", version));
-              ("step", step, [(gid, trajectories), ...])  the groups not streamed yet, then the
+              ("step", step, [(gid, trajectories, position), ...])  the groups not streamed yet, then the
               optimizer step and the new weights;  ("stop",)  report ("stats", "trainer", {...}).
     Reports: ("step_done", step, metrics, gids, t, weights) with the weights of version step+1,
     packed into one shared-memory tensor when the instances are processes (that copy is the
-    broadcast, and the trainer pays it, as a real one would).
+    broadcast, and the trainer pays it, as a real one would). Data parallel, rank 0 reports for
+    every rank, with metrics["rank_work"] = [(tokens, compute seconds, seconds in collectives), ...]
+    per rank for the step.
     `busy` [(t0, t1)] records when it computed, for the timeline and `trainer_wait_ratio`; `cpu`
     the CPU seconds of those spans (busy wall minus time spent waiting for a core).
     """
@@ -539,6 +542,16 @@ class TrainerLoop:
         self.busy: list[tuple[float, float]] = []
         self.cpu = 0.0
         self._gids: list[Any] = []
+        self._tokens = 0  # tokens (prompt + response) of this step's groups so far
+        self._compute0 = getattr(trainer, "compute_s", 0.0)
+        self._comm0 = getattr(trainer, "comm_s", 0.0)
+
+    def _add(self, gid: Any, trajectories: Any, position: int | None = None) -> None:
+        """Train one group (streamed, or with the step command); `position`: its place in the
+        whole batch (data parallel, see `Trainer.add_group`)."""
+        self.trainer.add_group(trajectories, position)
+        self._gids.append(gid)
+        self._tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
 
     def handle_checkpoint(self, path: str) -> None:
         """Save the trainer's half of a checkpoint at `path` and report it (`runtime/faults.py`
@@ -559,29 +572,33 @@ class TrainerLoop:
                 return
             t0, c0 = time.perf_counter(), time.thread_time()
             if kind == "group":
-                self.trainer.add_group(cmd[2])
-                self._gids.append(cmd[1])
+                self._add(*cmd[1:])
                 self.busy.append((t0, time.perf_counter()))
                 self.cpu += time.thread_time() - c0
             elif kind == "checkpoint":
                 self.handle_checkpoint(cmd[1])
             elif kind == "step":
                 _, step, rest = cmd
-                for gid, trajectories in rest:
-                    self.trainer.add_group(trajectories)
-                    self._gids.append(gid)
+                for item in rest:
+                    self._add(*item)
                 metrics = self.trainer.finish_step(step)
                 gids, self._gids = self._gids, []
+                # This rank's work in the step: tokens, wall seconds computing (waits at the
+                # collectives excluded), from which the coordinator shares the next batches by speed,
+                # and wall seconds in the collectives (mostly waiting for the other ranks).
+                work = (self._tokens, self.trainer.compute_s - self._compute0, self.trainer.comm_s - self._comm0)
+                self._tokens, self._compute0, self._comm0 = 0, self.trainer.compute_s, self.trainer.comm_s
                 if rank > 0:  # data parallel: rank 0 reports the step for every rank
-                    dist.gather_object(gids, None, dst=0)
+                    dist.gather_object((gids, work), None, dst=0)
                     t1 = time.perf_counter()
                     self.busy.append((t0, t1))
                     self.cpu += time.thread_time() - c0
                     continue
                 if dist.is_available() and dist.is_initialized():
                     parts: list = [None] * dist.get_world_size()
-                    dist.gather_object(gids, parts, dst=0)
-                    gids = [g for part in parts for g in part]
+                    dist.gather_object((gids, work), parts, dst=0)
+                    gids = [g for part, _ in parts for g in part]
+                    metrics["rank_work"] = [w for _, w in parts]
                 weights = {k: v for k, v in self.trainer.publish().items() if not k.startswith("value_head.")}
                 if self.pack:
                     weights = PackedWeights.pack(weights, shared=True)
@@ -596,11 +613,16 @@ class TrainerLoop:
 
 def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, inbox: Any, outbox: Any,
                    pack: bool, watch_pid: int | None = None, rank: int = 0, world: int = 1,
-                   port: int | None = None) -> None:
+                   port: int | None = None, nice: int = 0) -> None:
     """Body of the trainer worker (thread or process); rank `rank` of `world` data-parallel ranks
-    (gloo over 127.0.0.1:`port`) when world > 1."""
+    (gloo over 127.0.0.1:`port`) when world > 1. `nice` > 0 (a process only): lower its scheduling
+    priority by that much first (Linux: per thread, inherited by the threads it starts later, the
+    gloo and OpenMP ones included), so that it only takes the CPU time its cores' other workers
+    leave idle."""
     name = "trainer" if rank == 0 else f"trainer-{rank}"
     try:
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
         n = claim_cores(threads, cpus)
         if world > 1:
             import datetime
@@ -613,7 +635,7 @@ def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None
         stream = torch.cuda.Stream(torch.device(spec.device)) if spec.device.startswith("cuda") else None
         loop = (spec.loop or TrainerLoop)(trainer, inbox, outbox, pack, stream.synchronize if stream else (lambda: None),
                                           watch_pid)
-        outbox.put(("ready", name, n, _affinity()))
+        outbox.put(("ready", name, n, _affinity(), _nice()))
         if stream is not None:
             with torch.cuda.stream(stream):
                 loop.run()
@@ -628,6 +650,11 @@ def _affinity() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
+def _nice() -> int:
+    """The calling thread's nice value, as the OS reports it."""
+    return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+
+
 def _free_port() -> int:
     import socket
 
@@ -638,9 +665,13 @@ def _free_port() -> int:
 
 def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, outbox: Any,
                   backend: str, ranks: int = 1,
-                  rank_cpus: Sequence[Sequence[int] | None] | None = None) -> tuple[list[Any], list[Any]]:
+                  rank_cpus: Sequence[Sequence[int] | None] | None = None,
+                  rank_threads: Sequence[int] | None = None,
+                  rank_nice: Sequence[int] | None = None) -> tuple[list[Any], list[Any]]:
     """Start the trainer worker(s): `ranks` > 1 data-parallel processes (process backend only),
-    rank r pinned to `rank_cpus[r]` when given. Returns (their inboxes, handles to join), rank 0 first."""
+    rank r pinned to `rank_cpus[r]` when given, with `rank_threads[r]` intra-op threads (else
+    `threads`) and its priority lowered by `rank_nice[r]` (else not). Returns (their inboxes,
+    handles to join), rank 0 first."""
     if backend == "process":
         ctx = process_context()
         port = _free_port() if ranks > 1 else None
@@ -649,9 +680,12 @@ def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None,
         for r in range(ranks):
             inbox = ctx.Queue()
             own = rank_cpus[r] if rank_cpus else cpus
+            n = rank_threads[r] if rank_threads else threads
+            nice = rank_nice[r] if rank_nice else 0
             outs.append(_own_outbox(outbox, "trainer" if r == 0 else f"trainer-{r}"))
             handles.append(ctx.Process(target=_serve_trainer, name=f"dora-trainer-{r}", daemon=True,
-                                       args=(spec, threads, own, inbox, outs[-1], True, os.getpid(), r, ranks, port)))
+                                       args=(spec, n, own, inbox, outs[-1], True, os.getpid(), r, ranks, port,
+                                             nice)))
             inboxes.append(inbox)
         for h in handles:
             h.start()

@@ -327,17 +327,32 @@ def test_a_worker_killed_mid_write_does_not_block_the_pipe_hub(first):
                 p.terminate()
 
 
+def _borrow(borrow: bool) -> dict:
+    """The runtime section of a recipe whose trainer borrows the rollout cores (a second,
+    low-priority rank there, `runtime.trainer_borrow`), or of one whose trainer does not."""
+    if borrow and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("runtime.trainer_borrow needs 2 cores")
+    return {"trainer_borrow": True, "cores": 2} if borrow else {}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpoints", [False, True])
-def test_a_killed_trainer_is_a_clean_error_naming_resume(checkpoints, tmp_path):
-    recipe = recipe_from_dict(tiny(steps=6))
+@pytest.mark.parametrize("checkpoints,victim", [(False, None), (True, None), (False, 0), (True, 1)],
+                         ids=["no-ckpt", "ckpt", "borrow-no-ckpt-kill-rank0", "borrow-ckpt-kill-borrowed-rank"])
+def test_a_killed_trainer_is_a_clean_error_naming_resume(checkpoints, victim, tmp_path):
+    """A trainer process killed at step 3 ends the run with `WorkerDied` naming `--resume`; with
+    `runtime.trainer_borrow` (victim = the rank killed) a killed borrowed rank (rank 1, on the
+    rollout cores) or a killed rank 0 is handled alike, although its peer may report a failed
+    collective first."""
+    recipe = recipe_from_dict(tiny(steps=6, runtime=_borrow(victim is not None)))
     prepared = prepare(recipe)
     holder: list = []
 
     def kill(rec: dict) -> None:
         # the trainer reports "checkpointed" (version 2) before step 2's end: by step 3 it is complete
         if rec["step"] == 3:
-            os.kill(holder[0].trainer_pid, signal.SIGKILL)
+            if victim is not None:
+                assert len(holder[0].trainer_handles) == 2
+            os.kill(holder[0].trainer_handles[victim or 0].pid, signal.SIGKILL)
 
     kw = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2) if checkpoints else {}
     rt = Runtime(recipe, prepared, on_step=kill, **kw)
@@ -367,14 +382,15 @@ class WatchesTheDeadTrainer(Runtime):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_reported_by_a_trainer_that_then_died_counts(tmp_path):
+@pytest.mark.parametrize("borrow", [False, True], ids=["one-rank", "borrow"])
+def test_a_checkpoint_reported_by_a_trainer_that_then_died_counts(borrow, tmp_path):
     """`faults.DieAfterCheckpoint`: the trainer writes checkpoint 4, reports it and is killed; the
     coordinator notices the death before reading the report. The report is still taken (the dead
     trainer's pipe is drained first), so the error names checkpoint 4, and the resumed run trains
     every admitted group exactly once across both runs."""
     from dora_ext.runtime.faults import DieAfterCheckpoint
 
-    recipe = recipe_from_dict(tiny(steps=6))
+    recipe = recipe_from_dict(tiny(steps=6, runtime=_borrow(borrow)))
     prepared = prepare(recipe)
     ckpt = str(tmp_path / "ckpt")
     rt = WatchesTheDeadTrainer(recipe, prepared, checkpoint_dir=ckpt, checkpoint_every=2,
@@ -723,7 +739,8 @@ def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_
 
 
 @pytest.mark.slow
-def test_a_trainer_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(tmp_path):
+@pytest.mark.parametrize("borrow", [False, True], ids=["one-rank", "borrow"])
+def test_a_trainer_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(borrow, tmp_path):
     """`faults.DieMidCheckpoint`: the trainer dies half-way through writing checkpoint 4 (its
     temporary file cut, nothing reported). `latest` still names checkpoint 2, the error says so,
     and the resumed run trains every admitted group exactly once, a full batch every step, counted
@@ -731,7 +748,7 @@ def test_a_trainer_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_o
     (they used to stay on disk for good)."""
     from dora_ext.runtime.faults import DieMidCheckpoint
 
-    recipe = recipe_from_dict(tiny(steps=6))
+    recipe = recipe_from_dict(tiny(steps=6, runtime=_borrow(borrow)))
     prepared = prepare(recipe)
     ckpt = tmp_path / "ckpt"
     rt = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), checkpoint_every=2, trainer_loop=DieMidCheckpoint)
@@ -795,7 +812,7 @@ def test_resume_sends_a_fresh_instance_no_void_attempt():
 
     recipe = recipe_from_dict(tiny(steps=6))
     rt = Runtime(recipe, prepare(recipe))
-    rt.trainer_inboxes, rt._next_rank = [queue.SimpleQueue()], 0  # DeliverGroup lands here
+    rt.trainer_inboxes = [queue.SimpleQueue()]  # DeliverGroup lands here
     rt._execute(rt.sched.start())
     for iid in list(rt.sched.instances):
         rt._execute(rt.sched.handle(E.InstanceLoaded(iid, 0)))

@@ -342,3 +342,73 @@ def test_data_parallel_sync_trainer_takes_the_single_trainers_steps():
                 continue
             torch.testing.assert_close(out[2].versions[v][k], w, rtol=1e-4, atol=1e-5)
     assert any(not torch.equal(out[2].versions[1][k], w) for k, w in out[2].versions[0].items())
+
+
+def test_a_borrowing_trainer_takes_the_single_trainers_steps():
+    """dora with `runtime.trainer_borrow`: a second trainer rank on the rollout cores at nice 19,
+    the groups shared by speed. Every published version equals a single trainer's step on the same
+    groups in the order the coordinator handed them out (two minibatches: the positions decide
+    them), both ranks trained, and the core assignment says what ran."""
+    import os
+    import re
+
+    from dora_ext.runtime.workers import TrainerRecipe, build_trainer
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores (runtime.trainer_borrow needs runtime.cores >= 2)")
+    data = tiny(steps=4, runtime={"trainer_borrow": True, "cores": 2},
+                trainer={"ppo_minibatches": 2, "lr": 0.01}, dora={"batch_size": 4, "capacity": 4})
+    recipe = recipe_from_dict(data)
+    prepared = prepare(recipe)
+    result = run(recipe, prepared, keep_versions=True)
+    m = result.metrics
+    assert re.search(r"trainer 2 rank\(s\) @\S+ @\S+\(nice \d+\)$", m["core_assignment"]), m["core_assignment"]
+    assert len(m["trainer_rank_token_share"]) == 2 and min(m["trainer_rank_token_share"]) > 0
+    assert all(compute > 0 and comm > 0 for compute, comm in m["trainer_rank_seconds"])
+    led = result.ledger
+    assert [sorted(o) for o in led["step_order"]] == [sorted(g) for g in led["step_groups"]]
+    single = build_trainer(TrainerRecipe(prepared.model_config, dict(recipe.trainer), prepared.weights, "cpu"))
+    for step, order in enumerate(led["step_order"]):
+        for gid in order:
+            single.add_group(led["results"][gid])
+        single.finish_step(step)
+        for k, w in single.publish().items():
+            if k.endswith("k_proj.bias"):
+                continue  # its true gradient is 0 (see the sync test above): rounding noise scaled by Adam
+            torch.testing.assert_close(result.versions[step + 1][k], w, rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(result.versions[1][k], w) for k, w in result.versions[0].items())
+
+
+def test_groups_are_shared_by_measured_speed_within_each_minibatch():
+    """`Runtime._assign` (no processes): until both ranks are measured they count as equally fast;
+    then a rank three times as fast gets about three times the tokens of each PPO minibatch, the
+    positions count the step's groups in hand-out order, and a rank that got nothing looks faster
+    each step until it is tried again."""
+    import queue
+
+    from dora_ext.algo import Trajectory
+
+    data = tiny(trainer={"ppo_minibatches": 2}, dora={"batch_size": 8})
+    recipe = recipe_from_dict(data)
+    rt = Runtime(recipe, prepare(recipe))
+    rt.trainer_inboxes = [queue.SimpleQueue(), queue.SimpleQueue()]
+    rt.rank_speed, rt.rank_tokens, rt.rank_seconds = [None, None], [0, 0], [[0.0, 0.0], [0.0, 0.0]]
+    group = [Trajectory([1, 2], [3] * 8, [0.0] * 8, 1.0, 0)] * 2  # 20 tokens
+
+    def one_step() -> list[tuple[int, int]]:
+        out = [rt._assign(g, group) for g in range(8)]
+        rt._send_step(len(rt.step_order), [])
+        return out
+
+    first = one_step()
+    assert [p for _, p in first] == list(range(8))
+    assert [r for r, _ in first] == [0, 1] * 4  # equal speeds: alternate, within each minibatch
+    rt._update_speeds([(60, 2.0), (20, 2.0)])  # 30 and 10 tokens per second
+    second = one_step()
+    for mb in (range(0, 4), range(4, 8)):  # each minibatch: 3 groups on the fast rank, 1 on the slow
+        assert sorted(second[p][0] for p in mb) == [0, 0, 0, 1]
+    assert rt.step_order[0] == rt.step_order[1] == list(range(8))
+    rt._update_speeds([(80, 1.0, 0.5), (0, 0.0, 1.5)])  # rank 1 got nothing: it looks 25% faster
+    assert rt.rank_speed[1] == pytest.approx(10 * 1.25)
+    assert rt.rank_tokens == [140, 20]
+    assert rt.rank_seconds == [[3.0, 0.5], [2.0, 1.5]]

@@ -17,13 +17,13 @@ A runtime executes each action and reports back with events (see `events.py`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._record import record
 from typing import Union
 
 from .events import GroupId
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestGroups:
     """Admit up to `count` new prompts; their groups get `version` (the newest published)."""
 
@@ -31,7 +31,7 @@ class RequestGroups:
     version: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Dispatch:
     """Generate trajectory `(group_id, index)` on `instance_id`, which holds `version`."""
 
@@ -42,7 +42,7 @@ class Dispatch:
     attempt: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LoadVersion:
     """Load `version` on `instance_id`.
 
@@ -56,7 +56,7 @@ class LoadVersion:
     preempt: tuple[tuple[GroupId, int], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Migrate:
     """Move running trajectory `(group_id, index)` from `src` to `dst`; both hold `version` (R5)."""
 
@@ -67,7 +67,7 @@ class Migrate:
     version: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DeliverGroup:
     """Group `group_id` is complete and belongs to trainer step `step` (streamed, R7)."""
 
@@ -75,7 +75,7 @@ class DeliverGroup:
     step: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StartStep:
     """Run trainer step `step` over `group_ids` (groups not yet delivered are delivered now)."""
 
@@ -83,7 +83,7 @@ class StartStep:
     group_ids: tuple[GroupId, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SwitchToTrainer:
     """Elastic colocation: lend idle instance `instance_id`'s accelerators to the trainer.
 
@@ -96,7 +96,7 @@ class SwitchToTrainer:
     instance_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SwitchToRollout:
     """Elastic colocation: give the trainer's accelerators of `instance_id` to the rollout.
 
@@ -109,7 +109,7 @@ class SwitchToRollout:
     capacity: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReportGroupFailed:
     """A group exhausted its retries: it is not trained, and the user must hear of it (C2)."""
 
@@ -117,7 +117,7 @@ class ReportGroupFailed:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ReportError:
     """A trajectory produced an invalid result (e.g. a NaN reward); it is being retried."""
 

@@ -8,13 +8,13 @@ instance that was declared failed but still answers); leave it `None` when the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._record import record
 from typing import Any, Union
 
 GroupId = Union[int, str]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class InstanceReady:
     """A rollout instance exists (or came back after a failure) with no version loaded."""
 
@@ -22,7 +22,7 @@ class InstanceReady:
     capacity: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class InstanceLoaded:
     """The instance finished loading `version` (answer to `LoadVersion`)."""
 
@@ -30,7 +30,7 @@ class InstanceLoaded:
     version: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class InstanceFailed:
     """The instance is gone; its running trajectories are re-dispatched to the same version."""
 
@@ -38,7 +38,7 @@ class InstanceFailed:
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SwitchedToTrainer:
     """Elastic colocation: the trainer now computes on `instance_id`'s accelerators (answer to
     `SwitchToTrainer`). Until then the scheduler does not move them back."""
@@ -46,7 +46,7 @@ class SwitchedToTrainer:
     instance_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GroupAdmitted:
     """The runtime bound a prompt to a new group (answer to `RequestGroups`).
 
@@ -57,19 +57,19 @@ class GroupAdmitted:
     meta: Any = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GroupsDeclined:
     """The runtime cannot admit `count` of the requested groups now (no prompts ready)."""
 
     count: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DataExhausted:
     """No prompts will ever come again: train what is admitted (a last short batch if needed)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TrajectoryProgressed:
     """`tokens` response tokens generated so far (cumulative)."""
 
@@ -79,7 +79,7 @@ class TrajectoryProgressed:
     attempt: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TrajectoryFinished:
     """Generation ended (stop token or max length). `reward` may come here or in `RewardReady`.
 
@@ -95,7 +95,7 @@ class TrajectoryFinished:
     truncated_early: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TrajectoryFailed:
     """Generation (or its reward) failed; retried up to `max_retries`, then the group fails."""
 
@@ -105,7 +105,7 @@ class TrajectoryFailed:
     attempt: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RewardReady:
     """The reward of a finished trajectory. None or NaN is an error naming the trajectory."""
 
@@ -115,21 +115,21 @@ class RewardReady:
     attempt: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TrainerStepStarted:
     """The trainer began the optimizer work of `step` (informational)."""
 
     step: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TrainerStepFinished:
     """The optimizer step `step` is done; the trainer holds version `step + 1`."""
 
     step: int
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MigrationLanded:
     """The migrated trajectory `(group_id, index)` runs on its destination (answer to `Migrate`).
 
@@ -142,7 +142,7 @@ class MigrationLanded:
     attempt: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TrainerIdle:
     """The trainer has processed everything delivered to it and waits for groups.
 
@@ -152,7 +152,7 @@ class TrainerIdle:
     """
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class VersionPublished:
     """Version `version` may now be loaded by instances (its weights are broadcast)."""
 

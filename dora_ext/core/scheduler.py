@@ -371,12 +371,13 @@ class Scheduler:
         if self._halted is not None:
             raise self._storm([])
         handlers = self._handlers
+        failed = E.InstanceFailed
         for event in events:
             try:
                 method = handlers[type(event)]
             except KeyError:
                 raise ProtocolError(f"unknown event {event!r}") from None
-            if type(event) is E.InstanceFailed and event.instance_id in self.instances:
+            if type(event) is failed and event.instance_id in self.instances:
                 # Dispatches and loads this batch sent to the instance before it failed are void
                 # (their trajectories are re-queued): drop them, else a runtime would execute
                 # them, possibly on an engine re-registered under the same id in this batch.
@@ -613,8 +614,9 @@ class Scheduler:
         g = self._gslot.get(ev.group_id)
         idx = ev.index
         n = self.n
-        if (g is None or not 0 <= idx < n or self._ts[h := g * n + idx] != _RUNNING
-                or (ev.attempt is not None and ev.attempt != self._ta[h])):
+        ts = self._ts
+        if (g is None or not 0 <= idx < n or ts[h := g * n + idx] != _RUNNING
+                or ((a := ev.attempt) is not None and a != self._ta[h])):
             # the general path: errors and stale reports
             h = self._running_traj(ev.group_id, idx, ev.attempt)
             if h is None:
@@ -627,17 +629,26 @@ class Scheduler:
         if ev.truncated_early:
             self.m["truncated"] += 1
         self._release(h)
-        failed = self._gst[g] == _FAILED
-        if failed and ev.reward is not None:
-            self._retire(g, h)
+        reward = ev.reward
+        if self._gst[g] == _FAILED:
+            if reward is not None:
+                self._retire(g, h)
+                return
+            # (A trajectory of a failed group without its reward yet stays until the runtime
+            # sends the reward or a failure for it, so that those events are still understood.)
+            ts[h] = _AWAIT_REWARD
             return
-        # (A trajectory of a failed group without its reward yet stays until the runtime sends
-        # the reward or a failure for it, so that those events are still understood.)
-        self._ts[h] = _AWAIT_REWARD
-        if failed:
-            return
-        if ev.reward is not None:
-            self._set_reward(g, h, ev.reward)
+        if reward is None:
+            ts[h] = _AWAIT_REWARD
+        elif type(reward) is float and reward - reward == 0.0 and self._gdone[g] + 1 < n:
+            # `_set_reward`'s common case, inlined: a finite float that does not complete its group
+            self._tr[h] = reward
+            ts[h] = _DONE
+            self._glive[g] -= 1
+            self._gdone[g] += 1
+        else:
+            ts[h] = _AWAIT_REWARD
+            self._set_reward(g, h, reward)
 
     def _on_reward(self, ev: E.RewardReady) -> None:
         g = self._group(ev.group_id, ev.attempt)
@@ -993,37 +1004,53 @@ class Scheduler:
         gretry, gnext, glive = self._gretry, self._gnext, self._glive
         share_of = self._cap[b]
         work = self._occupied[b] + self._queued[b]  # constant here: each dispatch moves one over
-        out = self._out
+        append = self._out.append
+        Dispatch = A.Dispatch
         uniform = self._uniform
         lo_of = self._lo
-        idle = self._idle
-        while heap:
-            gid = heap[0][2]
-            g = gslot.get(gid)
-            if g is None or not (g in gretry or gnext[g] < n):
-                heapq.heappop(heap)
-                if g is not None:
-                    self._ginq[g] = 0
+        lo = lo_of[b]
+        heappop = heapq.heappop
+        fcap = limit = -1  # the capacity `limit` was computed for: min(capacity, fair share)
+        sent = 0
+        g = -1  # the head group's slot (-1: read the heap's head again)
+        while True:
+            if g < 0:
+                if not heap:
+                    break
+                gid = heap[0][2]
+                g = gslot.get(gid)
+                if g is None:
+                    heappop(heap)
+                    g = -1
+                    continue
+            retry = gretry.get(g)
+            if retry is None and gnext[g] >= n:
+                heappop(heap)  # nothing left to start in this group
+                self._ginq[g] = 0
+                g = -1
                 continue
             # `_pick`, inlined for the common case (equal capacities): the least loaded instance
-            lo = lo_of[b]
             while lo not in lv:
                 lo += 1
-            lo_of[b] = lo
             level = lv[lo]
             iid = next(iter(level))
             inst = instances[iid]
             cap = inst.capacity
-            if lo >= cap or lo >= -(-work * cap // share_of):
+            if cap != fcap:
+                fcap = cap
+                limit = min(cap, -(-work * cap // share_of))
+            if lo >= limit:
                 if uniform:
                     break
+                lo_of[b] = lo
                 inst = self._pick(b, lv, work, share_of)
                 if inst is None:
                     break
                 iid = inst.id
-            running = inst.running
-            n_run = len(running)
-            retry = gretry.get(g)
+                n_run = len(inst.running)
+                level = lv[n_run]
+            else:
+                n_run = lo
             if retry is not None:
                 idx = retry.pop()
                 if not retry:
@@ -1032,30 +1059,30 @@ class Scheduler:
                 idx = gnext[g]
                 gnext[g] = idx + 1
             h = g * n + idx
+            ver = inst.version
             ts[h] = _RUNNING
             ti[h] = iid
             tm[h] = 0
-            tv[h] = inst.version
+            tv[h] = ver
             glive[g] += 1
-            running[h] = None
-            if n_run:
-                # one level up (the `_lv_set` common case, inlined)
-                d = lv[n_run]
-                del d[iid]
-                if not d:
-                    del lv[n_run]
-                d = lv.get(n_run + 1)
-                if d is None:
-                    lv[n_run + 1] = d = _Level()
-                    d[iid] = None
-                else:
-                    d[iid] = None
-            else:
-                idle.pop(iid, None)
-                self._lv_set(b, iid, 0, 1)
-            self._occupied[b] += 1
-            self._queued[b] -= 1
-            out.append(A.Dispatch(gid, idx, iid, inst.version, ta[h]))
+            inst.running[h] = None
+            # one level up (`_lv_set`, inlined)
+            del level[iid]
+            if not level:
+                del lv[n_run]
+            d = lv.get(n_run + 1)
+            if d is None:
+                lv[n_run + 1] = d = _Level()
+            d[iid] = None
+            if not n_run:
+                self._idle.pop(iid, None)
+                self._nhold[b] = self._nhold.get(b, 0) + 1
+            sent += 1
+            append(Dispatch(gid, idx, iid, ver, ta[h]))
+        lo_of[b] = lo
+        if sent:
+            self._occupied[b] += sent
+            self._queued[b] -= sent
         if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
             del self._queue[b], self._queued[b]  # keep per-version dicts as short as the live set
 
@@ -1071,7 +1098,7 @@ class Scheduler:
         n_run = len(running)
         if inst.loading is None:
             v = inst.version
-            b = self._bucket(v)
+            b = v if self._pinned else _ANY
             self._occupied[b] -= 1
             # one level down (the `_lv_set` common case, inlined: this runs on every finish)
             lv = self._lv[b]

@@ -1127,9 +1127,14 @@ class Scheduler:
             if not running:
                 self._idle[inst.id] = None
                 self._plan_instance(inst)
-            elif (self._migrate and v < self.newest and v + self.K > self.step
-                  and self._queued.get(v, 0) <= 0 and self._nhold.get(v, 0) >= 2):
-                self._maybe_consolidate(v)  # (its first O(1) tests, inlined: this runs on every finish)
+            elif (self._migrate and v < (newest := self.newest) and v + self.K > self.step
+                  and self._queued.get(v, 0) <= 0 and self._nhold.get(v, 0) >= 2
+                  and ((newest + self.K + 1) * self.B > self._admitted + self._outstanding
+                       or self._queued.get(self._bucket(newest), 0) > 0)):
+                # (its first O(1) tests, inlined: this runs on every finish; the last one is
+                # `_maybe_consolidate`'s "the newest version could use the freed slots" without
+                # `max_steps`, a necessary condition of it)
+                self._maybe_consolidate(v)
         else:
             # partial: preempted while loading; it stops counting against the version it loads.
             self._occupied[self._bucket(inst.loading)] -= 1
@@ -1318,7 +1323,10 @@ class Scheduler:
             lv = self._lv.get(v)
             if not lv or self._nhold.get(v, 0) <= -(-self._occupied.get(v, 0) // top):
                 break
-            src = instances[next(iter(lv[min(n for n in lv if n)]))]
+            low = min(lv)
+            if not low:
+                low = min(n for n in lv if n)
+            src = instances[next(iter(lv[low]))]
             progressed = False
             tm = self._tm
             for h in list(src.running):

@@ -413,9 +413,10 @@ class Runtime:
                 # rollout cores, never on the trainer's.
                 os.sched_setaffinity(0, set(roll))
             ranks = self.trainer_ranks
-            self.rank_speed = [None] * ranks
-            self.rank_tokens = [0] * ranks
-            self.rank_seconds = [[0.0, 0.0] for _ in range(ranks)]
+            if len(self.rank_tokens) != ranks or self.resumed_from is None:  # a resume keeps the checkpoint's
+                self.rank_speed = [None] * ranks
+                self.rank_tokens = [0] * ranks
+                self.rank_seconds = [[0.0, 0.0] for _ in range(ranks)]
             rank_threads = rank_nice = None
             if self.borrowing:
                 # rank 0 on the trainer's cores; rank 1 on the rollout cores, below the instances' priority
@@ -629,6 +630,8 @@ class Runtime:
                 "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
                 "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
                 "served_by": self.served_by, "next_instance_id": self.next_instance_id,
+                "step_order": self.step_order, "rank_speed": self.rank_speed, "rank_tokens": self.rank_tokens,
+                "rank_seconds": self.rank_seconds,
             },
             "versions": keep,
         }
@@ -1013,7 +1016,13 @@ class Runtime:
         for gid, group in rest:
             rank, position = self._assign(gid, group)
             shares[rank].append((gid, group, position))
-        self.step_order.append(self._order)
+        if step < len(self.step_order):  # a resumed run hands the checkpoint's started step over again
+            self.step_order[step] = self._order
+        elif step == len(self.step_order):
+            self.step_order.append(self._order)
+        else:
+            raise RuntimeError(f"step {step} handed to the trainer, but the ledger's step order has "
+                               f"{len(self.step_order)} steps")
         self._order = []
         self._position = 0
         self._rank_load = {}

@@ -398,11 +398,17 @@ def test_a_checkpoint_reported_by_a_trainer_that_then_died_counts(borrow, tmp_pa
     with pytest.raises(WorkerDied, match="trainer process exited .* at step 4. The run can continue from its last"):
         rt.run()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "4"
-    result = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True, keep_versions=True).run()
+    resumed = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True, keep_versions=True)
+    result = resumed.run()
     led = result.ledger
     assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
     assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
     assert result.metrics["c1_ok"] and result.metrics["c2_ok"] and result.metrics["c3_ok"]
+    # the order each step's groups were handed to the trainer (their PPO minibatches), for every
+    # step of both runs: the checkpoint carries it, and a step handed over again replaces its entry
+    assert [sorted(o) for o in led["step_order"]] == [sorted(g) for g in led["step_groups"]]
+    if borrow:  # each rank's trained tokens over both runs (the checkpoint carries the counts too)
+        assert resumed.rank_tokens == [sum(rec["rank_tokens"][r] for rec in result.steps) for r in (0, 1)]
 
 
 @pytest.mark.slow

@@ -843,3 +843,118 @@ def test_resume_sends_a_fresh_instance_no_void_attempt():
                 assert rt.sched.groups[gid].trajs[idx].attempt == attempt, (iid, c[1], "a void attempt")
     # Every trajectory that ran at the checkpoint is queued again, under a new attempt.
     assert all(t.status == "Q" for g in rt.sched.groups.values() for t in g.trajs if t.attempt), rt.sched.snapshot()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,loop", [("dora", "DieInAllreduce"), ("dora", "DieInAllreduceRank0"),
+                                       ("sync", "DieInAllreduce")],
+                         ids=["borrow-kill-rank1", "borrow-kill-rank0", "sync-2-ranks-kill-rank1"])
+def test_a_rank_killed_in_the_allreduce_is_a_dead_trainer_and_the_run_resumes(mode, loop, tmp_path):
+    """Data parallel (dora with `runtime.trainer_borrow`, or sync's 2-rank trainer): one rank is
+    killed (SIGKILL) right before it joins its first gradient allreduce of step 2
+    (`faults.DieInAllreduce`), so its peer is in that allreduce and fails with it. Whichever the
+    coordinator notices first (the peer's failed collective or the dead process), the run ends as
+    a dead trainer naming the killed rank and how to resume; the resumed run (checkpoint 2) trains
+    every admitted group exactly once across both runs, a full batch per step."""
+    from dora_ext.runtime import faults
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a 2-rank trainer needs 2 cores (runtime.cores <= available cores)")
+    rt_section = {"trainer_borrow": True, "cores": 2} if mode == "dora" else {"sync_trainer_ranks": 2, "cores": 2}
+    recipe = recipe_from_dict(tiny(steps=5, runtime=rt_section)).with_mode(mode)
+    prepared = prepare(recipe)
+    ckpt = str(tmp_path / "ckpt")
+    victim = getattr(faults, loop).victim
+    rt = Runtime(recipe, prepared, checkpoint_dir=ckpt, checkpoint_every=2, trainer_loop=getattr(faults, loop))
+    with pytest.raises(WorkerDied, match=rf"trainer process exited \(rank {victim}, exit code -9\).* at step 2\. "
+                                         r"The run can continue from its last checkpoint") as info:
+        rt.run()
+    assert len(rt.trainer_handles) == 2
+    assert "trainer process exited (rank" in str(info.value)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+    result = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True).run()
+    led = result.ledger
+    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
+    assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
+    assert [sorted(o) for o in led["step_order"]] == [sorted(g) for g in led["step_groups"]]
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_its_own_error_is_not_a_dead_trainer(tmp_path):
+    """`faults.FailInAllreduce`: trainer rank 1 (borrowing) raises an error of its own at step 2 and
+    exits; rank 0 then fails its allreduce. No process was killed, so this is not a dead trainer
+    to resume (a resume would only meet the same error): the run ends with the rank's own error,
+    whichever of the two reports (or exits) the coordinator sees first."""
+    from dora_ext.runtime.faults import FailInAllreduce
+
+    recipe = recipe_from_dict(tiny(steps=4, runtime=_borrow(True)))
+    rt = Runtime(recipe, prepare(recipe), trainer_loop=FailInAllreduce)
+    with pytest.raises(RuntimeError, match=r"injected error on trainer rank 1 at step 2") as info:
+        rt.run()
+    assert not isinstance(info.value, WorkerDied)
+
+
+class _Handle:
+    """A trainer rank's process as `Runtime._ranks_failed` sees it: alive until it has been asked
+    `alive_for` times, then exited with `exitcode`."""
+
+    def __init__(self, exitcode, alive_for=0):
+        self.exitcode_when_dead, self.alive_for = exitcode, alive_for
+
+    def is_alive(self):
+        self.alive_for -= 1
+        return self.alive_for >= 0
+
+    @property
+    def exitcode(self):
+        return None if self.alive_for >= 0 else self.exitcode_when_dead
+
+
+class _Pipes:
+    """What each worker left on its pipe (`outbox.drain(name)`)."""
+
+    def __init__(self, left):
+        self.left = left
+
+    def drain(self, name):
+        return self.left.pop(name, [])
+
+
+CLOSED = ("error", "trainer", "RuntimeError('[gloo] Connection closed by peer')", "tb0")
+OWN = ("error", "trainer-1", "ValueError('a bug of rank 1')", "tb1")
+
+
+@pytest.mark.parametrize("first,handles,pipes,want", [
+    # rank 1 raised its own error, which was read first; rank 0 failed its collective, then exited
+    ("own", [(0, 0), (0, 0)], {"trainer": [CLOSED]}, RuntimeError),
+    # the same, rank 0's failed collective read first: rank 1's own error is on its pipe
+    ("closed", [(0, 0), (0, 0)], {"trainer-1": [OWN]}, RuntimeError),
+    # rank 1 was killed: it reported nothing; seen dead only after a few polls
+    ("closed", [(0, 0), (-9, 3)], {}, WorkerDied),
+    # the dead processes noticed first (`_watch`): rank 0 exited after its failed collective,
+    # rank 1 was killed; the killed one is named
+    (None, [(0, 0), (-9, 0)], {"trainer": [CLOSED]}, WorkerDied),
+    # rank 0 was killed; rank 1's failed collective read first
+    ("closed-1", [(-9, 0), (0, 5)], {}, WorkerDied),
+])
+def test_which_rank_failed_does_not_depend_on_what_is_read_first(first, handles, pipes, want):
+    """`Runtime._ranks_failed` (no processes: the ranks' process states and pipes are given): a rank
+    that exited without a word was killed, and the run ends as a dead trainer naming it; when
+    every exited rank reported an error, the ranks' own errors end the run (a rank's bug is not a
+    crash to resume from), in either order of reading the reports."""
+    recipe = recipe_from_dict(tiny())
+    rt = Runtime(recipe, prepare(recipe))
+    rt.trainer_handles = [_Handle(*h) for h in handles]
+    rt.outbox = _Pipes(dict(pipes))
+    reports = {"own": {1: ["trainer-1: " + OWN[2]]}, "closed": {0: ["trainer: " + CLOSED[2]]},
+               "closed-1": {1: ["trainer-1: " + CLOSED[2]]}, None: {}}[first]
+    with pytest.raises(want) as info:
+        rt._ranks_failed(reports, "tb", wait_s=5.0)
+    msg = str(info.value)
+    if want is WorkerDied:
+        killed = [r for r, (code, _) in enumerate(handles) if code]
+        assert f"trainer process exited (rank {killed[0]}, exit code -9)" in msg
+        assert "--resume" in msg
+    else:
+        assert type(info.value) is RuntimeError
+        assert "a bug of rank 1" in msg and "Connection closed by peer" in msg

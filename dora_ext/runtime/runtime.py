@@ -1008,6 +1008,9 @@ class Runtime:
                 rid = (act.group_id, act.index, rec[2])
                 self._send(act.src, ("migrate", rid, act.dst))
             elif isinstance(act, A.DeliverGroup):
+                if act.step != len(self.step_groups):  # its position counts in the batch being formed
+                    raise RuntimeError(f"scheduler delivered group {act.group_id!r} for step {act.step} while "
+                                       f"forming step {len(self.step_groups)}")
                 self.delivered.add(act.group_id)
                 group = self._group(act.group_id)
                 rank, position = self._assign(act.group_id, group)

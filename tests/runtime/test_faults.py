@@ -855,13 +855,21 @@ def test_a_rank_killed_in_the_allreduce_is_a_dead_trainer_and_the_run_resumes(mo
     (`faults.DieInAllreduce`), so its peer is in that allreduce and fails with it. Whichever the
     coordinator notices first (the peer's failed collective or the dead process), the run ends as
     a dead trainer naming the killed rank and how to resume; the resumed run (checkpoint 2) trains
-    every admitted group exactly once across both runs, a full batch per step."""
+    every admitted group exactly once across both runs, a full batch per step, and each version it
+    publishes is a single trainer's step from checkpoint 2 (model and optimizer) on the groups in
+    the order they were handed out (two PPO minibatches): both ranks resumed from the checkpoint."""
+    import shutil
+
+    import torch
+
     from dora_ext.runtime import faults
+    from dora_ext.runtime.workers import TrainerRecipe, build_trainer
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a 2-rank trainer needs 2 cores (runtime.cores <= available cores)")
     rt_section = {"trainer_borrow": True, "cores": 2} if mode == "dora" else {"sync_trainer_ranks": 2, "cores": 2}
-    recipe = recipe_from_dict(tiny(steps=5, runtime=rt_section)).with_mode(mode)
+    recipe = recipe_from_dict(tiny(steps=5, runtime=rt_section, trainer={"ppo_minibatches": 2, "lr": 0.01},
+                                   dora={"batch_size": 4, "capacity": 4})).with_mode(mode)
     prepared = prepare(recipe)
     ckpt = str(tmp_path / "ckpt")
     victim = getattr(faults, loop).victim
@@ -872,11 +880,23 @@ def test_a_rank_killed_in_the_allreduce_is_a_dead_trainer_and_the_run_resumes(mo
     assert len(rt.trainer_handles) == 2
     assert "trainer process exited (rank" in str(info.value)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
-    result = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True).run()
+    shutil.copytree(ckpt, tmp_path / "ckpt-2")  # the resumed run replaces checkpoint 2 by its own 4
+    result = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True, keep_versions=True).run()
     led = result.ledger
     assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
     assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
     assert [sorted(o) for o in led["step_order"]] == [sorted(g) for g in led["step_groups"]]
+    single = build_trainer(TrainerRecipe(prepared.model_config, dict(recipe.trainer), prepared.weights, "cpu",
+                                         resume=str(tmp_path / "ckpt-2" / "trainer-000002.pt")))
+    assert single.version == 2
+    for step in range(2, recipe.steps):
+        for gid in led["step_order"][step]:
+            single.add_group(led["results"][gid])
+        single.finish_step(step)
+        for k, w in single.publish().items():
+            if k.endswith("k_proj.bias"):
+                continue  # its true gradient is 0 (test_runtime_modes): rounding noise scaled by Adam
+            torch.testing.assert_close(result.versions[step + 1][k], w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -43,17 +43,34 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 import numbers
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 from ..config import DoraConfig
 from . import actions as A
 from . import events as E
 
-_QUEUED, _RUNNING, _AWAIT_REWARD, _DONE, _DEAD = "Q", "R", "F", "D", "X"
-_ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = "active", "complete", "assigned", "trained", "failed"
+# Trajectory states, kept as small ints in a byte array (`_ts`); the letters name them in
+# snapshots and error messages.
+_QUEUED, _RUNNING, _AWAIT_REWARD, _DONE, _DEAD = 0, 1, 2, 3, 4
+_LETTERS = "QRFDX"
+_CODES = {c: i for i, c in enumerate(_LETTERS)}
+# Group states, kept as small ints in a byte array (`_gst`); `_STATES` names them.
+_ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = 0, 1, 2, 3, 4
+_STATES = ("active", "complete", "assigned", "trained", "failed")
+_STATE_CODES = {c: i for i, c in enumerate(_STATES)}
+# One occupancy level's instances in arrival order (`Scheduler._lv`). An OrderedDict, not a dict:
+# dispatch takes the first one (`next(iter(...))`), which is O(1) in a linked list but O(deleted
+# entries) in a dict, whose deleted slots stay in front until it resizes (with 10k instances
+# moving through a level, the scan made every dispatch slower).
+_Level = OrderedDict
 _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing is pinned
+_NAN = float("nan")  # `_tr`: no reward yet
+_NOI = -(2**63)  # `_ti`: running on no instance
+_NOV, _MULTI = -1, -2  # `_tv`: no version yet; several versions (in `_tvm`)
 
 #: `snapshot()` writes this format; `restore()` reads only this format.
 SNAPSHOT_FORMAT = 2
@@ -92,40 +109,52 @@ def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
     return [x - base for x in vs]
 
 
-class _Traj:
-    __slots__ = ("status", "instance", "attempt", "tokens", "versions", "reward", "retries", "moved")
+class GroupView:
+    """A read-only view of one live group (`Scheduler.groups[gid]`): `gid`, `version`, `state`
+    ("active", "complete", "assigned", "trained", "failed"), `step`, `meta`, `seq`, `key`,
+    `done`, `live`, `complete_seq`, `in_queue`. It reads the scheduler's per-group arrays when
+    accessed, so it goes stale once the group leaves the scheduler."""
 
-    def __init__(self) -> None:
-        self.status = _QUEUED
-        self.instance: int | None = None
-        self.attempt = 0
-        self.tokens = 0
-        # Versions that generated it: None (none yet), an int (one: the case outside `partial`,
-        # kept unboxed so a dispatch allocates no list), or a list of several (`partial`).
-        self.versions: int | list[int] | None = None
-        self.reward: float | None = None
-        self.retries = 0
-        self.moved = False  # migrated once in this attempt (never moved twice: it may be in flight)
+    __slots__ = ("_s", "_g")
+
+    def __init__(self, sched: "Scheduler", slot: int) -> None:
+        self._s, self._g = sched, slot
+
+    gid = property(lambda self: self._s._ggid[self._g])
+    version = property(lambda self: self._s._gver[self._g])
+    seq = property(lambda self: self._s._gseq[self._g])
+    key = property(lambda self: self._s._key_of(self._g))
+    meta = property(lambda self: self._s._gmeta.get(self._g))
+    state = property(lambda self: _STATES[self._s._gst[self._g]])
+    step = property(lambda self: None if (x := self._s._gstep[self._g]) < 0 else x)
+    complete_seq = property(lambda self: None if (x := self._s._gcseq[self._g]) < 0 else x)
+    done = property(lambda self: self._s._gdone[self._g])
+    live = property(lambda self: self._s._glive[self._g])
+    in_queue = property(lambda self: bool(self._s._ginq[self._g]))
+
+    def __repr__(self) -> str:
+        return f"GroupView(gid={self.gid!r}, version={self.version}, state={self.state!r})"
 
 
-class _Group:
-    __slots__ = ("gid", "version", "seq", "key", "meta", "trajs", "pending", "done", "state",
-                 "step", "complete_seq", "in_queue", "live")
+class _Groups(Mapping):
+    """`Scheduler.groups`: the live groups by id, as read-only `GroupView`s."""
 
-    def __init__(self, gid: Any, version: int, seq: int, key: tuple, meta: Any, n: int) -> None:
-        self.gid = gid
-        self.version = version
-        self.seq = seq
-        self.key = key
-        self.meta = meta
-        self.trajs = [_Traj() for _ in range(n)]
-        self.pending: deque[int] = deque(range(n))
-        self.done = 0
-        self.state = _ACTIVE
-        self.step: int | None = None
-        self.complete_seq: int | None = None
-        self.in_queue = False
-        self.live = 0  # trajectories running or awaiting their reward
+    __slots__ = ("_s",)
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self._s = sched
+
+    def __getitem__(self, gid: Any) -> GroupView:
+        return GroupView(self._s, self._s._gslot[gid])
+
+    def __contains__(self, gid: Any) -> bool:
+        return gid in self._s._gslot
+
+    def __iter__(self):
+        return iter(self._s._gslot)
+
+    def __len__(self) -> int:
+        return len(self._s._gslot)
 
 
 class _Instance:
@@ -136,11 +165,31 @@ class _Instance:
         self.capacity = capacity
         self.version: int | None = None  # loaded version (None: nothing loaded yet)
         self.loading: int | None = None  # version being loaded
-        self.running: dict[tuple, None] = {}  # (gid, index) in dispatch order
+        self.running: dict[int, None] = {}  # trajectory handles, in dispatch order
 
     @property
     def target(self) -> int | None:
         return self.loading if self.loading is not None else self.version
+
+
+class TrajectoryView:
+    """A read-only view of one live trajectory's state (`Scheduler.trajectory`), for tests and
+    debugging; it reads the scheduler's arrays when accessed, so it goes stale once its group
+    leaves the scheduler."""
+
+    __slots__ = ("_s", "_h")
+
+    def __init__(self, sched: "Scheduler", h: int) -> None:
+        self._s, self._h = sched, h
+
+    status = property(lambda self: _LETTERS[self._s._ts[self._h]])
+    instance = property(lambda self: None if (i := self._s._ti[self._h]) == _NOI else i)
+    attempt = property(lambda self: self._s._ta[self._h])
+    tokens = property(lambda self: self._s._tt[self._h])
+    versions = property(lambda self: self._s._versions(self._h))
+    retries = property(lambda self: self._s._tn[self._h])
+    moved = property(lambda self: bool(self._s._tm[self._h]))
+    reward = property(lambda self: None if (r := self._s._tr[self._h]) != r else r)
 
 
 class Scheduler:
@@ -176,7 +225,48 @@ class Scheduler:
         self._halted: str | None = None  # the circuit breaker's message once it tripped
         self._form_dirty = True  # an input of batch formation changed since it last ran
 
-        self.groups: dict[Any, _Group] = {}  # live groups only
+        # Live groups only. A group is an integer slot `g`: its fields are per-slot arrays and
+        # dicts keyed by slot, its trajectories the integer handles `g * n + index`. No object
+        # per group or per trajectory: the cyclic GC walks nothing per group or trajectory (the
+        # dicts below hold ints and strings, which the GC does not track), and no tuple is built
+        # per event. Slots are reused once their group leaves (`_free`), so every array is as
+        # long as the most groups ever live at once. Group ids map to slots only at the event
+        # boundary (`_gslot`) and back in actions (`_ggid`).
+        self._gslot: dict[Any, int] = {}  # group id -> slot
+        self._ggid: dict[int, Any] = {}  # slot -> group id
+        self._gver = array("q")  # version it was admitted under
+        self._gseq = array("q")  # admission order
+        self._gst = array("b")  # state (`_ACTIVE` ...)
+        self._gstep = array("q")  # trainer step it is assigned to (-1: none)
+        self._gcseq = array("q")  # completion order (-1: not complete)
+        self._gdone = array("q")  # trajectories with their reward
+        self._glive = array("q")  # trajectories running or awaiting their reward
+        self._ginq = array("b")  # in its version's queue heap
+        # Pending trajectories (queued, in dispatch order) are `reversed(_gretry[g]) +
+        # range(_gnext[g], n)`: fresh ones in index order behind the re-queued ones (a stack,
+        # the last re-queued first).
+        self._gnext = array("q")
+        self._gretry: dict[int, list[int]] = {}  # slot -> re-queued trajectories (when any)
+        self._gkey: dict[int, tuple] = {}  # slot -> admission key, when not the default `(seq,)`
+        self._gmeta: dict[int, Any] = {}  # slot -> meta, when not None
+        # Trajectory state, one entry per handle, per field.
+        self._ts = array("b")  # status (`_QUEUED` ...)
+        self._ta = array("q")  # attempt
+        self._tn = array("q")  # retries
+        self._tm = array("b")  # moved once in this attempt (never moved twice: it may be in flight)
+        self._tr = array("d")  # reward (NaN: none yet)
+        self._ti = array("q")  # instance running it (`_NOI`: none)
+        self._tt = array("q")  # tokens
+        # The version that generated it (`_NOV`: none yet), or `_MULTI`: several, listed in `_tvm`
+        # (`partial` only, where a preempted trajectory resumes under a newer version).
+        self._tv = array("q")
+        self._tvm: dict[int, list[int]] = {}
+        self._free: list[int] = []  # free slots
+        self._zero_b = array("b", bytes(self.n))
+        self._zero_q = array("q", [0]) * self.n
+        self._nan_d = array("d", [_NAN]) * self.n
+        self._noi = array("q", [_NOI]) * self.n
+        self._nov = array("q", [_NOV]) * self.n
         self.instances: dict[int, _Instance] = {}
         self._unassigned: dict[int, int] = {}  # version -> admitted groups not yet in a step
         self._queue: dict[int, list] = {}  # bucket -> heap of (key, seq, gid)
@@ -316,6 +406,11 @@ class Scheduler:
         return self.newest
 
     @property
+    def groups(self) -> Mapping[Any, GroupView]:
+        """The live groups by id (read-only views)."""
+        return _Groups(self)
+
+    @property
     def trainer_busy(self) -> int | None:
         return self._trainer_busy
 
@@ -337,11 +432,12 @@ class Scheduler:
         m["steps"] = self.step
         # Dropped: admitted groups that are neither trained, nor reported failed, nor still held.
         # Counted from the group table itself, so a group lost from it shows up here.
-        held = sum(1 for g in self.groups.values() if g.state in (_ACTIVE, _COMPLETE))
+        gst = self._gst
+        held = sum(1 for g in self._gslot.values() if gst[g] in (_ACTIVE, _COMPLETE))
         if self._trainer_busy is None:
             held += len(self._forming)
         m["dropped"] = m["groups_admitted"] - m["groups_trained"] - m["failed_groups"] - held
-        m["live_groups"] = len(self.groups)
+        m["live_groups"] = len(self._gslot)
         m["halted"] = self._halted or ""
         m["c1_ok"] = m["c1_violations"] == 0 and m["multi_version_trajectories"] == 0
         m["c2_ok"] = m["dropped"] == 0 and m["truncated"] == 0 and m["duplicated"] == 0
@@ -365,11 +461,11 @@ class Scheduler:
 
     def _on_migration_landed(self, ev: E.MigrationLanded) -> None:
         g = self._group(ev.group_id)
-        t = self._traj(g, ev.index)
-        if (ev.attempt is not None and ev.attempt != t.attempt) or t.status != _RUNNING:
+        h = self._traj(g, ev.index)
+        if (ev.attempt is not None and ev.attempt != self._ta[h]) or self._ts[h] != _RUNNING:
             self.m["stale_events"] += 1  # it finished, failed or was re-dispatched meanwhile
             return
-        t.moved = False  # it runs on its destination: it may move again (R5)
+        self._tm[h] = 0  # it runs on its destination: it may move again (R5)
 
     def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
         self._trainer_idle = self._trainer_busy is None
@@ -396,24 +492,25 @@ class Scheduler:
                 f"instance {inst.id} reported version {ev.version} loaded, but was asked for {inst.loading}"
             )
         # The scheduler's own int, not the event's equal value (a host may report a numpy integer):
-        # a trajectory keeps the version it ran under unboxed (`_Traj.versions`), as an int.
+        # a trajectory keeps the version it ran under unboxed (`_tv`), as an int.
         v = inst.loading
         inst.version = v
         self.m["weight_loads"] += 1
         if not self._pinned:
             # partial: preempted trajectories resume under the new version (C1 broken, metered).
-            for gid, idx in inst.running:
-                t = self.groups[gid].trajs[idx]
-                vs = t.versions
-                if type(vs) is int:
+            tv, tvm = self._tv, self._tvm
+            for h in inst.running:
+                vs = tv[h]
+                if vs >= 0:
                     if vs != v:
-                        t.versions = [vs, v]
-                elif vs[-1] != v:
+                        tv[h] = _MULTI
+                        tvm[h] = [vs, v]
+                elif (vs := tvm[h])[-1] != v:
                     vs.append(v)
             if v < self.newest:
                 # A newer version was published while this one loaded: load it too (the
                 # instance stays in the loading state throughout).
-                self._start_load(inst, self.newest, preempt=tuple(inst.running))
+                self._start_load(inst, self.newest, preempt=True)
                 return
         inst.loading = None
         self._n_loading -= 1
@@ -450,22 +547,22 @@ class Scheduler:
         del self.instances[inst.id]
         self._dead.add(inst.id)
         touched = set()
-        for gid, idx in inst.running:
-            g = self.groups[gid]
-            t = g.trajs[idx]
-            t.instance = None
-            t.attempt += 1
-            t.tokens = 0
-            t.versions = None
+        n = self.n
+        for h in inst.running:
+            g = h // n
+            self._ti[h] = _NOI
+            self._ta[h] += 1
+            self._tt[h] = 0
+            self._clear_versions(h)
             self.m["redispatched"] += 1
-            if g.state == _FAILED:
-                self._retire(g, t)
+            if self._gst[g] == _FAILED:
+                self._retire(g, h)
                 continue
-            t.status = _QUEUED
-            g.live -= 1
-            g.pending.appendleft(idx)
+            self._ts[h] = _QUEUED
+            self._glive[g] -= 1
+            self._requeue(g, h - g * n)
             self._enqueue(g, 1)
-            touched.add(self._bucket(g.version))
+            touched.add(self._bucket(self._gver[g]))
         for bb in touched:
             self._dispatch(bb)
         self._plan_all()
@@ -473,15 +570,22 @@ class Scheduler:
     def _on_group_admitted(self, ev: E.GroupAdmitted) -> None:
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")
-        if ev.group_id in self.groups:
+        if ev.group_id in self._gslot:
             raise ProtocolError(f"group id {ev.group_id!r} admitted twice")
         self._outstanding -= 1
         v = self.newest
         seq = self._seq
         self._seq += 1
         key = tuple(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=ev.meta, mode=self.mode))
-        g = _Group(ev.group_id, v, seq, key, ev.meta, self.n)
-        self.groups[ev.group_id] = g
+        g = self._alloc()
+        self._gslot[ev.group_id] = g
+        self._ggid[g] = ev.group_id
+        self._gver[g] = v
+        self._gseq[g] = seq
+        if key != (seq,):
+            self._gkey[g] = key
+        if ev.meta is not None:
+            self._gmeta[g] = ev.meta
         self._admitted += 1
         self.m["groups_admitted"] += 1
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
@@ -501,66 +605,73 @@ class Scheduler:
         self._form_dirty = True
 
     def _on_progressed(self, ev: E.TrajectoryProgressed) -> None:
-        t = self._running_traj(ev.group_id, ev.index, ev.attempt)
-        if t is not None:
-            t.tokens = ev.tokens
+        h = self._running_traj(ev.group_id, ev.index, ev.attempt)
+        if h is not None:
+            self._set_tokens(h, ev.tokens)
 
     def _on_finished(self, ev: E.TrajectoryFinished) -> None:
-        g = self.groups.get(ev.group_id)
+        g = self._gslot.get(ev.group_id)
         idx = ev.index
-        if (g is None or not 0 <= idx < len(g.trajs) or (t := g.trajs[idx]).status != _RUNNING
-                or (ev.attempt is not None and ev.attempt != t.attempt)):
+        n = self.n
+        if (g is None or not 0 <= idx < n or self._ts[h := g * n + idx] != _RUNNING
+                or (ev.attempt is not None and ev.attempt != self._ta[h])):
             # the general path: errors and stale reports
-            t = self._running_traj(ev.group_id, idx, ev.attempt)
-            if t is None:
+            h = self._running_traj(ev.group_id, idx, ev.attempt)
+            if h is None:
                 return
-            g = self.groups[ev.group_id]
-        t.tokens = ev.tokens
+            g = h // n
+        try:
+            self._tt[h] = ev.tokens
+        except (TypeError, OverflowError):
+            self._set_tokens(h, ev.tokens)
         if ev.truncated_early:
             self.m["truncated"] += 1
-        self._release(g, ev.index, t)
-        if g.state == _FAILED and ev.reward is not None:
-            self._retire(g, t)
+        self._release(h)
+        failed = self._gst[g] == _FAILED
+        if failed and ev.reward is not None:
+            self._retire(g, h)
             return
         # (A trajectory of a failed group without its reward yet stays until the runtime sends
         # the reward or a failure for it, so that those events are still understood.)
-        t.status = _AWAIT_REWARD
-        if g.state == _FAILED:
+        self._ts[h] = _AWAIT_REWARD
+        if failed:
             return
         if ev.reward is not None:
-            self._set_reward(g, ev.index, t, ev.reward)
+            self._set_reward(g, h, ev.reward)
 
     def _on_reward(self, ev: E.RewardReady) -> None:
         g = self._group(ev.group_id, ev.attempt)
         if g is None:
             return
-        t = self._traj(g, ev.index)
-        if ev.attempt is not None and ev.attempt != t.attempt:
+        h = self._traj(g, ev.index)
+        if ev.attempt is not None and ev.attempt != self._ta[h]:
             self.m["stale_events"] += 1
             return
-        if g.state == _FAILED:
-            self._retire(g, t)
+        if self._gst[g] == _FAILED:
+            self._retire(g, h)
             return
-        if t.status != _AWAIT_REWARD:
-            raise ProtocolError(f"reward for trajectory {g.gid!r}/{ev.index}, which is not awaiting one ({t.status})")
-        self._set_reward(g, ev.index, t, ev.reward)
+        if self._ts[h] != _AWAIT_REWARD:
+            raise ProtocolError(f"reward for trajectory {ev.group_id!r}/{ev.index}, which is not awaiting one "
+                                f"({_LETTERS[self._ts[h]]})")
+        self._set_reward(g, h, ev.reward)
 
     def _on_failed(self, ev: E.TrajectoryFailed) -> None:
         g = self._group(ev.group_id, ev.attempt)
         if g is None:
             return
-        t = self._traj(g, ev.index)
-        if ev.attempt is not None and ev.attempt != t.attempt:
+        h = self._traj(g, ev.index)
+        if ev.attempt is not None and ev.attempt != self._ta[h]:
             self.m["stale_events"] += 1
             return
-        if t.status == _RUNNING:
-            self._release(g, ev.index, t)
-        elif t.status != _AWAIT_REWARD:
-            raise ProtocolError(f"trajectory {g.gid!r}/{ev.index} failed but is not running ({t.status})")
-        if g.state == _FAILED:
-            self._retire(g, t)  # its group was already reported failed
+        st = self._ts[h]
+        if st == _RUNNING:
+            self._release(h)
+        elif st != _AWAIT_REWARD:
+            raise ProtocolError(f"trajectory {ev.group_id!r}/{ev.index} failed but is not running ({_LETTERS[st]})")
+        if self._gst[g] == _FAILED:
+            self._retire(g, h)  # its group was already reported failed
             return
-        self._fail_traj(g, ev.index, t, ev.reason)
+        self._fail_traj(g, h, ev.reason)
 
     def _on_step_started(self, ev: E.TrainerStepStarted) -> None:
         if self._trainer_busy != ev.step:
@@ -569,10 +680,11 @@ class Scheduler:
     def _on_step_finished(self, ev: E.TrainerStepFinished) -> None:
         if self._trainer_busy != ev.step:
             raise ProtocolError(f"trainer finished step {ev.step}, but the running step is {self._trainer_busy}")
-        groups = self.groups
+        gslot = self._gslot
         for gid in self._forming:
-            groups[gid].state = _TRAINED
-            del groups[gid]  # trained: it leaves the scheduler (its totals are in the metrics)
+            g = gslot.pop(gid)  # trained: it leaves the scheduler (its totals are in the metrics)
+            self._gst[g] = _TRAINED
+            self._release_slot(g)
         self._forming = []
         self._trainer_busy = None
         self.step += 1
@@ -595,7 +707,7 @@ class Scheduler:
             for inst in list(self.instances.values()):
                 if inst.version is None or inst.loading is not None or inst.version == ev.version:
                     continue
-                self._start_load(inst, ev.version, preempt=tuple(inst.running))
+                self._start_load(inst, ev.version, preempt=True)
             return
         self._plan_all()
 
@@ -625,10 +737,10 @@ class Scheduler:
         except KeyError:
             raise ProtocolError(f"unknown (or failed) instance {iid!r}") from None
 
-    def _group(self, gid: Any, attempt: int | None = None) -> _Group | None:
+    def _group(self, gid: Any, attempt: int | None = None) -> int | None:
         """The live group `gid`. A trajectory event carrying an `attempt` for a group that is no
         longer held (trained, or failed and retired) is a late report: counted and ignored."""
-        g = self.groups.get(gid)
+        g = self._gslot.get(gid)
         if g is None:
             if attempt is not None:
                 self.m["stale_events"] += 1
@@ -636,28 +748,125 @@ class Scheduler:
             raise ProtocolError(f"unknown group {gid!r} (never admitted, or already trained/failed)")
         return g
 
-    def _traj(self, g: _Group, idx: int) -> _Traj:
-        if not 0 <= idx < len(g.trajs):
-            raise ProtocolError(f"group {g.gid!r} has no trajectory {idx} (group size {len(g.trajs)})")
-        return g.trajs[idx]
+    def _traj(self, g: int, idx: int) -> int:
+        """The handle of trajectory `idx` of group slot `g`."""
+        if not 0 <= idx < self.n:
+            raise ProtocolError(f"group {self._ggid[g]!r} has no trajectory {idx} (group size {self.n})")
+        return g * self.n + idx
 
-    def _running_traj(self, gid: Any, idx: int, attempt: int | None) -> _Traj | None:
+    def _running_traj(self, gid: Any, idx: int, attempt: int | None) -> int | None:
         g = self._group(gid, attempt)
         if g is None:
             return None
-        t = self._traj(g, idx)
-        if attempt is not None and attempt != t.attempt:
+        h = self._traj(g, idx)
+        if attempt is not None and attempt != self._ta[h]:
             self.m["stale_events"] += 1
             return None
-        if t.status != _RUNNING:
-            raise ProtocolError(f"trajectory {gid!r}/{idx} is not running ({t.status})")
-        return t
+        if self._ts[h] != _RUNNING:
+            raise ProtocolError(f"trajectory {gid!r}/{idx} is not running ({_LETTERS[self._ts[h]]})")
+        return h
+
+    def _key(self, h: int) -> tuple[Any, int]:
+        """The runtime's name `(group_id, index)` of handle `h` (at the event boundary only)."""
+        g, idx = divmod(h, self.n)
+        return (self._ggid[g], idx)
+
+    def _key_of(self, g: int) -> tuple:
+        """Group slot `g`'s admission key."""
+        key = self._gkey.get(g)
+        return (self._gseq[g],) if key is None else key
+
+    def _pending(self, g: int) -> list[int]:
+        """Group slot `g`'s pending trajectories' indices, in dispatch order."""
+        retry = self._gretry.get(g)
+        return (retry[::-1] if retry else []) + list(range(self._gnext[g], self.n))
+
+    def trajectory(self, group_id: Any, index: int) -> TrajectoryView:
+        """A read-only view of a live trajectory's state (status letter, instance, attempt,
+        tokens, versions, retries, moved, reward), for tests and debugging."""
+        return TrajectoryView(self, self._traj(self._group(group_id), index))
+
+    def running_on(self, instance_id: int) -> list[tuple[Any, int]]:
+        """The trajectories `(group_id, index)` running on a live instance, in dispatch order."""
+        return [self._key(h) for h in self._instance(instance_id).running]
+
+    def trajectories(self, group_id: Any) -> list[TrajectoryView]:
+        g = self._group(group_id)
+        return [TrajectoryView(self, g * self.n + i) for i in range(self.n)]
+
+    def _alloc(self) -> int:
+        """A free group slot, its group fields and `n` trajectory handles in their initial
+        state (version, seq, key and meta are the caller's to set)."""
+        n = self.n
+        if self._free:
+            g = self._free.pop()
+            base = g * n
+            end = base + n
+            self._ts[base:end] = self._zero_b
+            self._ta[base:end] = self._zero_q
+            self._tn[base:end] = self._zero_q
+            self._tm[base:end] = self._zero_b
+            self._tr[base:end] = self._nan_d
+            self._ti[base:end] = self._noi
+            self._tt[base:end] = self._zero_q
+            self._tv[base:end] = self._nov
+            self._gst[g] = _ACTIVE
+            self._gstep[g] = -1
+            self._gcseq[g] = -1
+            self._gdone[g] = self._glive[g] = self._ginq[g] = self._gnext[g] = 0
+            return g
+        g = len(self._gver)
+        self._ts.extend(self._zero_b)
+        self._ta.extend(self._zero_q)
+        self._tn.extend(self._zero_q)
+        self._tm.extend(self._zero_b)
+        self._tr.extend(self._nan_d)
+        self._ti.extend(self._noi)
+        self._tt.extend(self._zero_q)
+        self._tv.extend(self._nov)
+        for a in (self._gver, self._gseq, self._gdone, self._glive, self._gnext):
+            a.append(0)
+        self._gst.append(_ACTIVE)
+        self._ginq.append(0)
+        self._gstep.append(-1)
+        self._gcseq.append(-1)
+        return g
+
+    def _release_slot(self, g: int) -> None:
+        """Group slot `g` left the scheduler: it is free for the next admitted group."""
+        del self._ggid[g]
+        self._gkey.pop(g, None)
+        self._gmeta.pop(g, None)
+        self._gretry.pop(g, None)
+        self._free.append(g)
+        if self._tvm:
+            for h in range(g * self.n, (g + 1) * self.n):
+                self._tvm.pop(h, None)
+
+    def _versions(self, h: int) -> int | list[int] | None:
+        """Trajectory `h`'s versions: None, the one version, or a list of several."""
+        v = self._tv[h]
+        return v if v >= 0 else None if v == _NOV else self._tvm[h]
+
+    def _clear_versions(self, h: int) -> None:
+        if self._tv[h] == _MULTI:
+            del self._tvm[h]
+        self._tv[h] = _NOV
+
+    def _set_tokens(self, h: int, tokens: Any) -> None:
+        try:
+            self._tt[h] = tokens
+        except (TypeError, OverflowError):
+            raise ProtocolError(f"trajectory {self._key(h)!r}: tokens must be an integer (64-bit), "
+                                f"got {tokens!r}") from None
 
     def _bucket(self, version: int) -> int:
         return version if self._pinned else _ANY
 
     # ------------------------------------------------------------------ state changes
     def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
+        if not isinstance(iid, numbers.Integral) or not _NOI < iid < 2**63:
+            raise ProtocolError(f"instance id {iid!r}: expected a 64-bit integer")
         self.instances[iid] = inst = _Instance(iid, capacity)
         if capacity != self._cap_max and self.instances.keys() - {iid}:
             self._uniform = False
@@ -673,7 +882,8 @@ class Scheduler:
         else:
             del self._targets[version]
 
-    def _start_load(self, inst: _Instance, version: int, preempt: tuple = ()) -> None:
+    def _start_load(self, inst: _Instance, version: int, preempt: bool = False) -> None:
+        """`inst` loads `version`; `preempt` (partial): its running trajectories pause meanwhile."""
         old = inst.target
         if old is not None:
             self._dec_target(old)
@@ -690,17 +900,26 @@ class Scheduler:
             self._n_loading += 1
         inst.loading = version
         self._idle.pop(inst.id, None)
-        self._out.append(A.LoadVersion(inst.id, version, preempt))
+        self._out.append(A.LoadVersion(inst.id, version, tuple(map(self._key, inst.running)) if preempt else ()))
 
-    def _enqueue(self, g: _Group, added: int) -> None:
-        """`added` trajectories of `g` joined its pending list; make sure the group is queued."""
-        b = self._bucket(g.version)
+    def _requeue(self, g: int, idx: int) -> None:
+        """Trajectory `idx` of group slot `g` is pending again, first in line (it ran before)."""
+        retry = self._gretry.get(g)
+        if retry is None:
+            self._gretry[g] = [idx]
+        else:
+            retry.append(idx)
+
+    def _enqueue(self, g: int, added: int) -> None:
+        """`added` trajectories of group slot `g` joined its pending list; make sure the group is
+        queued."""
+        b = self._bucket(self._gver[g])
         self._queued[b] = self._queued.get(b, 0) + added
         if self._pinned and not self._cap.get(b):
             self._orphaned = True  # no instance holds or loads this version: see `_finish`
-        if not g.in_queue and g.pending:
-            heapq.heappush(self._queue.setdefault(b, []), (g.key, g.seq, g.gid))
-            g.in_queue = True
+        if not self._ginq[g] and (g in self._gretry or self._gnext[g] < self.n):
+            heapq.heappush(self._queue.setdefault(b, []), (self._key_of(g), self._gseq[g], self._ggid[g]))
+            self._ginq[g] = 1
 
     def _lv_set(self, b: int, iid: int, old: int | None, new: int | None) -> None:
         """Loaded instance `iid` of bucket `b` went from `old` to `new` running trajectories
@@ -724,7 +943,8 @@ class Scheduler:
         if new is not None:
             d = lv.get(new)
             if d is None:
-                lv[new] = {iid: None}
+                lv[new] = d = _Level()
+                d[iid] = None
             else:
                 d[iid] = None
             if new < self._lo[b]:
@@ -766,8 +986,11 @@ class Scheduler:
         lv = self._lv.get(b)
         if not heap or not lv:
             return
-        groups = self.groups
+        gslot = self._gslot
         instances = self.instances
+        n = self.n
+        ts, ti, tm, tv, ta = self._ts, self._ti, self._tm, self._tv, self._ta
+        gretry, gnext, glive = self._gretry, self._gnext, self._glive
         share_of = self._cap[b]
         work = self._occupied[b] + self._queued[b]  # constant here: each dispatch moves one over
         out = self._out
@@ -776,11 +999,11 @@ class Scheduler:
         idle = self._idle
         while heap:
             gid = heap[0][2]
-            g = groups.get(gid)
-            if g is None or not g.pending:
+            g = gslot.get(gid)
+            if g is None or not (g in gretry or gnext[g] < n):
                 heapq.heappop(heap)
                 if g is not None:
-                    g.in_queue = False
+                    self._ginq[g] = 0
                 continue
             # `_pick`, inlined for the common case (equal capacities): the least loaded instance
             lo = lo_of[b]
@@ -800,12 +1023,21 @@ class Scheduler:
                 iid = inst.id
             running = inst.running
             n_run = len(running)
-            idx = g.pending.popleft()
-            t = g.trajs[idx]
-            t.status, t.instance, t.moved = _RUNNING, iid, False
-            t.versions = inst.version
-            g.live += 1
-            running[(gid, idx)] = None
+            retry = gretry.get(g)
+            if retry is not None:
+                idx = retry.pop()
+                if not retry:
+                    del gretry[g]
+            else:
+                idx = gnext[g]
+                gnext[g] = idx + 1
+            h = g * n + idx
+            ts[h] = _RUNNING
+            ti[h] = iid
+            tm[h] = 0
+            tv[h] = inst.version
+            glive[g] += 1
+            running[h] = None
             if n_run:
                 # one level up (the `_lv_set` common case, inlined)
                 d = lv[n_run]
@@ -814,7 +1046,8 @@ class Scheduler:
                     del lv[n_run]
                 d = lv.get(n_run + 1)
                 if d is None:
-                    lv[n_run + 1] = {iid: None}
+                    lv[n_run + 1] = d = _Level()
+                    d[iid] = None
                 else:
                     d[iid] = None
             else:
@@ -822,18 +1055,19 @@ class Scheduler:
                 self._lv_set(b, iid, 0, 1)
             self._occupied[b] += 1
             self._queued[b] -= 1
-            out.append(A.Dispatch(gid, idx, iid, inst.version, t.attempt))
+            out.append(A.Dispatch(gid, idx, iid, inst.version, ta[h]))
         if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
             del self._queue[b], self._queued[b]  # keep per-version dicts as short as the live set
 
-    def _release(self, g: _Group, idx: int, t: _Traj) -> None:
-        """A running trajectory left its instance (finished or failed)."""
-        inst = self.instances.get(t.instance)
-        t.instance = None
+    def _release(self, h: int) -> None:
+        """Running trajectory `h` left its instance (finished or failed)."""
+        ti = self._ti
+        inst = self.instances.get(ti[h])
+        ti[h] = _NOI
         if inst is None:
             return
         running = inst.running
-        del running[(g.gid, idx)]
+        del running[h]
         n_run = len(running)
         if inst.loading is None:
             v = inst.version
@@ -848,7 +1082,8 @@ class Scheduler:
                 del lv[n_run + 1]
             d = lv.get(n_run)
             if d is None:
-                lv[n_run] = {iid: None}
+                lv[n_run] = d = _Level()
+                d[iid] = None
             else:
                 d[iid] = None
             if n_run < self._lo[b]:
@@ -865,71 +1100,82 @@ class Scheduler:
             if not running:
                 self._idle[inst.id] = None
                 self._plan_instance(inst)
-            elif self._migrate and v < self.newest:
-                self._maybe_consolidate(v)
+            elif (self._migrate and v < self.newest and v + self.K > self.step
+                  and self._queued.get(v, 0) <= 0 and self._nhold.get(v, 0) >= 2):
+                self._maybe_consolidate(v)  # (its first O(1) tests, inlined: this runs on every finish)
         else:
             # partial: preempted while loading; it stops counting against the version it loads.
             self._occupied[self._bucket(inst.loading)] -= 1
 
-    def _retire(self, g: _Group, t: _Traj) -> None:
+    def _retire(self, g: int, h: int) -> None:
         """A trajectory of a failed group stopped running (or got its late reward): once none of
         them runs, the group leaves the scheduler."""
-        if t.status in (_RUNNING, _AWAIT_REWARD):
-            g.live -= 1
-        t.status = _DEAD
-        if g.live == 0 and self.groups.get(g.gid) is g:
-            del self.groups[g.gid]
+        if self._ts[h] in (_RUNNING, _AWAIT_REWARD):
+            self._glive[g] -= 1
+        self._ts[h] = _DEAD
+        if self._glive[g] == 0 and self._gslot.get(gid := self._ggid[g]) == g:
+            del self._gslot[gid]
+            self._release_slot(g)
 
-    def _set_reward(self, g: _Group, idx: int, t: _Traj, reward: Any) -> None:
+    def _set_reward(self, g: int, h: int, reward: Any) -> None:
         # Any real number (numpy/torch scalars register as `numbers.Real`), finite.
         if (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
                 or not math.isfinite(reward)):
             self.m["invalid_rewards"] += 1
-            msg = f"invalid reward {reward!r} for trajectory {g.gid!r}/{idx} (version {g.version})"
-            self._out.append(A.ReportError(g.gid, idx, msg))
-            self._fail_traj(g, idx, t, msg)
+            idx = h - g * self.n
+            gid = self._ggid[g]
+            msg = f"invalid reward {reward!r} for trajectory {gid!r}/{idx} (version {self._gver[g]})"
+            self._out.append(A.ReportError(gid, idx, msg))
+            self._fail_traj(g, h, msg)
             return
-        t.reward = float(reward)
-        t.status = _DONE
-        g.live -= 1
-        g.done += 1
-        if g.done == len(g.trajs):
-            g.state = _COMPLETE
+        self._tr[h] = float(reward)
+        self._ts[h] = _DONE
+        self._glive[g] -= 1
+        done = self._gdone[g] = self._gdone[g] + 1
+        if done == self.n:
+            self._gst[g] = _COMPLETE
             self.m["groups_completed"] += 1
             self._n_active -= 1
-            g.complete_seq = self._complete_seq
+            cseq = self._gcseq[g] = self._complete_seq
             self._complete_seq += 1
-            key = tuple(self._batch_key(group_id=g.gid, version=g.version, complete_seq=g.complete_seq, mode=self.mode))
-            heapq.heappush(self._pools.setdefault(g.version, []), (key, g.complete_seq, g.gid))
+            gid, v = self._ggid[g], self._gver[g]
+            key = tuple(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode))
+            heapq.heappush(self._pools.setdefault(v, []), (key, cseq, gid))
             self._pool_n += 1
             self._form_dirty = True
 
-    def _fail_traj(self, g: _Group, idx: int, t: _Traj, reason: str) -> None:
-        """Trajectory `idx` (running before, already released, or awaiting its reward) failed."""
-        if t.retries < self.config.max_retries:
-            t.retries += 1
-            t.attempt += 1
-            t.status, t.tokens, t.versions, t.reward = _QUEUED, 0, None, None
-            g.live -= 1
+    def _fail_traj(self, g: int, h: int, reason: str) -> None:
+        """Trajectory `h` (running before, already released, or awaiting its reward) failed."""
+        n = self.n
+        idx = h - g * n
+        v = self._gver[g]
+        if self._tn[h] < self.config.max_retries:
+            self._tn[h] += 1
+            self._ta[h] += 1
+            self._ts[h], self._tt[h], self._tr[h] = _QUEUED, 0, _NAN
+            self._clear_versions(h)
+            self._glive[g] -= 1
             self.m["retries"] += 1
-            g.pending.appendleft(idx)
+            self._requeue(g, idx)
             self._enqueue(g, 1)
-            self._dispatch(self._bucket(g.version))
+            self._dispatch(self._bucket(v))
             return
         # Retries exhausted: the group is reported, never silently dropped (C2).
-        g.state = _FAILED
+        self._gst[g] = _FAILED
         self._admitted -= 1
         self._n_active -= 1
-        self._dec_unassigned(g.version)
+        self._dec_unassigned(v)
         self._form_dirty = True
-        b = self._bucket(g.version)
-        self._queued[b] = self._queued.get(b, 0) - len(g.pending)
-        for i in g.pending:
-            g.trajs[i].status = _DEAD
-        g.pending.clear()
+        b = self._bucket(v)
+        pending = self._pending(g)
+        self._queued[b] = self._queued.get(b, 0) - len(pending)
+        for i in pending:
+            self._ts[g * n + i] = _DEAD
+        self._gretry.pop(g, None)
+        self._gnext[g] = n
         self.m["failed_groups"] += 1
-        self._out.append(A.ReportGroupFailed(g.gid, f"trajectory {idx} failed {t.retries + 1} times: {reason}"))
-        self._retire(g, t)
+        self._out.append(A.ReportGroupFailed(self._ggid[g], f"trajectory {idx} failed {self._tn[h] + 1} times: {reason}"))
+        self._retire(g, h)
         self._check_storm(reason)
 
     def _check_storm(self, reason: str) -> None:
@@ -1047,9 +1293,9 @@ class Scheduler:
                 break
             src = instances[next(iter(lv[min(n for n in lv if n)]))]
             progressed = False
-            for gid, idx in list(src.running):
-                t = self.groups[gid].trajs[idx]
-                if t.moved:
+            tm = self._tm
+            for h in list(src.running):
+                if tm[h]:
                     continue  # its first move may still be in flight: a trajectory moves at most once
                 if dst is None or dst is src or len(dst.running) >= max(1, int(fill * dst.capacity)):
                     # The most loaded holder still below the threshold (the previous destination
@@ -1064,7 +1310,7 @@ class Scheduler:
                             break
                     if dst is None:
                         break
-                self._move(v, gid, idx, t, src, dst)
+                self._move(v, h, src, dst)
                 progressed = True
             if src.running or not progressed:
                 break
@@ -1079,7 +1325,8 @@ class Scheduler:
         holders.sort(key=lambda i: i.id)
         plan = self._plan_migration(
             version=v,
-            instances=[{"id": i.id, "capacity": i.capacity, "running": list(i.running)} for i in holders],
+            instances=[{"id": i.id, "capacity": i.capacity, "running": list(map(self._key, i.running))}
+                       for i in holders],
             newest_version=self.newest,
             fill=self.config.migrate_threshold,
         )
@@ -1087,12 +1334,14 @@ class Scheduler:
             s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
-            if (gid, idx) not in s.running or len(d.running) >= d.capacity:
+            g = self._gslot.get(gid)
+            ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
+            h = g * self.n + int(idx) if ok else None
+            if h not in s.running or len(d.running) >= d.capacity:
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
-            t = self.groups[gid].trajs[idx]
-            if t.moved:
+            if self._tm[h]:
                 continue  # its first move may still be in flight: a trajectory moves at most once
-            self._move(v, gid, idx, t, s, d)
+            self._move(v, h, s, d)
         for i in holders:
             if not i.running:
                 self._plan_instance(i)
@@ -1140,13 +1389,13 @@ class Scheduler:
             self._spreading[inst.id] = v
             self._start_load(inst, v)  # it spreads when loaded (`_plan_instance` again)
             return True
-        for h, gid, idx, t in plan:
-            self._move(v, gid, idx, t, h, inst)
+        for src, h in plan:
+            self._move(v, h, src, inst)
         self._idle.pop(inst.id, None)
         return True
 
     def _spread_plan(self, v: int, inst: _Instance) -> list:
-        """The moves (holder, gid, idx, trajectory) that give idle `inst` its even share of
+        """The moves (holder, trajectory handle) that give idle `inst` its even share of
         version `v`'s running trajectories: from the most loaded holders, only what they run
         above the even share, never a trajectory that moved and has not landed.
 
@@ -1169,31 +1418,32 @@ class Scheduler:
         want = (pending + 1) * room
         holders = [self.instances[i] for level, d in lv.items() if level > keep for i in d if i != inst.id]
         plan = []
-        for h in sorted(holders, key=lambda h: (-len(h.running), h.id)):
-            excess = len(h.running) - keep
-            for gid, idx in h.running:
+        tm = self._tm
+        for src in sorted(holders, key=lambda i: (-len(i.running), i.id)):
+            excess = len(src.running) - keep
+            for h in src.running:
                 if len(plan) >= want or excess <= 0:
                     break
-                t = self.groups[gid].trajs[idx]
-                if t.moved:
+                if tm[h]:
                     continue  # it moves again only after MigrationLanded (it may be in flight)
                 excess -= 1
-                plan.append((h, gid, idx, t))
+                plan.append((src, h))
             if len(plan) >= want:
                 break
         return plan[pending * room:]
 
-    def _move(self, v: int, gid: Any, idx: int, t: _Traj, s: _Instance, d: _Instance) -> None:
+    def _move(self, v: int, h: int, s: _Instance, d: _Instance) -> None:
         ns, nd = len(s.running), len(d.running)
-        del s.running[(gid, idx)]
-        d.running[(gid, idx)] = None
+        del s.running[h]
+        d.running[h] = None
         self._lv_set(v, s.id, ns, ns - 1)
         self._lv_set(v, d.id, nd, nd + 1)
-        t.instance = d.id
-        t.moved = True
+        self._ti[h] = d.id
+        self._tm[h] = 1
         if ns == 1:
             self._idle[s.id] = None
         self.m["migrations"] += 1
+        gid, idx = self._key(h)
         self._out.append(A.Migrate(gid, idx, s.id, d.id, v))
 
     # ------------------------------------------------------------------ admission (R2)
@@ -1297,7 +1547,7 @@ class Scheduler:
             if not heap:
                 del pools[v]
             self._pool_n -= 1
-            self._assign(self.groups[gid], k)
+            self._assign(self._gslot[gid], k)
             r -= 1
         r = self.B - len(self._forming)
         if r == 0 or (r > 0 and self._forming and self._nothing_more_coming()):
@@ -1306,14 +1556,15 @@ class Scheduler:
     def _nothing_more_coming(self) -> bool:
         return self._exhausted and not self._pool_n and self._n_active == 0
 
-    def _assign(self, g: _Group, k: int) -> None:
-        g.state = _ASSIGNED
-        g.step = k
-        self._dec_unassigned(g.version)
-        self._forming.append(g.gid)
+    def _assign(self, g: int, k: int) -> None:
+        self._gst[g] = _ASSIGNED
+        self._gstep[g] = k
+        self._dec_unassigned(self._gver[g])
+        gid = self._ggid[g]
+        self._forming.append(gid)
         self._trainer_idle = False
         if self._cgp:
-            self._out.append(A.DeliverGroup(g.gid, k))
+            self._out.append(A.DeliverGroup(gid, k))
 
     def _start_step(self, k: int) -> None:
         gids = tuple(self._forming)
@@ -1321,26 +1572,27 @@ class Scheduler:
         m = self.m
         seen: set = set()
         pinned = self._pinned
+        n, tt, tv = self.n, self._tt, self._tv
         trajs = tokens = multi = c1 = 0
         for gid in gids:
-            g = self.groups[gid]
-            s = k - g.version
+            g = self._gslot[gid]
+            v = self._gver[g]
+            s = k - v
             hist[s] = hist.get(s, 0) + 1
             if s > self.K or s < 0:
                 m["c3_violations"] += 1
             # Trained twice: twice in this batch, or not in the state of a group assigned to it.
-            if gid in seen or g.state != _ASSIGNED or g.step != k:
+            if gid in seen or self._gst[g] != _ASSIGNED or self._gstep[g] != k:
                 m["duplicated"] += 1
             seen.add(gid)
-            v = g.version
-            for t in g.trajs:
-                tokens += t.tokens
-                vs = t.versions  # several only when a resume appended a different one
-                if type(vs) is list:
+            base = g * n
+            tokens += sum(tt[base:base + n])
+            for vs in tv[base:base + n]:  # several only when a resume appended a different one
+                if vs == _MULTI:
                     multi += 1
                 elif pinned and vs != v:
                     c1 += 1
-            trajs += len(g.trajs)
+            trajs += n
         m["trajectories_trained"] += trajs
         m["tokens_trained"] += tokens
         m["multi_version_trajectories"] += multi
@@ -1366,23 +1618,29 @@ class Scheduler:
         Runtimes store it in their own checkpoints and resume from it.
         """
         groups = []
-        for g in self.groups.values():
-            v = g.version
+        n = self.n
+        ts, ti, ta, tt, tv, tr, tn, tm = self._ts, self._ti, self._ta, self._tt, self._tv, self._tr, self._tn, self._tm
+        gst, gstep, gcseq = self._gst, self._gstep, self._gcseq
+        for gid, g in self._gslot.items():
+            v = self._gver[g]
+            b0 = g * n
+            key = self._gkey.get(g)
             # Compact (delta-coded, so the size does not grow with the counters' digits): version,
             # seq, step and completion order relative to the scheduler's own counters, the
             # admission key only when it is not the default `(seq,)`, trajectory versions
             # relative to the group's version (almost always `[0]`).
             groups.append([
-                g.gid, self.newest - v, self._seq - g.seq, None if g.key == (g.seq,) else list(g.key), g.meta,
-                g.state, None if g.step is None else self.step - g.step,
-                None if g.complete_seq is None else self._complete_seq - g.complete_seq,
-                g.in_queue, list(g.pending), g.done, g.live,
-                [[t.status, t.instance, t.attempt, t.tokens, _vlist(t.versions, v), t.reward, t.retries,
-                  t.moved] for t in g.trajs],
+                gid, self.newest - v, self._seq - self._gseq[g], None if key is None else list(key), self._gmeta.get(g),
+                _STATES[gst[g]], None if gstep[g] < 0 else self.step - gstep[g],
+                None if gcseq[g] < 0 else self._complete_seq - gcseq[g],
+                bool(self._ginq[g]), self._pending(g), self._gdone[g], self._glive[g],
+                [[_LETTERS[ts[h]], None if ti[h] == _NOI else ti[h], ta[h], tt[h], _vlist(self._versions(h), v),
+                  None if tr[h] != tr[h] else tr[h], tn[h],
+                  bool(tm[h])] for h in range(b0, b0 + n)],
             ])
-        insts = [[i.id, i.capacity, i.version, i.loading, [list(k) for k in i.running]]
+        insts = [[i.id, i.capacity, i.version, i.loading, [list(self._key(h)) for h in i.running]]
                  for i in self.instances.values()]
-        live = self.groups
+        live = self._gslot
 
         def heap(h):
             return [[list(e[0]), e[1], e[2]] for e in h if e[2] in live]
@@ -1438,19 +1696,38 @@ class Scheduler:
             version, seq = self.newest - dv, self._seq - dseq
             step = None if dstep is None else self.step - dstep
             cseq = None if dcseq is None else self._complete_seq - dcseq
-            g = _Group(gid, version, seq, (seq,) if key is None else tuple(key), meta, len(trajs))
-            g.state, g.step, g.complete_seq, g.in_queue = state, step, cseq, in_queue
-            g.pending = deque(pending)
-            g.done, g.live = done, live
-            for t, (status, inst, attempt, tokens, versions, reward, retries, moved) in zip(g.trajs, trajs):
-                t.status, t.instance, t.attempt, t.tokens, t.moved = status, inst, attempt, tokens, moved
+            if len(trajs) != self.n:
+                raise ProtocolError(f"snapshot group {gid!r} has {len(trajs)} trajectories, group_size is {self.n}")
+            g = self._alloc()
+            self._gslot[gid], self._ggid[g], self._gver[g], self._gseq[g] = g, gid, version, seq
+            if key is not None and tuple(key) != (seq,):
+                self._gkey[g] = tuple(key)
+            if meta is not None:
+                self._gmeta[g] = meta
+            self._gst[g], self._ginq[g] = _STATE_CODES[state], 1 if in_queue else 0
+            self._gstep[g] = -1 if step is None else step
+            self._gcseq[g] = -1 if cseq is None else cseq
+            # Pending: re-queued ones first (the retry stack), then the fresh tail `next .. n - 1`.
+            j, n_p = len(pending), len(pending)
+            while j > 0 and pending[j - 1] == self.n - (n_p - j) - 1:
+                j -= 1
+            self._gnext[g] = self.n - (n_p - j)
+            if j:
+                self._gretry[g] = list(reversed(pending[:j]))
+            self._gdone[g], self._glive[g] = done, live
+            for h, (status, inst, attempt, tokens, versions, reward, retries, moved) in enumerate(trajs, g * self.n):
+                self._ts[h], self._ti[h], self._ta[h], self._tt[h] = _CODES[status], _NOI if inst is None else inst, attempt, tokens
+                self._tm[h] = 1 if moved else 0
                 vs = [x + version for x in versions]
-                t.versions, t.reward, t.retries = (None if not vs else vs[0] if len(vs) == 1 else vs), reward, retries
-            self.groups[gid] = g
+                self._tv[h] = _NOV if not vs else vs[0] if len(vs) == 1 else _MULTI
+                if len(vs) > 1:
+                    self._tvm[h] = vs
+                self._tr[h] = _NAN if reward is None else reward
+                self._tn[h] = retries
         for iid, cap, version, loading, running in snap["instances"]:
             inst = _Instance(iid, cap)
             inst.version, inst.loading = version, loading
-            inst.running = {(gid, idx): None for gid, idx in running}
+            inst.running = {self._gslot[gid] * self.n + idx: None for gid, idx in running}
             self.instances[iid] = inst
             target = inst.target
             if target is not None:
@@ -1463,7 +1740,7 @@ class Scheduler:
         self._cap_max = sc["cap_max"]
         # Insertion orders matter (round robin, R5's choice among equals): restored as saved.
         self._idle = dict.fromkeys(snap["idle"])
-        self._lv = {b: {n: dict.fromkeys(d) for n, d in lv} for b, _, lv in snap["levels"]}
+        self._lv = {b: {n: _Level.fromkeys(d) for n, d in lv} for b, _, lv in snap["levels"]}
         self._lo = {b: lo for b, lo, _ in snap["levels"]}
         self._nhold = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._lv.items()}
         self._nhold = {b: c for b, c in self._nhold.items() if c}

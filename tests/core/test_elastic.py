@@ -51,7 +51,7 @@ def _to_first_step(s):
     assert {a.group_id for a in _of(acts, A.Dispatch)} == {0}
     acts = s.handle(E.InstanceLoaded(1, 0))
     assert {a.instance_id for a in _of(acts, A.Dispatch)} == {1}
-    assert {(k[0], i.id) for i in s.instances.values() for k in i.running} == {(0, 0), (1, 1)}
+    assert {(k[0], i) for i in s.instances for k in s.running_on(i)} == {(0, 0), (1, 1)}
     return _finish_group(s, 1)
 
 
@@ -229,7 +229,7 @@ def test_a_trajectory_moves_again_only_after_its_migration_landed():
     while not d.migrating:  # run until a move is in flight
         assert d.tick() and d.sched.step < 50
     key = next(iter(d.migrating))
-    t = d.sched.groups[key[0]].trajs[key[1]]
+    t = d.sched.trajectory(key[0], key[1])
     assert t.moved  # until it lands it is never moved again (the driver asserts that too)
     d.sched.handle(E.MigrationLanded(key[0], key[1], t.attempt))
     assert not t.moved

@@ -12,6 +12,7 @@ import pytest
 from dora_ext.config import MODES
 from dora_ext.core import Scheduler
 from dora_ext.core import events as E
+from dora_ext.core import scheduler as S
 
 from .test_adversarial import RUNS, AdversarialDriver, _config, _ks
 from .test_properties import check_run
@@ -19,38 +20,36 @@ from .test_properties import check_run
 
 class GeneralPathScheduler(Scheduler):
     """The scheduler with `_on_finished` as it was before the fast path: any finish carrying an
-    attempt goes through `_running_traj`."""
+    attempt goes through `_running_traj` (on the group slots and trajectory handles of `_gslot`, `_ts`, `_tt`, ...)."""
 
     def _on_finished_general(self, ev):
-        g = self.groups.get(ev.group_id)
+        g = self._gslot.get(ev.group_id)
         idx = ev.index
-        if g is None or ev.attempt is not None or not 0 <= idx < len(g.trajs) or g.trajs[idx].status != "R":
-            t = self._running_traj(ev.group_id, idx, ev.attempt)
-            if t is None:
+        if g is None or ev.attempt is not None or not 0 <= idx < self.n or self._ts[g * self.n + idx] != S._RUNNING:
+            h = self._running_traj(ev.group_id, idx, ev.attempt)
+            if h is None:
                 return
-            g = self.groups[ev.group_id]
+            g = self._gslot[ev.group_id]
         else:
-            t = g.trajs[idx]
-        t.tokens = ev.tokens
+            h = g * self.n + idx
+        self._tt[h] = ev.tokens
         if ev.truncated_early:
             self.m["truncated"] += 1
-        self._release(g, ev.index, t)
-        if g.state == "failed" and ev.reward is not None:
-            self._retire(g, t)
+        self._release(h)
+        if self._gst[g] == S._FAILED and ev.reward is not None:
+            self._retire(g, h)
             return
-        t.status = "F"
-        if g.state == "failed":
+        self._ts[h] = S._AWAIT_REWARD
+        if self._gst[g] == S._FAILED:
             return
         if ev.reward is not None:
-            self._set_reward(g, ev.index, t, ev.reward)
+            self._set_reward(g, h, ev.reward)
 
     _handlers = {**Scheduler._handlers, E.TrajectoryFinished: _on_finished_general}
 
 
 def test_the_general_path_copy_matches_the_scheduler_state_names():
-    from dora_ext.core import scheduler as S
-
-    assert (S._RUNNING, S._AWAIT_REWARD, S._FAILED) == ("R", "F", "failed")
+    assert (S._LETTERS[S._RUNNING], S._LETTERS[S._AWAIT_REWARD], S._STATES[S._FAILED]) == ("R", "F", "failed")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -283,6 +283,23 @@ def test_protocol_errors_are_raised_not_swallowed():
         h.s.handle(object())
 
 
+def test_tokens_and_instance_ids_that_the_state_arrays_cannot_hold_are_named():
+    """Trajectory tokens and instance ids live in 64-bit integer arrays: anything else is refused
+    by name, before any state changes (the trajectory still runs and finishes normally)."""
+    from dora_ext.core import InstanceReady
+
+    h = Harness(mode="sync", batch_size=1, group_size=1, instances=1, capacity=1)
+    (gid, idx), = h.running
+    for bad in (1.5, "7", 2**64):
+        with pytest.raises(ProtocolError, match=rf"trajectory \({gid}, {idx}\): tokens must be an integer.*{bad!r}"):
+            h.s.handle(TrajectoryFinished(gid, idx, tokens=bad, reward=1.0))
+    assert h.s.trajectory(gid, idx).status == "R"
+    assert h.of(StartStep) == [] and h.finish(gid, idx) and h.of(StartStep)
+    for bad in ("engine-1", 2**70, 1.0):
+        with pytest.raises(ProtocolError, match=rf"instance id {bad!r}: expected a 64-bit integer"):
+            h.s.handle(InstanceReady(bad, 1))
+
+
 @pytest.mark.parametrize("how", ["nan_reward", "failed_awaiting_reward"])
 def test_retry_of_an_older_version_switches_an_idle_instance_back(how):
     """Regression (issue 9): a retry re-queued a trajectory of an older version while the only

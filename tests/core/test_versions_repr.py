@@ -45,8 +45,8 @@ def test_partial_multi_version_trajectories_survive_a_json_round_trip():
     d.start()
 
     def multi():
-        return {(gid, i): list(t.versions) for gid, g in d.sched.groups.items()
-                for i, t in enumerate(g.trajs) if type(t.versions) is list}
+        return {(gid, i): list(t.versions) for gid in d.sched.groups
+                for i, t in enumerate(d.sched.trajectories(gid)) if type(t.versions) is list}
 
     while not multi():
         assert d.tick()
@@ -54,10 +54,10 @@ def test_partial_multi_version_trajectories_survive_a_json_round_trip():
     snap = json.loads(json.dumps(d.sched.snapshot()))
     twin = Scheduler.restore(snap)
     assert twin.snapshot() == snap
-    assert {(gid, i): list(t.versions) for gid, g in twin.groups.items()
-            for i, t in enumerate(g.trajs) if type(t.versions) is list} == multi()
-    singles = [(t.versions, u.versions) for g, h in zip(d.sched.groups.values(), twin.groups.values())
-               for t, u in zip(g.trajs, h.trajs) if type(t.versions) is not list]
+    assert {(gid, i): list(t.versions) for gid in twin.groups
+            for i, t in enumerate(twin.trajectories(gid)) if type(t.versions) is list} == multi()
+    singles = [(t.versions, u.versions) for g, h in zip(d.sched.groups, twin.groups)
+               for t, u in zip(d.sched.trajectories(g), twin.trajectories(h)) if type(t.versions) is not list]
     assert singles and all(a == b and type(a) is type(b) for a, b in singles)
     d.shadow = twin
     d.run(8)

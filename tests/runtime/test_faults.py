@@ -723,7 +723,7 @@ def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_
 
         def spy(event, rt=rt, holding=holding, handle=handle):
             if isinstance(event, InstanceFailed):
-                holding.append((event.instance_id, set(rt.sched.instances[event.instance_id].running)))
+                holding.append((event.instance_id, set(rt.sched.running_on(event.instance_id))))
             return handle(event)
 
         rt.sched.handle = spy
@@ -826,7 +826,7 @@ def test_resume_sends_a_fresh_instance_no_void_attempt():
         inst = rt.sched.instances[1]
         if len(inst.running) < inst.capacity:
             break
-        gid, idx = next(iter(inst.running))
+        gid, idx = rt.sched.running_on(1)[0]
         rt.results[gid][idx] = "finished"  # the ledger entry a finish writes (never trained here)
         rt._execute(rt.sched.handle(E.TrajectoryFinished(gid, idx, tokens=3, reward=0.5, attempt=0)))
     assert len(rt.sched.instances[0].running) == 3 and rt.sched.instances[1].running
@@ -840,9 +840,9 @@ def test_resume_sends_a_fresh_instance_no_void_attempt():
         for c in cmds:
             if c[0] == "submit":
                 gid, idx, attempt = c[1]
-                assert rt.sched.groups[gid].trajs[idx].attempt == attempt, (iid, c[1], "a void attempt")
+                assert rt.sched.trajectory(gid, idx).attempt == attempt, (iid, c[1], "a void attempt")
     # Every trajectory that ran at the checkpoint is queued again, under a new attempt.
-    assert all(t.status == "Q" for g in rt.sched.groups.values() for t in g.trajs if t.attempt), rt.sched.snapshot()
+    assert all(t.status == "Q" for g in rt.sched.groups for t in rt.sched.trajectories(g) if t.attempt), rt.sched.snapshot()
 
 
 @pytest.mark.slow

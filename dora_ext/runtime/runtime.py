@@ -28,7 +28,9 @@ remaining instances while a fresh process takes its place (`runtime.max_instance
 run): pinned like the original, it joins under a new instance id (`InstanceReady`, so a late
 report of the dead one can never be taken for it) and loads the version the scheduler asks for.
 When no instance is left and none is starting, the run ends with `WorkerDied`; a trainer that
-exits ends it with `WorkerDied` naming the `--resume` command. With
+exits ends it with `WorkerDied` naming the `--resume` command (data parallel: naming the rank
+that exited without a report, whichever rank's failed collective is read first; ranks that all
+reported errors of their own end it with those errors, `_ranks_failed`). With
 `checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
 optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
 and the weights of the versions work may still be pinned to; `resume=True` continues from the

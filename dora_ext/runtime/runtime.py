@@ -672,6 +672,8 @@ class Runtime:
                              f"expected format 1, mode {self.mode!r}")
         self._check_recipe(state.get("recipe"), version)
         self.sched = Scheduler.restore(state["scheduler"])
+        # a checkpoint written before the ledger kept the hand-out order: those steps' orders are unknown
+        state["ledger"].setdefault("step_order", [None] * len(state["ledger"]["step_groups"]))
         for k, v in state["ledger"].items():
             setattr(self, k, v)
         self.versions = dict(state["versions"])

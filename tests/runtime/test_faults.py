@@ -978,3 +978,26 @@ def test_which_rank_failed_does_not_depend_on_what_is_read_first(first, handles,
     else:
         assert type(info.value) is RuntimeError
         assert "a bug of rank 1" in msg and "Connection closed by peer" in msg
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_the_step_order_still_resumes(tmp_path):
+    """A checkpoint written before the ledger kept each step's hand-out order (`step_order`) resumes:
+    those steps' orders read as unknown (None), the resumed steps' are recorded."""
+    import torch
+
+    recipe = recipe_from_dict(tiny(steps=4))
+    prepared = prepare(recipe)
+    ckpt = tmp_path / "ckpt"
+    Runtime(recipe, prepared, checkpoint_dir=str(ckpt), checkpoint_every=2).run()  # checkpoint 2 of 4 steps
+    assert (ckpt / "latest").read_text().strip() == "2"
+    state = torch.load(ckpt / "state-000002.pt", weights_only=False)
+    for key in ("step_order", "rank_speed", "rank_tokens", "rank_seconds"):
+        del state["ledger"][key]
+    torch.save(state, ckpt / "state-000002.pt")
+    result = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume=True).run()
+    led = result.ledger
+    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
+    assert len(led["step_order"]) == len(led["step_groups"]) == recipe.steps
+    assert led["step_order"][:2] == [None, None]
+    assert all(sorted(o) == sorted(g) for o, g in zip(led["step_order"][2:], led["step_groups"][2:]))

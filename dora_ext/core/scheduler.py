@@ -716,11 +716,15 @@ class Scheduler:
         self._form_dirty = True
 
     def _on_published(self, ev: E.VersionPublished) -> None:
+        if not isinstance(ev.version, numbers.Integral):
+            # (a float would pass the test below and then fail the int arrays that hold versions,
+            # half-way through admitting the next group)
+            raise ProtocolError(f"version {ev.version!r} published: expected an integer")
         if ev.version != self.newest + 1:
             raise ProtocolError(f"version {ev.version} published, expected {self.newest + 1}")
         if ev.version > self.step:
             raise ProtocolError(f"version {ev.version} published before trainer step {ev.version - 1} finished")
-        self.newest = ev.version
+        self.newest = int(ev.version)
         for b in [b for b, c in self._queued.items() if not c and not self._queue.get(b) and b != _ANY]:
             del self._queued[b]  # versions with nothing queued leave (live state only)
             self._queue.pop(b, None)

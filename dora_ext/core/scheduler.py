@@ -100,6 +100,16 @@ class FailureStorm(RuntimeError):
         self.actions = list(actions or [])
 
 
+def _brief(x: Any) -> str:
+    """`repr(x)` for an error message, at most 80 characters: a bad value a host sends may be a
+    huge integer, whose repr is that long (or raises ValueError past 4,300 digits)."""
+    try:
+        r = repr(x)
+    except ValueError:
+        return f"<{type(x).__name__} of {x.bit_length()} bits>"
+    return r if len(r) <= 80 else r[:60] + f"...<{len(r)} characters>"
+
+
 def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
     """A trajectory's versions relative to `base`, as the snapshot stores them (a list)."""
     if vs is None:
@@ -887,7 +897,7 @@ class Scheduler:
             self._tt[h] = tokens
         except (TypeError, OverflowError):
             raise ProtocolError(f"trajectory {self._key(h)!r}: tokens must be an integer (64-bit), "
-                                f"got {tokens!r}") from None
+                                f"got {_brief(tokens)}") from None
 
     def _bucket(self, version: int) -> int:
         return version if self._pinned else _ANY
@@ -895,7 +905,7 @@ class Scheduler:
     # ------------------------------------------------------------------ state changes
     def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
         if not isinstance(iid, numbers.Integral) or not _NOI < iid < 2**63:
-            raise ProtocolError(f"instance id {iid!r}: expected a 64-bit integer")
+            raise ProtocolError(f"instance id {_brief(iid)}: expected a 64-bit integer")
         self.instances[iid] = inst = _Instance(iid, capacity)
         if capacity != self._cap_max and self.instances.keys() - {iid}:
             self._uniform = False
@@ -1148,12 +1158,16 @@ class Scheduler:
 
     def _set_reward(self, g: int, h: int, reward: Any) -> None:
         # Any real number (numpy/torch scalars register as `numbers.Real`), finite.
-        if (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
-                or not math.isfinite(reward)):
+        try:
+            bad = (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
+                   or not math.isfinite(reward))
+        except OverflowError:  # an int (or Fraction) too large for a float
+            bad = True
+        if bad:
             self.m["invalid_rewards"] += 1
             idx = h - g * self.n
             gid = self._ggid[g]
-            msg = f"invalid reward {reward!r} for trajectory {gid!r}/{idx} (version {self._gver[g]})"
+            msg = f"invalid reward {_brief(reward)} for trajectory {gid!r}/{idx} (version {self._gver[g]})"
             self._out.append(A.ReportError(gid, idx, msg))
             self._fail_traj(g, h, msg)
             return

@@ -295,6 +295,9 @@ def test_tokens_and_instance_ids_that_the_state_arrays_cannot_hold_are_named():
     for bad in (1.5, "7", 2**64):
         with pytest.raises(ProtocolError, match=rf"trajectory \({gid}, {idx}\): tokens must be an integer.*{bad!r}"):
             h.s.handle(TrajectoryFinished(gid, idx, tokens=bad, reward=1.0))
+    # An integer too long even to print (repr raises past 4,300 digits) is named by its size.
+    with pytest.raises(ProtocolError, match=r"tokens must be an integer \(64-bit\), got <int of 16610 bits>"):
+        h.s.handle(TrajectoryFinished(gid, idx, tokens=10**5000, reward=1.0))
     assert h.s.trajectory(gid, idx).status == "R"
     assert h.of(StartStep) == [] and h.finish(gid, idx) and h.of(StartStep)
     for bad in ("engine-1", 2**70, 1.0):

@@ -396,19 +396,26 @@ class Trainer:
         self._sums = sums
 
     def _allreduce(self, units: float) -> float:
-        """Sum the gradients (and the divisor) over data-parallel ranks; returns the total divisor."""
+        """Sum the gradients (and the divisor) over data-parallel ranks; returns the total divisor.
+
+        A parameter that has no gradient on any rank (the policy during SAO's critic warm-up, a
+        module the loss never reached) keeps none, as on a single trainer: AdamW then skips it
+        (no weight decay, no step count), where a summed zero gradient would move it."""
         import torch.distributed as dist
 
         params = self.policy_params + self.value_params
+        dtype = params[0].dtype
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [torch.tensor([units], dtype=params[0].dtype, device=self.device)])
+                         + [torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=self.device),
+                            torch.tensor([units], dtype=dtype, device=self.device)])
         t0 = time.perf_counter()
         dist.all_reduce(flat)
         self.comm_s += time.perf_counter() - t0
+        has_grad = flat[-1 - len(params):-1].tolist()
         off = 0
-        for p in params:
+        for p, has in zip(params, has_grad):
             n = p.numel()
-            p.grad = flat[off:off + n].view_as(p).clone()
+            p.grad = flat[off:off + n].view_as(p).clone() if has > 0 else None
             off += n
         return float(flat[-1])
 

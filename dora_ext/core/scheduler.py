@@ -100,6 +100,16 @@ class FailureStorm(RuntimeError):
         self.actions = list(actions or [])
 
 
+def _brief(x: Any) -> str:
+    """`repr(x)` for an error message, at most 80 characters: a bad value a host sends may be a
+    huge integer, whose repr is that long (or raises ValueError past 4,300 digits)."""
+    try:
+        r = repr(x)
+    except ValueError:
+        return f"<{type(x).__name__} of {x.bit_length()} bits>"
+    return r if len(r) <= 80 else r[:60] + f"...<{len(r)} characters>"
+
+
 def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
     """A trajectory's versions relative to `base`, as the snapshot stores them (a list)."""
     if vs is None:
@@ -113,27 +123,45 @@ class GroupView:
     """A read-only view of one live group (`Scheduler.groups[gid]`): `gid`, `version`, `state`
     ("active", "complete", "assigned", "trained", "failed"), `step`, `meta`, `seq`, `key`,
     `done`, `live`, `complete_seq`, `in_queue`. It reads the scheduler's per-group arrays when
-    accessed, so it goes stale once the group leaves the scheduler."""
+    accessed. Once the group leaves the scheduler (trained, or failed and retired) its slot is
+    reused by another group, so reading the view then raises `LookupError` naming the group
+    (`gid` stays readable) instead of reporting the other group's state."""
 
-    __slots__ = ("_s", "_g")
+    __slots__ = ("_s", "_g", "_q", "_gid")
 
     def __init__(self, sched: "Scheduler", slot: int) -> None:
-        self._s, self._g = sched, slot
+        # The slot and the group's admission number: a slot reused by a later group (even one
+        # admitted under the same id) has another number.
+        self._s, self._g, self._q, self._gid = sched, slot, sched._gseq[slot], sched._ggid[slot]
 
-    gid = property(lambda self: self._s._ggid[self._g])
-    version = property(lambda self: self._s._gver[self._g])
-    seq = property(lambda self: self._s._gseq[self._g])
-    key = property(lambda self: self._s._key_of(self._g))
-    meta = property(lambda self: self._s._gmeta.get(self._g))
-    state = property(lambda self: _STATES[self._s._gst[self._g]])
-    step = property(lambda self: None if (x := self._s._gstep[self._g]) < 0 else x)
-    complete_seq = property(lambda self: None if (x := self._s._gcseq[self._g]) < 0 else x)
-    done = property(lambda self: self._s._gdone[self._g])
-    live = property(lambda self: self._s._glive[self._g])
-    in_queue = property(lambda self: bool(self._s._ginq[self._g]))
+    def _slot(self) -> int:
+        return _live_slot(self._s, self._g, self._q, f"group {self._gid!r}")
+
+    gid = property(lambda self: self._gid)
+    version = property(lambda self: self._s._gver[self._slot()])
+    seq = property(lambda self: self._s._gseq[self._slot()])
+    key = property(lambda self: self._s._key_of(self._slot()))
+    meta = property(lambda self: self._s._gmeta.get(self._slot()))
+    state = property(lambda self: _STATES[self._s._gst[self._slot()]])
+    step = property(lambda self: None if (x := self._s._gstep[self._slot()]) < 0 else x)
+    complete_seq = property(lambda self: None if (x := self._s._gcseq[self._slot()]) < 0 else x)
+    done = property(lambda self: self._s._gdone[self._slot()])
+    live = property(lambda self: self._s._glive[self._slot()])
+    in_queue = property(lambda self: bool(self._s._ginq[self._slot()]))
 
     def __repr__(self) -> str:
-        return f"GroupView(gid={self.gid!r}, version={self.version}, state={self.state!r})"
+        try:
+            return f"GroupView(gid={self.gid!r}, version={self.version}, state={self.state!r})"
+        except LookupError:
+            return f"GroupView(gid={self._gid!r}, left the scheduler)"
+
+
+def _live_slot(sched: "Scheduler", g: int, seq: int, what: str) -> int:
+    """Slot `g` if it still holds the group admitted as number `seq`; else `LookupError`."""
+    if g not in sched._ggid or sched._gseq[g] != seq:
+        raise LookupError(f"{what} left the scheduler with its group (trained, or failed and retired): "
+                          f"this view of it is no longer valid")
+    return g
 
 
 class _Groups(Mapping):
@@ -174,22 +202,29 @@ class _Instance:
 
 class TrajectoryView:
     """A read-only view of one live trajectory's state (`Scheduler.trajectory`), for tests and
-    debugging; it reads the scheduler's arrays when accessed, so it goes stale once its group
-    leaves the scheduler."""
+    debugging; it reads the scheduler's arrays when accessed. Once its group leaves the
+    scheduler (and its slot may hold another group's trajectories), reading it raises
+    `LookupError` naming the trajectory."""
 
-    __slots__ = ("_s", "_h")
+    __slots__ = ("_s", "_h", "_q", "_gid")
 
     def __init__(self, sched: "Scheduler", h: int) -> None:
-        self._s, self._h = sched, h
+        g = h // sched.n
+        self._s, self._h, self._q, self._gid = sched, h, sched._gseq[g], sched._ggid[g]
 
-    status = property(lambda self: _LETTERS[self._s._ts[self._h]])
-    instance = property(lambda self: None if (i := self._s._ti[self._h]) == _NOI else i)
-    attempt = property(lambda self: self._s._ta[self._h])
-    tokens = property(lambda self: self._s._tt[self._h])
-    versions = property(lambda self: self._s._versions(self._h))
-    retries = property(lambda self: self._s._tn[self._h])
-    moved = property(lambda self: bool(self._s._tm[self._h]))
-    reward = property(lambda self: None if (r := self._s._tr[self._h]) != r else r)
+    def _handle(self) -> int:
+        s, h = self._s, self._h
+        _live_slot(s, h // s.n, self._q, f"trajectory {self._gid!r}/{h % s.n}")
+        return h
+
+    status = property(lambda self: _LETTERS[self._s._ts[self._handle()]])
+    instance = property(lambda self: None if (i := self._s._ti[self._handle()]) == _NOI else i)
+    attempt = property(lambda self: self._s._ta[self._handle()])
+    tokens = property(lambda self: self._s._tt[self._handle()])
+    versions = property(lambda self: self._s._versions(self._handle()))
+    retries = property(lambda self: self._s._tn[self._handle()])
+    moved = property(lambda self: bool(self._s._tm[self._handle()]))
+    reward = property(lambda self: None if (r := self._s._tr[self._handle()]) != r else r)
 
 
 class Scheduler:
@@ -702,11 +737,15 @@ class Scheduler:
         self._form_dirty = True
 
     def _on_published(self, ev: E.VersionPublished) -> None:
+        if not isinstance(ev.version, numbers.Integral):
+            # (a float would pass the test below and then fail the int arrays that hold versions,
+            # half-way through admitting the next group)
+            raise ProtocolError(f"version {ev.version!r} published: expected an integer")
         if ev.version != self.newest + 1:
             raise ProtocolError(f"version {ev.version} published, expected {self.newest + 1}")
         if ev.version > self.step:
             raise ProtocolError(f"version {ev.version} published before trainer step {ev.version - 1} finished")
-        self.newest = ev.version
+        self.newest = int(ev.version)
         for b in [b for b, c in self._queued.items() if not c and not self._queue.get(b) and b != _ANY]:
             del self._queued[b]  # versions with nothing queued leave (live state only)
             self._queue.pop(b, None)
@@ -869,7 +908,7 @@ class Scheduler:
             self._tt[h] = tokens
         except (TypeError, OverflowError):
             raise ProtocolError(f"trajectory {self._key(h)!r}: tokens must be an integer (64-bit), "
-                                f"got {tokens!r}") from None
+                                f"got {_brief(tokens)}") from None
 
     def _bucket(self, version: int) -> int:
         return version if self._pinned else _ANY
@@ -877,7 +916,7 @@ class Scheduler:
     # ------------------------------------------------------------------ state changes
     def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
         if not isinstance(iid, numbers.Integral) or not _NOI < iid < 2**63:
-            raise ProtocolError(f"instance id {iid!r}: expected a 64-bit integer")
+            raise ProtocolError(f"instance id {_brief(iid)}: expected a 64-bit integer")
         self.instances[iid] = inst = _Instance(iid, capacity)
         if capacity != self._cap_max and self.instances.keys() - {iid}:
             self._uniform = False
@@ -1151,12 +1190,16 @@ class Scheduler:
 
     def _set_reward(self, g: int, h: int, reward: Any) -> None:
         # Any real number (numpy/torch scalars register as `numbers.Real`), finite.
-        if (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
-                or not math.isfinite(reward)):
+        try:
+            bad = (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
+                   or not math.isfinite(reward))
+        except OverflowError:  # an int (or Fraction) too large for a float
+            bad = True
+        if bad:
             self.m["invalid_rewards"] += 1
             idx = h - g * self.n
             gid = self._ggid[g]
-            msg = f"invalid reward {reward!r} for trajectory {gid!r}/{idx} (version {self._gver[g]})"
+            msg = f"invalid reward {_brief(reward)} for trajectory {gid!r}/{idx} (version {self._gver[g]})"
             self._out.append(A.ReportError(gid, idx, msg))
             self._fail_traj(g, h, msg)
             return

@@ -194,6 +194,47 @@ class DieAfterReport(DieMidReport):
         self.armed = True
 
 
+class DieInAllreduce(TrainerLoop):
+    """Data parallel: trainer rank `victim` is killed (SIGKILL) at its first gradient allreduce of
+    a step >= `at_step`, right before it joins it: its peer is then in that allreduce (or about to
+    enter it) and can only leave it through the failed collective. `FailInAllreduce` raises an
+    error there instead (the rank reports it and exits, as a rank with a bug of its own would)."""
+
+    victim = 1
+    at_step = 2
+    fail = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if rank != self.victim:
+            return
+        allreduce = self.trainer._allreduce
+
+        def dying(units: float) -> float:
+            if self.trainer.version >= self.at_step:
+                if self.fail:
+                    raise ValueError(f"injected error on trainer rank {rank} at step {self.trainer.version}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return allreduce(units)
+
+        self.trainer._allreduce = dying
+
+
+class DieInAllreduceRank0(DieInAllreduce):
+    """`DieInAllreduce` killing rank 0 (the rank that reports every step)."""
+
+    victim = 0
+
+
+class FailInAllreduce(DieInAllreduce):
+    """`DieInAllreduce` whose rank 1 raises an error of its own instead of being killed."""
+
+    fail = True
+
+
 # ---------------------------------------------------------------------------------- bare writers
 def report_then_die_mid_message(outbox: Any, first: Any, cut: Any) -> None:
     """A worker process that reports `first`, then dies (SIGKILL) half-way through writing `cut`."""

@@ -28,7 +28,9 @@ remaining instances while a fresh process takes its place (`runtime.max_instance
 run): pinned like the original, it joins under a new instance id (`InstanceReady`, so a late
 report of the dead one can never be taken for it) and loads the version the scheduler asks for.
 When no instance is left and none is starting, the run ends with `WorkerDied`; a trainer that
-exits ends it with `WorkerDied` naming the `--resume` command. With
+exits ends it with `WorkerDied` naming the `--resume` command (data parallel: naming the rank
+that exited without a report, whichever rank's failed collective is read first; ranks that all
+reported errors of their own end it with those errors, `_ranks_failed`). With
 `checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
 optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
 and the weights of the versions work may still be pinned to; `resume=True` continues from the
@@ -413,9 +415,10 @@ class Runtime:
                 # rollout cores, never on the trainer's.
                 os.sched_setaffinity(0, set(roll))
             ranks = self.trainer_ranks
-            self.rank_speed = [None] * ranks
-            self.rank_tokens = [0] * ranks
-            self.rank_seconds = [[0.0, 0.0] for _ in range(ranks)]
+            if len(self.rank_tokens) != ranks or self.resumed_from is None:  # a resume keeps the checkpoint's
+                self.rank_speed = [None] * ranks
+                self.rank_tokens = [0] * ranks
+                self.rank_seconds = [[0.0, 0.0] for _ in range(ranks)]
             rank_threads = rank_nice = None
             if self.borrowing:
                 # rank 0 on the trainer's cores; rank 1 on the rollout cores, below the instances' priority
@@ -494,6 +497,8 @@ class Runtime:
         and replaced by a fresh process while restarts are left (`_restart`); the run goes on with
         fewer instances meanwhile, and after the last restart. A dead trainer, or no instance
         left and none starting, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
+        if len(trainer) > 1 and any(not t.is_alive() for t in trainer):
+            self._ranks_failed({})  # which rank died, and which only failed with it
         for t in trainer:
             if not t.is_alive():
                 rank = int(t.name.rsplit("-", 1)[1])
@@ -629,6 +634,8 @@ class Runtime:
                 "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
                 "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
                 "served_by": self.served_by, "next_instance_id": self.next_instance_id,
+                "step_order": self.step_order, "rank_speed": self.rank_speed, "rank_tokens": self.rank_tokens,
+                "rank_seconds": self.rank_seconds,
             },
             "versions": keep,
         }
@@ -665,6 +672,8 @@ class Runtime:
                              f"expected format 1, mode {self.mode!r}")
         self._check_recipe(state.get("recipe"), version)
         self.sched = Scheduler.restore(state["scheduler"])
+        # a checkpoint written before the ledger kept the hand-out order: those steps' orders are unknown
+        state["ledger"].setdefault("step_order", [None] * len(state["ledger"]["step_groups"]))
         for k, v in state["ledger"].items():
             setattr(self, k, v)
         self.versions = dict(state["versions"])
@@ -829,28 +838,44 @@ class Runtime:
             self._on_ready(msg[1], msg[2], msg[3] if len(msg) > 3 else None, msg[4] if len(msg) > 4 else 0)
         elif kind == "error":
             if msg[1].startswith("trainer") and len(self.trainer_handles) > 1:
-                self._peer_died(msg[1], msg[2])
+                rank = 0 if msg[1] == "trainer" else int(msg[1].rsplit("-", 1)[1])
+                self._ranks_failed({rank: [f"{msg[1]}: {msg[2]}"]}, msg[3])
             raise RuntimeError(f"{msg[1]} failed: {msg[2]}\n{msg[3]}")
         else:
             raise RuntimeError(f"unknown worker report {kind!r}")
 
-    def _peer_died(self, name: str, error: str, wait_s: float = 5.0) -> None:
-        """A data-parallel trainer rank reported an error: most often a collective that failed
-        because a peer rank's process died (gloo: "Connection closed by peer"). If another rank's
-        process is gone (it is given `wait_s` to be seen so), the run ends as for a dead trainer,
-        `WorkerDied` naming `--resume`; otherwise the caller reports the error itself."""
-        me = 0 if name == "trainer" else int(name.rsplit("-", 1)[1])
+    def _ranks_failed(self, reports: dict[int, list[str]], traceback: str = "", wait_s: float = 5.0) -> None:
+        """Data parallel: a trainer rank reported an error, or a rank's process exited (`reports`:
+        rank -> what each rank reported so far). Most often a rank's process died (killed) and its
+        peers then fail their collective with it (gloo: "Connection closed by peer"); but a rank
+        that raised an error of its own exits too (after reporting it), and its peers fail the same
+        way. So: the ranks' processes are given `wait_s` to be seen exited, what each exited one
+        left on its pipe is taken, and a rank that exited without reporting anything (killed) ends
+        the run as a dead trainer, `WorkerDied` naming it and `--resume`; otherwise the ranks'
+        own errors end it (`RuntimeError` with every rank's report, whichever was read first)."""
+        handles = self.trainer_handles
+        drained: set[int] = set()
         deadline = time.perf_counter() + wait_s
         while True:
-            dead = [(r, h) for r, h in enumerate(self.trainer_handles) if r != me and not h.is_alive()]
-            if dead or time.perf_counter() > deadline:
+            for r, h in enumerate(handles):
+                if r not in drained and not h.is_alive():
+                    drained.add(r)
+                    name = "trainer" if r == 0 else f"trainer-{r}"
+                    reports.setdefault(r, []).extend(self._drain(name, fatal=False))
+            killed = [r for r in sorted(drained) if not reports.get(r)]
+            if killed or len(drained) == len(handles) or time.perf_counter() > deadline:
                 break
-            time.sleep(0.05)  # polling a process's state, not synchronising with it
-        if dead:
-            r, h = dead[0]
-            raise WorkerDied(self._died_message(
-                f"the trainer process exited (rank {r}, exit code {h.exitcode}); rank {me} then reported: "
-                f"{error[:300]}"))
+            time.sleep(0.05)  # polling the processes' states, not synchronising with them
+        said = "; ".join(f"rank {r} reported: {' / '.join(e)[:300]}" for r, e in sorted(reports.items()) if e)
+        if killed:
+            r = killed[0]
+            name = "trainer" if r == 0 else f"trainer-{r}"
+            lost = [why for n, why in self.reports_lost if n == name]
+            what = f"the trainer process exited (rank {r}, exit code {handles[r].exitcode})"
+            if lost:
+                what += f", ended by the coordinator: a report of it could not be read ({lost[0]})"
+            raise WorkerDied(self._died_message(what + (f"; {said}" if said else "")))
+        raise RuntimeError(f"trainer failed (data-parallel ranks): {said}\n{traceback}")
 
     def _on_lost(self, name: str, why: str) -> None:
         """A complete report of worker `name` could not be read (`PipeHub`: most often an export
@@ -987,6 +1012,9 @@ class Runtime:
                 rid = (act.group_id, act.index, rec[2])
                 self._send(act.src, ("migrate", rid, act.dst))
             elif isinstance(act, A.DeliverGroup):
+                if act.step != len(self.step_groups):  # its position counts in the batch being formed
+                    raise RuntimeError(f"scheduler delivered group {act.group_id!r} for step {act.step} while "
+                                       f"forming step {len(self.step_groups)}")
                 self.delivered.add(act.group_id)
                 group = self._group(act.group_id)
                 rank, position = self._assign(act.group_id, group)
@@ -1013,7 +1041,13 @@ class Runtime:
         for gid, group in rest:
             rank, position = self._assign(gid, group)
             shares[rank].append((gid, group, position))
-        self.step_order.append(self._order)
+        if step < len(self.step_order):  # a resumed run hands the checkpoint's started step over again
+            self.step_order[step] = self._order
+        elif step == len(self.step_order):
+            self.step_order.append(self._order)
+        else:
+            raise RuntimeError(f"step {step} handed to the trainer, but the ledger's step order has "
+                               f"{len(self.step_order)} steps")
         self._order = []
         self._position = 0
         self._rank_load = {}

@@ -9,6 +9,7 @@ process on the same groups.
 from __future__ import annotations
 
 import copy
+import io
 import os
 import socket
 
@@ -125,3 +126,130 @@ def test_positions_are_all_or_none_and_cover_the_batch():
         tr.finish_step(2)
     with pytest.raises(ValueError, match="position: expected an integer >= 0"):
         Trainer(copy.deepcopy(policy), TrainerConfig(**CONFIG), version=2).add_group(groups[0], -1)
+
+
+#: Trainer configurations and, per step, each rank's share of the 8 groups (positions). Every case
+#: runs two steps from version 2 on the same two gloo ranks; the single trainer runs in the test
+#: process. Uneven shares everywhere; "rank 1 idle" gets no group at all in a step.
+DP_CASES = {
+    "none-token-mean-one-update-rank1-idle": (
+        dict(algorithm="grpo", correction="none", lr=0.02),
+        [{0: list(range(8)), 1: []}, {0: [0, 2], 1: [1, 3, 4, 5, 6, 7]}]),
+    "tis-seq-mean-3-minibatches-2-epochs": (
+        dict(algorithm="grpo", correction="tis", loss_agg_mode="seq-mean-token-mean", lr=0.02,
+             ppo_minibatches=3, ppo_epochs=2, clip_high=0.28),
+        [{0: [0, 1, 2, 7], 1: [3, 4, 5, 6]}, {0: [5], 1: [0, 1, 2, 3, 4, 6, 7]}]),
+    "decoupled-mask-dr-grpo-kl-micro": (
+        dict(algorithm="grpo", correction="decoupled", is_cap_mode="mask", norm_adv_by_std=False,
+             kl_coef=0.05, micro_tokens=10, lr=0.02, ppo_minibatches=2),
+        [{0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}, {0: [], 1: list(range(8))}]),
+    "sao-correction-entropy-more-minibatches-than-groups": (
+        dict(algorithm="grpo", correction="sao", entropy_coef=0.01, lr=0.02, ppo_minibatches=16,
+             weight_decay=0.1),
+        [{0: [1, 3, 5], 1: [0, 2, 4, 6, 7]}, {0: [6], 1: [0, 1, 2, 3, 4, 5, 7]}]),
+    # SAO with a value model; step 2 is the critic's warm-up (the policy gets no gradient at all,
+    # on every rank), step 3 moves the policy: its AdamW state must be the single trainer's
+    "sao-value-critic-warmup": (
+        dict(algorithm="sao", critic_warmup=3, lr=0.02, value_lr=0.05, ppo_minibatches=2),
+        [{0: [0, 1, 2, 3, 4, 5], 1: [6, 7]}, {0: [7], 1: [0, 1, 2, 3, 4, 5, 6]}]),
+    "sao-value-critic-warmup-weight-decay-seq-mean": (
+        dict(algorithm="sao", critic_warmup=3, lr=0.02, weight_decay=0.5,
+             loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01),
+        [{0: [0, 5], 1: [1, 2, 3, 4, 6, 7]}, {0: list(range(8)), 1: []}]),
+}
+
+
+def _case_trainer(name: str, policy, value):
+    cfg, _ = DP_CASES[name]
+    return Trainer(copy.deepcopy(policy), TrainerConfig(**cfg),
+                   value_head=copy.deepcopy(value) if cfg["algorithm"] == "sao" else None, version=2)
+
+
+def _states(tr) -> dict:
+    out = {f"policy.{k}": v.clone() for k, v in tr.policy.state_dict().items()}
+    if tr.value_params:
+        out.update({f"value.{k}": v.clone() for k, v in tr.value_head.state_dict().items()})
+    return out
+
+
+def _rank_cases(rank: int, port: int, policy, value, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        groups = _groups(policy)
+        results = {}
+        for name, (_, shares) in DP_CASES.items():
+            tr = _case_trainer(name, policy, value)
+            steps = []
+            for step, share in enumerate(shares, start=2):
+                for p in share[rank]:
+                    tr.add_group(groups[p], p)
+                metrics = tr.finish_step(step)
+                steps.append((_states(tr), metrics))
+            results[name] = steps
+        buf = io.BytesIO()  # plain bytes: tensors sent as such would need this process alive to be read
+        torch.save(results, buf)
+        out.put((rank, buf.getvalue()))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        out.put((rank, traceback.format_exc() + repr(exc)))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork for the two gloo ranks")
+def test_every_trainer_configuration_takes_the_single_trainers_steps_data_parallel():
+    """Each correction, both loss aggregations, Dr.GRPO's unnormalised advantages, minibatch counts
+    that do not divide the batch (and exceed it), micro-batches, a KL reference, the entropy bonus,
+    weight decay, SAO with a value model and its critic warm-up, groups of 5 and 4 trajectories of
+    varied lengths; a rank that gets no group in a minibatch or in a whole step. Two steps each, so
+    that the optimizer's state after the first is compared too: every parameter (policy and value
+    model) on both ranks equals the single trainer's after each step, and so do the metrics."""
+    import multiprocessing as mp
+
+    policy, value = make(8, value=True)
+    groups = _groups(policy)
+    ctx = mp.get_context("fork")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_cases, args=(r, port, copy.deepcopy(policy), copy.deepcopy(value), out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        dp = {}
+        for _ in procs:
+            rank, res = out.get(timeout=300)
+            assert isinstance(res, bytes), res
+            dp[rank] = torch.load(io.BytesIO(res))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    failures = []
+    for name, (_, shares) in DP_CASES.items():
+        ref = _case_trainer(name, policy, value)
+        for i, step in enumerate(range(2, 2 + len(shares))):
+            for p in range(8):
+                ref.add_group(groups[p])
+            ref_metrics = ref.finish_step(step)
+            want = _states(ref)
+            for rank in (0, 1):
+                state, metrics = dp[rank][name][i]
+                for k, w in want.items():
+                    if not torch.allclose(state[k], w, rtol=1e-5, atol=1e-5):
+                        failures.append(f"{name} step {step} rank {rank}: {k} differs by "
+                                        f"{float((state[k] - w).abs().max()):.2e}")
+                for k, v in ref_metrics.items():
+                    if metrics.get(k) != pytest.approx(v, rel=1e-5, abs=1e-6):
+                        failures.append(f"{name} step {step} rank {rank}: metric {k} {metrics.get(k)} != {v}")
+        assert any(not torch.equal(want[k], w) for k, w in _states(_case_trainer(name, policy, value)).items())
+    assert not failures, "\n".join(failures)

@@ -10,6 +10,7 @@ Checks run on the driver's own ledger (C1, C2, C3, nothing lost, counters), as i
 `test_properties.check_run`.
 """
 
+import fractions
 import json
 import random
 
@@ -264,7 +265,8 @@ def test_a_numpy_float32_reward_is_a_reward():
         out = s.handle(E.TrajectoryFinished(0, 0, tokens=3, reward=reward))
         assert not any(isinstance(a, A.ReportError) for a in out), (reward, out)
         assert [a for a in out if isinstance(a, A.StartStep)] == [A.StartStep(0, (0,))], (reward, out)
-    for bad in (np.float32("nan"), float("inf"), "0.5", None):
+    # (10**400 and its Fraction: math.isfinite raised OverflowError out of the scheduler)
+    for bad in (np.float32("nan"), float("inf"), "0.5", None, 10**400, fractions.Fraction(10**400, 3), 10**5000):
         s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1,
                                             "group_size": 1, "instances": 1, "capacity": 1}))
         s.start()

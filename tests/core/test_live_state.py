@@ -135,3 +135,57 @@ def test_no_object_per_group_or_trajectory_for_the_garbage_collector():
         counts.append(_tracked_reachable(d.sched))
     assert flight[1] >= 4 * flight[0] > 0, flight
     assert counts[1] <= counts[0] + 60, (counts, flight)
+
+
+def _one_slot_scheduler(mode):
+    """One instance, groups of two, no retries: every group that leaves frees slot 0 for the next."""
+    from dora_ext.core import InstanceLoaded, LoadVersion
+
+    s = Scheduler(DoraConfig.from_dict({"mode": mode, "max_staleness": 1, "batch_size": 1, "group_size": 2,
+                                        "instances": 1, "capacity": 4, "max_retries": 0,
+                                        "max_failed_group_share": 1.0}))
+    for a in s.start():
+        if isinstance(a, LoadVersion):
+            s.handle(InstanceLoaded(a.instance_id, a.version))
+    return s
+
+
+@pytest.mark.parametrize("mode", ["dora", "partial"])
+@pytest.mark.parametrize("next_id", ["B", "A"])  # a new group, or the same id admitted again
+def test_a_view_of_a_group_that_left_never_reads_the_group_reusing_its_slot(mode, next_id):
+    """Groups are slots reused by later groups: a `GroupView`/`TrajectoryView` held across the
+    group's departure must not report the newcomer's state as its own (before the fix, the view
+    of failed group "A" read gid "B", state "active" and B's running trajectory)."""
+    from dora_ext.core import GroupAdmitted, RewardReady, TrajectoryFailed, TrajectoryFinished, TrajectoryProgressed
+
+    s = _one_slot_scheduler(mode)
+    s.handle(GroupAdmitted("A"))
+    view, traj = s.groups["A"], s.trajectory("A", 1)
+    assert (view.gid, view.state, traj.status) == ("A", "active", "R")
+    s.handle(TrajectoryFinished("A", 0, tokens=3, reward=1.0))
+    s.handle(TrajectoryFailed("A", 1, "boom"))  # no retries: A fails and leaves, slot 0 is free
+    assert "A" not in s.groups
+    s.handle(GroupAdmitted(next_id))  # takes slot 0 again
+    s.handle(TrajectoryProgressed(next_id, 1, 7))
+    assert s.trajectory(next_id, 1).tokens == 7 and s.groups[next_id].state == "active"
+    assert view.gid == "A"
+    for read in (lambda: view.state, lambda: view.version, lambda: view.live, lambda: traj.status,
+                 lambda: traj.tokens, lambda: traj.attempt):
+        with pytest.raises(LookupError, match="(group 'A'|trajectory 'A'/1) left the scheduler"):
+            read()
+    assert "left the scheduler" in repr(view)
+    if next_id == "A":
+        return
+    # A's late reports, with every attempt variant, never touch B (which now owns A's handles).
+    before = [(t.status, t.attempt, t.tokens, t.instance) for t in s.trajectories("B")]
+    stale = s.metrics()["stale_events"]
+    for attempt in (0, 1, 5):
+        for ev in (TrajectoryProgressed("A", 1, 99, attempt), TrajectoryFinished("A", 1, 99, 1.0, attempt),
+                   RewardReady("A", 1, 1.0, attempt), TrajectoryFailed("A", 1, "late", attempt)):
+            assert s.handle(ev) == []
+    assert s.metrics()["stale_events"] == stale + 12
+    for ev in (TrajectoryProgressed("A", 1, 99), TrajectoryFinished("A", 1, 99, 1.0), RewardReady("A", 1, 1.0),
+               TrajectoryFailed("A", 1, "late")):
+        with pytest.raises(ProtocolError, match="unknown group 'A'"):
+            s.handle(ev)
+    assert [(t.status, t.attempt, t.tokens, t.instance) for t in s.trajectories("B")] == before

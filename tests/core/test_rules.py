@@ -3,6 +3,8 @@
 Each test drives the scheduler event by event, the way a runtime would, and inspects the actions.
 """
 
+import re
+
 import pytest
 
 from dora_ext.config import DoraConfig
@@ -293,11 +295,35 @@ def test_tokens_and_instance_ids_that_the_state_arrays_cannot_hold_are_named():
     for bad in (1.5, "7", 2**64):
         with pytest.raises(ProtocolError, match=rf"trajectory \({gid}, {idx}\): tokens must be an integer.*{bad!r}"):
             h.s.handle(TrajectoryFinished(gid, idx, tokens=bad, reward=1.0))
+    # An integer too long even to print (repr raises past 4,300 digits) is named by its size.
+    with pytest.raises(ProtocolError, match=r"tokens must be an integer \(64-bit\), got <int of 16610 bits>"):
+        h.s.handle(TrajectoryFinished(gid, idx, tokens=10**5000, reward=1.0))
     assert h.s.trajectory(gid, idx).status == "R"
     assert h.of(StartStep) == [] and h.finish(gid, idx) and h.of(StartStep)
     for bad in ("engine-1", 2**70, 1.0):
         with pytest.raises(ProtocolError, match=rf"instance id {bad!r}: expected a 64-bit integer"):
             h.s.handle(InstanceReady(bad, 1))
+
+
+def test_a_published_version_that_is_not_an_integer_is_refused_before_it_breaks_admission():
+    """Versions live in 64-bit integer arrays. A float version equal to the expected one (1.0)
+    passed the publish checks, and the next `GroupAdmitted` then failed half-way with a bare
+    TypeError, leaving a group admitted but never queued (metrics' `dropped` went negative).
+    It is refused by name instead, and a numpy integer is stored as the scheduler's own int."""
+    np = pytest.importorskip("numpy")
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=1, instances=1, capacity=2)
+    h.finish_group(0)
+    h.feed_actions(h.s.handle(TrainerStepFinished(0)))
+    for bad in (1.0, np.float64(1.0), "1"):
+        with pytest.raises(ProtocolError, match=re.escape(f"version {bad!r} published: expected an integer")):
+            h.s.handle(VersionPublished(bad))
+    mark = len(h.log)
+    h.feed_actions(h.s.handle(VersionPublished(np.int64(1))))
+    assert type(h.s.newest_version) is int and h.s.newest_version == 1
+    h.finish_group(1)  # the instance drains version 0 and switches to 1
+    assert [a.version for a in h.of(RequestGroups, mark)] == [1]
+    assert h.running and {v for _, v in h.running.values()} == {1}  # admitted at 1 and running
+    assert h.s.metrics()["dropped"] == 0
 
 
 @pytest.mark.parametrize("how", ["nan_reward", "failed_awaiting_reward"])

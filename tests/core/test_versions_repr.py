@@ -1,5 +1,6 @@
-"""`_Traj.versions` kept unboxed (None, an int, or a list of several in `partial`): what the
-snapshot and the metrics see must not change with the representation (review of c9)."""
+"""A trajectory's versions kept unboxed (`_tv`: none or one version; `_tvm`: a list of several, in
+`partial`): what the snapshot and the metrics see must not change with the representation (review
+of c9)."""
 
 import json
 

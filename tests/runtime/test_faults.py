@@ -398,11 +398,17 @@ def test_a_checkpoint_reported_by_a_trainer_that_then_died_counts(borrow, tmp_pa
     with pytest.raises(WorkerDied, match="trainer process exited .* at step 4. The run can continue from its last"):
         rt.run()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "4"
-    result = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True, keep_versions=True).run()
+    resumed = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True, keep_versions=True)
+    result = resumed.run()
     led = result.ledger
     assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
     assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
     assert result.metrics["c1_ok"] and result.metrics["c2_ok"] and result.metrics["c3_ok"]
+    # the order each step's groups were handed to the trainer (their PPO minibatches), for every
+    # step of both runs: the checkpoint carries it, and a step handed over again replaces its entry
+    assert [sorted(o) for o in led["step_order"]] == [sorted(g) for g in led["step_groups"]]
+    if borrow:  # each rank's trained tokens over both runs (the checkpoint carries the counts too)
+        assert resumed.rank_tokens == [sum(rec["rank_tokens"][r] for rec in result.steps) for r in (0, 1)]
 
 
 @pytest.mark.slow
@@ -837,3 +843,161 @@ def test_resume_sends_a_fresh_instance_no_void_attempt():
                 assert rt.sched.trajectory(gid, idx).attempt == attempt, (iid, c[1], "a void attempt")
     # Every trajectory that ran at the checkpoint is queued again, under a new attempt.
     assert all(t.status == "Q" for g in rt.sched.groups for t in rt.sched.trajectories(g) if t.attempt), rt.sched.snapshot()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,loop", [("dora", "DieInAllreduce"), ("dora", "DieInAllreduceRank0"),
+                                       ("sync", "DieInAllreduce")],
+                         ids=["borrow-kill-rank1", "borrow-kill-rank0", "sync-2-ranks-kill-rank1"])
+def test_a_rank_killed_in_the_allreduce_is_a_dead_trainer_and_the_run_resumes(mode, loop, tmp_path):
+    """Data parallel (dora with `runtime.trainer_borrow`, or sync's 2-rank trainer): one rank is
+    killed (SIGKILL) right before it joins its first gradient allreduce of step 2
+    (`faults.DieInAllreduce`), so its peer is in that allreduce and fails with it. Whichever the
+    coordinator notices first (the peer's failed collective or the dead process), the run ends as
+    a dead trainer naming the killed rank and how to resume; the resumed run (checkpoint 2) trains
+    every admitted group exactly once across both runs, a full batch per step, and each version it
+    publishes is a single trainer's step from checkpoint 2 (model and optimizer) on the groups in
+    the order they were handed out (two PPO minibatches): both ranks resumed from the checkpoint."""
+    import shutil
+
+    import torch
+
+    from dora_ext.runtime import faults
+    from dora_ext.runtime.workers import TrainerRecipe, build_trainer
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a 2-rank trainer needs 2 cores (runtime.cores <= available cores)")
+    rt_section = {"trainer_borrow": True, "cores": 2} if mode == "dora" else {"sync_trainer_ranks": 2, "cores": 2}
+    recipe = recipe_from_dict(tiny(steps=5, runtime=rt_section, trainer={"ppo_minibatches": 2, "lr": 0.01},
+                                   dora={"batch_size": 4, "capacity": 4})).with_mode(mode)
+    prepared = prepare(recipe)
+    ckpt = str(tmp_path / "ckpt")
+    victim = getattr(faults, loop).victim
+    rt = Runtime(recipe, prepared, checkpoint_dir=ckpt, checkpoint_every=2, trainer_loop=getattr(faults, loop))
+    with pytest.raises(WorkerDied, match=rf"trainer process exited \(rank {victim}, exit code -9\).* at step 2\. "
+                                         r"The run can continue from its last checkpoint") as info:
+        rt.run()
+    assert len(rt.trainer_handles) == 2
+    assert "trainer process exited (rank" in str(info.value)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+    shutil.copytree(ckpt, tmp_path / "ckpt-2")  # the resumed run replaces checkpoint 2 by its own 4
+    result = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True, keep_versions=True).run()
+    led = result.ledger
+    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
+    assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
+    assert [sorted(o) for o in led["step_order"]] == [sorted(g) for g in led["step_groups"]]
+    single = build_trainer(TrainerRecipe(prepared.model_config, dict(recipe.trainer), prepared.weights, "cpu",
+                                         resume=str(tmp_path / "ckpt-2" / "trainer-000002.pt")))
+    assert single.version == 2
+    for step in range(2, recipe.steps):
+        for gid in led["step_order"][step]:
+            single.add_group(led["results"][gid])
+        single.finish_step(step)
+        for k, w in single.publish().items():
+            if k.endswith("k_proj.bias"):
+                continue  # its true gradient is 0 (test_runtime_modes): rounding noise scaled by Adam
+            torch.testing.assert_close(result.versions[step + 1][k], w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_its_own_error_is_not_a_dead_trainer(tmp_path):
+    """`faults.FailInAllreduce`: trainer rank 1 (borrowing) raises an error of its own at step 2 and
+    exits; rank 0 then fails its allreduce. No process was killed, so this is not a dead trainer
+    to resume (a resume would only meet the same error): the run ends with the rank's own error,
+    whichever of the two reports (or exits) the coordinator sees first."""
+    from dora_ext.runtime.faults import FailInAllreduce
+
+    recipe = recipe_from_dict(tiny(steps=4, runtime=_borrow(True)))
+    rt = Runtime(recipe, prepare(recipe), trainer_loop=FailInAllreduce)
+    with pytest.raises(RuntimeError, match=r"injected error on trainer rank 1 at step 2") as info:
+        rt.run()
+    assert not isinstance(info.value, WorkerDied)
+
+
+class _Handle:
+    """A trainer rank's process as `Runtime._ranks_failed` sees it: alive until it has been asked
+    `alive_for` times, then exited with `exitcode`."""
+
+    def __init__(self, exitcode, alive_for=0):
+        self.exitcode_when_dead, self.alive_for = exitcode, alive_for
+
+    def is_alive(self):
+        self.alive_for -= 1
+        return self.alive_for >= 0
+
+    @property
+    def exitcode(self):
+        return None if self.alive_for >= 0 else self.exitcode_when_dead
+
+
+class _Pipes:
+    """What each worker left on its pipe (`outbox.drain(name)`)."""
+
+    def __init__(self, left):
+        self.left = left
+
+    def drain(self, name):
+        return self.left.pop(name, [])
+
+
+CLOSED = ("error", "trainer", "RuntimeError('[gloo] Connection closed by peer')", "tb0")
+OWN = ("error", "trainer-1", "ValueError('a bug of rank 1')", "tb1")
+
+
+@pytest.mark.parametrize("first,handles,pipes,want", [
+    # rank 1 raised its own error, which was read first; rank 0 failed its collective, then exited
+    ("own", [(0, 0), (0, 0)], {"trainer": [CLOSED]}, RuntimeError),
+    # the same, rank 0's failed collective read first: rank 1's own error is on its pipe
+    ("closed", [(0, 0), (0, 0)], {"trainer-1": [OWN]}, RuntimeError),
+    # rank 1 was killed: it reported nothing; seen dead only after a few polls
+    ("closed", [(0, 0), (-9, 3)], {}, WorkerDied),
+    # the dead processes noticed first (`_watch`): rank 0 exited after its failed collective,
+    # rank 1 was killed; the killed one is named
+    (None, [(0, 0), (-9, 0)], {"trainer": [CLOSED]}, WorkerDied),
+    # rank 0 was killed; rank 1's failed collective read first
+    ("closed-1", [(-9, 0), (0, 5)], {}, WorkerDied),
+])
+def test_which_rank_failed_does_not_depend_on_what_is_read_first(first, handles, pipes, want):
+    """`Runtime._ranks_failed` (no processes: the ranks' process states and pipes are given): a rank
+    that exited without a word was killed, and the run ends as a dead trainer naming it; when
+    every exited rank reported an error, the ranks' own errors end the run (a rank's bug is not a
+    crash to resume from), in either order of reading the reports."""
+    recipe = recipe_from_dict(tiny())
+    rt = Runtime(recipe, prepare(recipe))
+    rt.trainer_handles = [_Handle(*h) for h in handles]
+    rt.outbox = _Pipes(dict(pipes))
+    reports = {"own": {1: ["trainer-1: " + OWN[2]]}, "closed": {0: ["trainer: " + CLOSED[2]]},
+               "closed-1": {1: ["trainer-1: " + CLOSED[2]]}, None: {}}[first]
+    with pytest.raises(want) as info:
+        rt._ranks_failed(reports, "tb", wait_s=5.0)
+    msg = str(info.value)
+    if want is WorkerDied:
+        killed = [r for r, (code, _) in enumerate(handles) if code]
+        assert f"trainer process exited (rank {killed[0]}, exit code -9)" in msg
+        assert "--resume" in msg
+    else:
+        assert type(info.value) is RuntimeError
+        assert "a bug of rank 1" in msg and "Connection closed by peer" in msg
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_the_step_order_still_resumes(tmp_path):
+    """A checkpoint written before the ledger kept each step's hand-out order (`step_order`) resumes:
+    those steps' orders read as unknown (None), the resumed steps' are recorded."""
+    import torch
+
+    recipe = recipe_from_dict(tiny(steps=4))
+    prepared = prepare(recipe)
+    ckpt = tmp_path / "ckpt"
+    Runtime(recipe, prepared, checkpoint_dir=str(ckpt), checkpoint_every=2).run()  # checkpoint 2 of 4 steps
+    assert (ckpt / "latest").read_text().strip() == "2"
+    state = torch.load(ckpt / "state-000002.pt", weights_only=False)
+    for key in ("step_order", "rank_speed", "rank_tokens", "rank_seconds"):
+        del state["ledger"][key]
+    torch.save(state, ckpt / "state-000002.pt")
+    result = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume=True).run()
+    led = result.ledger
+    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
+    assert len(led["step_order"]) == len(led["step_groups"]) == recipe.steps
+    assert led["step_order"][:2] == [None, None]
+    assert all(sorted(o) == sorted(g) for o, g in zip(led["step_order"][2:], led["step_groups"][2:]))

@@ -1283,7 +1283,9 @@ class Scheduler:
         if want is None:
             if inst.version is not None and self._queued.get(self._bucket(inst.version), 0) > 0:
                 return  # its own version still has queued work
-            if self._spread and self._maybe_spread(inst):
+            # (`_maybe_spread`'s first O(1) test, inlined: an instance that is not loading to
+            # spread does so only when no admission is outstanding)
+            if self._spread and (not self._outstanding or inst.id in self._spreading) and self._maybe_spread(inst):
                 return
             if lend and self._elastic and self._should_lend():
                 self._switch_to_trainer(inst)

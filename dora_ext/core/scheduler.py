@@ -320,6 +320,13 @@ class Scheduler:
         self._nhold: dict[int, int] = {}  # bucket -> loaded instances running at least one trajectory
         self._uniform = True  # every instance has the same capacity (fair share is O(1) then)
         self._r5_tried: dict[int, tuple[int, int]] = {}  # R5: version -> (occupied, holders) of a fruitless try
+        # R5: version -> (holder, dispatches, landings) when that holder, the first the plan would
+        # empty, ran only trajectories that moved already. Until a trajectory is dispatched or a
+        # move lands it still does (releases and moves only take trajectories away from it, or
+        # bring moved ones), so the plan would move nothing again. Derived state: not snapshotted.
+        self._r5_stuck: dict[int, tuple[int, int, int]] = {}
+        self._n_sent = 0  # trajectories dispatched (only `_r5_stuck` reads it)
+        self._n_landed = 0  # moves landed (only `_r5_stuck` reads it)
         self._cap_max = 1  # the largest instance capacity seen (R5's packing bound)
         self._pool_fifo = self.mode != "dora"
         # Elastic colocation: instance id -> capacity of instances on the trainer side (switchable
@@ -502,6 +509,7 @@ class Scheduler:
             self.m["stale_events"] += 1  # it finished, failed or was re-dispatched meanwhile
             return
         self._tm[h] = 0  # it runs on its destination: it may move again (R5)
+        self._n_landed += 1
 
     def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
         self._trainer_idle = self._trainer_busy is None
@@ -990,6 +998,7 @@ class Scheduler:
                 else:
                     del self._nhold[b]
                     self._r5_tried.pop(b, None)
+                    self._r5_stuck.pop(b, None)
         if new is not None:
             d = lv.get(new)
             if d is None:
@@ -1120,6 +1129,7 @@ class Scheduler:
             append(Dispatch(gid, idx, iid, ver, ta[h]))
         lo_of[b] = lo
         if sent:
+            self._n_sent += sent
             self._occupied[b] += sent
             self._queued[b] -= sent
         if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
@@ -1161,6 +1171,7 @@ class Scheduler:
                 else:
                     del self._nhold[b]
                     self._r5_tried.pop(b, None)
+                    self._r5_stuck.pop(b, None)
             if self._queue.get(b):
                 self._dispatch(b)
             if not running:
@@ -1372,11 +1383,16 @@ class Scheduler:
             if not low:
                 low = min(n for n in lv if n)
             src = instances[next(iter(lv[low]))]
+            stuck = (src.id, self._n_sent, self._n_landed)
+            if self._r5_stuck.get(v) == stuck:
+                break  # it still runs only moved trajectories: nothing to move
             progressed = False
+            movable = False
             tm = self._tm
             for h in list(src.running):
                 if tm[h]:
                     continue  # its first move may still be in flight: a trajectory moves at most once
+                movable = True
                 if dst is None or dst is src or len(dst.running) >= max(1, int(fill * dst.capacity)):
                     # The most loaded holder still below the threshold (the previous destination
                     # stays the best until it reaches it, so this search runs once per filled one).
@@ -1392,6 +1408,8 @@ class Scheduler:
                         break
                 self._move(v, h, src, dst)
                 progressed = True
+            if not movable:
+                self._r5_stuck[v] = stuck
             if src.running or not progressed:
                 break
             emptied.append(src)

@@ -12,6 +12,8 @@ replaces `__init__` by one that stores each field through its slot's descriptor 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 from typing import dataclass_transform
 
 _MISSING = dataclasses.MISSING
@@ -21,24 +23,36 @@ _MISSING = dataclasses.MISSING
 def record(cls: type) -> type:
     """`@dataclass(frozen=True, slots=True)` with a faster `__init__` (same behaviour)."""
     cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    if hasattr(cls, "__post_init__"):
+        return cls
     fields = dataclasses.fields(cls)
-    ns: dict = {}
+    setters, defaults = {}, {}
     params, body = [], []
     for i, f in enumerate(fields):
-        if not f.init or f.default_factory is not _MISSING:
-            return cls  # not needed by any record so far: keep the generated __init__
-        ns[f"_set{i}"] = cls.__dict__[f.name].__set__
+        # Keep the generated __init__ for anything this fast path does not reproduce: init=False,
+        # default_factory, keyword-only fields (the `*` in the signature), names that would collide
+        # with the generated parameters, and an inherited field whose storage is not a slot.
+        desc = next((k.__dict__[f.name] for k in cls.__mro__ if f.name in k.__dict__), None)
+        if (not f.init or f.default_factory is not _MISSING or f.kw_only or f.name == "self"
+                or f.name.startswith("_dora_") or not isinstance(desc, types.MemberDescriptorType)):
+            return cls
+        setters[f"_dora_set{i}"] = desc.__set__
         if f.default is _MISSING:
             params.append(f.name)
         else:
-            ns[f"_dflt{i}"] = f.default
-            params.append(f"{f.name}=_dflt{i}")
-        body.append(f"    _set{i}(self, {f.name})")
-    if hasattr(cls, "__post_init__"):
-        return cls
-    src = f"def __init__(self, {', '.join(params)}):\n" + ("\n".join(body) or "    pass") + "\n"
-    exec(src, ns)  # noqa: S102 -- generated from the class's own field names, as dataclasses does
-    init = ns["__init__"]
+            defaults[f"_dora_dflt{i}"] = f.default
+            params.append(f"{f.name}=_dora_dflt{i}")
+        body.append(f"        _dora_set{i}(self, {f.name})")
+    # A factory closes over the setters and defaults, so `__init__`'s globals are the class's
+    # module (as with the generated one): `typing.get_type_hints(cls.__init__)` resolves names.
+    outer = ", ".join([*setters, *defaults])
+    src = (f"def _dora_make({outer}):\n"
+           f"    def __init__(self, {', '.join(params)}):\n" + ("\n".join(body) or "        pass")
+           + "\n    return __init__\n")
+    module = sys.modules.get(cls.__module__)
+    ns: dict = {}
+    exec(src, module.__dict__ if module is not None else {}, ns)  # noqa: S102 -- from the field names, as dataclasses does
+    init = ns["_dora_make"](**setters, **defaults)
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     init.__annotations__ = dict(cls.__init__.__annotations__)

@@ -11,11 +11,14 @@ import copy
 import dataclasses
 import inspect
 import pickle
+import sys
+import typing
 
 import pytest
 
 from dora_ext.core import actions as A
 from dora_ext.core import events as E
+from dora_ext.core._record import record
 
 RECORDS = [c for m in (A, E) for c in vars(m).values()
            if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == m.__name__]
@@ -74,3 +77,53 @@ def test_defaults_are_the_declared_ones():
     ev = E.TrajectoryFinished("g", 0, 5)
     assert ev == E.TrajectoryFinished(group_id="g", index=0, tokens=5)
     assert all(getattr(ev, f.name) == f.default for f in dataclasses.fields(ev) if f.default is not dataclasses.MISSING)
+
+
+@pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__name__)
+def test_init_type_hints_resolve_in_the_records_module(cls):
+    # The stock __init__'s globals are the class's module, so its string annotations resolve.
+    hints = typing.get_type_hints(cls.__init__)
+    assert set(hints) == {f.name for f in dataclasses.fields(cls)} | {"return"}
+    assert hints == typing.get_type_hints(_reference(cls).__init__, sys.modules[cls.__module__].__dict__)
+
+
+def test_a_record_subclass_of_a_record_inherits_the_fields():
+    @record
+    class Base:
+        a: int
+
+    @record
+    class Sub(Base):
+        b: int = 2
+
+    s = Sub(1)
+    assert (s.a, s.b) == (1, 2) and Sub(b=3, a=4) == Sub(4, 3) and str(inspect.signature(Sub)) == "(a: 'int', b: 'int' = 2) -> None"
+
+
+def test_keyword_only_fields_stay_keyword_only():
+    @record
+    class K:
+        a: int
+        _: dataclasses.KW_ONLY
+        b: int = 0
+
+    @record
+    class K2:
+        a: int = dataclasses.field(kw_only=True)
+        b: int = 0
+
+    assert K(1, b=2).b == 2 and K2(5, a=1) == K2(a=1, b=5)
+    with pytest.raises(TypeError):
+        K(1, 2)
+    with pytest.raises(TypeError):
+        K2(5)  # `a` is keyword-only and missing
+
+
+def test_field_names_that_look_like_the_generated_helpers():
+    @record
+    class N:
+        _set0: int
+        _dflt0: int = 3
+        _dora_set0: int = 4
+
+    assert N(1) == N(_set0=1, _dflt0=3, _dora_set0=4) and N(1, 2)._dflt0 == 2

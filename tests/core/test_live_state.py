@@ -15,20 +15,26 @@ from dora_ext.testing import RandomDriver
 CFG = {"mode": "dora", "max_staleness": 2, "batch_size": 4, "group_size": 4, "instances": 4, "capacity": 4}
 
 
-def _held_bytes(sched) -> int:
-    """Bytes of every object reachable from the scheduler (its state), config and code excluded."""
+def _reachable(sched, only_tracked: bool = False):
+    """Objects reachable from the scheduler's state (config, plugins and code excluded); with
+    `only_tracked`, only through objects the cyclic GC tracks."""
     seen = {id(sched.config), id(sched._plugins)}
     todo = [sched.__dict__]
-    total = 0
     skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
     while todo:
         o = todo.pop()
         if id(o) in seen or isinstance(o, skip):
             continue
         seen.add(id(o))
-        total += sys.getsizeof(o)
+        if only_tracked and not gc.is_tracked(o):
+            continue
+        yield o
         todo.extend(gc.get_referents(o))
-    return total
+
+
+def _held_bytes(sched) -> int:
+    """Bytes of every object reachable from the scheduler (its state), config and code excluded."""
+    return sum(sys.getsizeof(o) for o in _reachable(sched))
 
 
 def test_snapshot_and_memory_at_step_1000_match_step_10():
@@ -100,19 +106,7 @@ def test_failed_group_leaves_once_its_last_trajectory_reports():
 def _tracked_reachable(sched) -> int:
     """GC-tracked objects reachable from the scheduler's state (config and code excluded)."""
     gc.collect()  # tuples and dicts holding only untracked objects are untracked by a collection
-    seen = {id(sched.config), id(sched._plugins)}
-    todo = [sched.__dict__]
-    count = 0
-    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-    while todo:
-        o = todo.pop()
-        if id(o) in seen or isinstance(o, skip):
-            continue
-        seen.add(id(o))
-        if gc.is_tracked(o):
-            count += 1
-            todo.extend(gc.get_referents(o))
-    return count
+    return sum(1 for _ in _reachable(sched, only_tracked=True))
 
 
 def test_no_object_per_group_or_trajectory_for_the_garbage_collector():

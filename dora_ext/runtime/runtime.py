@@ -56,6 +56,7 @@ from ..core import actions as A
 from ..core import events as E
 from ..core.scheduler import Scheduler
 from .recipe import Recipe
+from .workers import trainer_name
 
 SEED_STRIDE = 1_000_003
 
@@ -502,7 +503,7 @@ class Runtime:
         for t in trainer:
             if not t.is_alive():
                 rank = int(t.name.rsplit("-", 1)[1])
-                tname = "trainer" if rank == 0 else f"trainer-{rank}"
+                tname = trainer_name(rank)
                 lost = [why for n, why in self.reports_lost if n == tname]
                 errors = self._drain(tname, fatal=False)
                 what = f"the trainer process exited (exit code {t.exitcode})"
@@ -860,7 +861,7 @@ class Runtime:
             for r, h in enumerate(handles):
                 if r not in drained and not h.is_alive():
                     drained.add(r)
-                    name = "trainer" if r == 0 else f"trainer-{r}"
+                    name = trainer_name(r)
                     reports.setdefault(r, []).extend(self._drain(name, fatal=False))
             killed = [r for r in sorted(drained) if not reports.get(r)]
             if killed or len(drained) == len(handles) or time.perf_counter() > deadline:
@@ -869,7 +870,7 @@ class Runtime:
         said = "; ".join(f"rank {r} reported: {' / '.join(e)[:300]}" for r, e in sorted(reports.items()) if e)
         if killed:
             r = killed[0]
-            name = "trainer" if r == 0 else f"trainer-{r}"
+            name = trainer_name(r)
             lost = [why for n, why in self.reports_lost if n == name]
             what = f"the trainer process exited (rank {r}, exit code {handles[r].exitcode})"
             if lost:

@@ -171,6 +171,11 @@ class PipeHub:
         return out
 
 
+def trainer_name(rank: int) -> str:
+    """The name a trainer rank reports under: `trainer` (rank 0), `trainer-1`, ..."""
+    return "trainer" if rank == 0 else f"trainer-{rank}"
+
+
 def _own_outbox(outbox: Any, name: str) -> Any:
     """A worker process's report channel: its own pipe when the coordinator reads a `PipeHub`."""
     return outbox.writer(name) if isinstance(outbox, PipeHub) else outbox
@@ -563,7 +568,7 @@ class TrainerLoop:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        name = "trainer" if rank == 0 else f"trainer-{rank}"
+        name = trainer_name(rank)
         while True:
             cmd = next_command(self.inbox, self.watch_pid)
             kind = cmd[0]
@@ -619,7 +624,7 @@ def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None
     priority by that much first (Linux: per thread, inherited by the threads it starts later, the
     gloo and OpenMP ones included), so that it only takes the CPU time its cores' other workers
     leave idle."""
-    name = "trainer" if rank == 0 else f"trainer-{rank}"
+    name = trainer_name(rank)
     try:
         if nice:
             os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
@@ -682,7 +687,7 @@ def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None,
             own = rank_cpus[r] if rank_cpus else cpus
             n = rank_threads[r] if rank_threads else threads
             nice = rank_nice[r] if rank_nice else 0
-            outs.append(_own_outbox(outbox, "trainer" if r == 0 else f"trainer-{r}"))
+            outs.append(_own_outbox(outbox, trainer_name(r)))
             handles.append(ctx.Process(target=_serve_trainer, name=f"dora-trainer-{r}", daemon=True,
                                        args=(spec, n, own, inbox, outs[-1], True, os.getpid(), r, ranks, port,
                                              nice)))

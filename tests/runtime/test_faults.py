@@ -671,10 +671,10 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing():
     process): the coordinator names it (`reports_lost`), fails the source, retries the migrating
     sequence at its pinned version (`TrajectoryFailed`) and keeps the books. Whether the scheduler
     migrates at all, and whether the sequence finishes at its source first, depends on the run, so
-    up to three seeds are tried until one loses an export."""
+    up to eight seeds are tried until one loses an export."""
     from dora_ext.runtime.faults import DieAfterExport
 
-    for seed in range(3):
+    for seed in range(8):
         recipe = _kill_recipe("dora", seed, 1)
         prepared = prepare(recipe)
         rt = WaitsForTheExporter(recipe, prepared, keep_versions=True,
@@ -709,10 +709,10 @@ def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_
     sequence in. The sequence is re-dispatched exactly once for that death (its attempts count the
     deaths of instances it was running on, as the scheduler saw them at each failure, the
     destination's first) and generated again under its group's pinned version; the books are kept.
-    Whether the scheduler migrates at all depends on the run, so up to three seeds are tried."""
+    Whether the scheduler migrates at all depends on the run, so up to eight seeds are tried."""
     from dora_ext.runtime.faults import DieAfterImport
 
-    for seed in range(3):
+    for seed in range(8):
         recipe = _kill_recipe("dora", seed, 1)
         prepared = prepare(recipe)
         rt = RecordsExports(recipe, prepared, keep_versions=True,

@@ -44,7 +44,7 @@ from collections import deque
 
 from dora_ext.config import DoraConfig
 from dora_ext.core import (
-    Dispatch, GroupAdmitted, InstanceLoaded, LoadVersion, Migrate, RequestGroups, Scheduler,
+    Dispatch, GroupAdmitted, InstanceLoaded, LoadVersion, Migrate, MigrationLanded, RequestGroups, Scheduler,
     StartStep, TrainerStepFinished, TrajectoryFinished, VersionPublished,
 )
 
@@ -76,6 +76,7 @@ class Bench:
         for a in actions:
             t = type(a)
             if t is Dispatch:
+                assert a.attempt == 0  # the driver fails nothing: every attempt is the first
                 laps = 0 if self.rng.random() >= STRAGGLERS else self.rng.randint(1, 2)
                 self.running.append((a.group_id, a.index, laps))
                 count["dispatches"] += 1
@@ -92,7 +93,11 @@ class Bench:
                 self.todo.append(TrainerStepFinished(a.step))
                 self.todo.append(VersionPublished(a.step + 1))
             elif t is Migrate:
+                # As the simulator does once the KV cache has moved: the trajectory runs on its
+                # destination (it keeps its place among the running: its remaining work moved
+                # with it), and R5 may move it again.
                 count["migrations"] += 1
+                self.todo.append(MigrationLanded(a.group_id, a.index, 0))
 
     def next_batch(self) -> list:
         out = []

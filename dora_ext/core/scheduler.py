@@ -408,7 +408,12 @@ class Scheduler:
         and idle-instance planning run once at the end instead of after every event (so, e.g.,
         one `RequestGroups` may ask for what several calls would have asked for one by one), and
         that a `Dispatch` or `LoadVersion` for an instance that fails later in the same batch is
-        not returned (its trajectories were re-queued). Actions may still name a trajectory
+        not returned (its trajectories were re-queued), nor a `Migrate` whose source and
+        destination both fail later in the batch (the destination's failure re-queued the
+        trajectory; nothing of its attempt is left on either engine). A `Migrate` with only one
+        end failing later is returned: from a live source the move must still free it, and out
+        of a dead source the runtime learns that the trajectory was in transit (it reports it
+        failed, as for any migration whose source dies). Actions may still name a trajectory
         whose finish the runtime has already reported (a `Migrate`, a `preempt` entry): the
         runtime ignores those, as it would when the engine finishes while the action is sent.
         A runtime draining an inbox of engine reports uses this; a `ProtocolError` leaves the
@@ -420,6 +425,7 @@ class Scheduler:
             raise self._storm([])
         handlers = self._handlers
         failed = E.InstanceFailed
+        half: dict[int, tuple] = {}  # id(Migrate) -> (it, its end that failed later in the batch)
         for event in events:
             try:
                 method = handlers[type(event)]
@@ -428,12 +434,24 @@ class Scheduler:
             if type(event) is failed and event.instance_id in self.instances:
                 # Dispatches and loads this batch sent to the instance before it failed are void
                 # (their trajectories are re-queued): drop them, else a runtime would execute
-                # them, possibly on an engine re-registered under the same id in this batch.
+                # them, possibly on an engine re-registered under the same id in this batch. So is
+                # a move decided before both of its ends failed (see the docstring).
                 mark = len(self._out)
                 method(self, event)
                 iid = event.instance_id
-                self._out[:mark] = [a for a in self._out[:mark]
-                                    if not (type(a) in (A.Dispatch, A.LoadVersion) and a.instance_id == iid)]
+                kept = []
+                for a in self._out[:mark]:
+                    ta = type(a)
+                    if ta is A.Migrate and iid in (a.src, a.dst):
+                        other = a.dst if iid == a.src else a.src
+                        seen = half.get(id(a))
+                        if seen is not None and seen[0] is a and seen[1] == other:
+                            continue  # both ends failed after it was decided: void
+                        half[id(a)] = (a, iid)
+                    elif (ta is A.Dispatch or ta is A.LoadVersion) and a.instance_id == iid:
+                        continue
+                    kept.append(a)
+                self._out[:mark] = kept
                 continue
             method(self, event)
         return self._finish()

@@ -250,6 +250,36 @@ def test_handle_many_drops_dispatches_to_an_instance_that_failed_later_in_the_ba
     assert [(a.instance_id, a.attempt) for a in one if isinstance(a, A.Dispatch)][-1] == (1, 1)
 
 
+def test_handle_many_drops_a_migration_whose_two_ends_fail_later_in_the_batch():
+    """The embedded runtime resumes from a checkpoint by failing every instance and registering
+    the configured ids again in one `handle_many` batch. A failure early in the batch could let
+    R5 move a trajectory between two instances that fail later in it, and the `Migrate` came
+    back: the runtime sent it to the fresh engine registered under the source's id. The move is
+    void (the destination's failure re-queued the trajectory): it is dropped like a `Dispatch`."""
+    from dora_ext.core import actions as A
+
+    decided = resumes = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        cfg = DoraConfig.from_dict({
+            "mode": "dora", "max_staleness": rng.choice([1, 2]), "batch_size": rng.randint(1, 3),
+            "group_size": rng.randint(1, 3), "max_steps": 6,
+            "instances": [{"capacity": rng.randint(1, 5)} for _ in range(rng.randint(2, 4))]})
+        d = RandomDriver(cfg, seed, long_tail=0.6)
+        d.start()
+        while d.sched.step < 6 and not d.sched.done and d.tick():
+            if rng.random() < 0.5:
+                s = Scheduler.restore(json.loads(json.dumps(d.sched.snapshot())))
+                moves = s.metrics()["migrations"]
+                out = s.handle_many([E.InstanceFailed(i, "resumed") for i in list(s.instances)]
+                                    + [E.InstanceReady(x.id, x.capacity) for x in cfg.instances])
+                resumes += 1
+                decided += s.metrics()["migrations"] > moves  # R5 moved something within the batch
+                assert not [a for a in out if isinstance(a, A.Migrate)], out
+                assert {a.instance_id for a in out if isinstance(a, A.LoadVersion)} == {x.id for x in cfg.instances}
+    assert decided, f"no move was decided within {resumes} resume batches: the check did not run"
+
+
 def test_a_numpy_float32_reward_is_a_reward():
     """Hosts compute rewards with numpy/torch: a float32 scalar is not a `float` subclass, and was
     reported as an invalid reward and retried until the group failed."""

@@ -647,6 +647,15 @@ class Scheduler:
         self._plan_all()
 
     def _on_group_admitted(self, ev: E.GroupAdmitted) -> None:
+        gid = ev.group_id
+        if not isinstance(gid, (int, str)) or isinstance(gid, bool):
+            # The id travels in actions and snapshots: `snapshot()` is JSON data, and a tuple
+            # came back from a JSON round trip as a list (unhashable: `restore` failed), a float
+            # or numpy integer not at all, and True is the same key as group 1.
+            raise ProtocolError(
+                f"GroupAdmitted.group_id {_brief(gid)} ({type(gid).__name__}): a group id must be an int "
+                f"or a str (a JSON scalar that survives the snapshot's JSON round trip), not a bool"
+            )
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")
         if ev.group_id in self._gslot:

@@ -130,6 +130,39 @@ class DieAfterExport(DieMidReport):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StallUntilMigrate(InstanceLoop):
+    """A straggler whatever the timing: the instance decodes while a sequence it holds has no
+    response token yet (or it holds fewer than two), and once it holds at least two sequences,
+    each with a token (so with a KV cache to export), it decodes nothing more until its first
+    ("migrate", ...) command; from then on it is a plain instance. Its sequences' groups then
+    gate a step while it holds them, and the scheduler's only way on is R5's spread: an idle
+    instance takes an even share of them (`Migrate` from this instance), forced, not hoped for.
+    Commands are still taken while it stalls."""
+
+    hold_at = 2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released = False
+
+    def handle(self, cmd: tuple) -> None:
+        if cmd[0] == "migrate":
+            self.released = True
+        super().handle(cmd)
+
+    def can_decode(self) -> bool:
+        if not self.released:
+            progress = self.engine.progress()
+            if len(progress) >= self.hold_at and min(progress.values()) >= 1:
+                return False
+        return super().can_decode()
+
+
+class StallThenDieAfterExport(StallUntilMigrate, DieAfterExport):
+    """`StallUntilMigrate`, killed (SIGKILL) right after it wrote its first export in full
+    (`DieAfterExport`): the source of a forced migration dies before the coordinator reads it."""
+
+
 class DieAfterImport(InstanceLoop):
     """Killed (SIGKILL) right after it took in a migrated sequence (its "imported" report is
     written): the destination of a migration dies with the sequence in its engine."""

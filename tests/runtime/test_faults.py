@@ -664,35 +664,64 @@ class WaitsForTheExporter(Runtime):
                 self.waited = True
 
 
+def _moves_until_the_first_failure(rt) -> tuple[list, list]:
+    """Two lists that get, as the scheduler emits them, each `Migrate` it emits before the first
+    `InstanceFailed` the runtime feeds it, and for each `InstanceFailed` (failed instance, the
+    (group, index) keys the scheduler still had running there)."""
+    from dora_ext.core import actions as A
+
+    moves: list = []
+    holding: list = []
+    handle = rt.sched.handle
+
+    def spy(event):
+        if isinstance(event, InstanceFailed):
+            holding.append((event.instance_id, set(rt.sched.running_on(event.instance_id))))
+        out = handle(event)
+        if not holding:
+            moves.extend(a for a in out if isinstance(a, A.Migrate))
+        return out
+
+    rt.sched.handle = spy
+    return moves, holding
+
+
 @pytest.mark.slow
 def test_a_source_that_dies_right_after_exporting_loses_nothing():
     """The source of a migration writes the sequence (with its KV cache) in full and dies before
     the coordinator reads it. The export cannot be rebuilt (its shared memory went with its
-    process): the coordinator names it (`reports_lost`), fails the source, retries the migrating
-    sequence at its pinned version (`TrajectoryFailed`) and keeps the books. Whether the scheduler
-    migrates at all, and whether the sequence finishes at its source first, depends on the run, so
-    up to eight seeds are tried until one loses an export."""
-    from dora_ext.runtime.faults import DieAfterExport
+    process): the coordinator names it (`reports_lost`), fails the source, retries every sequence
+    that was moving off it (the exported one and any it never got to) at its pinned version
+    (`TrajectoryFailed`), re-dispatches what still ran there, and keeps the books.
 
-    for seed in range(8):
-        recipe = _kill_recipe("dora", seed, 1)
-        prepared = prepare(recipe)
-        rt = WaitsForTheExporter(recipe, prepared, keep_versions=True,
-                                 instance_loops={0: DieAfterExport, 1: DieAfterExport})
-        result = rt.run()
-        if result.ledger["reports_lost"]:
-            break
-    else:
-        pytest.fail("in no run did the source of a migration live to export the sequence")
-    # the first to die was the first to lose an export (the other instance may later die the same
-    # way, with no restart left: the run then finishes on the replacement)
-    dead = list(rt.failed_instances)
-    assert result.ledger["instance_restarts"] == [(dead[0], 2)]
+    The migration is forced, one run: instance 0 (`faults.StallThenDieAfterExport`) stops
+    decoding once it holds two sequences with a token each, so their groups gate step K and R5
+    spreads them onto idle instance 1 (`Migrate` 0 -> 1, the only move the scheduler can make
+    while instance 0 stalls); instance 0 dies right after writing the first export, and the
+    coordinator reads on only once it is gone (`WaitsForTheExporter`)."""
+    from dora_ext.runtime.faults import StallThenDieAfterExport
+
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = WaitsForTheExporter(recipe, prepared, keep_versions=True, instance_loops={0: StallThenDieAfterExport})
+    moves, holding = _moves_until_the_first_failure(rt)
+    result = rt.run()
+    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(0, 2)]
     lost = result.ledger["reports_lost"]
-    assert lost[0][0] == f"instance-{dead[0]}" and "Connection" in lost[0][1], lost
-    assert {name for name, _ in lost} <= {f"instance-{i}" for i in dead}
-    assert result.core_metrics["retries"] >= 1
-    _check_books(result, recipe, prepared)
+    assert len(lost) == 1 and lost[0][0] == "instance-0" and "Connection" in lost[0][1], lost
+    # every sequence moving off the dead source was retried once; what still ran there was
+    # re-dispatched once; nothing else was redone
+    moved = {(m.group_id, m.index) for m in moves}
+    assert [iid for iid, _ in holding] == [0] and not moved & holding[0][1]
+    m = result.core_metrics
+    assert m["retries"] == len(moved) and m["redispatched"] == len(holding[0][1])
+    led = result.ledger
+    for key in moved | holding[0][1]:
+        assert led["dispatch"][key][2] == 1 and led["served_by"][key] != 0, key
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == moved | holding[0][1]
 
 
 class RecordsExports(Runtime):
@@ -706,42 +735,41 @@ class RecordsExports(Runtime):
 @pytest.mark.slow
 def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_once():
     """The destination of a migration (`faults.DieAfterImport`) dies right after it took the
-    sequence in. The sequence is re-dispatched exactly once for that death (its attempts count the
-    deaths of instances it was running on, as the scheduler saw them at each failure, the
-    destination's first) and generated again under its group's pinned version; the books are kept.
-    Whether the scheduler migrates at all depends on the run, so up to eight seeds are tried."""
-    from dora_ext.runtime.faults import DieAfterImport
+    sequence in. Every sequence moved to it is re-dispatched exactly once for that death (as the
+    scheduler saw them at the failure: on the destination) and generated again under its group's
+    pinned version elsewhere; none is retried as lost on the way; the books are kept.
 
-    for seed in range(8):
-        recipe = _kill_recipe("dora", seed, 1)
-        prepared = prepare(recipe)
-        rt = RecordsExports(recipe, prepared, keep_versions=True,
-                            instance_loops={0: DieAfterImport, 1: DieAfterImport})
-        rt.exported = []
-        holding: list = []  # (failed instance, what the scheduler had running there)
-        handle = rt.sched.handle
+    The migration is forced, one run: instance 0 (`faults.StallUntilMigrate`) stops decoding
+    once it holds two sequences with a token each, so their groups gate step K and R5 spreads
+    them onto idle instance 1 (`Migrate` 0 -> 1, the only move the scheduler can make while
+    instance 0 stalls); instance 0 then decodes on, instance 1 dies at its first import."""
+    from dora_ext.runtime.faults import DieAfterImport, StallUntilMigrate
 
-        def spy(event, rt=rt, holding=holding, handle=handle):
-            if isinstance(event, InstanceFailed):
-                holding.append((event.instance_id, set(rt.sched.running_on(event.instance_id))))
-            return handle(event)
-
-        rt.sched.handle = spy
-        result = rt.run()
-        if rt.failed_instances:
-            break
-    else:
-        pytest.fail("no run migrated a sequence")
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = RecordsExports(recipe, prepared, keep_versions=True,
+                        instance_loops={0: StallUntilMigrate, 1: DieAfterImport})
+    rt.exported = []
+    moves, holding = _moves_until_the_first_failure(rt)
+    result = rt.run()
+    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    assert rt.failed_instances == {1: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(1, 2)]
     (gid, idx, attempt), src, dst, forwarded = rt.exported[0]
-    assert attempt == 0 and forwarded and list(rt.failed_instances)[0] == dst  # the first to die
+    assert (attempt, src, dst, forwarded) == (0, 0, 1, True)
+    # at its death the destination ran exactly what had been moved there (nothing else was left
+    # to dispatch while the moved groups gated the step): each is redone once, none retried
+    moved = {(m.group_id, m.index) for m in moves}
+    assert (gid, idx) in moved and holding == [(1, moved)], holding
+    m = result.core_metrics
+    assert m["redispatched"] == len(moved) and m["retries"] == 0
     led = result.ledger
-    # redone once per death of an instance it ran on: first the destination's (the other instance
-    # may die the same way later with it on board, as an import of its own)
-    deaths = [iid for iid, running in holding if (gid, idx) in running]
-    assert deaths[0] == dst and led["dispatch"][(gid, idx)][2] == len(deaths)
-    assert set(led["token_versions"][(gid, idx)]) == {led["group_version"][gid]}
-    assert led["served_by"][(gid, idx)] != dst
-    _check_books(result, recipe, prepared)
+    for key in moved:
+        assert led["dispatch"][key][2] == 1, key
+        assert set(led["token_versions"][key]) == {led["group_version"][key[0]]}
+        assert led["served_by"][key] != 1
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == moved
 
 
 @pytest.mark.slow

@@ -101,6 +101,36 @@ class HoldForPublish(InstanceLoop):
                 self.outbox.put(("held", self.iid, *started[0]))
 
 
+class HoldAfterLoad(InstanceLoop):
+    """A victim that cannot finish its work before it is killed: once it has loaded a version >= 1
+    (so after the trainer's first step), the loop decodes until some unfinished sequence has at
+    least one response token, then stops decoding for good and reports ("held", iid, request_id,
+    tokens). That sequence is still running there, whatever the timing, when a test that kills
+    the instance on that report does so. Commands are still taken while it holds (a migrated
+    sequence still leaves it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.holding = False
+
+    def handle(self, cmd: tuple) -> None:
+        super().handle(cmd)
+        if cmd[0] == "load" and cmd[1] >= 1:
+            self.armed = True
+
+    def can_decode(self) -> bool:
+        return not self.holding and super().can_decode()
+
+    def decode(self) -> None:
+        super().decode()
+        if self.armed and not self.holding:
+            started = [(rid, n) for rid, n in self.engine.progress().items() if n >= 1]
+            if started:
+                self.holding = True
+                self.outbox.put(("held", self.iid, *started[0]))
+
+
 class DieMidExport(DieMidReport):
     """Killed in the middle of writing its first "export" (the KV cache of a migrating sequence)."""
 

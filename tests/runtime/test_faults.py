@@ -14,6 +14,7 @@ import pytest
 
 from dora_ext.core.events import InstanceFailed
 from dora_ext.runtime import prepare, recipe_from_dict
+from dora_ext.runtime.faults import HoldAfterLoad
 from dora_ext.runtime.runtime import Runtime, WorkerDied
 
 from .conftest import tiny
@@ -94,40 +95,77 @@ def _running_at_each_failure(rt) -> list:
     return at_failure
 
 
+class KillsWhenHeld(KillingRuntime):
+    """KillingRuntime whose kill cannot come too late: the victims run `faults.HoldAfterLoad`
+    (after the trainer's first step each stops decoding once an unfinished sequence of it has a
+    token, and reports it "held"), and they get SIGKILL when every victim has reported one. A held
+    sequence cannot finish there: it is re-dispatched (or, had an R5 move taken it off first,
+    retried or finished at its destination), forced, not hoped for."""
+
+    victims = (0,)
+
+    def __init__(self, *args, **kwargs):
+        from dora_ext.core.actions import Migrate
+
+        super().__init__(*args, instance_loops={v: HoldAfterLoad for v in self.victims}, **kwargs)
+        self.held: dict = {}  # victim -> (group, index, attempt) it held
+        self.moved: set = set()  # (group, index) of every R5 move (a held sequence may still leave)
+        handle = self.sched.handle
+
+        def spy(event):
+            out = handle(event)
+            self.moved.update((a.group_id, a.index) for a in out if isinstance(a, Migrate))
+            return out
+
+        self.sched.handle = spy
+
+    def _on_finished(self, iid, f, t):
+        Runtime._on_finished(self, iid, f, t)  # the kill comes with the "held" reports
+
+    def _on_message(self, msg):
+        if msg[0] != "held":
+            return super()._on_message(msg)
+        self.held[msg[1]] = msg[2]
+        if len(self.held) == len(self.victims):
+            self._kill()
+
+    def _kill(self):
+        for v in self.victims:
+            os.kill(self.instance_pids[v], signal.SIGKILL)
+        self.killed = True
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,restarts", [("dora", 0), ("sync", 0), ("dora", 1), ("sync", 1)])
 def test_a_killed_instance_process_loses_nothing(mode, restarts):
     """With `max_instance_restarts: 0` the run goes on with one instance; with 1 a fresh process
-    (a new instance id) takes the dead one's place and serves trajectories. Whether the victim's
-    sequences are still unfinished when the coordinator learns of the death is up to real timing
-    (it may report them just before the kill lands), so up to three seeds are tried until one run
-    re-dispatches work; every run must keep the books."""
-    redispatched = 0
-    for seed in range(3):
-        recipe = _kill_recipe(mode, seed, restarts)
-        prepared = prepare(recipe)
-        rt = KillingRuntime(recipe, prepared, keep_versions=True)
-        at_failure = _running_at_each_failure(rt)
-        result = rt.run()
-        if not getattr(rt, "killed", False):
-            pytest.fail("instance 0 never had running trajectories after step 1; the kill did not happen")
-        assert rt.failed_instances.keys() == {0} and len(at_failure) == 1
-        served = set(result.ledger["served_by"].values())
-        if restarts:
-            # the replacement joined under a fresh id, loaded a version and served trajectories
-            assert result.ledger["instance_restarts"] == [(0, 2)]
-            assert 2 in served and 2 in result.ledger["engine_stats"]
-            assert result.ledger["engine_stats"][2]["weight_loads"] >= 1
-        else:
-            assert result.ledger["instance_restarts"] == [] and served <= {0, 1}
-        # What ran there was re-dispatched, to the same version, on the other instances.
-        assert result.core_metrics["redispatched"] == at_failure[0]
-        redone = _check_books(result, recipe, prepared)
-        assert len(redone) >= at_failure[0]
-        redispatched += at_failure[0]
-        if redispatched:
-            break
-    assert redispatched > 0
+    (a new instance id) takes the dead one's place and serves trajectories. Instance 0 is killed
+    while it holds an unfinished sequence (`KillsWhenHeld`): one run, and what ran there (that
+    sequence, unless a move took it off first) is re-dispatched to its pinned version, nothing
+    lost or doubled."""
+    recipe = _kill_recipe(mode, 0, restarts)
+    prepared = prepare(recipe)
+    rt = KillsWhenHeld(recipe, prepared, keep_versions=True)
+    at_failure = _running_at_each_failure(rt)
+    result = rt.run()
+    assert getattr(rt, "killed", False), "instance 0 never held an unfinished sequence; the kill did not happen"
+    assert rt.failed_instances.keys() == {0} and len(at_failure) == 1
+    served = set(result.ledger["served_by"].values())
+    if restarts:
+        # the replacement joined under a fresh id, loaded a version and served trajectories
+        assert result.ledger["instance_restarts"] == [(0, 2)]
+        assert 2 in served and 2 in result.ledger["engine_stats"]
+        assert result.ledger["engine_stats"][2]["weight_loads"] >= 1
+    else:
+        assert result.ledger["instance_restarts"] == [] and served <= {0, 1}
+    # What ran there was re-dispatched, to the same version, on the other instances.
+    assert result.core_metrics["redispatched"] == at_failure[0]
+    redone = _check_books(result, recipe, prepared)
+    assert len(redone) >= at_failure[0]
+    gid, idx, attempt = rt.held[0]
+    assert attempt == 0 and result.ledger["served_by"][(gid, idx)] != 0
+    assert (gid, idx) in redone or (gid, idx) in rt.moved  # (a move may take it off before the kill)
+    assert at_failure[0] >= 1 or (gid, idx) in rt.moved
 
 
 class KillsTheReplacementToo(KillingRuntime):
@@ -607,46 +645,42 @@ def test_a_replacement_killed_before_it_is_ready_is_replaced_in_turn():
     assert not any(h.is_alive() for h in [*rt._handles, *rt.trainer_handles])  # nothing left running
 
 
-class KillsBothAtOnce(KillingRuntime):
-    """After step 1, at the first finished trajectory after which both instances have trajectories
-    running, both get SIGKILL; the coordinator waits for both exits and only then looks at its
-    workers, so both deaths are found in one pass (forced)."""
+class KillsBothAtOnce(KillsWhenHeld):
+    """KillsWhenHeld with both instances as victims: once both hold an unfinished sequence, both
+    get SIGKILL; the coordinator waits for both exits and only then looks at its workers, so both
+    deaths are found in one pass (forced)."""
 
-    def _on_finished(self, iid, f, t):
-        Runtime._on_finished(self, iid, f, t)
-        if getattr(self, "killed", False) or len(self.step_end) < 1:
-            return
-        insts = [self.sched.instances.get(i) for i in (0, 1)]
-        if all(inst is not None and inst.running for inst in insts):
-            for i in (0, 1):
-                os.kill(self.instance_pids[i], signal.SIGKILL)
-            for i in (0, 1):
-                self.instance_handles[i].join(timeout=60)
-            self.killed = True
-            self._watch(self.trainer_handles)
+    victims = (0, 1)
+
+    def _kill(self):
+        super()._kill()
+        for i in self.victims:
+            self.instance_handles[i].join(timeout=60)
+        self._watch(self.trainer_handles)
 
 
 @pytest.mark.slow
 def test_two_instances_killed_at_once_are_both_replaced():
-    """Both instances die at once (no instance is left in the scheduler until a replacement is
-    ready); their trajectories wait, re-dispatched to their pinned version once instances 2 and 3
-    join; the books are kept (the run could not finish without the replacements)."""
-    for seed in range(3):
-        recipe = _kill_recipe("dora", seed, 2)
-        prepared = prepare(recipe)
-        rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
-        at_failure = _running_at_each_failure(rt)
-        result = rt.run()
-        if getattr(rt, "killed", False):
-            break
-    else:
-        pytest.fail("the two instances never had running trajectories at once after step 1")
+    """Both instances die at once, each holding an unfinished sequence (no instance is left in the
+    scheduler until a replacement is ready); their trajectories wait, re-dispatched to their
+    pinned version once instances 2 and 3 join; the books are kept (the run could not finish
+    without the replacements). One run."""
+    recipe = _kill_recipe("dora", 0, 2)
+    prepared = prepare(recipe)
+    rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
+    at_failure = _running_at_each_failure(rt)
+    result = rt.run()
+    assert getattr(rt, "killed", False), "the two instances never both held an unfinished sequence"
     assert rt.failed_instances.keys() == {0, 1} and len(at_failure) == 2
     assert sorted(result.ledger["instance_restarts"]) == [(0, 2), (1, 3)]
-    # what ran on both (less what they had reported finished before dying) was redone
+    # what ran on both (less what they had reported finished before dying) was redone, the held
+    # sequences among it
     assert result.core_metrics["redispatched"] == sum(at_failure)
     assert set(result.ledger["served_by"].values()) <= {0, 1, 2, 3}
-    _check_books(result, recipe, prepared)
+    redone = _check_books(result, recipe, prepared)
+    for gid, idx, _ in rt.held.values():
+        assert (gid, idx) in redone or (gid, idx) in rt.moved  # (a move may take it off before the kill)
+        assert result.ledger["served_by"][(gid, idx)] not in (0, 1)
 
 
 class WaitsForTheExporter(Runtime):

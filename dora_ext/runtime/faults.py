@@ -101,6 +101,36 @@ class HoldForPublish(InstanceLoop):
                 self.outbox.put(("held", self.iid, *started[0]))
 
 
+class HoldAfterLoad(InstanceLoop):
+    """A victim that cannot finish its work before it is killed: once it has loaded a version >= 1
+    (so after the trainer's first step), the loop decodes until some unfinished sequence has at
+    least one response token, then stops decoding for good and reports ("held", iid, request_id,
+    tokens). That sequence is still running there, whatever the timing, when a test that kills
+    the instance on that report does so. Commands are still taken while it holds (a migrated
+    sequence still leaves it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.holding = False
+
+    def handle(self, cmd: tuple) -> None:
+        super().handle(cmd)
+        if cmd[0] == "load" and cmd[1] >= 1:
+            self.armed = True
+
+    def can_decode(self) -> bool:
+        return not self.holding and super().can_decode()
+
+    def decode(self) -> None:
+        super().decode()
+        if self.armed and not self.holding:
+            started = [(rid, n) for rid, n in self.engine.progress().items() if n >= 1]
+            if started:
+                self.holding = True
+                self.outbox.put(("held", self.iid, *started[0]))
+
+
 class DieMidExport(DieMidReport):
     """Killed in the middle of writing its first "export" (the KV cache of a migrating sequence)."""
 
@@ -128,6 +158,39 @@ class DieAfterExport(DieMidReport):
         super().handle(cmd)
         if cmd[0] == "migrate":
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StallUntilMigrate(InstanceLoop):
+    """A straggler whatever the timing: the instance decodes while a sequence it holds has no
+    response token yet (or it holds fewer than two), and once it holds at least two sequences,
+    each with a token (so with a KV cache to export), it decodes nothing more until its first
+    ("migrate", ...) command; from then on it is a plain instance. Its sequences' groups then
+    gate a step while it holds them, and the scheduler's only way on is R5's spread: an idle
+    instance takes an even share of them (`Migrate` from this instance), forced, not hoped for.
+    Commands are still taken while it stalls."""
+
+    hold_at = 2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.released = False
+
+    def handle(self, cmd: tuple) -> None:
+        if cmd[0] == "migrate":
+            self.released = True
+        super().handle(cmd)
+
+    def can_decode(self) -> bool:
+        if not self.released:
+            progress = self.engine.progress()
+            if len(progress) >= self.hold_at and min(progress.values()) >= 1:
+                return False
+        return super().can_decode()
+
+
+class StallThenDieAfterExport(StallUntilMigrate, DieAfterExport):
+    """`StallUntilMigrate`, killed (SIGKILL) right after it wrote its first export in full
+    (`DieAfterExport`): the source of a forced migration dies before the coordinator reads it."""
 
 
 class DieAfterImport(InstanceLoop):

@@ -14,6 +14,7 @@ import pytest
 
 from dora_ext.core.events import InstanceFailed
 from dora_ext.runtime import prepare, recipe_from_dict
+from dora_ext.runtime.faults import HoldAfterLoad
 from dora_ext.runtime.runtime import Runtime, WorkerDied
 
 from .conftest import tiny
@@ -94,40 +95,77 @@ def _running_at_each_failure(rt) -> list:
     return at_failure
 
 
+class KillsWhenHeld(KillingRuntime):
+    """KillingRuntime whose kill cannot come too late: the victims run `faults.HoldAfterLoad`
+    (after the trainer's first step each stops decoding once an unfinished sequence of it has a
+    token, and reports it "held"), and they get SIGKILL when every victim has reported one. A held
+    sequence cannot finish there: it is re-dispatched (or, had an R5 move taken it off first,
+    retried or finished at its destination), forced, not hoped for."""
+
+    victims = (0,)
+
+    def __init__(self, *args, **kwargs):
+        from dora_ext.core.actions import Migrate
+
+        super().__init__(*args, instance_loops={v: HoldAfterLoad for v in self.victims}, **kwargs)
+        self.held: dict = {}  # victim -> (group, index, attempt) it held
+        self.moved: set = set()  # (group, index) of every R5 move (a held sequence may still leave)
+        handle = self.sched.handle
+
+        def spy(event):
+            out = handle(event)
+            self.moved.update((a.group_id, a.index) for a in out if isinstance(a, Migrate))
+            return out
+
+        self.sched.handle = spy
+
+    def _on_finished(self, iid, f, t):
+        Runtime._on_finished(self, iid, f, t)  # the kill comes with the "held" reports
+
+    def _on_message(self, msg):
+        if msg[0] != "held":
+            return super()._on_message(msg)
+        self.held[msg[1]] = msg[2]
+        if len(self.held) == len(self.victims):
+            self._kill()
+
+    def _kill(self):
+        for v in self.victims:
+            os.kill(self.instance_pids[v], signal.SIGKILL)
+        self.killed = True
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,restarts", [("dora", 0), ("sync", 0), ("dora", 1), ("sync", 1)])
 def test_a_killed_instance_process_loses_nothing(mode, restarts):
     """With `max_instance_restarts: 0` the run goes on with one instance; with 1 a fresh process
-    (a new instance id) takes the dead one's place and serves trajectories. Whether the victim's
-    sequences are still unfinished when the coordinator learns of the death is up to real timing
-    (it may report them just before the kill lands), so up to three seeds are tried until one run
-    re-dispatches work; every run must keep the books."""
-    redispatched = 0
-    for seed in range(3):
-        recipe = _kill_recipe(mode, seed, restarts)
-        prepared = prepare(recipe)
-        rt = KillingRuntime(recipe, prepared, keep_versions=True)
-        at_failure = _running_at_each_failure(rt)
-        result = rt.run()
-        if not getattr(rt, "killed", False):
-            pytest.fail("instance 0 never had running trajectories after step 1; the kill did not happen")
-        assert rt.failed_instances.keys() == {0} and len(at_failure) == 1
-        served = set(result.ledger["served_by"].values())
-        if restarts:
-            # the replacement joined under a fresh id, loaded a version and served trajectories
-            assert result.ledger["instance_restarts"] == [(0, 2)]
-            assert 2 in served and 2 in result.ledger["engine_stats"]
-            assert result.ledger["engine_stats"][2]["weight_loads"] >= 1
-        else:
-            assert result.ledger["instance_restarts"] == [] and served <= {0, 1}
-        # What ran there was re-dispatched, to the same version, on the other instances.
-        assert result.core_metrics["redispatched"] == at_failure[0]
-        redone = _check_books(result, recipe, prepared)
-        assert len(redone) >= at_failure[0]
-        redispatched += at_failure[0]
-        if redispatched:
-            break
-    assert redispatched > 0
+    (a new instance id) takes the dead one's place and serves trajectories. Instance 0 is killed
+    while it holds an unfinished sequence (`KillsWhenHeld`): one run, and what ran there (that
+    sequence, unless a move took it off first) is re-dispatched to its pinned version, nothing
+    lost or doubled."""
+    recipe = _kill_recipe(mode, 0, restarts)
+    prepared = prepare(recipe)
+    rt = KillsWhenHeld(recipe, prepared, keep_versions=True)
+    at_failure = _running_at_each_failure(rt)
+    result = rt.run()
+    assert getattr(rt, "killed", False), "instance 0 never held an unfinished sequence; the kill did not happen"
+    assert rt.failed_instances.keys() == {0} and len(at_failure) == 1
+    served = set(result.ledger["served_by"].values())
+    if restarts:
+        # the replacement joined under a fresh id, loaded a version and served trajectories
+        assert result.ledger["instance_restarts"] == [(0, 2)]
+        assert 2 in served and 2 in result.ledger["engine_stats"]
+        assert result.ledger["engine_stats"][2]["weight_loads"] >= 1
+    else:
+        assert result.ledger["instance_restarts"] == [] and served <= {0, 1}
+    # What ran there was re-dispatched, to the same version, on the other instances.
+    assert result.core_metrics["redispatched"] == at_failure[0]
+    redone = _check_books(result, recipe, prepared)
+    assert len(redone) >= at_failure[0]
+    gid, idx, attempt = rt.held[0]
+    assert attempt == 0 and result.ledger["served_by"][(gid, idx)] != 0
+    assert (gid, idx) in redone or (gid, idx) in rt.moved  # (a move may take it off before the kill)
+    assert at_failure[0] >= 1 or (gid, idx) in rt.moved
 
 
 class KillsTheReplacementToo(KillingRuntime):
@@ -607,46 +645,42 @@ def test_a_replacement_killed_before_it_is_ready_is_replaced_in_turn():
     assert not any(h.is_alive() for h in [*rt._handles, *rt.trainer_handles])  # nothing left running
 
 
-class KillsBothAtOnce(KillingRuntime):
-    """After step 1, at the first finished trajectory after which both instances have trajectories
-    running, both get SIGKILL; the coordinator waits for both exits and only then looks at its
-    workers, so both deaths are found in one pass (forced)."""
+class KillsBothAtOnce(KillsWhenHeld):
+    """KillsWhenHeld with both instances as victims: once both hold an unfinished sequence, both
+    get SIGKILL; the coordinator waits for both exits and only then looks at its workers, so both
+    deaths are found in one pass (forced)."""
 
-    def _on_finished(self, iid, f, t):
-        Runtime._on_finished(self, iid, f, t)
-        if getattr(self, "killed", False) or len(self.step_end) < 1:
-            return
-        insts = [self.sched.instances.get(i) for i in (0, 1)]
-        if all(inst is not None and inst.running for inst in insts):
-            for i in (0, 1):
-                os.kill(self.instance_pids[i], signal.SIGKILL)
-            for i in (0, 1):
-                self.instance_handles[i].join(timeout=60)
-            self.killed = True
-            self._watch(self.trainer_handles)
+    victims = (0, 1)
+
+    def _kill(self):
+        super()._kill()
+        for i in self.victims:
+            self.instance_handles[i].join(timeout=60)
+        self._watch(self.trainer_handles)
 
 
 @pytest.mark.slow
 def test_two_instances_killed_at_once_are_both_replaced():
-    """Both instances die at once (no instance is left in the scheduler until a replacement is
-    ready); their trajectories wait, re-dispatched to their pinned version once instances 2 and 3
-    join; the books are kept (the run could not finish without the replacements)."""
-    for seed in range(3):
-        recipe = _kill_recipe("dora", seed, 2)
-        prepared = prepare(recipe)
-        rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
-        at_failure = _running_at_each_failure(rt)
-        result = rt.run()
-        if getattr(rt, "killed", False):
-            break
-    else:
-        pytest.fail("the two instances never had running trajectories at once after step 1")
+    """Both instances die at once, each holding an unfinished sequence (no instance is left in the
+    scheduler until a replacement is ready); their trajectories wait, re-dispatched to their
+    pinned version once instances 2 and 3 join; the books are kept (the run could not finish
+    without the replacements). One run."""
+    recipe = _kill_recipe("dora", 0, 2)
+    prepared = prepare(recipe)
+    rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
+    at_failure = _running_at_each_failure(rt)
+    result = rt.run()
+    assert getattr(rt, "killed", False), "the two instances never both held an unfinished sequence"
     assert rt.failed_instances.keys() == {0, 1} and len(at_failure) == 2
     assert sorted(result.ledger["instance_restarts"]) == [(0, 2), (1, 3)]
-    # what ran on both (less what they had reported finished before dying) was redone
+    # what ran on both (less what they had reported finished before dying) was redone, the held
+    # sequences among it
     assert result.core_metrics["redispatched"] == sum(at_failure)
     assert set(result.ledger["served_by"].values()) <= {0, 1, 2, 3}
-    _check_books(result, recipe, prepared)
+    redone = _check_books(result, recipe, prepared)
+    for gid, idx, _ in rt.held.values():
+        assert (gid, idx) in redone or (gid, idx) in rt.moved  # (a move may take it off before the kill)
+        assert result.ledger["served_by"][(gid, idx)] not in (0, 1)
 
 
 class WaitsForTheExporter(Runtime):
@@ -664,35 +698,64 @@ class WaitsForTheExporter(Runtime):
                 self.waited = True
 
 
+def _moves_until_the_first_failure(rt) -> tuple[list, list]:
+    """Two lists that get, as the scheduler emits them, each `Migrate` it emits before the first
+    `InstanceFailed` the runtime feeds it, and for each `InstanceFailed` (failed instance, the
+    (group, index) keys the scheduler still had running there)."""
+    from dora_ext.core import actions as A
+
+    moves: list = []
+    holding: list = []
+    handle = rt.sched.handle
+
+    def spy(event):
+        if isinstance(event, InstanceFailed):
+            holding.append((event.instance_id, set(rt.sched.running_on(event.instance_id))))
+        out = handle(event)
+        if not holding:
+            moves.extend(a for a in out if isinstance(a, A.Migrate))
+        return out
+
+    rt.sched.handle = spy
+    return moves, holding
+
+
 @pytest.mark.slow
 def test_a_source_that_dies_right_after_exporting_loses_nothing():
     """The source of a migration writes the sequence (with its KV cache) in full and dies before
     the coordinator reads it. The export cannot be rebuilt (its shared memory went with its
-    process): the coordinator names it (`reports_lost`), fails the source, retries the migrating
-    sequence at its pinned version (`TrajectoryFailed`) and keeps the books. Whether the scheduler
-    migrates at all, and whether the sequence finishes at its source first, depends on the run, so
-    up to eight seeds are tried until one loses an export."""
-    from dora_ext.runtime.faults import DieAfterExport
+    process): the coordinator names it (`reports_lost`), fails the source, retries every sequence
+    that was moving off it (the exported one and any it never got to) at its pinned version
+    (`TrajectoryFailed`), re-dispatches what still ran there, and keeps the books.
 
-    for seed in range(8):
-        recipe = _kill_recipe("dora", seed, 1)
-        prepared = prepare(recipe)
-        rt = WaitsForTheExporter(recipe, prepared, keep_versions=True,
-                                 instance_loops={0: DieAfterExport, 1: DieAfterExport})
-        result = rt.run()
-        if result.ledger["reports_lost"]:
-            break
-    else:
-        pytest.fail("in no run did the source of a migration live to export the sequence")
-    # the first to die was the first to lose an export (the other instance may later die the same
-    # way, with no restart left: the run then finishes on the replacement)
-    dead = list(rt.failed_instances)
-    assert result.ledger["instance_restarts"] == [(dead[0], 2)]
+    The migration is forced, one run: instance 0 (`faults.StallThenDieAfterExport`) stops
+    decoding once it holds two sequences with a token each, so their groups gate step K and R5
+    spreads them onto idle instance 1 (`Migrate` 0 -> 1, the only move the scheduler can make
+    while instance 0 stalls); instance 0 dies right after writing the first export, and the
+    coordinator reads on only once it is gone (`WaitsForTheExporter`)."""
+    from dora_ext.runtime.faults import StallThenDieAfterExport
+
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = WaitsForTheExporter(recipe, prepared, keep_versions=True, instance_loops={0: StallThenDieAfterExport})
+    moves, holding = _moves_until_the_first_failure(rt)
+    result = rt.run()
+    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(0, 2)]
     lost = result.ledger["reports_lost"]
-    assert lost[0][0] == f"instance-{dead[0]}" and "Connection" in lost[0][1], lost
-    assert {name for name, _ in lost} <= {f"instance-{i}" for i in dead}
-    assert result.core_metrics["retries"] >= 1
-    _check_books(result, recipe, prepared)
+    assert len(lost) == 1 and lost[0][0] == "instance-0" and "Connection" in lost[0][1], lost
+    # every sequence moving off the dead source was retried once; what still ran there was
+    # re-dispatched once; nothing else was redone
+    moved = {(m.group_id, m.index) for m in moves}
+    assert [iid for iid, _ in holding] == [0] and not moved & holding[0][1]
+    m = result.core_metrics
+    assert m["retries"] == len(moved) and m["redispatched"] == len(holding[0][1])
+    led = result.ledger
+    for key in moved | holding[0][1]:
+        assert led["dispatch"][key][2] == 1 and led["served_by"][key] != 0, key
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == moved | holding[0][1]
 
 
 class RecordsExports(Runtime):
@@ -706,42 +769,41 @@ class RecordsExports(Runtime):
 @pytest.mark.slow
 def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_once():
     """The destination of a migration (`faults.DieAfterImport`) dies right after it took the
-    sequence in. The sequence is re-dispatched exactly once for that death (its attempts count the
-    deaths of instances it was running on, as the scheduler saw them at each failure, the
-    destination's first) and generated again under its group's pinned version; the books are kept.
-    Whether the scheduler migrates at all depends on the run, so up to eight seeds are tried."""
-    from dora_ext.runtime.faults import DieAfterImport
+    sequence in. Every sequence moved to it is re-dispatched exactly once for that death (as the
+    scheduler saw them at the failure: on the destination) and generated again under its group's
+    pinned version elsewhere; none is retried as lost on the way; the books are kept.
 
-    for seed in range(8):
-        recipe = _kill_recipe("dora", seed, 1)
-        prepared = prepare(recipe)
-        rt = RecordsExports(recipe, prepared, keep_versions=True,
-                            instance_loops={0: DieAfterImport, 1: DieAfterImport})
-        rt.exported = []
-        holding: list = []  # (failed instance, what the scheduler had running there)
-        handle = rt.sched.handle
+    The migration is forced, one run: instance 0 (`faults.StallUntilMigrate`) stops decoding
+    once it holds two sequences with a token each, so their groups gate step K and R5 spreads
+    them onto idle instance 1 (`Migrate` 0 -> 1, the only move the scheduler can make while
+    instance 0 stalls); instance 0 then decodes on, instance 1 dies at its first import."""
+    from dora_ext.runtime.faults import DieAfterImport, StallUntilMigrate
 
-        def spy(event, rt=rt, holding=holding, handle=handle):
-            if isinstance(event, InstanceFailed):
-                holding.append((event.instance_id, set(rt.sched.running_on(event.instance_id))))
-            return handle(event)
-
-        rt.sched.handle = spy
-        result = rt.run()
-        if rt.failed_instances:
-            break
-    else:
-        pytest.fail("no run migrated a sequence")
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = RecordsExports(recipe, prepared, keep_versions=True,
+                        instance_loops={0: StallUntilMigrate, 1: DieAfterImport})
+    rt.exported = []
+    moves, holding = _moves_until_the_first_failure(rt)
+    result = rt.run()
+    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    assert rt.failed_instances == {1: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(1, 2)]
     (gid, idx, attempt), src, dst, forwarded = rt.exported[0]
-    assert attempt == 0 and forwarded and list(rt.failed_instances)[0] == dst  # the first to die
+    assert (attempt, src, dst, forwarded) == (0, 0, 1, True)
+    # at its death the destination ran exactly what had been moved there (nothing else was left
+    # to dispatch while the moved groups gated the step): each is redone once, none retried
+    moved = {(m.group_id, m.index) for m in moves}
+    assert (gid, idx) in moved and holding == [(1, moved)], holding
+    m = result.core_metrics
+    assert m["redispatched"] == len(moved) and m["retries"] == 0
     led = result.ledger
-    # redone once per death of an instance it ran on: first the destination's (the other instance
-    # may die the same way later with it on board, as an import of its own)
-    deaths = [iid for iid, running in holding if (gid, idx) in running]
-    assert deaths[0] == dst and led["dispatch"][(gid, idx)][2] == len(deaths)
-    assert set(led["token_versions"][(gid, idx)]) == {led["group_version"][gid]}
-    assert led["served_by"][(gid, idx)] != dst
-    _check_books(result, recipe, prepared)
+    for key in moved:
+        assert led["dispatch"][key][2] == 1, key
+        assert set(led["token_versions"][key]) == {led["group_version"][key[0]]}
+        assert led["served_by"][key] != 1
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == moved
 
 
 @pytest.mark.slow

@@ -370,12 +370,16 @@ class Scheduler:
             self._batch_key = defaults.dora_batch_key
             self._plan_migration = defaults.dora_plan_migration
             self._builtin_r5 = True
+            # The built-in keys are computed inline (`_on_group_admitted`, `_set_reward`): the
+            # same tuples, without a keyword call per group.
+            self._builtin_keys = True
         else:
             hook = plugins.hook
             self._admission_key = lambda **kw: hook.dora_admission_key(**kw)
             self._batch_key = lambda **kw: hook.dora_batch_key(**kw)
             self._plan_migration = lambda **kw: hook.dora_plan_migration(**kw)
             self._builtin_r5 = False
+            self._builtin_keys = False
         self._plugins = plugins
 
     # ------------------------------------------------------------------ public API
@@ -526,8 +530,12 @@ class Scheduler:
         self._add_instance(ev.instance_id, ev.capacity, lend=not back)
 
     def _on_migration_landed(self, ev: E.MigrationLanded) -> None:
-        g = self._group(ev.group_id)
-        h = self._traj(g, ev.index)
+        g = self._gslot.get(ev.group_id)
+        idx = ev.index
+        if g is not None and 0 <= idx < self.n:
+            h = g * self.n + idx  # (`_group` and `_traj` of a live group and a valid index, inlined)
+        else:
+            h = self._traj(self._group(ev.group_id), idx)  # raises ProtocolError
         if (ev.attempt is not None and ev.attempt != self._ta[h]) or self._ts[h] != _RUNNING:
             self.m["stale_events"] += 1  # it finished, failed or was re-dispatched meanwhile
             return
@@ -598,10 +606,11 @@ class Scheduler:
         self._lv_set(b, inst.id, None, len(inst.running))
         if not inst.running:
             self._idle[inst.id] = None
-        self._dispatch(b)
+        if self._queue.get(b):  # (`_dispatch`'s first test, inlined: mostly nothing is queued)
+            self._dispatch(b)
         if not inst.running:
             self._plan_instance(inst)
-        live = sum(1 for c in self._targets.values() if c > 0)
+        live = len(self._targets)  # (its counts are all positive: `_dec_target` drops a zero)
         if live > self.m["live_versions_max"]:
             self.m["live_versions_max"] = live
 
@@ -664,13 +673,16 @@ class Scheduler:
         v = self.newest
         seq = self._seq
         self._seq += 1
-        key = tuple(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=ev.meta, mode=self.mode))
+        if self._builtin_keys:
+            key = None  # `defaults.dora_admission_key`: `(seq,)`, the default, which is not stored
+        else:
+            key = tuple(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=ev.meta, mode=self.mode))
         g = self._alloc()
         self._gslot[ev.group_id] = g
         self._ggid[g] = ev.group_id
         self._gver[g] = v
         self._gseq[g] = seq
-        if key != (seq,):
+        if key is not None and key != (seq,):
             self._gkey[g] = key
         if ev.meta is not None:
             self._gmeta[g] = ev.meta
@@ -1271,7 +1283,10 @@ class Scheduler:
             cseq = self._gcseq[g] = self._complete_seq
             self._complete_seq += 1
             gid, v = self._ggid[g], self._gver[g]
-            key = tuple(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode))
+            if self._builtin_keys:  # `defaults.dora_batch_key`
+                key = (v, cseq) if self.mode == "dora" else (cseq,)
+            else:
+                key = tuple(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode))
             heapq.heappush(self._pools.setdefault(v, []), (key, cseq, gid))
             self._pool_n += 1
             self._form_dirty = True
@@ -1443,7 +1458,7 @@ class Scheduler:
                     # The most loaded holder still below the threshold (the previous destination
                     # stays the best until it reaches it, so this search runs once per filled one).
                     dst = None
-                    for level in sorted((n for n in lv if 0 < n < top), reverse=True):
+                    for level in sorted([n for n in lv if 0 < n < top], reverse=True):
                         for iid in lv[level]:
                             if iid != src.id and level < max(1, int(fill * instances[iid].capacity)):
                                 dst = instances[iid]
@@ -1560,20 +1575,27 @@ class Scheduler:
             return []  # O(1): no holder runs more than its share
         room = min(inst.capacity, keep)
         want = (pending + 1) * room
-        holders = [self.instances[i] for level, d in lv.items() if level > keep for i in d if i != inst.id]
+        # The holders above the share, most loaded first, then by id: level by level (a loaded
+        # instance's level is its running count), so that only the levels the plan reaches are
+        # sorted, not every holder.
         plan = []
         tm = self._tm
-        for src in sorted(holders, key=lambda i: (-len(i.running), i.id)):
-            excess = len(src.running) - keep
-            for h in src.running:
-                if len(plan) >= want or excess <= 0:
-                    break
-                if tm[h]:
-                    continue  # it moves again only after MigrationLanded (it may be in flight)
-                excess -= 1
-                plan.append((src, h))
-            if len(plan) >= want:
-                break
+        instances = self.instances
+        for level in sorted([lvl for lvl in lv if lvl > keep], reverse=True):
+            for iid in sorted(lv[level]):
+                if iid == inst.id:
+                    continue
+                src = instances[iid]
+                excess = len(src.running) - keep
+                for h in src.running:
+                    if len(plan) >= want or excess <= 0:
+                        break
+                    if tm[h]:
+                        continue  # it moves again only after MigrationLanded (it may be in flight)
+                    excess -= 1
+                    plan.append((src, h))
+                if len(plan) >= want:
+                    return plan[pending * room:]
         return plan[pending * room:]
 
     def _move(self, v: int, h: int, s: _Instance, d: _Instance) -> None:
@@ -1587,8 +1609,8 @@ class Scheduler:
         if ns == 1:
             self._idle[s.id] = None
         self.m["migrations"] += 1
-        gid, idx = self._key(h)
-        self._out.append(A.Migrate(gid, idx, s.id, d.id, v))
+        g, idx = divmod(h, self.n)  # (`_key`, inlined: R5 moves in bulk)
+        self._out.append(A.Migrate(self._ggid[g], idx, s.id, d.id, v))
 
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:

@@ -1237,11 +1237,13 @@ class Scheduler:
                 self._plan_instance(inst)
             elif (self._migrate and v < (newest := self.newest) and v + self.K > self.step
                   and self._queued.get(v, 0) <= 0 and self._nhold.get(v, 0) >= 2
+                  and self._occupied.get(v, 0) <= self.config.migrate_threshold * self._cap.get(v, 0)
                   and ((newest + self.K + 1) * self.B > self._admitted + self._outstanding
                        or self._queued.get(self._bucket(newest), 0) > 0)):
-                # (its first O(1) tests, inlined: this runs on every finish; the last one is
-                # `_maybe_consolidate`'s "the newest version could use the freed slots" without
-                # `max_steps`, a necessary condition of it)
+                # (its first O(1) tests, inlined: this runs on every finish of an old version; the
+                # last one is `_maybe_consolidate`'s "the newest version could use the freed
+                # slots" without `max_steps`, a necessary condition of it. Each test only returns,
+                # so testing them here first changes nothing but the cost.)
                 self._maybe_consolidate(v)
         else:
             # partial: preempted while loading; it stops counting against the version it loads.
@@ -1436,6 +1438,7 @@ class Scheduler:
         top = max(1, int(fill * self._cap_max))  # no instance takes more than this
         emptied = []
         dst = None
+        dst_full = 0  # the running count at which `dst` reaches the threshold
         while True:
             lv = self._lv.get(v)
             if not lv or self._nhold.get(v, 0) <= -(-self._occupied.get(v, 0) // top):
@@ -1454,7 +1457,7 @@ class Scheduler:
                 if tm[h]:
                     continue  # its first move may still be in flight: a trajectory moves at most once
                 movable = True
-                if dst is None or dst is src or len(dst.running) >= max(1, int(fill * dst.capacity)):
+                if dst is None or dst is src or len(dst.running) >= dst_full:
                     # The most loaded holder still below the threshold (the previous destination
                     # stays the best until it reaches it, so this search runs once per filled one).
                     dst = None
@@ -1462,6 +1465,7 @@ class Scheduler:
                         for iid in lv[level]:
                             if iid != src.id and level < max(1, int(fill * instances[iid].capacity)):
                                 dst = instances[iid]
+                                dst_full = max(1, int(fill * dst.capacity))
                                 break
                         if dst is not None:
                             break
@@ -1698,7 +1702,10 @@ class Scheduler:
                         waited = True
             else:
                 # dora: the global head (oldest version first by default), or wait for it.
-                v = min(pools, key=lambda u: pools[u][0])
+                if len(pools) == 1:
+                    v = next(iter(pools))  # (the only pooled version: nothing to compare)
+                else:
+                    v = min(pools, key=lambda u: pools[u][0])
                 if self._feasible(v, r):
                     best = (pools[v][0], v)
                 else:

@@ -188,14 +188,40 @@ class _Groups(Mapping):
 
 
 class _Instance:
-    __slots__ = ("id", "capacity", "version", "loading", "running")
+    """A rollout instance. The trajectories it runs are kept as an append-only log: `hs` holds
+    each handle placed here (dispatched, or moved in) in placement order, `ps` its placement's
+    stamp; an entry is live while its trajectory still runs here under that placement
+    (`_ti[h] == id and _tp[h] == stamp`), and `nrun` counts the live entries. A trajectory that
+    leaves (finishes, fails, moves away) only decrements `nrun`: no hash table per instance is
+    touched on the hot path (with 10k instances those tables did not fit the CPU caches). Dead
+    entries are dropped when the log is cleared (`nrun` reaches 0) or compacted
+    (`Scheduler._place`), so the log stays within about twice the live entries."""
 
-    def __init__(self, iid: int, capacity: int) -> None:
+    __slots__ = ("id", "capacity", "version", "loading", "nrun", "hs", "ps", "_ti", "_tp")
+
+    def __init__(self, iid: int, capacity: int, ti: array, tp: array) -> None:
         self.id = iid
         self.capacity = capacity
         self.version: int | None = None  # loaded version (None: nothing loaded yet)
         self.loading: int | None = None  # version being loaded
-        self.running: dict[int, None] = {}  # trajectory handles, in dispatch order
+        self.nrun = 0  # trajectories running here
+        self.hs = array("q")  # placed handles, in placement order (live and dead)
+        self.ps = array("q")  # their placement stamps
+        self._ti, self._tp = ti, tp  # the scheduler's per-handle instance and stamp arrays
+
+    @property
+    def running(self) -> dict[int, None]:
+        """The handles running here, in placement (dispatch) order (built on each access: for
+        the cold paths; the hot ones read `nrun`)."""
+        ti, tp, iid = self._ti, self._tp, self.id
+        return {h: None for h, p in zip(self.hs, self.ps) if ti[h] == iid and tp[h] == p}
+
+    def _drop(self) -> None:
+        """One trajectory left (its `_ti` changed): the log is cleared when none is left."""
+        self.nrun -= 1
+        if not self.nrun:
+            del self.hs[:]
+            del self.ps[:]
 
     @property
     def target(self) -> int | None:
@@ -297,6 +323,8 @@ class Scheduler:
         self._tm = array("b")  # moved once in this attempt (never moved twice: it may be in flight)
         self._tr = array("d")  # reward (NaN: none yet)
         self._ti = array("q")  # instance running it (`_NOI`: none)
+        self._tp = array("q")  # the stamp of its latest placement on an instance (`_Instance`)
+        self._pseq = 0  # the next placement stamp (derived state: not snapshotted)
         self._tt = array("q")  # tokens
         # The version that generated it (`_NOV`: none yet), or `_MULTI`: several, listed in `_tvm`
         # (`partial` only, where a preempted trajectory resumes under a newer version).
@@ -603,12 +631,12 @@ class Scheduler:
         inst.loading = None
         self._n_loading -= 1
         b = self._bucket(v)
-        self._lv_set(b, inst.id, None, len(inst.running))
-        if not inst.running:
+        self._lv_set(b, inst.id, None, inst.nrun)
+        if not inst.nrun:
             self._idle[inst.id] = None
         if self._queue.get(b):  # (`_dispatch`'s first test, inlined: mostly nothing is queued)
             self._dispatch(b)
-        if not inst.running:
+        if not inst.nrun:
             self._plan_instance(inst)
         live = len(self._targets)  # (its counts are all positive: `_dec_target` drops a zero)
         if live > self.m["live_versions_max"]:
@@ -622,12 +650,12 @@ class Scheduler:
         if target is not None:
             b = self._bucket(target)
             self._cap[b] -= inst.capacity
-            self._occupied[b] -= len(inst.running)
+            self._occupied[b] -= inst.nrun
             self._dec_target(target)
         if inst.loading is not None:
             self._n_loading -= 1
         elif inst.version is not None:
-            self._lv_set(self._bucket(inst.version), inst.id, len(inst.running), None)
+            self._lv_set(self._bucket(inst.version), inst.id, inst.nrun, None)
         self._idle.pop(inst.id, None)
         # Its reason to load the gating version died with it: left behind, it would count as a
         # holder of that version's even share (`_spread_plan`) and, when a host registers an engine
@@ -936,6 +964,7 @@ class Scheduler:
         self._tm.extend(self._zero_b)
         self._tr.extend(self._nan_d)
         self._ti.extend(self._noi)
+        self._tp.extend(self._zero_q)  # (any value: a stamp counts only where `_ti` names the instance)
         self._tt.extend(self._zero_q)
         self._tv.extend(self._nov)
         for a in (self._gver, self._gseq, self._gdone, self._glive, self._gnext):
@@ -981,7 +1010,7 @@ class Scheduler:
     def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
         if not isinstance(iid, numbers.Integral) or not _NOI < iid < 2**63:
             raise ProtocolError(f"instance id {_brief(iid)}: expected a 64-bit integer")
-        self.instances[iid] = inst = _Instance(iid, capacity)
+        self.instances[iid] = inst = _Instance(iid, capacity, self._ti, self._tp)
         if iid > self._id_max:
             self._id_max = iid
         if capacity != self._cap_max and self.instances.keys() - {iid}:
@@ -1005,12 +1034,12 @@ class Scheduler:
             self._dec_target(old)
             ob = self._bucket(old)
             self._cap[ob] -= inst.capacity
-            self._occupied[ob] -= len(inst.running)
+            self._occupied[ob] -= inst.nrun
             if inst.loading is None:
-                self._lv_set(ob, inst.id, len(inst.running), None)
+                self._lv_set(ob, inst.id, inst.nrun, None)
         nb = self._bucket(version)
         self._cap[nb] = self._cap.get(nb, 0) + inst.capacity
-        self._occupied[nb] = self._occupied.get(nb, 0) + len(inst.running)
+        self._occupied[nb] = self._occupied.get(nb, 0) + inst.nrun
         self._targets[version] = self._targets.get(version, 0) + 1
         if inst.loading is None:
             self._n_loading += 1
@@ -1116,6 +1145,7 @@ class Scheduler:
         lo_of = self._lo
         lo = lo_of[b]
         heappop = heapq.heappop
+        tp, pseq = self._tp, self._pseq
         fcap = limit = -1  # the capacity `limit` was computed for: min(capacity, fair share)
         sent = 0
         g = -1  # the head group's slot (-1: read the heap's head again)
@@ -1153,7 +1183,7 @@ class Scheduler:
                 if inst is None:
                     break
                 iid = inst.id
-                n_run = len(inst.running)
+                n_run = inst.nrun
                 level = lv[n_run]
             else:
                 n_run = lo
@@ -1171,7 +1201,14 @@ class Scheduler:
             tm[h] = 0
             tv[h] = ver
             glive[g] += 1
-            inst.running[h] = None
+            # `_place`, inlined: logged on the instance under a fresh stamp
+            tp[h] = pseq
+            if len(inst.hs) > 2 * n_run + 16:
+                self._compact(inst)
+            inst.hs.append(h)
+            inst.ps.append(pseq)
+            inst.nrun = n_run + 1
+            pseq += 1
             # one level up (`_lv_set`, inlined)
             del level[iid]
             if not level:
@@ -1186,6 +1223,7 @@ class Scheduler:
             sent += 1
             append(Dispatch(gid, idx, iid, ver, ta[h]))
         lo_of[b] = lo
+        self._pseq = pseq
         if sent:
             self._n_sent += sent
             self._occupied[b] += sent
@@ -1200,9 +1238,11 @@ class Scheduler:
         ti[h] = _NOI
         if inst is None:
             return
-        running = inst.running
-        del running[h]
-        n_run = len(running)
+        n_run = inst.nrun - 1  # (`_Instance._drop`, inlined: this runs on every finish)
+        inst.nrun = n_run
+        if not n_run:
+            del inst.hs[:]
+            del inst.ps[:]
         if inst.loading is None:
             v = inst.version
             b = v if self._pinned else _ANY
@@ -1232,7 +1272,7 @@ class Scheduler:
                     self._r5_stuck.pop(b, None)
             if self._queue.get(b):
                 self._dispatch(b)
-            if not running:
+            if not n_run:
                 self._idle[inst.id] = None
                 self._plan_instance(inst)
             elif (self._migrate and v < (newest := self.newest) and v + self.K > self.step
@@ -1351,7 +1391,7 @@ class Scheduler:
     def _plan_instance(self, inst: _Instance, lend: bool = True) -> None:
         """An instance is idle (or new): keep it, or switch it to the version that needs it (R4),
         or (elastic) lend it to the trainer when no work is left for it."""
-        if inst.loading is not None or inst.running:
+        if inst.loading is not None or inst.nrun:
             return
         want = self._orphan_version()
         if want is None:
@@ -1457,7 +1497,7 @@ class Scheduler:
                 if tm[h]:
                     continue  # its first move may still be in flight: a trajectory moves at most once
                 movable = True
-                if dst is None or dst is src or len(dst.running) >= dst_full:
+                if dst is None or dst is src or dst.nrun >= dst_full:
                     # The most loaded holder still below the threshold (the previous destination
                     # stays the best until it reaches it, so this search runs once per filled one).
                     dst = None
@@ -1475,7 +1515,7 @@ class Scheduler:
                 progressed = True
             if not movable:
                 self._r5_stuck[v] = stuck
-            if src.running or not progressed:
+            if src.nrun or not progressed:
                 break
             emptied.append(src)
         for i in emptied:
@@ -1500,13 +1540,13 @@ class Scheduler:
             g = self._gslot.get(gid)
             ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
             h = g * self.n + int(idx) if ok else None
-            if h not in s.running or len(d.running) >= d.capacity:
+            if h not in s.running or d.nrun >= d.capacity:
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
             if self._tm[h]:
                 continue  # its first move may still be in flight: a trajectory moves at most once
             self._move(v, h, s, d)
         for i in holders:
-            if not i.running:
+            if not i.nrun:
                 self._plan_instance(i)
 
     def _gating_crowd(self) -> tuple[int, int] | None:
@@ -1590,7 +1630,7 @@ class Scheduler:
                 if iid == inst.id:
                     continue
                 src = instances[iid]
-                excess = len(src.running) - keep
+                excess = src.nrun - keep
                 for h in src.running:
                     if len(plan) >= want or excess <= 0:
                         break
@@ -1603,18 +1643,38 @@ class Scheduler:
         return plan[pending * room:]
 
     def _move(self, v: int, h: int, s: _Instance, d: _Instance) -> None:
-        ns, nd = len(s.running), len(d.running)
-        del s.running[h]
-        d.running[h] = None
+        ns, nd = s.nrun, d.nrun
+        self._ti[h] = d.id
+        s._drop()
+        self._place(d, h)
         self._lv_set(v, s.id, ns, ns - 1)
         self._lv_set(v, d.id, nd, nd + 1)
-        self._ti[h] = d.id
         self._tm[h] = 1
         if ns == 1:
             self._idle[s.id] = None
         self.m["migrations"] += 1
         g, idx = divmod(h, self.n)  # (`_key`, inlined: R5 moves in bulk)
         self._out.append(A.Migrate(self._ggid[g], idx, s.id, d.id, v))
+
+    def _place(self, inst: _Instance, h: int) -> None:
+        """Trajectory `h` (`_ti[h]` names `inst` already) starts running on `inst`: logged under a
+        fresh stamp. A log of more than about twice its live entries is compacted first, so its
+        length stays proportional to what runs there (amortised O(1))."""
+        p = self._pseq
+        self._pseq = p + 1
+        self._tp[h] = p
+        if len(inst.hs) > 2 * inst.nrun + 16:
+            self._compact(inst)
+        inst.hs.append(h)
+        inst.ps.append(p)
+        inst.nrun += 1
+
+    def _compact(self, inst: _Instance) -> None:
+        """Drop the dead entries of `inst`'s log (keeping the live ones in order)."""
+        ti, tp, iid = self._ti, self._tp, inst.id
+        live = [(h, p) for h, p in zip(inst.hs, inst.ps) if ti[h] == iid and tp[h] == p]
+        inst.hs = array("q", [h for h, _ in live])
+        inst.ps = array("q", [p for _, p in live])
 
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
@@ -1778,7 +1838,7 @@ class Scheduler:
             # The trainer has work now: instances that drained while it waited may be lent.
             for iid in list(self._idle):
                 inst = self.instances.get(iid)
-                if inst is not None and not inst.running and inst.loading is None:
+                if inst is not None and not inst.nrun and inst.loading is None:
                     self._plan_instance(inst)
 
     # ------------------------------------------------------------------ snapshot / restore
@@ -1905,15 +1965,16 @@ class Scheduler:
                 self._tr[h] = _NAN if reward is None else reward
                 self._tn[h] = retries
         for iid, cap, version, loading, running in snap["instances"]:
-            inst = _Instance(iid, cap)
+            inst = _Instance(iid, cap, self._ti, self._tp)
             inst.version, inst.loading = version, loading
-            inst.running = {self._gslot[gid] * self.n + idx: None for gid, idx in running}
+            for gid, idx in running:
+                self._place(inst, self._gslot[gid] * self.n + idx)
             self.instances[iid] = inst
             target = inst.target
             if target is not None:
                 b = self._bucket(target)
                 self._cap[b] = self._cap.get(b, 0) + cap
-                self._occupied[b] = self._occupied.get(b, 0) + len(inst.running)
+                self._occupied[b] = self._occupied.get(b, 0) + inst.nrun
                 self._targets[target] = self._targets.get(target, 0) + 1
             if loading is not None:
                 self._n_loading += 1
@@ -1993,7 +2054,7 @@ class Scheduler:
         need = demand - (self._cap.get(b, 0) - self._occupied.get(b, 0)) - sum(self._to_rollout.values())
         if need <= 0 and self._spread and not self._to_rollout:
             crowd = self._gating_crowd()
-            if crowd is not None and self._spread_plan(crowd[0], _Instance(-1, self.config.instances[0].capacity)):
+            if crowd is not None and self._spread_plan(crowd[0], _Instance(-1, self.config.instances[0].capacity, self._ti, self._tp)):
                 need = 1  # the stragglers the trainer waits for share instances: spread them (R5)
         while need > 0 and self._trainer_side:
             iid = min(self._trainer_side)

@@ -71,6 +71,7 @@ _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing i
 _NAN = float("nan")  # `_tr`: no reward yet
 _NOI = -(2**63)  # `_ti`: running on no instance
 _NOV, _MULTI = -1, -2  # `_tv`: no version yet; several versions (in `_tvm`)
+_NOP = -1  # `_tp`: placed on no instance
 
 #: `snapshot()` writes this format; `restore()` reads it and format 2 (which listed every
 #: instance that ever failed, `"dead"`, where format 3 keeps one number, `"id_max"`).
@@ -190,16 +191,17 @@ class _Groups(Mapping):
 class _Instance:
     """A rollout instance. The trajectories it runs are kept as an append-only log: `hs` holds
     each handle placed here (dispatched, or moved in) in placement order, `ps` its placement's
-    stamp; an entry is live while its trajectory still runs here under that placement
-    (`_ti[h] == id and _tp[h] == stamp`), and `nrun` counts the live entries. A trajectory that
-    leaves (finishes, fails, moves away) only decrements `nrun`: no hash table per instance is
-    touched on the hot path (with 10k instances those tables did not fit the CPU caches). Dead
-    entries are dropped when the log is cleared (`nrun` reaches 0) or compacted
-    (`Scheduler._place`), so the log stays within about twice the live entries."""
+    stamp (unique: `Scheduler._pseq`); an entry is live while the handle's current placement is
+    that one (`Scheduler._tp[h] == stamp`: a move gives the handle a new stamp, a release sets
+    `_NOP`), and `nrun` counts the live entries. A trajectory that leaves (finishes, fails, moves
+    away) only decrements `nrun`: no hash table per instance is touched on the hot path (with 10k
+    instances those tables did not fit the CPU caches). Dead entries are dropped when the log is
+    cleared (`nrun` reaches 0) or compacted (`Scheduler._place`), so the log stays within about
+    three times the live entries."""
 
-    __slots__ = ("id", "capacity", "version", "loading", "nrun", "hs", "ps", "_ti", "_tp")
+    __slots__ = ("id", "capacity", "version", "loading", "nrun", "hs", "ps", "_tp")
 
-    def __init__(self, iid: int, capacity: int, ti: array, tp: array) -> None:
+    def __init__(self, iid: int, capacity: int, tp: array) -> None:
         self.id = iid
         self.capacity = capacity
         self.version: int | None = None  # loaded version (None: nothing loaded yet)
@@ -207,14 +209,18 @@ class _Instance:
         self.nrun = 0  # trajectories running here
         self.hs = array("q")  # placed handles, in placement order (live and dead)
         self.ps = array("q")  # their placement stamps
-        self._ti, self._tp = ti, tp  # the scheduler's per-handle instance and stamp arrays
+        self._tp = tp  # the scheduler's per-handle placement stamps
 
     @property
     def running(self) -> dict[int, None]:
         """The handles running here, in placement (dispatch) order (built on each access: for
         the cold paths; the hot ones read `nrun`)."""
-        ti, tp, iid = self._ti, self._tp, self.id
-        return {h: None for h, p in zip(self.hs, self.ps) if ti[h] == iid and tp[h] == p}
+        return dict.fromkeys(self.live())
+
+    def live(self) -> list[int]:
+        """The handles running here, in placement order, as a list."""
+        tp = self._tp
+        return [h for h, p in zip(self.hs, self.ps) if tp[h] == p]
 
     def _drop(self) -> None:
         """One trajectory left (its `_ti` changed): the log is cleared when none is left."""
@@ -323,7 +329,7 @@ class Scheduler:
         self._tm = array("b")  # moved once in this attempt (never moved twice: it may be in flight)
         self._tr = array("d")  # reward (NaN: none yet)
         self._ti = array("q")  # instance running it (`_NOI`: none)
-        self._tp = array("q")  # the stamp of its latest placement on an instance (`_Instance`)
+        self._tp = array("q")  # the stamp of its placement on an instance (`_Instance`; `_NOP`: none)
         self._pseq = 0  # the next placement stamp (derived state: not snapshotted)
         self._tt = array("q")  # tokens
         # The version that generated it (`_NOV`: none yet), or `_MULTI`: several, listed in `_tvm`
@@ -336,6 +342,7 @@ class Scheduler:
         self._nan_d = array("d", [_NAN]) * self.n
         self._noi = array("q", [_NOI]) * self.n
         self._nov = array("q", [_NOV]) * self.n
+        self._nop = array("q", [_NOP]) * self.n
         self.instances: dict[int, _Instance] = {}
         self._unassigned: dict[int, int] = {}  # version -> admitted groups not yet in a step
         self._queue: dict[int, list] = {}  # bucket -> heap of (key, seq, gid)
@@ -964,7 +971,7 @@ class Scheduler:
         self._tm.extend(self._zero_b)
         self._tr.extend(self._nan_d)
         self._ti.extend(self._noi)
-        self._tp.extend(self._zero_q)  # (any value: a stamp counts only where `_ti` names the instance)
+        self._tp.extend(self._nop)
         self._tt.extend(self._zero_q)
         self._tv.extend(self._nov)
         for a in (self._gver, self._gseq, self._gdone, self._glive, self._gnext):
@@ -1010,7 +1017,7 @@ class Scheduler:
     def _add_instance(self, iid: int, capacity: int, lend: bool = True) -> None:
         if not isinstance(iid, numbers.Integral) or not _NOI < iid < 2**63:
             raise ProtocolError(f"instance id {_brief(iid)}: expected a 64-bit integer")
-        self.instances[iid] = inst = _Instance(iid, capacity, self._ti, self._tp)
+        self.instances[iid] = inst = _Instance(iid, capacity, self._tp)
         if iid > self._id_max:
             self._id_max = iid
         if capacity != self._cap_max and self.instances.keys() - {iid}:
@@ -1203,7 +1210,7 @@ class Scheduler:
             glive[g] += 1
             # `_place`, inlined: logged on the instance under a fresh stamp
             tp[h] = pseq
-            if len(inst.hs) > 2 * n_run + 16:
+            if len(inst.hs) > 3 * n_run + 32:
                 self._compact(inst)
             inst.hs.append(h)
             inst.ps.append(pseq)
@@ -1236,6 +1243,7 @@ class Scheduler:
         ti = self._ti
         inst = self.instances.get(ti[h])
         ti[h] = _NOI
+        self._tp[h] = _NOP  # its log entry is dead
         if inst is None:
             return
         n_run = inst.nrun - 1  # (`_Instance._drop`, inlined: this runs on every finish)
@@ -1493,7 +1501,7 @@ class Scheduler:
             progressed = False
             movable = False
             tm = self._tm
-            for h in list(src.running):
+            for h in src.live():
                 if tm[h]:
                     continue  # its first move may still be in flight: a trajectory moves at most once
                 movable = True
@@ -1631,7 +1639,7 @@ class Scheduler:
                     continue
                 src = instances[iid]
                 excess = src.nrun - keep
-                for h in src.running:
+                for h in src.live():
                     if len(plan) >= want or excess <= 0:
                         break
                     if tm[h]:
@@ -1658,12 +1666,12 @@ class Scheduler:
 
     def _place(self, inst: _Instance, h: int) -> None:
         """Trajectory `h` (`_ti[h]` names `inst` already) starts running on `inst`: logged under a
-        fresh stamp. A log of more than about twice its live entries is compacted first, so its
+        fresh stamp. A log of more than about three times its live entries is compacted first, so its
         length stays proportional to what runs there (amortised O(1))."""
         p = self._pseq
         self._pseq = p + 1
         self._tp[h] = p
-        if len(inst.hs) > 2 * inst.nrun + 16:
+        if len(inst.hs) > 3 * inst.nrun + 32:
             self._compact(inst)
         inst.hs.append(h)
         inst.ps.append(p)
@@ -1671,10 +1679,9 @@ class Scheduler:
 
     def _compact(self, inst: _Instance) -> None:
         """Drop the dead entries of `inst`'s log (keeping the live ones in order)."""
-        ti, tp, iid = self._ti, self._tp, inst.id
-        live = [(h, p) for h, p in zip(inst.hs, inst.ps) if ti[h] == iid and tp[h] == p]
-        inst.hs = array("q", [h for h, _ in live])
-        inst.ps = array("q", [p for _, p in live])
+        hs = inst.live()
+        inst.hs = array("q", hs)
+        inst.ps = array("q", map(self._tp.__getitem__, hs))
 
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
@@ -1965,7 +1972,7 @@ class Scheduler:
                 self._tr[h] = _NAN if reward is None else reward
                 self._tn[h] = retries
         for iid, cap, version, loading, running in snap["instances"]:
-            inst = _Instance(iid, cap, self._ti, self._tp)
+            inst = _Instance(iid, cap, self._tp)
             inst.version, inst.loading = version, loading
             for gid, idx in running:
                 self._place(inst, self._gslot[gid] * self.n + idx)
@@ -2054,7 +2061,7 @@ class Scheduler:
         need = demand - (self._cap.get(b, 0) - self._occupied.get(b, 0)) - sum(self._to_rollout.values())
         if need <= 0 and self._spread and not self._to_rollout:
             crowd = self._gating_crowd()
-            if crowd is not None and self._spread_plan(crowd[0], _Instance(-1, self.config.instances[0].capacity, self._ti, self._tp)):
+            if crowd is not None and self._spread_plan(crowd[0], _Instance(-1, self.config.instances[0].capacity, self._tp)):
                 need = 1  # the stragglers the trainer waits for share instances: spread them (R5)
         while need > 0 and self._trainer_side:
             iid = min(self._trainer_side)

@@ -632,6 +632,7 @@ class Scheduler:
             self._ti[h] = _NOI
             self._ta[h] += 1
             self._tt[h] = 0
+            self._tm[h] = 0  # a new attempt: no move of it can be in flight
             self._clear_versions(h)
             self.m["redispatched"] += 1
             if self._gst[g] == _FAILED:
@@ -1284,7 +1285,7 @@ class Scheduler:
         if self._tn[h] < self.config.max_retries:
             self._tn[h] += 1
             self._ta[h] += 1
-            self._ts[h], self._tt[h], self._tr[h] = _QUEUED, 0, _NAN
+            self._ts[h], self._tt[h], self._tr[h], self._tm[h] = _QUEUED, 0, _NAN, 0
             self._clear_versions(h)
             self._glive[g] -= 1
             self.m["retries"] += 1

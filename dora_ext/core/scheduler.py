@@ -446,6 +446,7 @@ class Scheduler:
                         other = a.dst if iid == a.src else a.src
                         seen = half.get(id(a))
                         if seen is not None and seen[0] is a and seen[1] == other:
+                            self.m["migrations"] -= 1  # counted when emitted: this one is not
                             continue  # both ends failed after it was decided: void
                         half[id(a)] = (a, iid)
                     elif (ta is A.Dispatch or ta is A.LoadVersion) and a.instance_id == iid:

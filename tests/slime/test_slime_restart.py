@@ -246,3 +246,49 @@ def _wait_for_text(path, text, limit_s=60.0):
         assert time.monotonic() - t < limit_s, f"{text!r} never appeared in {path}"
         time.sleep(0.1)
     return path.read_text()
+
+
+def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp_path, standins, monkeypatch):
+    """The engine slime's eval is pinned to is restarted at its address under the eval (its
+    request answered by the successor with its launch version, the old registration kept): the
+    eval used to end slime's job ("saw versions ['default']"); it now runs again on another
+    engine holding the newest version, and the successor joins under a fresh id."""
+    from test_slime_review import _install_eval_rollout
+
+    from dora_ext.slime import rollout as slime_rollout
+    from dora_ext.slime._compat import RolloutFnEvalOutput
+
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31700)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    seen = collections.defaultdict(list)
+    session.probe = lambda name, value: seen[name].append(value)
+    calls: list = []
+
+    async def eval_rollout(eval_args, rollout_id):
+        port = int(eval_args.sglang_router_port)
+        calls.append(port)
+        if len(calls) == 1:
+            fleet.restart_engine(port, reregister=False)
+        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    driver = SimulatedSlimeDriver(args, ds)
+    driver.push_weights()
+    outs = {0: driver.generate(0)}
+    driver.push_weights()
+    ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+    for k in (1, 2):
+        outs[k] = driver.generate(k)
+        driver.push_weights()
+    assert len(calls) == 2 and calls[0] != calls[1], calls
+    assert len(seen["engine_failed"]) == 1 and seen["engine_joined"] == [2]
+    assert ev.metrics["dora/eval_instance"] != seen["engine_failed"][0]
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2

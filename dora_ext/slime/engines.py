@@ -17,10 +17,12 @@ an engine that died leaves (its trajectories go back to the same version elsewhe
 slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
 weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
 
-slime restarts an engine at the SAME address: `ServerGroup.start_engines` scans for a free port
-from 15000 again (`get_free_port`), so a dead engine 0's port is the first one it finds. Seeing
-the address leave the router between two refreshes is therefore timing, not evidence. What tells
-a restarted engine from the one the adapter knew, whenever it is looked at:
+slime restarts an engine at the address it had: `ServerGroup.start_engines` (slime/ray/rollout.py)
+scans for a free port from 15000 again (`get_free_port`), as at launch, so a dead engine's port is
+found again (engine 0's is the first one free). slime's HTTP client retries a dead engine's
+request at that URL for a minute, so the successor answers it. Seeing the address leave the
+router between two refreshes is therefore timing, not evidence. What tells a restarted engine
+from the one the adapter knew, whenever it is looked at:
 
 * the router's worker id: sglang-router gives every registration a fresh id (slime's
   `SGLangEngine.shutdown` deletes the dead engine's registration, its successor registers anew);

@@ -28,6 +28,7 @@ against an independent record rather than against the scheduler's own counters.
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,12 @@ from .config import DoraConfig
 from .core import actions as A
 from .core import events as E
 from .core.scheduler import FailureStorm, Scheduler
+
+
+def stable_seed(name: str) -> int:
+    """A seed derived from `name` that is the same in every process (`hash(str)` is salted per
+    process unless PYTHONHASHSEED is set, so a run seeded from it cannot be replayed)."""
+    return zlib.crc32(name.encode())
 
 
 @dataclass

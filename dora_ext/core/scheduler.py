@@ -485,6 +485,7 @@ class Scheduler:
                         other = a.dst if iid == a.src else a.src
                         seen = half.get(id(a))
                         if seen is not None and seen[0] is a and seen[1] == other:
+                            self.m["migrations"] -= 1  # counted when emitted: this one is not
                             continue  # both ends failed after it was decided: void
                         half[id(a)] = (a, iid)
                     elif (ta is A.Dispatch or ta is A.LoadVersion) and a.instance_id == iid:
@@ -676,6 +677,7 @@ class Scheduler:
             self._ti[h] = _NOI
             self._ta[h] += 1
             self._tt[h] = 0
+            self._tm[h] = 0  # a new attempt: no move of it can be in flight
             self._clear_versions(h)
             self.m["redispatched"] += 1
             if self._gst[g] == _FAILED:
@@ -1349,7 +1351,7 @@ class Scheduler:
         if self._tn[h] < self.config.max_retries:
             self._tn[h] += 1
             self._ta[h] += 1
-            self._ts[h], self._tt[h], self._tr[h] = _QUEUED, 0, _NAN
+            self._ts[h], self._tt[h], self._tr[h], self._tm[h] = _QUEUED, 0, _NAN, 0
             self._clear_versions(h)
             self._glive[g] -= 1
             self.m["retries"] += 1

@@ -17,6 +17,25 @@ an engine that died leaves (its trajectories go back to the same version elsewhe
 slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
 weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
 
+slime restarts an engine at the address it had: `ServerGroup.start_engines` (slime/ray/rollout.py)
+scans for a free port from 15000 again (`get_free_port`), as at launch, so a dead engine's port is
+found again (engine 0's is the first one free). slime's HTTP client retries a dead engine's
+request at that URL for a minute, so the successor answers it. Seeing the address leave the
+router between two refreshes is therefore timing, not evidence. What tells a restarted engine
+from the one the adapter knew, whenever it is looked at:
+
+* the router's worker id: sglang-router gives every registration a fresh id (slime's
+  `SGLangEngine.shutdown` deletes the dead engine's registration, its successor registers anew);
+* the weight version the engine reports (SGLang's `/model_info`): a restarted server reports its
+  launch version (SGLang's `--weight-version`, "default"), not the one the adapter loaded. This
+  also catches a restart whose old registration was never deleted (the router then keeps the old
+  id and refuses the duplicate).
+
+Either one retires the instance id (`InstanceFailed`) and the engine joins under a fresh, larger
+id (`InstanceReady`), so the scheduler loads a version onto it before sending it work. The rollout
+worker asks at once when a trajectory comes back with a weight version other than its pin, not
+only at the next periodic refresh.
+
 `SglangEngines` takes its HTTP client and its `generate_and_rm` as arguments: slime's by default,
 a stand-in in tests (where no SGLang server can exist).
 """
@@ -155,6 +174,13 @@ class SglangEngines:
         self._generate_and_rm = generate_and_rm if generate_and_rm is not None else slime_generate_and_rm()
         self.urls: dict[int, str] = {}
         self._args: dict[int, Any] = {}
+        # Evidence of which incarnation of the engine at `urls[i]` instance i is: the router's id
+        # for its registration (None where the router gives none) and the weight version the
+        # adapter last loaded onto it (None before the first load: the launch weights).
+        self._worker_ids: dict[int, str | None] = {}
+        self._loaded_tags: dict[int, str] = {}
+        #: Why each instance of the last refresh's `gone` left (for the worker's log and events).
+        self.reasons: dict[int, str] = {}
         self._cap = 0
         self._next_id = 0
         self.health_timeout_s = 5.0
@@ -165,18 +191,31 @@ class SglangEngines:
         self._loading: set[int] = set()
         self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
 
-    async def _listed(self) -> list[str]:
+    async def _listed(self) -> dict[str, str | None]:
+        """The regular workers slime's router lists: URL -> the router's id for that registration."""
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
         reply = await self.http.get(f"{router}/workers")
-        workers = [w for w in reply.get("workers", []) if w.get("worker_type", "regular") == "regular"]
-        return sorted({w["url"].rstrip("/") for w in workers})
+        listed: dict[str, str | None] = {}
+        for w in reply.get("workers", []):
+            if w.get("worker_type", "regular") == "regular":
+                wid = w.get("id")
+                listed[w["url"].rstrip("/")] = None if wid is None else str(wid)
+        return dict(sorted(listed.items()))
 
-    def _add(self, url: str) -> int:
+    def _add(self, url: str, worker_id: str | None) -> int:
         iid = self._next_id
         self._next_id += 1
         self.urls[iid] = url
         self._args[iid] = self._args_for(url)
+        self._worker_ids[iid] = worker_id
         return iid
+
+    def _drop(self, iid: int, reason: str) -> None:
+        del self.urls[iid]
+        del self._args[iid]
+        self._worker_ids.pop(iid, None)
+        self._loaded_tags.pop(iid, None)
+        self.reasons[iid] = reason
 
     async def discover(self) -> list[int]:
         listed = await self._listed()
@@ -188,8 +227,8 @@ class SglangEngines:
         if not isinstance(cap, int) or cap < 1:
             raise AdapterError(f"no engine capacity: set dora_slime.capacity (got sglang_server_concurrency={cap!r})")
         self._cap = cap
-        for url in listed:
-            self._add(url)
+        for url, worker_id in listed.items():
+            self._add(url, worker_id)
         return [cap] * len(listed)
 
     async def healthy(self, url: str) -> bool:
@@ -199,23 +238,53 @@ class SglangEngines:
             return False
         return True
 
+    async def reported_version(self, url: str) -> str | None:
+        """The weight version the engine reports (SGLang's `/model_info`), None if it gives none."""
+        try:
+            reply = await asyncio.wait_for(self.http.get(f"{url}/model_info"), self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - no verdict from this; /health decides whether it is alive
+            return None
+        version = reply.get("weight_version") if isinstance(reply, dict) else None
+        return None if version is None else str(version)
+
     async def refresh(self) -> tuple[list[int], list[tuple[int, int]]]:
         listed = await self._listed()
         gone = []
+        self.reasons = {}
         for iid, url in list(self.urls.items()):
-            if url in listed and iid in self._loading:
+            known_id = self._worker_ids.get(iid)
+            if url not in listed:
+                self._drop(iid, "the engine left slime's router")
+                gone.append(iid)
+                continue
+            if known_id is not None and listed[url] is not None and listed[url] != known_id:
+                # A new registration at the same address: slime deleted the old one and the
+                # restarted engine registered again. Whatever it holds, it is not what we loaded.
+                self._drop(iid, f"slime's router lists {url} under a new registration "
+                                f"({listed[url]}, was {known_id}): the engine was restarted")
+                gone.append(iid)
+                continue
+            if iid in self._loading:
                 continue
             started = self._loads_started.get(iid, 0)
-            if url not in listed or not (await self.healthy(url) or iid in self._loading
-                                         or self._loads_started.get(iid, 0) != started):
+            alive = await self.healthy(url)
+            reason = None if alive else "the engine fails /health"
+            expected = self._loaded_tags.get(iid)
+            if alive and expected is not None:
+                reported = await self.reported_version(url)
+                if reported is not None and reported != expected:
+                    reason = (f"{url} reports weight version {reported!r}, the adapter loaded {expected!r}: "
+                              "the engine was restarted")
+            if iid in self._loading or self._loads_started.get(iid, 0) != started:
+                continue  # a load started while it was asked: no verdict from this check
+            if reason is not None:
+                self._drop(iid, reason)
                 gone.append(iid)
-                del self.urls[iid]
-                del self._args[iid]
         known = set(self.urls.values())
         new = []
-        for url in listed:
+        for url, worker_id in listed.items():
             if url not in known and await self.healthy(url):
-                new.append((self._add(url), self._cap))
+                new.append((self._add(url, worker_id), self._cap))
         return gone, new
 
     def args_for_instance(self, instance_id: int) -> Any:
@@ -251,6 +320,8 @@ class SglangEngines:
             self._loading.discard(instance_id)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise AdapterError(f"engine {url} failed to load {path}: {reply.get('message')}")
+        if self.urls.get(instance_id) == url:
+            self._loaded_tags[instance_id] = version_tag
 
 
 class PassThroughEngines:

@@ -407,12 +407,18 @@ class RolloutSession:
                 if iid in self.sched.instances:
                     raise
                 continue
+            seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
+            if seen - {tag}:
+                # A restarted engine at the same address (see _run_trajectory): evaluate again
+                # elsewhere once the refresh has retired it; otherwise the mismatch is an error.
+                await self._refresh()
+                if iid in self.sched.instances:
+                    raise AdapterError(
+                        f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
+                continue
             break
         else:
             raise AdapterError(f"evaluation of rollout {rollout_id}: engines kept dying")
-        seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
-        if seen - {tag}:
-            raise AdapterError(f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
         metrics = dict(out.metrics or {})
         metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid,
                         "dora/eval_wait_s": time.monotonic() - waited})
@@ -620,6 +626,7 @@ class RolloutSession:
         self._groups[gid][idx] = out
         tag = str(self.first_step + d.version)
         reason = None
+        mismatch = False
         for s in samples:
             status = _status(s)
             if status in ("aborted", "failed", "pending"):
@@ -627,7 +634,14 @@ class RolloutSession:
             elif any(str(v) != tag for v in s.weight_versions):
                 # C1: every token from the version the group was pinned to. Never trained.
                 reason = f"engine reported weight versions {list(s.weight_versions)}, pinned to {tag}"
+                mismatch = True
         if reason is not None:
+            if mismatch and d.instance_id in self.sched.instances:
+                # The engine does not hold what the scheduler loaded onto it: slime's fault
+                # tolerance may have restarted it at the same address (slime's HTTP client
+                # retries a request until the successor answers). The refresh asks the router
+                # and the engine now; then this attempt is stale and the trajectory goes back.
+                await self._refresh()
             self._feed(TrajectoryFailed(gid, idx, reason=reason, attempt=d.attempt))
             return
         for s in samples:
@@ -697,10 +711,12 @@ class RolloutSession:
         # One batch: a trajectory re-dispatched from one gone engine onto another engine that is
         # also gone in this refresh is then not sent there (handle_many drops it).
         events: list = []
+        reasons = getattr(self.engines, "reasons", {})
         for iid in gone:
             if iid in self.sched.instances:
-                logger.warning("dora: engine %s is gone; its trajectories go back to their versions", iid)
-                events.append(InstanceFailed(iid, reason="the engine left slime's router or fails /health"))
+                reason = reasons.get(iid, "the engine left slime's router or fails /health")
+                logger.warning("dora: engine %s is gone (%s); its trajectories go back to their versions", iid, reason)
+                events.append(InstanceFailed(iid, reason=reason))
                 self._probe("engine_failed", iid)
         for iid, cap in new:
             logger.info("dora: engine %s joined (capacity %d)", iid, cap)

@@ -60,9 +60,13 @@ class SlimeSettings:
         `--use-tis --custom-tis-function-path`.
       is_cap: the cap C of the correction (> 1).
       engine_check_interval_s: how often the rollout worker re-reads slime's router and checks
-        each engine's `/health` (a dead engine's trajectories go back to the same version on
-        other engines; an engine restarted by `--use-fault-tolerance` joins again). Engines
-        loading weights are skipped (SGLang's `/health` waits for the load).
+        each engine's `/health` and the weight version it reports (a dead engine's trajectories
+        go back to the same version on other engines; an engine restarted by
+        `--use-fault-tolerance` joins again under a new instance id, also when slime brought it
+        back at the same address between two checks: its new router registration or its weight
+        version tells). Engines loading weights are skipped (SGLang's `/health` waits for the
+        load). A trajectory answered with another weight version than its pin triggers a check
+        at once.
     """
 
     weights_dir: str | None = None

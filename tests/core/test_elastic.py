@@ -243,6 +243,47 @@ def test_a_trajectory_moves_again_only_after_its_migration_landed():
     assert d.sched.metrics()["stale_events"] >= 1
 
 
+def test_a_moved_trajectory_whose_instance_failed_is_a_new_attempt_that_may_move():
+    """R5 moves a trajectory at most once per attempt (its move may be in flight). Its
+    destination fails before the move lands: it is re-queued under a new attempt, of which no
+    move exists, so it reads unmoved at once (the flag used to stay set while it waited, in
+    `moved` and in snapshots) and after it is dispatched again, where R5 may move it."""
+    cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
+                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False})
+    d = RandomDriver(cfg, 3, long_tail=0.6)
+    d.start()
+    while not d.migrating:  # run until a move is in flight
+        assert d.tick() and d.sched.step < 50
+    key = next(iter(d.migrating))
+    t = d.sched.trajectory(key[0], key[1])
+    assert t.moved and t.status == "R"
+    attempt = t.attempt
+    d._crash(t.instance)  # its destination fails (the driver's crash: ghosts, a replacement)
+    assert (t.status, t.attempt, t.moved) == ("Q", attempt + 1, False)
+    snap = d.sched.snapshot()
+    assert not Scheduler.restore(json.loads(json.dumps(snap))).trajectory(key[0], key[1]).moved
+    while t.status != "R":
+        assert d.tick() and d.sched.step < 50
+    assert t.attempt == attempt + 1 and not t.moved  # R5 may move it again
+
+
+def test_a_moved_trajectory_that_failed_is_retried_unmoved():
+    """The same for a retry: a runtime reports a trajectory lost in its move (`TrajectoryFailed`
+    of the attempt that moved); the retry is a new attempt, not moved."""
+    cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
+                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False,
+                                "max_retries": 2})
+    d = RandomDriver(cfg, 3, long_tail=0.6)
+    d.start()
+    while not d.migrating:
+        assert d.tick() and d.sched.step < 50
+    key = next(iter(d.migrating))
+    t = d.sched.trajectory(key[0], key[1])
+    attempt = t.attempt
+    d.sched.handle(E.TrajectoryFailed(key[0], key[1], "lost in a migration", attempt))
+    assert t.attempt == attempt + 1 and t.status in "QR" and not t.moved
+
+
 def test_migration_landed_for_a_finished_trajectory_is_stale():
     s = _sched(spread=False)
     _to_first_step(s)

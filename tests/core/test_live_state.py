@@ -235,3 +235,37 @@ def test_instance_crashes_leave_no_trace_in_the_state():
     # An id no instance ever had is still a protocol error, not a stale report.
     with pytest.raises(ProtocolError, match="unknown"):
         s.handle(InstanceLoaded(next_id[0] + 5, 0))
+
+
+def test_an_engine_registered_under_an_unused_id_below_the_mark_joins_and_works():
+    """The high-water mark (`_id_max`) classifies reports, not registrations: a host that
+    registers an engine under an id below the largest ever registered, one no instance had
+    (a gap in its numbering), gets a working instance. It loads, takes work, its answers are
+    not taken for late reports of a failed instance, and its own failure re-dispatches its work;
+    only after that is a late report of it stale. A report of another unused id below the
+    mark, never registered, is the documented cost: counted stale, not raised."""
+    from dora_ext.core import (Dispatch, GroupAdmitted, InstanceFailed, InstanceLoaded, InstanceReady,
+                               LoadVersion, RequestGroups)
+
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 2, "group_size": 2,
+                                        "instances": 1, "capacity": 2, "max_steps": 4}))
+    acts = s.start() + s.handle(InstanceLoaded(0, 0))
+    s.handle(InstanceReady(100, 2))  # a replacement far up: the mark is 100
+    (load,) = [a for a in s.handle(InstanceReady(50, 2)) if isinstance(a, LoadVersion)]
+    assert load.instance_id == 50
+    acts += s.handle(InstanceLoaded(50, load.version))
+    assert s.metrics()["stale_events"] == 0 and s.instances[50].version == load.version
+    for a in acts:
+        if isinstance(a, RequestGroups):
+            acts += s.handle_many([GroupAdmitted(f"g{i}") for i in range(a.count)])
+    on50 = s.running_on(50)
+    assert on50 and any(isinstance(a, Dispatch) and a.instance_id == 50 for a in acts)
+    redispatched = s.metrics()["redispatched"]
+    s.handle(InstanceFailed(50, "crash"))
+    assert s.metrics()["redispatched"] == redispatched + len(on50)
+    assert s.metrics()["stale_events"] == 0
+    assert s.handle(InstanceLoaded(50, load.version)) == []  # now a late report: stale
+    assert s.handle(InstanceFailed(7, "never registered, below the mark")) == []
+    assert s.metrics()["stale_events"] == 2
+    with pytest.raises(ProtocolError, match="unknown"):
+        s.handle(InstanceFailed(101, "above the mark"))

@@ -7,9 +7,11 @@ documented data shapes and interfaces (read from slime's source, commit 624b824)
 * `StandinBaseDataSource`: the behaviour of slime's `RolloutDataSource` (groups of
   `n_samples_per_prompt` deep copies of one prompt, a cursor saved under `args.save/rollout/`).
 * `FakeSglangFleet`: the HTTP surface of SGLang servers behind slime's router that the adapter
-  uses (`GET /workers` on the router, `POST /update_weights_from_disk` on an engine). It records
+  uses (`GET /workers` on the router, with sglang-router's fresh `id` per registration;
+  `GET /health`, `GET /model_info` and `POST /update_weights_from_disk` on an engine). It records
   violations instead of hiding them: a load on an engine with requests running (R4), more
-  requests than the engine's capacity.
+  requests than the engine's capacity. `restart_engine` replaces an engine by a fresh one at the
+  same address, as slime's fault tolerance does.
 * `generate`: a custom generate function with slime's real signature
   `async def generate(args, sample, sampling_params) -> Sample`, the one slime's
   `--custom-generate-function-path` takes. It stands in for an SGLang `/generate` call: it finds
@@ -29,6 +31,7 @@ import json
 import os
 import random
 import threading
+import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -132,12 +135,14 @@ class FakeEngine:
         self.url = url
         self.port = port
         self.version: str = "initial"
+        self.worker_id = uuid.uuid4().hex  # the router's id for this engine's registration
         self.running = 0
         self.max_running = 0
         self.loads: list[str] = []
         self.wrong_version_once = False
         self.alive = True
         self.started = 0
+        self.inherited = 0  # requests retried here from a predecessor at the same URL
 
 
 # port -> engine: the stand-in generate finds its engine by the address slime puts in args.
@@ -165,6 +170,22 @@ class FakeSglangFleet:
         self.engines.append(e)
         return e
 
+    def restart_engine(self, port: int, *, reregister: bool = True) -> FakeEngine:
+        """slime's fault tolerance: the engine at `port` dies and a fresh one (launch weights,
+        SGLang's launch weight version) serves at the SAME address. `reregister`: slime's
+        `SGLangEngine.shutdown` deleted the old registration and the new engine registered anew
+        (sglang-router gives it a fresh id); otherwise the old registration stayed (the router
+        refuses the duplicate and keeps the old id)."""
+        old = ENGINES[port]
+        old.alive = False
+        new = FakeEngine(old.url, port)
+        new.version = "default"
+        if not reregister:
+            new.worker_id = old.worker_id
+        ENGINES[port] = new
+        self.engines[self.engines.index(old)] = new
+        return new
+
     def observe(self) -> None:
         self.live_version_sets.append(frozenset(e.version for e in self.engines))
         for e in self.engines:
@@ -173,12 +194,12 @@ class FakeSglangFleet:
 
     async def get(self, url: str) -> dict:
         if url.endswith("/workers"):
-            return {"workers": [{"url": e.url, "worker_type": "regular"} for e in self.engines]}
-        if url.endswith("/health"):
+            return {"workers": [{"id": e.worker_id, "url": e.url, "worker_type": "regular"} for e in self.engines]}
+        if url.endswith("/health") or url.endswith("/model_info"):
             engine = next(e for e in self.engines if url.startswith(e.url))
             if not engine.alive:
                 raise ConnectionError(f"{engine.url} is down")
-            return {}
+            return {"weight_version": engine.version} if url.endswith("/model_info") else {}
         raise AssertionError(f"unexpected GET {url}")
 
     async def post(self, url: str, payload: dict) -> dict:
@@ -222,11 +243,19 @@ def record_all_samples(args: Any, samples: list, data_source: Any) -> None:
 
 async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
     """slime's custom-generate signature; stands in for one SGLang /generate request."""
-    engine = ENGINES[int(args.sglang_router_port)]
+    return await _request(ENGINES[int(args.sglang_router_port)], args, sample, sampling_params)
+
+
+async def _request(engine: FakeEngine, args: Any, sample: Any, sampling_params: dict, inherited: bool = False) -> Any:
+    """One request on `engine`. `inherited`: sent to its predecessor at the same URL and retried
+    here by slime's HTTP client; the adapter no longer counts it (its attempt was retired), so it
+    is kept out of the capacity and R4 checks, and counted in `engine.inherited`."""
     if not engine.alive:
         raise ConnectionError(f"{engine.url} is down")
-    fleet_capacity = getattr(args, "standin_capacity", None)
-    engine.running += 1
+    fleet_capacity = None if inherited else getattr(args, "standin_capacity", None)
+    running = 0 if inherited else 1
+    engine.inherited += 1 - running
+    engine.running += running
     engine.max_running = max(engine.max_running, engine.running)
     STARTS.append((sample.prompt, sample.index))
     version = engine.version
@@ -246,6 +275,11 @@ async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
         n = response_length(sample)
         await asyncio.sleep(n * TICK_S)
         if not engine.alive:
+            successor = ENGINES.get(engine.port)
+            if successor is not None and successor is not engine and successor.alive:
+                # slime's HTTP client (`http_utils.post`) retries a failed request at the same
+                # URL for a minute: a successor restarted there answers it.
+                return await _request(successor, args, sample, sampling_params, inherited=True)
             raise ConnectionError(f"{engine.url} died with this request running")
         if engine.version != version:
             raise AssertionError(f"{engine.url} changed version {version} -> {engine.version} mid-request")
@@ -266,7 +300,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict) -> Any:
             raise AssertionError(f"{engine.url}: {engine.running} requests > capacity {fleet_capacity}")
         return sample
     finally:
-        engine.running -= 1
+        engine.running -= running
 
 
 class StandinGenerateState:

@@ -211,6 +211,39 @@ def test_engine_killed_mid_rollout(patched_slime, tmp_path, fault_tolerance):
         assert any(e["port"] == port for e in ev.loads), "the relaunched engine never loaded a version"
 
 
+@pytest.mark.parametrize("registration", ["reregister", "keep"])
+def test_engine_restarted_at_the_same_address(patched_slime, tmp_path, registration):
+    """slime's fault tolerance relaunches a dead engine at the address it had (its port scan
+    starts from 15000 again). Engine 0 dies as its 3rd request starts and comes back at its port;
+    the periodic refresh is pushed out of the run (600 s), so none falls between the death and
+    the restart. slime's HTTP client retries the dead engine's requests at the same URL, and the
+    successor answers them with its launch weight version: the worker must retire the old
+    instance id and take the successor in under a fresh one (told by the router's new
+    registration id, or with the old registration kept, by the weight version it reports), never
+    fail trajectories for it (the old adapter kept the id and failed them until their retries ran
+    out)."""
+    flags = ["--loop", "train_async", "--mode", "dora", "--k", "1", "--num-rollout", "6", "--kill-engine-after", "3",
+             "--fault-tolerance", "--restart-engines", "--restart-same-port", registration,
+             "--engine-check-interval", "600"]
+    ev = run_job(patched_slime, tmp_path / "job", *flags)
+    check_run(ev, k=1, num_rollout=6, dora=False, eval_before=False)
+    died, restarted = ev.result["engine_events"]
+    assert (died["event"], restarted["event"]) == ("died", "restarted") and died["port"] == restarted["port"]
+    old_ids, new_ids = restarted["router_ids"]
+    assert (old_ids != new_ids) if registration == "reregister" else (old_ids == new_ids)
+    metrics = [r["metrics"] for r in ev.rollouts.values()]
+    assert max(m["dora/redispatched"] for m in metrics) >= 1
+    assert max(m["dora/retries"] for m in metrics) == 0, "trajectories were failed for the restarted engine"
+    assert max(m["dora/failed_groups"] for m in metrics) == 0
+    successor = _lines(ev.work / restarted["log"])
+    served = [e for e in successor if e["kind"] == "generate"]
+    # The successor answered a request of its predecessor with its launch version (what told the
+    # worker), then loaded a version and served the scheduler's requests at it.
+    assert any(e["version_start"] == "default" for e in served)
+    assert any(e["kind"] == "load" for e in successor)
+    assert any(e["version_start"] == e["version_end"] != "default" for e in served)
+
+
 def test_request_failing_every_retry_is_reported_and_training_goes_on(patched_slime, tmp_path):
     """Prompt 1 is aborted by the engine on every attempt: its group is reported, never trained,
     and the run trains every step."""

@@ -20,7 +20,14 @@ What stands in, because it cannot exist on a CPU machine (each module says so):
 * `megatron_args.py`: Megatron-LM's argument parser (Megatron-LM is not on PyPI);
 * the harness relaunches a killed engine when `--restart-engines` is given: slime relaunches
   engines it started itself, but its `recover()` is a no-op for external engines, so the harness
-  starts a new server and registers it with the router as slime's `SGLangEngine` does.
+  starts a new server and registers it with the router as slime's `SGLangEngine` does. By default
+  at a new port; `--restart-same-port reregister` does what slime does for the engines it
+  launched (`ServerGroup.start_engines` scans for a free port from 15000 again, so a dead
+  engine's port comes back): the dead engine's registration is deleted from the router (slime's
+  `SGLangEngine.shutdown`), the new server starts at the same port and registers anew (it answers
+  requests once the router lists it: `server.py --gated`, to force that order);
+  `--restart-same-port keep` leaves the old registration (slime's shutdown could not run), and
+  the router refuses the new one as a duplicate.
 
     python -m slime_cpu.run --workdir W --loop train|train_async --mode M --k K [options]
 writes W/result.json; the logs in W (engine*.jsonl, rollouts.jsonl, evals.jsonl, train.jsonl)
@@ -69,8 +76,9 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
 class Engines:
     """The CPU SGLang servers: started, watched, relaunched (when asked), stopped."""
 
-    def __init__(self, work: Path, hf: Path, n: int, die_after: dict[int, int], restart: bool) -> None:
-        self.work, self.hf, self.restart = work, hf, restart
+    def __init__(self, work: Path, hf: Path, n: int, die_after: dict[int, int], restart: bool,
+                 same_port: str | None = None) -> None:
+        self.work, self.hf, self.restart, self.same_port = work, hf, restart, same_port
         self.procs: dict[int, subprocess.Popen] = {}
         self.router: str | None = None
         self.events: list[dict] = []
@@ -78,12 +86,14 @@ class Engines:
         for i in range(n):
             self.start(i, die_after.get(i))
 
-    def start(self, i: int, die_after: int | None = None) -> int:
-        port = free_port()
+    def start(self, i: int, die_after: int | None = None, port: int | None = None, gated: bool = False) -> int:
+        port = port or free_port()
         cmd = [sys.executable, "-m", "slime_cpu.server", "--port", str(port), "--model-path", str(self.hf),
                "--log", str(self.work / f"engine{i}.jsonl")]
         if die_after:
             cmd += ["--die-after", str(die_after)]
+        if gated:
+            cmd += ["--gated"]
         self.procs[port] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.work / f"engine{i}.err", "a"))
         wait_http(f"http://127.0.0.1:{port}/health")
         return port
@@ -102,13 +112,51 @@ class Engines:
                         continue
                     del self.procs[port]
                     self.events.append({"t": time.time(), "event": "died", "port": port, "rc": p.returncode})
-                    if self.restart and self.router:
+                    if self.restart and self.router and self.same_port:
+                        self.restart_same_port(port)
+                    elif self.restart and self.router:
                         new = self.start(len(self.events) + 10)
                         requests.post(f"{self.router}/workers",
                                       json={"url": f"http://127.0.0.1:{new}", "worker_type": "regular"}).raise_for_status()
                         self.events.append({"t": time.time(), "event": "restarted", "port": new})
 
         threading.Thread(target=loop, daemon=True).start()
+
+    def _router_ids(self, url: str) -> list[str]:
+        import requests
+
+        return [w["id"] for w in requests.get(f"{self.router}/workers", timeout=5).json()["workers"] if w["url"] == url]
+
+    def _wait_router(self, url: str, until, limit_s: float = 60.0) -> list[str]:
+        """The router adds and removes workers in the background: wait until its listing agrees."""
+        t = time.monotonic()
+        while not until(ids := self._router_ids(url)):
+            if time.monotonic() - t > limit_s:
+                raise RuntimeError(f"slime's router never listed {url} as expected: {ids}")
+            time.sleep(0.05)
+        return ids
+
+    def restart_same_port(self, port: int) -> None:
+        import requests
+
+        url = f"http://127.0.0.1:{port}"
+        reregister = self.same_port == "reregister"
+        old = self._router_ids(url)
+        if reregister:
+            for wid in old:  # slime's SGLangEngine.shutdown, called by its health monitor
+                requests.delete(f"{self.router}/workers/{wid}", timeout=5).raise_for_status()
+            self._wait_router(url, lambda ids: not ids)
+        n = len(self.events) + 10
+        self.start(n, port=port, gated=reregister)
+        requests.post(f"{self.router}/workers", json={"url": url, "worker_type": "regular"},
+                      timeout=5).raise_for_status()  # slime's SGLangEngine._register_to_router
+        if reregister:
+            new = self._wait_router(url, lambda ids: len(ids) == 1)
+            requests.post(f"{url}/standin/open", json={}, timeout=5).raise_for_status()
+        else:
+            new = self._router_ids(url)
+        self.events.append({"t": time.time(), "event": "restarted", "port": port, "log": f"engine{n}.jsonl",
+                            "router_ids": [old, new]})
 
     def stop(self) -> None:
         self._stop.set()
@@ -169,6 +217,10 @@ def main() -> int:
     ap.add_argument("--loss", default="sao")
     ap.add_argument("--fault-tolerance", action="store_true")
     ap.add_argument("--restart-engines", action="store_true")
+    ap.add_argument("--restart-same-port", choices=("reregister", "keep"), default=None,
+                    help="relaunch a killed engine at its port (with --restart-engines), see the docstring")
+    ap.add_argument("--engine-check-interval", type=float, default=0.5,
+                    help="dora_slime.engine_check_interval_s (600: no periodic refresh within a run)")
     ap.add_argument("--kill-engine-after", type=int, default=None, help="engine 0 dies as its N-th request starts")
     ap.add_argument("--fail-prompt", action="store_true")
     ap.add_argument("--crash-at-rollout", type=int, default=None)
@@ -197,7 +249,8 @@ def main() -> int:
 
     cfg = {
         "dora": {"mode": o.mode, "max_staleness": o.k},
-        "dora_slime": {"capacity": o.capacity, "poll_interval_s": 0.05, "engine_check_interval_s": 0.5,
+        "dora_slime": {"capacity": o.capacity, "poll_interval_s": 0.05,
+                       "engine_check_interval_s": o.engine_check_interval,
                        "loss": o.loss, "staleness_correction": "tis" if o.k else "none"},
         "custom_rollout_weight_reload_path": "dora_ext.slime.weights.publish_weights",
         "harness_dir": str(work),
@@ -208,7 +261,8 @@ def main() -> int:
     cfg_path.write_text(yaml.safe_dump(cfg))
     dora_flags = slime_flags(cfg, str(cfg_path), str(work / "weights"))
 
-    engines = Engines(work, hf, o.engines, {0: o.kill_engine_after} if o.kill_engine_after else {}, o.restart_engines)
+    engines = Engines(work, hf, o.engines, {0: o.kill_engine_after} if o.kill_engine_after else {}, o.restart_engines,
+                      o.restart_same_port)
     router_proc = None
     try:
         argv = [

@@ -9,14 +9,17 @@ and serves the tiny torch model of `model.py` for real: every token is sampled f
                                   return_logprob} -> {text, output_ids, meta_info{finish_reason,
                                   weight_version, output_token_logprobs, prompt_tokens, ...}}
   GET  /health /health_generate  liveness (slime's router checks it before listing a worker)
-  GET  /server_info /get_server_info /get_model_info /get_weight_version
+  GET  /server_info /get_server_info /model_info /get_model_info /get_weight_version
+       (`/model_info` is SGLang 0.5.23's; it reports the loaded `weight_version`)
   GET|POST /flush_cache, POST /pause_generation /continue_generation /abort_request
   POST /update_weights_from_disk {model_path, weight_version}: loads `model.safetensors`
 
 Every /generate is logged (JSON lines) with the weight version at its start and end, so a test
 can check C1 from what the engine itself reported. Fault injection: `--die-after N` ends the
 process when the N-th request starts (requests in flight die with it); prompts containing the
-symbol `zz` are aborted every time (SGLang's finish_reason "abort").
+symbol `zz` are aborted every time (SGLang's finish_reason "abort"). `--gated`: requests to
+/generate and /update_weights_from_disk wait until `POST /standin/open` (not SGLang's: the harness
+opens it once slime's router lists this server, to force that order) or GATE_LIMIT_S passed.
 
     python -m slime_cpu.server --port P --model-path DIR --log FILE [--die-after N]
 """
@@ -37,11 +40,15 @@ import torch
 from . import model as tiny
 
 FAIL_SYMBOL = "zz"
+GATE_LIMIT_S = 120.0  # an injected delay, never a hang
 
 
 class Engine:
-    def __init__(self, model_path: str, log: str, die_after: int | None, port: int) -> None:
+    def __init__(self, model_path: str, log: str, die_after: int | None, port: int, gated: bool = False) -> None:
         torch.set_num_threads(1)
+        self.gate = threading.Event()
+        if not gated:
+            self.gate.set()
         self.model = tiny.new_model().eval()
         tiny.load_into(self.model, Path(model_path))
         self.model_path = model_path
@@ -62,6 +69,7 @@ class Engine:
             self.log.write(json.dumps(entry) + "\n")
 
     def generate(self, body: dict) -> dict:
+        self.gate.wait(GATE_LIMIT_S)
         with self.state:
             self.started += 1
             self.running += 1
@@ -114,6 +122,7 @@ class Engine:
                 self.running -= 1
 
     def load(self, body: dict) -> dict:
+        self.gate.wait(GATE_LIMIT_S)
         path = Path(body["model_path"])
         with self.state:
             running = self.running
@@ -157,7 +166,7 @@ def make_handler(engine: Engine):
             p = self.path.split("?")[0]
             if p in ("/health", "/health_generate", "/flush_cache"):
                 return self._reply({})
-            if p in ("/server_info", "/get_server_info", "/get_model_info"):
+            if p in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
                 return self._reply(engine.info())
             if p == "/get_weight_version":
                 return self._reply({"weight_version": engine.version})
@@ -170,6 +179,9 @@ def make_handler(engine: Engine):
                 return self._reply(engine.generate(body))
             if p == "/update_weights_from_disk":
                 return self._reply(engine.load(body))
+            if p == "/standin/open":
+                engine.gate.set()
+                return self._reply({"success": True})
             if p in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"):
                 engine.record(kind=p.strip("/"), t=time.time())
                 return self._reply({"success": True})
@@ -184,8 +196,9 @@ def main() -> None:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--log", required=True)
     ap.add_argument("--die-after", type=int, default=None)
+    ap.add_argument("--gated", action="store_true")
     a = ap.parse_args()
-    engine = Engine(a.model_path, a.log, a.die_after, a.port)
+    engine = Engine(a.model_path, a.log, a.die_after, a.port, a.gated)
     server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(engine))
     server.daemon_threads = True
     server.serve_forever()

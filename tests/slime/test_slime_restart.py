@@ -1,0 +1,294 @@
+"""An engine that slime's fault tolerance restarts at the SAME address between two refreshes.
+
+slime relaunches a dead engine at the address it had: `ServerGroup.start_engines` scans for a
+free port from 15000 again, and the dead engine's port is free (slime 624b824,
+`slime/ray/rollout.py`). The adapter used to tell engines apart by URL and only noticed a restart
+when a refresh fell between the death and the re-registration; otherwise it kept the old instance
+id, assumed the old weights were loaded, and failed every trajectory the successor answered with
+its launch weight version until their retries ran out.
+
+slime is ABSENT here (CI): the stand-ins of `slime_standins.py` speak SGLang's and sglang-router's
+HTTP interface (a fresh router id per registration, `/model_info`'s `weight_version`), and the
+stand-in generate retries at the same URL as slime's HTTP client does. The restart is forced as
+the victim's 3rd request starts; the periodic refresh is pushed out of the run
+(`engine_check_interval_s` = 600 s), so no refresh can fall between the death and the restart.
+`tests/slime/test_slime_loops.py::test_engine_restarted_at_the_same_address` does the same under
+slime's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import pytest
+
+from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+
+from dora_ext.slime.data_source import DoraDataSource
+from dora_ext.slime.engines import SglangEngines
+from dora_ext.slime.settings import slime_settings
+
+
+@pytest.mark.parametrize("reregister", [True, False], ids=["new-registration", "old-registration-kept"])
+def test_engine_restarted_at_the_same_address_joins_under_a_fresh_id(tmp_path, standins, reregister):
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2, use_fault_tolerance=True)
+    args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31200)
+    victim = fleet.engines[0]
+    restarted = {}
+
+    def on_start(engine):
+        if engine is victim and engine.started == 3 and not restarted:
+            restarted["engine"] = fleet.restart_engine(victim.port, reregister=reregister)
+
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    seen = collections.defaultdict(list)
+    session.probe = lambda name, value: seen[name].append(value)
+    standins.ON_START = on_start
+    try:
+        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+    finally:
+        standins.ON_START = None
+    successor = restarted["engine"]
+    assert successor.url == victim.url
+    # The victim's request was answered by its successor (slime's client retries the same URL),
+    # with the successor's launch weight version: that answer is what told the worker.
+    assert successor.inherited >= 1
+    # The old instance id was retired and the successor joined under a fresh, larger one.
+    assert seen["engine_failed"] == [0] and seen["engine_joined"] == [2]
+    assert seen["group_failed"] == []
+    # It loaded a version before serving, and served.
+    assert successor.loads and successor.started > 0
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 6 * 2
+    for step, out in outs.items():
+        for group in out.samples:
+            (v,) = {s.weight_versions[0] for s in group}  # C1: "default" was never trained
+            assert 0 <= step - int(v) <= 1
+    m = outs[5].metrics
+    assert m["dora/redispatched"] >= 1
+    # Nothing was failed for the successor's launch version: the answer it gave for the old
+    # instance's attempt was stale once the instance was retired.
+    assert m["dora/retries"] == 0 and m["dora/failed_groups"] == 0
+
+
+def _engines(standins, tmp_path, port):
+    args = make_args(tmp_path, capacity=2)
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=port)
+    return fleet, SglangEngines(args, slime_settings(args), http=fleet)
+
+
+def test_refresh_names_the_evidence_of_a_restart(tmp_path, standins):
+    """What each kind of evidence says, and that an engine still holding what was loaded stays."""
+    fleet, engines = _engines(standins, tmp_path, 31300)
+    (tmp_path / "w").mkdir()
+
+    async def run():
+        assert await engines.discover() == [2, 2]
+        await engines.load(0, "3", str(tmp_path / "w"))
+        await engines.load(1, "3", str(tmp_path / "w"))
+        assert await engines.refresh() == ([], [])
+        fleet.restart_engine(31300, reregister=True)
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "new registration" in engines.reasons[0]
+        assert engines.urls[2] == fleet.engines[0].url
+        fleet.restart_engine(31301, reregister=False)  # same router id: only the weight version tells
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([1], [(3, 2)]) and "weight version 'default'" in engines.reasons[1]
+        # A fresh instance has no load yet: its launch version is not held against it.
+        assert await engines.refresh() == ([], [])
+
+    asyncio.run(run())
+
+
+def test_a_load_in_flight_voids_the_version_check(tmp_path, standins):
+    """The version is read while a load starts: the engine may report the old one; no verdict."""
+    fleet, engines = _engines(standins, tmp_path, 31400)
+    (tmp_path / "w").mkdir()
+    real_get = fleet.get
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+
+        async def get(url):
+            reply = await real_get(url)
+            if url.endswith("/model_info") and "31400" in url:
+                # The worker starts loading version 4 while this answer ("3") is on its way.
+                await engines.load(0, "4", str(tmp_path / "w"))
+            return reply
+
+        fleet.get = get
+        assert await engines.refresh() == ([], [])
+        fleet.get = real_get
+        assert await engines.refresh() == ([], [])  # it holds 4, which was loaded
+
+    asyncio.run(run())
+
+
+def test_router_without_ids_still_catches_the_restart_by_version(tmp_path, standins):
+    """A router that gives no worker ids: the weight version alone tells."""
+    fleet, engines = _engines(standins, tmp_path, 31500)
+    (tmp_path / "w").mkdir()
+    real_get = fleet.get
+
+    async def get(url):
+        reply = await real_get(url)
+        if url.endswith("/workers"):
+            reply = {"workers": [{k: v for k, v in w.items() if k != "id"} for w in reply["workers"]]}
+        return reply
+
+    fleet.get = get
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "1", str(tmp_path / "w"))
+        fleet.restart_engine(31500, reregister=True)
+        gone, new = await engines.refresh()
+        assert gone == [0] and new == [(2, 2)]
+
+    asyncio.run(run())
+
+
+def test_sglang_router_gives_a_fresh_id_per_registration(tmp_path):
+    """The evidence the adapter reads, from the real router (sglang-router from PyPI, as slime
+    launches it): slime's `SGLangEngine.shutdown` deletes a dead engine's registration and its
+    successor registers the same URL anew, under a new id; a registration that was never deleted
+    keeps its id (the router refuses the duplicate). The stand-in fleet follows this."""
+    import importlib.util
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from slime_helpers import HARNESS
+
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router is not installed (extra slime-test; scripts/test.sh installs it)")
+
+    class Engine(BaseHTTPRequestHandler):  # enough of SGLang's HTTP API for the router to add it
+        def log_message(self, *a):
+            return
+
+        def do_GET(self):
+            body = json.dumps({"model_path": "m", "weight_version": "default", "tp_size": 1, "dp_size": 1}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{engine.server_address[1]}"
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HARNESS, "no_torchcodec"),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                               "--port", str(port), "--prometheus-port", str(free_port())],
+                              env=env, stdout=open(tmp_path / "router.log", "w"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def call(method, path, payload=None):
+        req = urllib.request.Request(base + path, method=method, data=None if payload is None else
+                                     json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read() or b"{}")
+
+    def listed_id(until, limit_s=60.0):
+        """The router adds and removes workers in the background: wait for the listing to show it."""
+        t = time.monotonic()
+        while True:
+            try:
+                ids = [w["id"] for w in call("GET", "/workers")["workers"] if w["url"] == url]
+            except OSError:
+                ids = None
+            if ids is not None and until(ids):
+                return ids[0] if ids else None
+            assert time.monotonic() - t < limit_s, f"router never listed what was expected: {ids}"
+            time.sleep(0.1)
+
+    try:
+        listed_id(lambda ids: True)  # the router answers
+        call("POST", "/workers", {"url": url, "worker_type": "regular"})
+        first = listed_id(lambda ids: len(ids) == 1)
+        call("DELETE", f"/workers/{first}")  # slime's SGLangEngine.shutdown
+        listed_id(lambda ids: not ids)
+        call("POST", "/workers", {"url": url, "worker_type": "regular"})  # the successor registers
+        second = listed_id(lambda ids: len(ids) == 1)
+        assert second != first
+        call("POST", "/workers", {"url": url, "worker_type": "regular"})  # registered again, no delete
+        # The duplicate is refused in the background; the listing keeps one entry, the old id.
+        assert "already exists" in _wait_for_text(tmp_path / "router.log", "already exists")
+        assert listed_id(lambda ids: True) == second
+    finally:
+        router.kill()
+        router.wait()
+        engine.shutdown()
+
+
+def _wait_for_text(path, text, limit_s=60.0):
+    import time
+
+    t = time.monotonic()
+    while text not in path.read_text():
+        assert time.monotonic() - t < limit_s, f"{text!r} never appeared in {path}"
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp_path, standins, monkeypatch):
+    """The engine slime's eval is pinned to is restarted at its address under the eval (its
+    request answered by the successor with its launch version, the old registration kept): the
+    eval used to end slime's job ("saw versions ['default']"); it now runs again on another
+    engine holding the newest version, and the successor joins under a fresh id."""
+    from test_slime_review import _install_eval_rollout
+
+    from dora_ext.slime import rollout as slime_rollout
+    from dora_ext.slime._compat import RolloutFnEvalOutput
+
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31700)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    seen = collections.defaultdict(list)
+    session.probe = lambda name, value: seen[name].append(value)
+    calls: list = []
+
+    async def eval_rollout(eval_args, rollout_id):
+        port = int(eval_args.sglang_router_port)
+        calls.append(port)
+        if len(calls) == 1:
+            fleet.restart_engine(port, reregister=False)
+        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    driver = SimulatedSlimeDriver(args, ds)
+    driver.push_weights()
+    outs = {0: driver.generate(0)}
+    driver.push_weights()
+    ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+    for k in (1, 2):
+        outs[k] = driver.generate(k)
+        driver.push_weights()
+    assert len(calls) == 2 and calls[0] != calls[1], calls
+    assert len(seen["engine_failed"]) == 1 and seen["engine_joined"] == [2]
+    assert ev.metrics["dora/eval_instance"] != seen["engine_failed"][0]
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2

@@ -1641,7 +1641,10 @@ class Scheduler:
                     continue
                 src = instances[iid]
                 excess = src.nrun - keep
-                for h in src.live():
+                tp = self._tp
+                for h, p in zip(src.hs, src.ps):  # (`src.live()`, lazily: the plan stops early)
+                    if tp[h] != p:
+                        continue  # a dead log entry
                     if len(plan) >= want or excess <= 0:
                         break
                     if tm[h]:

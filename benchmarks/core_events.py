@@ -1,10 +1,12 @@
 """Scheduler events per second of CPU time, K = 1..3, 1k .. 1M slots over 1k .. 10k instances.
 
 A synchronous driver keeps the scheduler (mode `dora`) busy: it answers every action at once
-(groups admitted, loads done, trainer steps finished and published) and finishes running
-trajectories oldest first, except that 3% of them are stragglers that run two to three times
-longer. Stragglers spread old versions thin over the instances that hold them, so R5
-migrations and R4 version switches happen. Each row is named by its slots (instances x
+(groups admitted, loads done, trainer steps finished and published, migrations landed: a
+`MigrationLanded` in the next batch, as the simulator sends once the KV cache has moved, after
+which R5 may move the trajectory again) and finishes running trajectories oldest first,
+except that 3% of them are stragglers that run two to three times longer. Stragglers spread
+old versions thin over the instances that hold them, so R5 migrations and R4 version switches
+happen. Each row is named by its slots (instances x
 capacity, the `slots` column: 1k .. 1M); `B` is sized so that the R2 budget, `(K + 1) * B`
 groups, equals the slots. The trajectories actually in flight are counted by the driver before
 every batch of the measured window and printed (mean and minimum): pinned versions (R1, R4)

@@ -292,3 +292,74 @@ def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp
     assert fleet.violations == []
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
     assert len(prompts) == len(set(prompts)) == 3 * 2
+
+
+def test_eval_engine_restarted_with_a_load_waiting_on_it_is_retired_before_the_load_runs(
+        tmp_path, standins, monkeypatch):
+    """The eval's engine E (newest version, 1) is restarted at its address during the eval, its
+    old registration kept: only the weight version it reports tells. A load waits on E for the
+    eval to end: the other engine died with a straggler of version 0, so the scheduler sends the
+    idle-looking E back to 0 (see test_slime_review). The eval used to release E before checking
+    the version it saw: the waiting load then started first (on the successor), the check found
+    E loading and gave no verdict, and the eval ended slime's job ("saw versions ['default']").
+    The check now runs while E is still the eval's: E is retired, the waiting load finds it gone
+    and the eval runs again on an engine holding version 1.
+
+    Order forced: no periodic refresh in the run (600 s); the other engine's death is told by
+    the straggler's failed request; E is restarted only once the load waits on it."""
+    from test_slime_review import _install_eval_rollout
+
+    from dora_ext.slime import rollout as slime_rollout
+    from dora_ext.slime._compat import RolloutFnEvalOutput
+
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31800)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    probes: list = []
+    load_waits = asyncio.Event()
+
+    def probe(name, value):
+        probes.append((name, value))
+        if name == "load_waits_for_eval":
+            load_waits.set()
+
+    session.probe = probe
+    straggler = asyncio.Event()
+    calls: list = []
+
+    async def eval_rollout(eval_args, rollout_id):
+        port = int(eval_args.sglang_router_port)
+        calls.append(port)
+        if len(calls) == 1:
+            for other in fleet.engines:
+                if other.port != port:
+                    other.alive = False  # dies with the straggler running
+            straggler.set()  # its request fails now: the worker refreshes, E is sent back to 0
+            await asyncio.wait_for(load_waits.wait(), 30)
+            fleet.restart_engine(port, reregister=False)
+        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    standins.HOLD[("p2", 4)] = straggler  # p2's first sample: dispatched at version 0, kept running
+    try:
+        driver = SimulatedSlimeDriver(args, ds)
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        driver.push_weights()
+        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        standins.HOLD.clear()
+    failed = [v for n, v in probes if n == "engine_failed"]
+    assert len(calls) == 2 and ev.metrics["dora/eval_instance"] not in failed, (calls, failed, probes)
+    assert len(failed) == 2 and len(set(failed)) == 2  # the other engine, then E: once each
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2 and "p2" in prompts

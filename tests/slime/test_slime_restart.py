@@ -363,3 +363,53 @@ def test_eval_engine_restarted_with_a_load_waiting_on_it_is_retired_before_the_l
     assert fleet.violations == []
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
     assert len(prompts) == len(set(prompts)) == 3 * 2 and "p2" in prompts
+
+
+@pytest.mark.parametrize("load_starts", ["before-the-refresh", "during-its-health-check"])
+def test_an_engine_reporting_a_version_it_is_still_being_told_about_is_not_retired(tmp_path, standins, load_starts):
+    """SGLang sets the version `/model_info` reports when the load is done, before its reply
+    reaches the adapter (tokenizer_manager.update_weights_from_disk): for a while the engine is
+    ahead of what the adapter recorded. A refresh in that window must give no verdict: the
+    engine is healthy and holds what it was told to load. Both orders forced with gates: the
+    load's reply held after the engine switched, and (second case) the refresh's /health held
+    until then. (The stand-in's loads are otherwise instantaneous: without the gates no refresh
+    can ever see this window.)"""
+    fleet, engines = _engines(standins, tmp_path, 31900)
+    (tmp_path / "w").mkdir()
+    real_get, real_post = fleet.get, fleet.post
+    switched, reply_go, health_in, health_go = (asyncio.Event() for _ in range(4))
+
+    async def post(url, payload):
+        reply = await real_post(url, payload)  # the engine now reports the new version
+        switched.set()
+        await asyncio.wait_for(reply_go.wait(), 10)  # ... and its reply is still on its way
+        return reply
+
+    async def get(url):
+        if url.endswith("/health") and "31900" in url and load_starts == "during-its-health-check":
+            health_in.set()
+            await asyncio.wait_for(health_go.wait(), 10)
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        fleet.get, fleet.post = get, post
+        if load_starts == "before-the-refresh":
+            load = asyncio.ensure_future(engines.load(0, "4", str(tmp_path / "w")))
+            await asyncio.wait_for(switched.wait(), 10)
+            assert (await engines.refresh()) == ([], [])
+        else:
+            refresh = asyncio.ensure_future(engines.refresh())
+            await asyncio.wait_for(health_in.wait(), 10)
+            load = asyncio.ensure_future(engines.load(0, "4", str(tmp_path / "w")))
+            await asyncio.wait_for(switched.wait(), 10)
+            health_go.set()
+            assert (await refresh) == ([], [])
+        assert fleet.engines[0].version == "4" and engines._loaded_tags[0] == "3"  # the window was open
+        reply_go.set()
+        await load
+        fleet.get, fleet.post = real_get, real_post
+        assert await engines.refresh() == ([], [])  # it holds 4, which was loaded
+
+    asyncio.run(run())

@@ -413,3 +413,40 @@ def test_an_engine_reporting_a_version_it_is_still_being_told_about_is_not_retir
         assert await engines.refresh() == ([], [])  # it holds 4, which was loaded
 
     asyncio.run(run())
+
+
+def test_a_url_listed_under_two_registrations_is_not_taken_for_a_restart(tmp_path, standins):
+    """sglang-router 0.3.2 refuses a second registration of a URL (test above), but a router
+    that listed one URL under two ids, in an order that varies between reads (a hash map), made
+    the adapter keep whichever came last and take the other for "a new registration": a healthy
+    engine retired on every other refresh, with its trajectories. An id is evidence of a restart
+    only when the one the adapter knew is no longer listed for that URL."""
+    fleet, engines = _engines(standins, tmp_path, 32000)
+    (tmp_path / "w").mkdir()
+    real_get = fleet.get
+    reads = [0]
+
+    async def get(url):
+        reply = await real_get(url)
+        if url.endswith("/workers"):
+            reads[0] += 1
+            first = reply["workers"][0]
+            twin = dict(first, id="twin-" + first["id"])
+            pair = [first, twin] if reads[0] % 2 else [twin, first]
+            reply = {"workers": pair + reply["workers"][1:]}
+        return reply
+
+    fleet.get = get
+
+    async def run():
+        assert await engines.discover() == [2, 2]
+        await engines.load(0, "3", str(tmp_path / "w"))
+        for _ in range(4):
+            assert await engines.refresh() == ([], []), engines.reasons
+        # Both registrations gone and a new one at the URL: that is a restart.
+        fleet.get = real_get
+        fleet.restart_engine(32000, reregister=True)
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "new registration" in engines.reasons[0]
+
+    asyncio.run(run())

@@ -787,6 +787,63 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing(late):
     assert set(redone) == moved | holding[0][1]
 
 
+class KillsTheSourceOnceForwarded(StalledFirst, Runtime):
+    """Instance 0 stalls first (`faults.StalledFirst`); right after the coordinator has read the
+    first export and passed it on to its destination, the source gets SIGKILL and the coordinator
+    waits for its exit and looks at its workers at once: the source dies after its export was
+    read (the other order than `WaitsForTheExporter`'s), and before any export after it (on its
+    pipe, unread: their KV cache went with the process) is read."""
+
+    forwarded = None
+
+    def _on_export(self, src, dst, state):
+        super()._on_export(src, dst, state)
+        if self.forwarded is None:
+            self.forwarded = state.request_id
+            os.kill(self.instance_pids[src], signal.SIGKILL)
+            self.instance_handles[src].join(timeout=60)
+            self._watch(self.trainer_handles)
+
+
+@pytest.mark.slow
+def test_a_source_that_dies_once_its_export_was_read_redoes_only_what_it_lost():
+    """The other order of `test_a_source_that_dies_right_after_exporting_loses_nothing`: the
+    source dies right after the coordinator read its first export and passed it on. That sequence
+    is out of the source (its KV cache was fetched): it lands and finishes on its destination as
+    attempt 0, never retried. The exports still unread on the dead source's pipe are lost and
+    retried (so are moves it had not exported yet), what still ran there is re-dispatched;
+    nothing else is redone.
+
+    Forced, one run: instance 0 (`faults.StallUntilMigrate`) stalls first (`faults.StalledFirst`),
+    R5 spreads its sequences onto instance 1 in one batch of moves, which instance 0 exports at
+    once; the kill comes with the first export read (`KillsTheSourceOnceForwarded`)."""
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = KillsTheSourceOnceForwarded(recipe, prepared, keep_versions=True, instance_loops={0: faults.StallUntilMigrate})
+    moves, holding = _moves_until_the_first_failure(rt)
+    result = rt.run()
+    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(0, 2)]
+    gid, idx, attempt = rt.forwarded
+    moved = {(m.group_id, m.index) for m in moves}
+    lost = moved - {(gid, idx)}
+    assert attempt == 0 and (gid, idx) in moved and [i for i, _ in holding] == [0] and not moved & holding[0][1]
+    # (each later move was exported before the kill, its report unreadable, or not yet: either way
+    # it was moving off the dead source, and is retried)
+    lost_reports = result.ledger["reports_lost"]
+    assert len(lost_reports) <= len(lost) and all(n == "instance-0" for n, _ in lost_reports), lost_reports
+    led = result.ledger
+    assert led["dispatch"][(gid, idx)][2] == 0 and led["served_by"][(gid, idx)] == 1
+    m = result.core_metrics
+    assert m["retries"] == len(lost) and m["redispatched"] == len(holding[0][1])
+    for key in lost | holding[0][1]:
+        assert led["dispatch"][key][2] == 1 and led["served_by"][key] != 0, key
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == lost | holding[0][1]
+
+
 class RecordsExports(StalledFirst, Runtime):
     """Instance 0 stalls first (`faults.StalledFirst`); every export read is recorded."""
 

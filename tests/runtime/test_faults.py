@@ -191,6 +191,75 @@ def test_a_killed_instance_process_loses_nothing(mode, restarts, late):
         assert result.ledger["dispatch"][key][2] == 1 and result.ledger["served_by"][key] != 0, key
 
 
+class KillsUnnoticed(KillsWhenHeld):
+    """KillsWhenHeld whose coordinator does not look at its workers after the kill until the
+    scheduler, which still sees the dead victim holding its sequences, has moved some of them
+    off it (R5 spreads them onto instance 1, released at the kill, once their groups gate a step
+    and instance 1 has nothing else to do): the other order of a death and a move off the dead
+    instance, forced. `unnoticed`: the (group, index, src, dst) of every move from the kill to
+    the failure."""
+
+    def __init__(self, *args, **kwargs):
+        from dora_ext.core.actions import Migrate
+
+        super().__init__(*args, **kwargs)
+        self.unnoticed: list = []
+        self.noticed = False
+        handle = self.sched.handle
+
+        def spy(event):
+            if isinstance(event, InstanceFailed):
+                self.noticed = True
+            out = handle(event)
+            if getattr(self, "killed", False) and not self.noticed:
+                self.unnoticed.extend((a.group_id, a.index, a.src, a.dst) for a in out if isinstance(a, Migrate))
+            return out
+
+        self.sched.handle = spy
+
+    def _kill(self):
+        victim = self.victims[0]
+        if len(self.sched.running_on(victim)) < 2:  # R5 spreads only an instance running two or more
+            pytest.fail(f"instance {victim} held {self.sched.running_on(victim)}: too few for R5 to move")
+        os.kill(self.instance_pids[victim], signal.SIGKILL)
+        self.killed = True
+        self.instance_handles[victim].join(timeout=60)
+        self.release()
+
+    def _watch(self, trainer):
+        if getattr(self, "killed", False) and not self.unnoticed:
+            return  # not yet: the scheduler moves first
+        super()._watch(trainer)
+
+
+@pytest.mark.slow
+def test_moves_off_an_instance_that_died_unnoticed_are_retried():
+    """Instance 0 dies holding unfinished sequences (`KillsUnnoticed`), and before its death is
+    noticed the scheduler moves some of them off it (the moves go to a dead process). Once the
+    death is noticed each moved sequence is retried (lost in a migration from a failed instance),
+    what the scheduler still had there is re-dispatched, each exactly once, to its pinned version;
+    nothing else is redone. (The other order, the death noticed first, is
+    `test_a_killed_instance_process_loses_nothing`.)"""
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = KillsUnnoticed(recipe, prepared, keep_versions=True)
+    at_failure = _running_at_each_failure(rt)
+    result = rt.run()
+    assert rt.killed and not rt.moved and rt.unnoticed, (rt.moved, rt.unnoticed)
+    assert all((src, dst) == (0, 1) for *_, src, dst in rt.unnoticed), rt.unnoticed
+    assert rt.failed_instances == {0: -signal.SIGKILL} and result.ledger["instance_restarts"] == [(0, 2)]
+    moved = {(gid, idx) for gid, idx, *_ in rt.unnoticed}
+    assert len(at_failure) == 1 and not moved & at_failure[0]
+    m = result.core_metrics
+    assert m["retries"] == len(moved) and m["redispatched"] == len(at_failure[0])
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == moved | at_failure[0]
+    for key in redone:
+        assert result.ledger["dispatch"][key][2] == 1 and result.ledger["served_by"][key] != 0, key
+    gid, idx, attempt = rt.held[0]
+    assert attempt == 0 and (gid, idx) in redone
+
+
 class KillsTheReplacementToo(KillingRuntime):
     """KillingRuntime, and once the replacement (instance 2) has reported a trajectory and has more
     running, instance 2 gets SIGKILL as well."""

@@ -3,7 +3,8 @@
 `DoraConfig` is built from a dict (`from_dict`), a YAML file (`from_yaml`) or CLI-style overrides
 (`with_overrides(["max_staleness=2"])`). Every invalid value raises `ConfigError`, whose message
 names the field and says what is accepted, so that a typo in a recipe fails before any GPU time is
-spent.
+spent. Integer fields take an `int` and nothing else: a float (even 2.0), a bool or a numeric
+string is refused, never converted.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class DoraConfig:
         `one_step_off` needs K=1, `dora` needs K>=1, `partial` takes any K>=0.
       batch_size: B, groups per trainer step (>=1).
       group_size: n, trajectories per group (>=1; n=1 is SAO single-rollout).
-      instances: number of rollout instances, or a list of `{"capacity": c}` mappings.
+      instances: number of rollout instances, or a list of `{"capacity": c}` mappings (each may
+        give its `"id"`, an integer in [0, 2**63); default its position in the list).
       capacity: sequences an instance runs at once when `instances` is a number.
       max_retries: how often a failed trajectory is re-dispatched before its group is reported
         failed.
@@ -136,15 +138,17 @@ class DoraConfig:
                 raise ConfigError(f"{pre}instances", "expected at least one instance")
             specs = []
             for i, item in enumerate(raw):
-                if isinstance(item, InstanceSpec):
-                    specs.append(item)
-                    continue
+                if isinstance(item, InstanceSpec):  # checked like a mapping: the dataclass checks nothing
+                    item = {"id": item.id, "capacity": item.capacity}
                 if not isinstance(item, Mapping) or set(item) - {"capacity", "id"}:
                     raise ConfigError(
                         f"{pre}instances[{i}]", f"expected a mapping with key 'capacity', got {item!r}"
                     )
                 c = _int(item, "capacity", cap, f"{pre}instances[{i}].", minimum=1)
-                specs.append(InstanceSpec(int(item.get("id", i)), c))
+                # An id is a non-negative 64-bit integer (the scheduler keeps ids in 64-bit arrays,
+                # the runtime names workers `instance-<id>`); 1.5 or "3" is refused, not truncated.
+                iid = _int(item, "id", i, f"{pre}instances[{i}].", minimum=0, maximum=2**63 - 1)
+                specs.append(InstanceSpec(iid, c))
             if len({s.id for s in specs}) != len(specs):
                 raise ConfigError(f"{pre}instances", "instance ids must be unique")
             instances = tuple(specs)
@@ -261,10 +265,19 @@ class DoraConfig:
         return sum(s.capacity for s in self.instances)
 
 
-def _int(data: Mapping[str, Any], key: str, default: Any, pre: str, *, minimum: int) -> Any:
+def _int(data: Mapping[str, Any], key: str, default: Any, pre: str, *, minimum: int,
+         maximum: int | None = None) -> Any:
+    """The integer `data[key]` (or `default`): an `int` and nothing else. A float (even 2.0), a
+    bool, a numeric string or None is refused, never converted: 1.5 must not become 1."""
     value = data.get(key, default)
+    if maximum is None:
+        accepted = f"an integer >= {minimum}"
+    elif maximum == 2**63 - 1:
+        accepted = f"an integer in [{minimum}, 2**63)"
+    else:
+        accepted = f"an integer in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{pre}{key}", f"expected an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{pre}{key}", f"expected an integer >= {minimum}, got {value}")
+        raise ConfigError(f"{pre}{key}", f"expected {accepted}, got {value!r} ({type(value).__name__})")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ConfigError(f"{pre}{key}", f"expected {accepted}, got {value}")
     return value

@@ -10,9 +10,13 @@ the embedded runtime):
 - rewards in `TrajectoryFinished` or later in `RewardReady` (late rewards), NaN rewards in both;
 - `TrajectoryFailed` while running and while awaiting the reward;
 - instance crashes while running, while loading a version and while a migration is in flight
-  (from either side), and recoveries under a new instance id;
+  (from either side), and recoveries as the hosts do them: the replacement engine joins under a
+  fresh id above every earlier one (the embedded runtime's `next_instance_id`, verl's coordinator
+  the largest id + 1, slime's engine table a counter), never under the dead one's id;
 - stale events after a crash: the dead instance's late `TrajectoryProgressed`/`TrajectoryFinished`
-  (previous attempt), `InstanceLoaded` and a second `InstanceFailed`;
+  (previous attempt), `InstanceLoaded` and a second `InstanceFailed`, sent at any later moment
+  (also long after its replacement joined); each must be counted in the scheduler's
+  `stale_events` and change nothing else (`DriverStats.stale_uncounted` lists those that were not);
 - `GroupsDeclined` (no prompt ready now) and `DataExhausted` (the dataset ran out);
 - publishes at any time after a step.
 
@@ -24,6 +28,7 @@ against an independent record rather than against the scheduler's own counters.
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +36,12 @@ from .config import DoraConfig
 from .core import actions as A
 from .core import events as E
 from .core.scheduler import FailureStorm, Scheduler
+
+
+def stable_seed(name: str) -> int:
+    """A seed derived from `name` that is the same in every process (`hash(str)` is salted per
+    process unless PYTHONHASHSEED is set, so a run seeded from it cannot be replayed)."""
+    return zlib.crc32(name.encode())
 
 
 @dataclass
@@ -46,6 +57,8 @@ class DriverStats:
     delivered: dict[Any, int] = field(default_factory=dict)
     late_rewards: int = 0
     stale_sent: int = 0
+    stale_after_replacement: int = 0  # stale reports of a dead instance sent after its replacement joined
+    stale_uncounted: list = field(default_factory=list)  # stale reports the scheduler did not count as stale
     crashes: int = 0
     truncated_sent: int = 0
     halted: str | None = None  # the FailureStorm message, when the breaker tripped
@@ -73,6 +86,10 @@ class RandomDriver:
     per tick, a `TrajectoryProgressed`; `truncate_prob` per finish, `truncated_early=True`.
     `group_id(n)` names the n-th admitted group (default: `n`; verl uses uuid strings).
     """
+
+    #: Check that each stale report reaches the scheduler as one counted stale event (a driver
+    #: whose `_feed` queues events for a later batch cannot check it per event).
+    counts_stale = True
 
     def __init__(
         self,
@@ -124,6 +141,8 @@ class RandomDriver:
         self.on_trainer: set[int] = set()
         self.switches = 0
         self.ghosts: list[Any] = []  # stale events a dead instance may still send
+        self.replaced: set[int] = set()  # dead instances whose replacement has joined
+        self.replacement_of: dict[int, int] = {}  # replacement id -> the dead instance it replaces
 
     # ------------------------------------------------------------------ executing actions
     def execute(self, actions: list) -> None:
@@ -298,6 +317,9 @@ class RandomDriver:
         elif kind == "revive":
             iid, cap = self.dead_instances.pop(0)
             self.capacity[iid] = cap
+            dead = self.replacement_of.pop(iid, None)
+            if dead is not None:
+                self.replaced.add(dead)
             self.execute(self._feed(E.InstanceReady(iid, cap)))
         elif kind == "join":
             self.to_trainer.discard(arg)
@@ -312,7 +334,12 @@ class RandomDriver:
         elif kind == "ghost":
             ev = self.ghosts.pop(rng.randrange(len(self.ghosts)))
             self.stats.stale_sent += 1
+            if getattr(ev, "instance_id", None) in self.replaced:
+                self.stats.stale_after_replacement += 1
+            before = self.sched.m["stale_events"]
             self.execute(self._feed(ev))
+            if self.counts_stale and self.sched.m["stale_events"] != before + 1:
+                self.stats.stale_uncounted.append(ev)
         return True
 
     def _reward(self) -> float:
@@ -344,7 +371,9 @@ class RandomDriver:
             self.ghosts.append(E.InstanceFailed(inst, "reported twice"))
         self.loaded.pop(inst, None)
         self.loading.pop(inst, None)
+        # Its replacement: a fresh id, above every earlier one (as every host does).
         self.dead_instances.append((self.next_instance, self.capacity[inst]))
+        self.replacement_of[self.next_instance] = inst
         self.next_instance += 1
         self.execute(self._feed(E.InstanceFailed(inst, "injected crash")))
 

@@ -1,7 +1,8 @@
 """Events: what a runtime tells the scheduler. Small, immutable records.
 
-Group ids are JSON scalars (int or str) chosen by the runtime (verl's `uid`, slime's group index,
-a counter in the simulator). A trajectory is named by `(group_id, index)` with `0 <= index < n`.
+Group ids are JSON scalars (int or str, not bool) chosen by the runtime (verl's `uid`, slime's
+group index, a counter in the simulator and the embedded runtime): they travel in snapshots, which
+are JSON data. `GroupAdmitted` with any other id (a tuple, a float, None) is a `ProtocolError`. A trajectory is named by `(group_id, index)` with `0 <= index < n`.
 `attempt` on trajectory events lets the scheduler ignore reports from an earlier attempt (an
 instance that was declared failed but still answers); leave it `None` when the runtime has none.
 """

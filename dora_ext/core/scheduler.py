@@ -72,8 +72,10 @@ _NAN = float("nan")  # `_tr`: no reward yet
 _NOI = -(2**63)  # `_ti`: running on no instance
 _NOV, _MULTI = -1, -2  # `_tv`: no version yet; several versions (in `_tvm`)
 
-#: `snapshot()` writes this format; `restore()` reads only this format.
-SNAPSHOT_FORMAT = 2
+#: `snapshot()` writes this format; `restore()` reads it and format 2 (which listed every
+#: instance that ever failed, `"dead"`, where format 3 keeps one number, `"id_max"`).
+SNAPSHOT_FORMAT = 3
+_READS_FORMATS = (2, 3)
 
 
 class ProtocolError(RuntimeError):
@@ -255,7 +257,11 @@ class Scheduler:
         self._seq = 0
         self._complete_seq = 0
         self._n_active = 0  # admitted groups neither complete nor failed
-        self._dead: set[int] = set()  # instances declared failed (late events from them are stale)
+        # The largest instance id ever registered. Instead of a set of failed ids, one entry per
+        # crash for the whole run: a report from an id at or below it that is not registered now
+        # (nor on the trainer's side) comes from an instance declared failed and is stale
+        # (`_stale_instance`); hosts give a restarted engine a fresh, larger id.
+        self._id_max = _NOI
         self._orphaned = False  # work was queued for a version no instance holds
         self._halted: str | None = None  # the circuit breaker's message once it tripped
         self._form_dirty = True  # an input of batch formation changed since it last ran
@@ -402,7 +408,12 @@ class Scheduler:
         and idle-instance planning run once at the end instead of after every event (so, e.g.,
         one `RequestGroups` may ask for what several calls would have asked for one by one), and
         that a `Dispatch` or `LoadVersion` for an instance that fails later in the same batch is
-        not returned (its trajectories were re-queued). Actions may still name a trajectory
+        not returned (its trajectories were re-queued), nor a `Migrate` whose source and
+        destination both fail later in the batch (the destination's failure re-queued the
+        trajectory; nothing of its attempt is left on either engine). A `Migrate` with only one
+        end failing later is returned: from a live source the move must still free it, and out
+        of a dead source the runtime learns that the trajectory was in transit (it reports it
+        failed, as for any migration whose source dies). Actions may still name a trajectory
         whose finish the runtime has already reported (a `Migrate`, a `preempt` entry): the
         runtime ignores those, as it would when the engine finishes while the action is sent.
         A runtime draining an inbox of engine reports uses this; a `ProtocolError` leaves the
@@ -414,6 +425,7 @@ class Scheduler:
             raise self._storm([])
         handlers = self._handlers
         failed = E.InstanceFailed
+        half: dict[int, tuple] = {}  # id(Migrate) -> (it, its end that failed later in the batch)
         for event in events:
             try:
                 method = handlers[type(event)]
@@ -422,12 +434,25 @@ class Scheduler:
             if type(event) is failed and event.instance_id in self.instances:
                 # Dispatches and loads this batch sent to the instance before it failed are void
                 # (their trajectories are re-queued): drop them, else a runtime would execute
-                # them, possibly on an engine re-registered under the same id in this batch.
+                # them, possibly on an engine re-registered under the same id in this batch. So is
+                # a move decided before both of its ends failed (see the docstring).
                 mark = len(self._out)
                 method(self, event)
                 iid = event.instance_id
-                self._out[:mark] = [a for a in self._out[:mark]
-                                    if not (type(a) in (A.Dispatch, A.LoadVersion) and a.instance_id == iid)]
+                kept = []
+                for a in self._out[:mark]:
+                    ta = type(a)
+                    if ta is A.Migrate and iid in (a.src, a.dst):
+                        other = a.dst if iid == a.src else a.src
+                        seen = half.get(id(a))
+                        if seen is not None and seen[0] is a and seen[1] == other:
+                            self.m["migrations"] -= 1  # counted when emitted: this one is not
+                            continue  # both ends failed after it was decided: void
+                        half[id(a)] = (a, iid)
+                    elif (ta is A.Dispatch or ta is A.LoadVersion) and a.instance_id == iid:
+                        continue
+                    kept.append(a)
+                self._out[:mark] = kept
                 continue
             method(self, event)
         return self._finish()
@@ -499,7 +524,6 @@ class Scheduler:
         back = self._to_rollout.pop(ev.instance_id, None) is not None
         if back and self._spread:
             self._spreading[ev.instance_id] = -1  # it came for the tail: it may take stragglers
-        self._dead.discard(ev.instance_id)
         self._add_instance(ev.instance_id, ev.capacity, lend=not back)
 
     def _on_migration_landed(self, ev: E.MigrationLanded) -> None:
@@ -521,11 +545,24 @@ class Scheduler:
         self._trainer_side[ev.instance_id] = cap
 
     def _stale_instance(self, iid: int) -> bool:
-        """A late event from an instance declared failed: counted and ignored."""
-        if iid in self._dead and iid not in self.instances:
-            self.m["stale_events"] += 1
-            return True
-        return False
+        """A late event from an instance declared failed: counted and ignored.
+
+        Failed ids are not remembered one by one (that set grew by one per crash for the whole
+        run, and was in every snapshot). An id at or below the largest ever registered
+        (`_id_max`) that is neither registered now nor on the trainer's side (elastic) was
+        registered once and has failed since: every host gives a restarted engine a fresh id above
+        all earlier ones (the embedded runtime `next_instance_id`, verl's coordinator the largest
+        id + 1, slime's engine table a counter), so a late report of the dead engine is never
+        taken for its successor, however long after the crash it arrives. An id above every
+        registered one is a protocol error (`_instance`). What this gives up: an id below
+        `_id_max` that no instance ever had (a gap in a host's numbering) reads as stale too,
+        and is counted in `stale_events` rather than raised."""
+        if iid in self.instances or not isinstance(iid, numbers.Integral) or iid > self._id_max:
+            return False
+        if iid in self._trainer_side or iid in self._to_trainer or iid in self._to_rollout:
+            return False  # lent to the trainer, not failed: `_instance` raises
+        self.m["stale_events"] += 1
+        return True
 
     def _on_instance_loaded(self, ev: E.InstanceLoaded) -> None:
         if self._stale_instance(ev.instance_id):
@@ -588,8 +625,7 @@ class Scheduler:
         # holder of that version's even share (`_spread_plan`) and, when a host registers an engine
         # under the same id again, let it skip `_maybe_spread`'s "nothing else to do" test.
         self._spreading.pop(inst.id, None)
-        del self.instances[inst.id]
-        self._dead.add(inst.id)
+        del self.instances[inst.id]  # from now on its id reads as failed (`_stale_instance`)
         touched = set()
         n = self.n
         for h in inst.running:
@@ -597,6 +633,7 @@ class Scheduler:
             self._ti[h] = _NOI
             self._ta[h] += 1
             self._tt[h] = 0
+            self._tm[h] = 0  # a new attempt: no move of it can be in flight
             self._clear_versions(h)
             self.m["redispatched"] += 1
             if self._gst[g] == _FAILED:
@@ -612,6 +649,15 @@ class Scheduler:
         self._plan_all()
 
     def _on_group_admitted(self, ev: E.GroupAdmitted) -> None:
+        gid = ev.group_id
+        if not isinstance(gid, (int, str)) or isinstance(gid, bool):
+            # The id travels in actions and snapshots: `snapshot()` is JSON data, and a tuple
+            # came back from a JSON round trip as a list (unhashable: `restore` failed), a float
+            # or numpy integer not at all, and True is the same key as group 1.
+            raise ProtocolError(
+                f"GroupAdmitted.group_id {_brief(gid)} ({type(gid).__name__}): a group id must be an int "
+                f"or a str (a JSON scalar that survives the snapshot's JSON round trip), not a bool"
+            )
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")
         if ev.group_id in self._gslot:
@@ -926,6 +972,8 @@ class Scheduler:
         if not isinstance(iid, numbers.Integral) or not _NOI < iid < 2**63:
             raise ProtocolError(f"instance id {_brief(iid)}: expected a 64-bit integer")
         self.instances[iid] = inst = _Instance(iid, capacity)
+        if iid > self._id_max:
+            self._id_max = iid
         if capacity != self._cap_max and self.instances.keys() - {iid}:
             self._uniform = False
         if capacity > self._cap_max:
@@ -1238,7 +1286,7 @@ class Scheduler:
         if self._tn[h] < self.config.max_retries:
             self._tn[h] += 1
             self._ta[h] += 1
-            self._ts[h], self._tt[h], self._tr[h] = _QUEUED, 0, _NAN
+            self._ts[h], self._tt[h], self._tr[h], self._tm[h] = _QUEUED, 0, _NAN, 0
             self._clear_versions(h)
             self._glive[g] -= 1
             self.m["retries"] += 1
@@ -1752,11 +1800,10 @@ class Scheduler:
                 "outstanding": self._outstanding, "admitted": self._admitted, "seq": self._seq,
                 "complete_seq": self._complete_seq, "n_active": self._n_active,
                 "halted": self._halted, "orphaned": self._orphaned, "form_dirty": self._form_dirty,
-                "cap_max": self._cap_max, "uniform": self._uniform,
+                "cap_max": self._cap_max, "uniform": self._uniform, "id_max": self._id_max,
             },
             "idle": list(self._idle),
             "levels": [[b, self._lo[b], [[n, list(d)] for n, d in lv.items()]] for b, lv in self._lv.items()],
-            "dead": sorted(self._dead),
             "forming": list(self._forming),
             "groups": groups,
             "instances": insts,
@@ -1773,11 +1820,13 @@ class Scheduler:
 
     @classmethod
     def restore(cls, snap: dict[str, Any], plugins: Any = None) -> "Scheduler":
-        """Rebuild a scheduler from `snapshot()` output (possibly after a JSON round trip)."""
+        """Rebuild a scheduler from `snapshot()` output (possibly after a JSON round trip), of
+        format `SNAPSHOT_FORMAT` or 2."""
         fmt = snap.get("format") if isinstance(snap, dict) else None
-        if fmt != SNAPSHOT_FORMAT:
+        if fmt not in _READS_FORMATS or type(fmt) is not int:
             raise ProtocolError(
-                f"snapshot format {fmt!r} is not supported: this dora-ext reads format {SNAPSHOT_FORMAT} "
+                f"snapshot format {fmt!r} is not supported: this dora-ext reads formats "
+                f"{', '.join(map(str, _READS_FORMATS))} "
                 f"(a snapshot from another dora-ext version cannot be resumed)"
             )
         self = cls(DoraConfig.from_dict(snap["config"]), plugins=plugins)
@@ -1788,7 +1837,13 @@ class Scheduler:
         self._seq, self._complete_seq, self._n_active = sc["seq"], sc["complete_seq"], sc["n_active"]
         self._halted, self._orphaned = sc["halted"], sc["orphaned"]
         self._form_dirty, self._uniform = sc["form_dirty"], sc["uniform"]
-        self._dead = set(snap["dead"])
+        if fmt == 2:
+            # Format 2 listed every failed id; every id it names (configured, live, failed) was
+            # registered, so the largest of them is the mark format 3 keeps.
+            ids = [s.id for s in self.config.instances] + [i[0] for i in snap["instances"]] + list(snap["dead"])
+            self._id_max = max(ids)
+        else:
+            self._id_max = sc["id_max"]
         self._forming = list(snap["forming"])
         for (gid, dv, dseq, key, meta, state, dstep, dcseq, in_queue, pending, done, live, trajs) in snap["groups"]:
             version, seq = self.newest - dv, self._seq - dseq

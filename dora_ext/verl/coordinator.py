@@ -120,7 +120,13 @@ class DoraCoordinator:
                 else:
                     self.loads.append((act.instance_id, act.version + self.base))
             elif isinstance(act, A.Migrate):
-                self.route[(act.group_id, act.index)] = act.dst
+                if self._serving(act.dst):
+                    self.route[(act.group_id, act.index)] = act.dst
+                else:
+                    # Decided in a `remove_servers` batch before its destination was removed in
+                    # it: the scheduler re-queued the trajectory, its request waits for the new
+                    # Dispatch (routed to the removed server, it failed on its in-flight count).
+                    self.route.pop((act.group_id, act.index), None)
                 if act.src not in self.aborts:
                     self.aborts.append(act.src)
                 self._record(("migrate", act.group_id, act.index, act.src, act.dst))
@@ -220,9 +226,18 @@ class DoraCoordinator:
 
     def loaded(self, instances: list[int], verl_version: int) -> None:
         for iid in instances:
-            self.versions[iid] = verl_version - self.base
+            if self._serving(iid):
+                self.versions[iid] = verl_version - self.base
+            # else a late answer for a server removed since (its address may serve again under a
+            # new instance id that loaded nothing yet): not recorded, and the scheduler counts it stale.
             self._record(("loaded", iid, verl_version))
             self._feed(E.InstanceLoaded(iid, verl_version - self.base))
+
+    def _serving(self, iid: int) -> bool:
+        """Instance `iid` is its server's current instance (not removed, nor replaced by a later
+        ``add_servers`` of the same address)."""
+        sid = self.server_of.get(iid)
+        return sid is not None and self.instance_of.get(sid) == iid
 
     def metrics(self) -> dict[str, Any]:
         m = self.sched.metrics()
@@ -304,7 +319,7 @@ class DoraCoordinator:
         sid = self.sticky.get(request_id)
         if sid is not None and sid in self.inflight:
             return sid
-        loaded = {i: v for i, v in self.versions.items() if self.server_of.get(i) in self.inflight}
+        loaded = {i: v for i, v in self.versions.items() if self._serving(i)}
         if not loaded:
             raise RuntimeError("No available servers in load balancer")
         newest = max(loaded.values())

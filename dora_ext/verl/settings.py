@@ -66,6 +66,15 @@ def replica_count(config: Any) -> int:
     return gpus // max(per, 1)
 
 
+def _verl_int(value: Any, verl_key: str, dora_key: str) -> int:
+    """A verl setting that becomes the integer `DoraConfig.<dora_key>`: an int, never converted
+    (2.5 slots per replica are not 2, and `true` is not 1); the error names verl's key."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(verl_key, f"expected an integer (it is dora's {dora_key}), got {value!r} "
+                                    f"({type(value).__name__})")
+    return value
+
+
 def dora_config(config: Any, *, instances: int | None = None) -> DoraConfig:
     """Build and validate the ``DoraConfig`` of a verl run.
 
@@ -94,11 +103,11 @@ def dora_config(config: Any, *, instances: int | None = None) -> DoraConfig:
     if "capacity" not in data and isinstance(data.get("instances"), int):
         cap = _select(config, "actor_rollout_ref.rollout.max_num_seqs")
         if cap is not None:
-            data["capacity"] = int(cap)
+            data["capacity"] = _verl_int(cap, "actor_rollout_ref.rollout.max_num_seqs", "capacity")
     if "max_steps" not in data:
         steps = _select(config, "trainer.total_training_steps")
         if steps is not None:
-            data["max_steps"] = int(steps)
+            data["max_steps"] = _verl_int(steps, "trainer.total_training_steps", "max_steps")
     cfg = DoraConfig.from_dict(data, where=KEY)
     if cfg.mode not in VERL_MODES:
         raise ConfigError(

@@ -44,6 +44,47 @@ def test_invalid_values_name_the_field_and_the_accepted_values(data, field, word
     assert words in str(err.value)
 
 
+INTEGER_FIELDS = ["max_staleness", "batch_size", "group_size", "capacity", "max_retries", "max_steps",
+                  "elastic_spare"]
+
+
+@pytest.mark.parametrize("bad", [1.5, 2.0, True, "3", None])
+@pytest.mark.parametrize("where", ["instances[1].id", "instances[1].capacity", "instance spec"] + INTEGER_FIELDS)
+def test_integer_fields_refuse_floats_bools_and_strings(where, bad):
+    """An instance id given as 1.5 became instance 1 (and "3" instance 3, True instance 1, two
+    specs could then collide): every integer field takes an int and nothing else, naming the
+    field and what is accepted."""
+    from dora_ext.config import InstanceSpec
+
+    data = {"mode": "dora", "elastic": True, "max_staleness": 1}
+    if where == "instance spec":  # an InstanceSpec passed in the list is checked as well
+        data["instances"] = [InstanceSpec(0, 2), InstanceSpec(bad, 2)]
+        field = "instances[1].id"
+    elif where.startswith("instances"):
+        key = where.rsplit(".", 1)[1]
+        data["instances"] = [{"id": 0, "capacity": 2}, {"id": 5, "capacity": 2, key: bad}]
+        field = where
+    else:
+        data[where] = bad
+        field = where
+    if bad is None and where in ("max_steps",):
+        assert DoraConfig.from_dict(data).max_steps is None  # None is its documented "no cap"
+        return
+    with pytest.raises(ConfigError) as err:
+        DoraConfig.from_dict(data)
+    assert err.value.field == field, err.value
+    assert "expected an integer" in str(err.value) and repr(bad) in str(err.value), err.value
+
+
+def test_instance_ids_are_non_negative_64_bit_integers():
+    for bad in (-1, 2**63):
+        with pytest.raises(ConfigError, match=r"^instances\[0\]\.id: expected an integer in \[0, 2\*\*63\)"):
+            DoraConfig.from_dict({"instances": [{"id": bad, "capacity": 2}]})
+    cfg = DoraConfig.from_dict({"instances": [{"id": 7, "capacity": 2}, {"capacity": 3}]})
+    assert [(s.id, s.capacity) for s in cfg.instances] == [(7, 2), (1, 3)]
+    assert DoraConfig.from_dict(cfg.to_dict()) == cfg
+
+
 def test_where_prefixes_the_field_for_host_configs():
     with pytest.raises(ConfigError, match=r"^dora\.max_staleness:"):
         DoraConfig.from_dict({"max_staleness": -2}, where="dora")

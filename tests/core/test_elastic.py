@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dora_ext.config import ConfigError, DoraConfig
-from dora_ext.core import Scheduler
+from dora_ext.core import ProtocolError, Scheduler
 from dora_ext.core import actions as A
 from dora_ext.core import events as E
 from dora_ext.testing import RandomDriver
@@ -65,6 +65,12 @@ def test_idle_instance_is_lent_to_the_trainer_and_comes_back_when_the_trainer_wa
     assert 1 not in s.instances
     with pytest.raises(Exception, match="serve the trainer"):
         s.handle(E.InstanceReady(1, 4))  # a host cannot bring it back on its own
+    # Lent, not failed: its id is below the largest registered one, yet a report of it is not
+    # taken for a late report of a failed instance (counted and ignored), it is an error.
+    for ev in (E.InstanceLoaded(1, 0), E.InstanceFailed(1, "crash")):
+        with pytest.raises(ProtocolError, match="unknown"):
+            s.handle(ev)
+    assert s.metrics()["stale_events"] == 0
     s.handle(E.SwitchedToTrainer(1))
     s.handle(E.TrainerStepFinished(0))
     acts = s.handle(E.VersionPublished(1))
@@ -235,6 +241,47 @@ def test_a_trajectory_moves_again_only_after_its_migration_landed():
     assert not t.moved
     d.sched.handle(E.MigrationLanded(key[0], key[1], t.attempt + 1))  # another attempt's report: stale
     assert d.sched.metrics()["stale_events"] >= 1
+
+
+def test_a_moved_trajectory_whose_instance_failed_is_a_new_attempt_that_may_move():
+    """R5 moves a trajectory at most once per attempt (its move may be in flight). Its
+    destination fails before the move lands: it is re-queued under a new attempt, of which no
+    move exists, so it reads unmoved at once (the flag used to stay set while it waited, in
+    `moved` and in snapshots) and after it is dispatched again, where R5 may move it."""
+    cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
+                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False})
+    d = RandomDriver(cfg, 3, long_tail=0.6)
+    d.start()
+    while not d.migrating:  # run until a move is in flight
+        assert d.tick() and d.sched.step < 50
+    key = next(iter(d.migrating))
+    t = d.sched.trajectory(key[0], key[1])
+    assert t.moved and t.status == "R"
+    attempt = t.attempt
+    d._crash(t.instance)  # its destination fails (the driver's crash: ghosts, a replacement)
+    assert (t.status, t.attempt, t.moved) == ("Q", attempt + 1, False)
+    snap = d.sched.snapshot()
+    assert not Scheduler.restore(json.loads(json.dumps(snap))).trajectory(key[0], key[1]).moved
+    while t.status != "R":
+        assert d.tick() and d.sched.step < 50
+    assert t.attempt == attempt + 1 and not t.moved  # R5 may move it again
+
+
+def test_a_moved_trajectory_that_failed_is_retried_unmoved():
+    """The same for a retry: a runtime reports a trajectory lost in its move (`TrajectoryFailed`
+    of the attempt that moved); the retry is a new attempt, not moved."""
+    cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
+                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False,
+                                "max_retries": 2})
+    d = RandomDriver(cfg, 3, long_tail=0.6)
+    d.start()
+    while not d.migrating:
+        assert d.tick() and d.sched.step < 50
+    key = next(iter(d.migrating))
+    t = d.sched.trajectory(key[0], key[1])
+    attempt = t.attempt
+    d.sched.handle(E.TrajectoryFailed(key[0], key[1], "lost in a migration", attempt))
+    assert t.attempt == attempt + 1 and t.status in "QR" and not t.moved
 
 
 def test_migration_landed_for_a_finished_trajectory_is_stale():

@@ -64,7 +64,7 @@ def test_fast_path_answers_like_the_general_path(mode):
             cfg, rng.randrange(2**31), fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]),
             nan_prob=rng.choice([0, 0.05]), long_tail=0.3, late_reward=rng.choice([0.0, 0.3]),
             fail_awaiting=rng.choice([0, 0.1]), stale_prob=1.0, decline_prob=0.1, progress_prob=0.1,
-            truncate_prob=trunc, landed_prob=rng.choice([0.0, 0.5]), restore_prob=0.0, same_id=0.5,
+            truncate_prob=trunc, landed_prob=rng.choice([0.0, 0.5]), restore_prob=0.0, resume_prob=0.01,
         )
         d.shadow = GeneralPathScheduler(cfg)
         out = d.sched.start()

@@ -70,9 +70,11 @@ def test_restore_rejects_an_unknown_format_by_name():
     s = Scheduler(DoraConfig.from_dict(CFG))
     s.start()
     snap = s.snapshot()
-    assert snap["format"] == 2
-    with pytest.raises(ProtocolError, match=r"snapshot format 1 is not supported.*reads format 2"):
+    assert snap["format"] == 3
+    with pytest.raises(ProtocolError, match=r"snapshot format 1 is not supported.*reads formats 2, 3"):
         Scheduler.restore({**snap, "format": 1})
+    with pytest.raises(ProtocolError, match=r"snapshot format '3' is not supported"):
+        Scheduler.restore({**snap, "format": "3"})
     with pytest.raises(ProtocolError, match="snapshot format None"):
         Scheduler.restore({})
 
@@ -183,3 +185,87 @@ def test_a_view_of_a_group_that_left_never_reads_the_group_reusing_its_slot(mode
         with pytest.raises(ProtocolError, match="unknown group 'A'"):
             s.handle(ev)
     assert [(t.status, t.attempt, t.tokens, t.instance) for t in s.trajectories("B")] == before
+
+
+def _crash_cycles(s, cycles: int, next_id: list, dead: list) -> None:
+    """`cycles` times: the oldest instance crashes (its running trajectories are re-dispatched),
+    a replacement joins under a fresh id (as every host does) and loads; then a stale report of
+    an instance that died long ago arrives (a second failure report, a load answered late)."""
+    from dora_ext.core import InstanceFailed, InstanceLoaded, InstanceReady, LoadVersion
+
+    for _ in range(cycles):
+        dead.append(min(s.instances))
+        s.handle(InstanceFailed(dead[-1], "crash"))
+        iid = next_id[0]
+        next_id[0] += 1
+        acts = s.handle(InstanceReady(iid, 2))
+        (load,) = [a for a in acts if isinstance(a, LoadVersion)]
+        s.handle(InstanceLoaded(iid, load.version))
+        stale = s.metrics()["stale_events"]
+        s.handle(InstanceFailed(dead[len(dead) // 2], "reported twice"))
+        s.handle(InstanceLoaded(dead[0], 0))  # answered long after the crash
+        assert s.metrics()["stale_events"] == stale + 2
+
+
+def test_instance_crashes_leave_no_trace_in_the_state():
+    """A crash used to add the dead id to a set kept for the whole run and written into every
+    snapshot (one entry per crash). 1,000 crash/restart cycles now leave the snapshot and the
+    held memory where 10 cycles left them, and a late report of the first dead instance is still
+    recognised as stale (counted and ignored)."""
+    from dora_ext.core import GroupAdmitted, InstanceLoaded, RequestGroups
+
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1, "group_size": 2,
+                                        "instances": 2, "capacity": 2, "max_steps": 1}))
+    acts = s.start() + s.handle_many([InstanceLoaded(0, 0), InstanceLoaded(1, 0)])
+    for a in acts:
+        if isinstance(a, RequestGroups):
+            s.handle_many([GroupAdmitted(f"g{i}") for i in range(a.count)])
+    assert s.running_on(0) or s.running_on(1)  # crashes hit running work
+    next_id = [10**6]  # replacement ids of one width: the snapshot does not grow by digits
+    dead: list = []
+    _crash_cycles(s, 10, next_id, dead)
+    small, mem10 = len(json.dumps(s.snapshot())), _held_bytes(s)
+    _crash_cycles(s, 990, next_id, dead)
+    big, mem1000 = len(json.dumps(s.snapshot())), _held_bytes(s)
+    m = s.metrics()
+    assert m["redispatched"] >= 1000 and m["stale_events"] == 2000 and m["dropped"] == 0
+    # (counters gain a digit or two between the two samples: that is all that may differ)
+    assert big <= small + 16, (small, big)
+    assert mem1000 <= 1.02 * mem10, (mem10, mem1000)
+    # An id no instance ever had is still a protocol error, not a stale report.
+    with pytest.raises(ProtocolError, match="unknown"):
+        s.handle(InstanceLoaded(next_id[0] + 5, 0))
+
+
+def test_an_engine_registered_under_an_unused_id_below_the_mark_joins_and_works():
+    """The high-water mark (`_id_max`) classifies reports, not registrations: a host that
+    registers an engine under an id below the largest ever registered, one no instance had
+    (a gap in its numbering), gets a working instance. It loads, takes work, its answers are
+    not taken for late reports of a failed instance, and its own failure re-dispatches its work;
+    only after that is a late report of it stale. A report of another unused id below the
+    mark, never registered, is the documented cost: counted stale, not raised."""
+    from dora_ext.core import (Dispatch, GroupAdmitted, InstanceFailed, InstanceLoaded, InstanceReady,
+                               LoadVersion, RequestGroups)
+
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 2, "group_size": 2,
+                                        "instances": 1, "capacity": 2, "max_steps": 4}))
+    acts = s.start() + s.handle(InstanceLoaded(0, 0))
+    s.handle(InstanceReady(100, 2))  # a replacement far up: the mark is 100
+    (load,) = [a for a in s.handle(InstanceReady(50, 2)) if isinstance(a, LoadVersion)]
+    assert load.instance_id == 50
+    acts += s.handle(InstanceLoaded(50, load.version))
+    assert s.metrics()["stale_events"] == 0 and s.instances[50].version == load.version
+    for a in acts:
+        if isinstance(a, RequestGroups):
+            acts += s.handle_many([GroupAdmitted(f"g{i}") for i in range(a.count)])
+    on50 = s.running_on(50)
+    assert on50 and any(isinstance(a, Dispatch) and a.instance_id == 50 for a in acts)
+    redispatched = s.metrics()["redispatched"]
+    s.handle(InstanceFailed(50, "crash"))
+    assert s.metrics()["redispatched"] == redispatched + len(on50)
+    assert s.metrics()["stale_events"] == 0
+    assert s.handle(InstanceLoaded(50, load.version)) == []  # now a late report: stale
+    assert s.handle(InstanceFailed(7, "never registered, below the mark")) == []
+    assert s.metrics()["stale_events"] == 2
+    with pytest.raises(ProtocolError, match="unknown"):
+        s.handle(InstanceFailed(101, "above the mark"))

@@ -99,6 +99,8 @@ def check_run(mode: str, d: RandomDriver, steps: int) -> None:
     assert not set(trained) & failed
     assert set(trained) | failed <= set(stats.admitted)
     assert m["dropped"] == m["duplicated"] == m["truncated"] == 0 and m["c2_ok"]
+    # Every late report of a dead instance reached the scheduler as one counted stale event.
+    assert not stats.stale_uncounted, stats.stale_uncounted
     assert m["groups_trained"] == len(trained) and m["failed_groups"] == len(failed)
     if stats.halted is None:
         if d.sched.step >= steps or not stats.exhausted:
@@ -157,7 +159,7 @@ def sweep(mode: str, runs: int, seed: int, steps: int = 5) -> dict:
     """`runs` generated sequences of `mode`; returns counts. Any violation or deadlock raises."""
     rng = random.Random(seed)
     counts = {"runs": 0, "events": 0, "halted": 0, "exhausted": 0, "late_rewards": 0, "stale": 0,
-              "crashes": 0, "migrations": 0}
+              "stale_after_replacement": 0, "crashes": 0, "migrations": 0}
     for _ in range(runs):
         s = random_scenario(rng)
         try:
@@ -172,6 +174,7 @@ def sweep(mode: str, runs: int, seed: int, steps: int = 5) -> dict:
         counts["exhausted"] += st_.exhausted
         counts["late_rewards"] += st_.late_rewards
         counts["stale"] += st_.stale_sent
+        counts["stale_after_replacement"] += st_.stale_after_replacement
         counts["crashes"] += st_.crashes
         counts["migrations"] += st_.migrations
     return counts
@@ -182,6 +185,8 @@ def test_generated_sequences_default(mode):
     c = sweep(mode, 300, seed=1)
     # The sweep exercised what it claims to (else it could pass vacuously).
     assert c["late_rewards"] and c["stale"] and c["crashes"] and c["exhausted"]
+    # Late reports of a dead instance also came after its replacement (a fresh id) had joined.
+    assert c["stale_after_replacement"]
     if mode == "dora":
         assert c["migrations"]
 

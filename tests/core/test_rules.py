@@ -285,6 +285,28 @@ def test_protocol_errors_are_raised_not_swallowed():
         h.s.handle(object())
 
 
+def test_group_ids_that_a_snapshot_cannot_carry_are_refused_at_admission():
+    """Group ids travel in actions and in `snapshot()`, which is JSON data: a tuple id came back
+    from the round trip as a list and `restore` failed on it (unhashable). Admission accepts an
+    int or a str (what every host uses: verl's uid strings, slime's and the simulator's counters,
+    the embedded runtime's prompt ids) and refuses anything else by name, before any state
+    changes; the request stays outstanding for a valid id."""
+    import json
+
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1, "group_size": 1,
+                                        "instances": 1, "capacity": 1}))
+    acts = s.start() + s.handle(InstanceLoaded(0, 0))
+    assert [a for a in acts if isinstance(a, RequestGroups)]
+    snap = s.snapshot()
+    for bad in (("prompt", 3), ["p", 1], 1.5, None, True, b"uid", frozenset({1})):
+        with pytest.raises(ProtocolError, match=r"GroupAdmitted\.group_id .* must be an int or a str"):
+            s.handle(GroupAdmitted(bad))
+        assert s.snapshot() == snap  # refused before any state changed
+    s.handle(GroupAdmitted("uid-7"))
+    back = Scheduler.restore(json.loads(json.dumps(s.snapshot())))
+    assert list(back.groups) == ["uid-7"]
+
+
 def test_tokens_and_instance_ids_that_the_state_arrays_cannot_hold_are_named():
     """Trajectory tokens and instance ids live in 64-bit integer arrays: anything else is refused
     by name, before any state changes (the trajectory still runs and finishes normally)."""

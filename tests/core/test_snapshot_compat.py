@@ -34,3 +34,23 @@ def test_a_snapshot_of_the_object_per_group_scheduler_resumes_with_the_same_acti
         got = [repr(a) for a in s.handle(event)]
         assert got == expected, (i, event)
     assert json.loads(json.dumps(s.metrics())) == fx["metrics"]
+
+
+@pytest.mark.parametrize("mode", ["partial", "dora"])
+def test_a_format_2_snapshot_still_knows_its_failed_instances(mode):
+    """Format 2 listed every failed instance (`dead`); format 3 keeps the largest id ever
+    registered instead. Restored from format 2, a late report of an instance the list names is
+    stale (counted, ignored), and one of an id no instance had is a protocol error."""
+    from dora_ext.core import ProtocolError
+
+    snap = json.loads((DATA / f"snapshot_v2_{mode}.json").read_text())["snapshot"]
+    dead, live = snap["dead"], [i[0] for i in snap["instances"]]
+    assert dead
+    s = Scheduler.restore(snap)
+    stale = s.metrics()["stale_events"]
+    assert s.handle(E.InstanceFailed(dead[0], "reported twice")) == []
+    assert s.handle(E.InstanceLoaded(dead[-1], 0)) == []
+    assert s.metrics()["stale_events"] == stale + 2
+    with pytest.raises(ProtocolError, match="unknown"):
+        s.handle(E.InstanceFailed(max(dead + live) + 1, "never registered"))
+    assert "dead" not in s.snapshot() and s.snapshot()["format"] == 3

@@ -136,8 +136,8 @@ def test_a_failed_instance_leaves_no_spreading_intent():
     """An instance that failed while loading the gating version to spread (`_spreading`) kept its
     entry: `_spread_plan` counted it as a holder of the even share (so another idle instance took
     less, or nothing), and an engine registered again under the same id skipped `_maybe_spread`'s
-    "nothing else to do" test. Checked after every event on adversarial runs (crashes, instances
-    coming back under their own id)."""
+    "nothing else to do" test. Checked after every event on adversarial runs (crashes, and
+    resumes that register the configured ids again)."""
     import random
 
     from .test_adversarial import AdversarialDriver, _config
@@ -146,7 +146,7 @@ def test_a_failed_instance_leaves_no_spreading_intent():
     for seed in range(120):
         rng = random.Random(seed)
         cfg = _config("dora", rng.choice([1, 2, 3]), rng, 8)
-        d = AdversarialDriver(cfg, seed, crash_prob=0.04, long_tail=0.5, restore_prob=0.0, same_id=1.0)
+        d = AdversarialDriver(cfg, seed, crash_prob=0.04, long_tail=0.5, restore_prob=0.0, resume_prob=0.02)
         d.start()
         tick = d.tick
 

@@ -42,7 +42,7 @@ def test_partial_multi_version_trajectories_survive_a_json_round_trip():
 
     cfg = DoraConfig.from_dict({"mode": "partial", "max_staleness": 1, "batch_size": 2, "group_size": 3,
                                 "instances": 2, "capacity": 3, "max_steps": 8})
-    d = AdversarialDriver(cfg, 7, long_tail=0.6, restore_prob=0.0, no_attempt=0.3, same_id=0.0)
+    d = AdversarialDriver(cfg, 7, long_tail=0.6, restore_prob=0.0, no_attempt=0.3, resume_prob=0.0)
     d.start()
 
     def multi():

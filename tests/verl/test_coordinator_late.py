@@ -90,3 +90,74 @@ def test_servers_removed_together_get_no_redispatch():
         task.cancel()
 
     asyncio.run(ask())
+
+
+def test_a_late_load_answer_of_a_removed_server_is_not_recorded():
+    """A load answer (``loaded``) that reaches the coordinator after ``remove_servers`` took its
+    server away: the scheduler counts it stale, and the coordinator must not record the version
+    either. It did, so ``get_status`` listed the removed server, and once verl added a server at
+    the same address again (a new instance id, nothing loaded on it yet) a request without a
+    group (validation) was routed there as if it held that version."""
+    cfg = dict(CFG, instances=2)
+    coord = DoraCoordinator(cfg, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    assert coord.versions == {0: 0, 1: 0}
+    coord.remove_servers(["s1"])
+    coord.loaded([1], 1)  # the answer to a load of version 1 issued before the removal
+    assert coord.sched.metrics()["stale_events"] == 1
+    assert coord.versions == {0: 0} and coord.get_status()["versions"] == {"s0": 0}
+    coord.add_servers({"s1": None})  # the same address again: instance 2, nothing loaded yet
+    assert coord.instance_of["s1"] == 2 and coord.get_status()["versions"] == {"s0": 0}
+
+    async def ask():
+        return (await coord.acquire_server("validation-0"))[0]
+
+    assert asyncio.run(ask()) == "s0"  # the only server known to hold a version
+
+
+def test_a_move_to_a_server_removed_in_the_same_call_leaves_its_request_waiting():
+    """``remove_servers(["s1", "s3"])`` is one scheduler batch: s1's failure re-dispatches its
+    trajectories and R5 moves a trajectory from s0 to s3, which fails next. ``handle_many``
+    keeps that ``Migrate`` (its source is live: the request there must stop), and the
+    scheduler re-queues the trajectory. The coordinator routed it to s3 all the same, so the
+    aborted request's next ``acquire_server`` failed on the removed server's in-flight count
+    (KeyError 's3') instead of waiting for the new Dispatch.
+
+    The state is a seeded random run's (``RandomDriver`` seed 21, 341 events: a move into a
+    server removed in the same call), restored into the coordinator's scheduler, with the
+    coordinator's routes and admitted groups set from it."""
+    import json
+
+    from dora_ext.config import DoraConfig
+    from dora_ext.core import Scheduler
+    from dora_ext.testing import RandomDriver
+
+    cfg = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 4, "instances": 4, "capacity": 4,
+           "max_steps": 30}
+    d = RandomDriver(DoraConfig.from_dict(cfg), 21, long_tail=0.6)
+    d.start()
+    for _ in range(341):
+        assert d.tick()
+    coord = DoraCoordinator(cfg, {f"s{i}": None for i in range(4)}, use_plugins=False)
+    coord.sched = Scheduler.restore(json.loads(json.dumps(d.sched.snapshot())))
+    coord.started = True
+    coord.admitted = {gid: 0 for gid in coord.sched.groups}
+    for iid in coord.sched.instances:
+        for key in coord.sched.running_on(iid):
+            coord.route[key] = iid
+    n = len(coord.get_log())
+    coord.remove_servers(["s1", "s3"])
+    moves = [e for e in coord.get_log()[n:] if e[0] == "migrate" and e[4] == 3]
+    assert moves, "the batch no longer moves a trajectory into s3: pick another state"
+    key = (moves[0][1], moves[0][2])
+    assert coord.sched.trajectory(*key).status == "Q"  # re-queued by s3's failure
+    assert 0 in coord.take_work()["abort"]  # its request on the live source stops
+    assert all(iid not in (1, 3) for iid in coord.route.values()), coord.route
+
+    async def ask():
+        task = asyncio.ensure_future(coord.acquire_server("r", dora_group=key[0], dora_index=key[1]))
+        await asyncio.sleep(0)
+        assert not task.done()  # waits for its Dispatch (it raised KeyError 's3')
+        task.cancel()
+
+    asyncio.run(ask())

@@ -67,6 +67,21 @@ def test_bad_key_or_value_names_it(override, field):
     assert field in str(err.value)
 
 
+@pytest.mark.parametrize("override, field", [
+    ("actor_rollout_ref.rollout.max_num_seqs=2.5", "actor_rollout_ref.rollout.max_num_seqs"),
+    ("actor_rollout_ref.rollout.max_num_seqs=true", "actor_rollout_ref.rollout.max_num_seqs"),
+    ("trainer.total_training_steps=3.5", "trainer.total_training_steps"),
+])
+def test_a_verl_value_that_is_not_an_integer_is_refused_not_truncated(override, field):
+    """verl's max_num_seqs became the instances' capacity through int(): 2.5 slots gave 2, true
+    gave 1; total_training_steps 3.5 gave 3 steps. The error names verl's key."""
+    from dora_ext.verl.settings import dora_config
+
+    with pytest.raises(ConfigError, match="expected an integer") as err:
+        dora_config(_compose(override))
+    assert err.value.field == field
+
+
 def test_configure_wires_verl_plug_points_and_verl_builds_the_sampler():
     """``configure`` fills verl's own keys; verl's ``_build_replay_buffer`` then builds our sampler."""
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer

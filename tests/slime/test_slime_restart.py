@@ -450,3 +450,66 @@ def test_a_url_listed_under_two_registrations_is_not_taken_for_a_restart(tmp_pat
         assert (gone, new) == ([0], [(2, 2)]) and "new registration" in engines.reasons[0]
 
     asyncio.run(run())
+
+
+def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_path, standins):
+    """Two refreshes see the same restart at once (a trajectory answered with the successor's
+    launch version, and the periodic watcher): the instance is failed once, the successor joins
+    once. Order forced: the trajectory's refresh is held at the victim's /model_info until a
+    second refresh (what `_watch_engines` calls) has started and reached its first wait, and, if
+    that second one got into the engines' refresh (nothing serialised them), until it is done;
+    the periodic watcher itself is pushed out of the run (600 s)."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2, use_fault_tolerance=True)
+    args.dora_slime["engine_check_interval_s"] = 600
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=32100)
+    victim = fleet.engines[0]
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    seen = collections.defaultdict(list)
+    session.probe = lambda name, value: seen[name].append(value)
+    real_get, real_refresh, real_engines_refresh = fleet.get, session._refresh, session.engines.refresh
+    entered, left = asyncio.Event(), asyncio.Event()
+    held: list = []
+    inside = [0]  # refreshes inside SglangEngines.refresh now
+
+    async def refresh():
+        entered.set()
+        return await real_refresh()
+
+    async def engines_refresh():
+        inside[0] += 1
+        try:
+            return await real_engines_refresh()
+        finally:
+            inside[0] -= 1
+            left.set()
+
+    async def get(url):
+        if (url == victim.url + "/model_info" and standins.ENGINES[victim.port] is not victim
+                and not held):
+            held.append(url)
+            entered.clear()
+            session._spawn(session._refresh())  # the second refresh, as the watcher starts it
+            await asyncio.wait_for(entered.wait(), 10)
+            while inside[0] > 1:  # it runs beside this one: let it finish first
+                left.clear()
+                await asyncio.wait_for(left.wait(), 10)
+        return await real_get(url)
+
+    def on_start(engine):
+        if engine is victim and engine.started == 3:
+            fleet.restart_engine(victim.port, reregister=False)
+
+    fleet.get = get
+    session._refresh = refresh
+    session.engines.refresh = engines_refresh
+    standins.ON_START = on_start
+    try:
+        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+    finally:
+        standins.ON_START = None
+    assert held, "the restart was never checked"
+    assert seen["engine_failed"] == [0] and seen["engine_joined"] == [2], dict(seen)
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 6 * 2
+    assert outs[5].metrics["dora/failed_groups"] == 0

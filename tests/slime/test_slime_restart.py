@@ -513,3 +513,36 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
     assert len(prompts) == len(set(prompts)) == 6 * 2
     assert outs[5].metrics["dora/failed_groups"] == 0
+
+
+@pytest.mark.parametrize("answer", ["error-status", "never", "no-field"])
+def test_an_engine_whose_model_info_gives_no_answer_is_not_retired(tmp_path, standins, answer):
+    """/model_info that fails, hangs past the health timeout, or has no `weight_version` (an older
+    SGLang) is no evidence: a healthy engine stays. A restart whose registration was renewed is
+    still told by the router's id."""
+    fleet, engines = _engines(standins, tmp_path, 32200)
+    engines.health_timeout_s = 0.05  # the hang below is cut by it
+    (tmp_path / "w").mkdir()
+    real_get = fleet.get
+    never = asyncio.Event()
+
+    async def get(url):
+        if url.endswith("/model_info"):
+            if answer == "error-status":
+                raise RuntimeError("503 Service Unavailable")
+            if answer == "never":
+                await never.wait()
+            return {"model_path": "m"}
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        fleet.get = get
+        fleet.engines[0].version = "default"  # what it reports would differ, if it said
+        assert await engines.refresh() == ([], [])
+        fleet.restart_engine(32200, reregister=True)
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "new registration" in engines.reasons[0]
+
+    asyncio.run(run())

@@ -546,3 +546,42 @@ def test_an_engine_whose_model_info_gives_no_answer_is_not_retired(tmp_path, sta
         assert (gone, new) == ([0], [(2, 2)]) and "new registration" in engines.reasons[0]
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("reregister", [True, False], ids=["new-registration", "old-registration-kept"])
+def test_an_engine_restarted_during_a_weight_load(tmp_path, standins, reregister):
+    """The engine dies while loading and slime restarts it at its address; slime's HTTP client
+    retries the load there, so the successor performs it. A renewed registration retires the
+    instance at once, loading or not (the late load reply records nothing for it). With the old
+    registration kept, a refresh gives no verdict while the load runs, and afterwards the
+    successor holds exactly the version loaded: it stays (no trajectory ran on it: loads wait
+    for the engine to drain)."""
+    fleet, engines = _engines(standins, tmp_path, 32300)
+    (tmp_path / "w").mkdir()
+    real_post = fleet.post
+    in_load, go = asyncio.Event(), asyncio.Event()
+
+    async def post(url, payload):
+        in_load.set()
+        await asyncio.wait_for(go.wait(), 10)
+        return await real_post(url, payload)  # lands on whichever engine serves the URL now
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        fleet.post = post
+        load = asyncio.ensure_future(engines.load(0, "4", str(tmp_path / "w")))
+        await asyncio.wait_for(in_load.wait(), 10)
+        successor = fleet.restart_engine(32300, reregister=reregister)
+        gone, new = await engines.refresh()
+        assert (gone, new) == (([0], [(2, 2)]) if reregister else ([], []))
+        go.set()
+        await load
+        assert successor.version == "4"
+        if reregister:
+            assert 0 not in engines._loaded_tags and 2 not in engines._loaded_tags
+        else:
+            assert engines._loaded_tags[0] == "4"
+        assert await engines.refresh() == ([], [])
+
+    asyncio.run(run())

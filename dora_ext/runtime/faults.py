@@ -1,5 +1,5 @@
 """Forced orders and injected faults for the runtime's tests: `InstanceLoop` and `TrainerLoop`
-subclasses, and bare report writers.
+subclasses, bare report writers, and `Runtime` mixins that hold instances back (`OthersWait`).
 
 A test passes a loop class to `Runtime(..., instance_loops={instance id: class})` or
 `Runtime(..., trainer_loop=class)`; the worker process then runs it instead of the plain loop. They live in the package (not in the tests)
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import time
 from typing import Any
 
 from .workers import InstanceLoop, TrainerLoop
@@ -131,6 +132,30 @@ class HoldAfterLoad(InstanceLoop):
                 self.outbox.put(("held", self.iid, *started[0]))
 
 
+class LateFirstLoad:
+    """An `InstanceLoop` mixin (list it first): the instance sleeps `late_s` seconds before it
+    takes its first ("load", ...) command, an injected delay (a process slow to start its work, as
+    under load): the other instances run ahead of it meanwhile (8 tiny steps take about half a
+    second). A test whose order must not depend on who starts first runs with it on each side."""
+
+    late_s = 0.5
+    _late_done = False
+
+    def handle(self, cmd: tuple) -> None:
+        if cmd[0] == "load" and not self._late_done:
+            self._late_done = True
+            time.sleep(self.late_s)
+        super().handle(cmd)  # type: ignore[misc]
+
+
+class LateInstance(LateFirstLoad, InstanceLoop):
+    """A plain instance, late to its first load (`LateFirstLoad`)."""
+
+
+class LateHoldAfterLoad(LateFirstLoad, HoldAfterLoad):
+    """`HoldAfterLoad`, late to its first load (`LateFirstLoad`)."""
+
+
 class DieMidExport(DieMidReport):
     """Killed in the middle of writing its first "export" (the KV cache of a migrating sequence)."""
 
@@ -163,17 +188,22 @@ class DieAfterExport(DieMidReport):
 class StallUntilMigrate(InstanceLoop):
     """A straggler whatever the timing: the instance decodes while a sequence it holds has no
     response token yet (or it holds fewer than two), and once it holds at least two sequences,
-    each with a token (so with a KV cache to export), it decodes nothing more until its first
-    ("migrate", ...) command; from then on it is a plain instance. Its sequences' groups then
-    gate a step while it holds them, and the scheduler's only way on is R5's spread: an idle
-    instance takes an even share of them (`Migrate` from this instance), forced, not hoped for.
-    Commands are still taken while it stalls."""
+    each with a token (so with a KV cache to export), it reports ("stalled", iid, [request ids])
+    once and decodes nothing more until its first ("migrate", ...) command; from then on it is a
+    plain instance. Its sequences' groups then gate a step while it holds them, and the
+    scheduler's only way on is R5's spread: an idle instance takes an even share of them
+    (`Migrate` from this instance). Commands are still taken while it stalls.
+
+    That the stall comes before the run ends, and before any other move, is forced by the
+    coordinator (`StalledFirst`): the other instances get no command until the report; a
+    runtime without it does not know the report."""
 
     hold_at = 2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.released = False
+        self.reported = False
 
     def handle(self, cmd: tuple) -> None:
         if cmd[0] == "migrate":
@@ -184,8 +214,56 @@ class StallUntilMigrate(InstanceLoop):
         if not self.released:
             progress = self.engine.progress()
             if len(progress) >= self.hold_at and min(progress.values()) >= 1:
+                if not self.reported:
+                    self.reported = True
+                    self.outbox.put(("stalled", self.iid, sorted(progress, key=str)))
                 return False
         return super().can_decode()
+
+
+class OthersWait:
+    """A `Runtime` mixin (list it before `Runtime`): every command for an instance not in `alone`
+    is held back, in order, until `release()`; the scheduler meanwhile sees those instances
+    loading their first version. So what the instances in `alone` do first happens before the
+    others take part, whatever the timing (a test forces an order with it, it never waits)."""
+
+    alone: tuple = (0,)
+    released = False
+
+    def release(self) -> None:
+        self.released = True
+
+    def _flush(self) -> None:
+        if self.released:
+            return super()._flush()  # type: ignore[misc]
+        out = self._outgoing  # type: ignore[has-type]
+        self._outgoing = {i: c for i, c in out.items() if i in self.alone}
+        super()._flush()  # type: ignore[misc]
+        for i, cmds in out.items():
+            if i not in self.alone:
+                self._outgoing.setdefault(i, []).extend(cmds)
+
+
+class StalledFirst(OthersWait):
+    """`OthersWait` until instance `alone[0]` (`StallUntilMigrate`) reports ("stalled", ...);
+    `self.stalled` gets the request ids it stalls on. So that instance stalls holding sequences
+    of its first dispatches, whatever the timing. Without it a late one (its process slow to take
+    its first load, under load) found the run done by the other (8 tiny steps take about half a
+    second: no stall, no move), or could find an old version's stragglers on the other instance,
+    which R5 may consolidate onto it (a move the other way) before it stalls. Until the report
+    the other instances are loading for the scheduler: no move can target them, and none can
+    leave the staller (R5 consolidates only between two holders of a version and spreads only
+    onto an idle instance)."""
+
+    stalled: list | None = None
+
+    def _on_message(self, msg: tuple) -> None:
+        if msg[0] != "stalled":
+            return super()._on_message(msg)  # type: ignore[misc]
+        if msg[1] != self.alone[0] or self.stalled is not None:
+            raise RuntimeError(f"unexpected {msg!r} (instance {self.alone[0]} stalls, once)")
+        self.stalled = list(msg[2])
+        self.release()
 
 
 class StallThenDieAfterExport(StallUntilMigrate, DieAfterExport):
@@ -201,6 +279,18 @@ class DieAfterImport(InstanceLoop):
         super().handle(cmd)
         if cmd[0] == "import":
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LateDieAfterImport(LateFirstLoad, DieAfterImport):
+    """`DieAfterImport`, late to its first load (`LateFirstLoad`)."""
+
+
+class LateStallUntilMigrate(LateFirstLoad, StallUntilMigrate):
+    """`StallUntilMigrate`, late to its first load (`LateFirstLoad`)."""
+
+
+class LateStallThenDieAfterExport(LateFirstLoad, StallThenDieAfterExport):
+    """`StallThenDieAfterExport`, late to its first load (`LateFirstLoad`)."""
 
 
 class _DyingTrainerOutbox:

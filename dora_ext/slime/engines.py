@@ -174,10 +174,11 @@ class SglangEngines:
         self._generate_and_rm = generate_and_rm if generate_and_rm is not None else slime_generate_and_rm()
         self.urls: dict[int, str] = {}
         self._args: dict[int, Any] = {}
-        # Evidence of which incarnation of the engine at `urls[i]` instance i is: the router's id
-        # for its registration (None where the router gives none) and the weight version the
-        # adapter last loaded onto it (None before the first load: the launch weights).
-        self._worker_ids: dict[int, str | None] = {}
+        # Evidence of which incarnation of the engine at `urls[i]` instance i is: the router's
+        # ids for its registration (empty where the router gives none; more than one only if a
+        # router lists the URL twice) and the weight version the adapter last loaded onto it
+        # (absent before the first load: the launch weights).
+        self._worker_ids: dict[int, frozenset[str]] = {}
         self._loaded_tags: dict[int, str] = {}
         #: Why each instance of the last refresh's `gone` left (for the worker's log and events).
         self.reasons: dict[int, str] = {}
@@ -191,23 +192,27 @@ class SglangEngines:
         self._loading: set[int] = set()
         self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
 
-    async def _listed(self) -> dict[str, str | None]:
-        """The regular workers slime's router lists: URL -> the router's id for that registration."""
+    async def _listed(self) -> dict[str, frozenset[str]]:
+        """The regular workers slime's router lists: URL -> the router's ids for its registration
+        (one with sglang-router, which refuses a second registration of a URL; every one listed
+        is kept, so that the order a router lists them in is never read as a change)."""
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
         reply = await self.http.get(f"{router}/workers")
-        listed: dict[str, str | None] = {}
+        listed: dict[str, set[str]] = {}
         for w in reply.get("workers", []):
             if w.get("worker_type", "regular") == "regular":
                 wid = w.get("id")
-                listed[w["url"].rstrip("/")] = None if wid is None else str(wid)
-        return dict(sorted(listed.items()))
+                ids = listed.setdefault(w["url"].rstrip("/"), set())
+                if wid is not None:
+                    ids.add(str(wid))
+        return {url: frozenset(ids) for url, ids in sorted(listed.items())}
 
-    def _add(self, url: str, worker_id: str | None) -> int:
+    def _add(self, url: str, worker_ids: frozenset[str]) -> int:
         iid = self._next_id
         self._next_id += 1
         self.urls[iid] = url
         self._args[iid] = self._args_for(url)
-        self._worker_ids[iid] = worker_id
+        self._worker_ids[iid] = worker_ids
         return iid
 
     def _drop(self, iid: int, reason: str) -> None:
@@ -227,8 +232,8 @@ class SglangEngines:
         if not isinstance(cap, int) or cap < 1:
             raise AdapterError(f"no engine capacity: set dora_slime.capacity (got sglang_server_concurrency={cap!r})")
         self._cap = cap
-        for url, worker_id in listed.items():
-            self._add(url, worker_id)
+        for url, worker_ids in listed.items():
+            self._add(url, worker_ids)
         return [cap] * len(listed)
 
     async def healthy(self, url: str) -> bool:
@@ -252,16 +257,17 @@ class SglangEngines:
         gone = []
         self.reasons = {}
         for iid, url in list(self.urls.items()):
-            known_id = self._worker_ids.get(iid)
+            known_ids = self._worker_ids.get(iid)
             if url not in listed:
                 self._drop(iid, "the engine left slime's router")
                 gone.append(iid)
                 continue
-            if known_id is not None and listed[url] is not None and listed[url] != known_id:
+            if known_ids and listed[url] and not known_ids & listed[url]:
                 # A new registration at the same address: slime deleted the old one and the
                 # restarted engine registered again. Whatever it holds, it is not what we loaded.
                 self._drop(iid, f"slime's router lists {url} under a new registration "
-                                f"({listed[url]}, was {known_id}): the engine was restarted")
+                                f"({', '.join(sorted(listed[url]))}, was {', '.join(sorted(known_ids))}): "
+                                "the engine was restarted")
                 gone.append(iid)
                 continue
             if iid in self._loading:
@@ -282,9 +288,9 @@ class SglangEngines:
                 gone.append(iid)
         known = set(self.urls.values())
         new = []
-        for url, worker_id in listed.items():
+        for url, worker_ids in listed.items():
             if url not in known and await self.healthy(url):
-                new.append((self._add(url, worker_id), self._cap))
+                new.append((self._add(url, worker_ids), self._cap))
         return gone, new
 
     def args_for_instance(self, instance_id: int) -> Any:

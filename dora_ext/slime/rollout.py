@@ -394,28 +394,32 @@ class RolloutSession:
                         task.cancel()
                         await asyncio.gather(task, return_exceptions=True)
                         break
+                if task.cancelled():
+                    logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again",
+                                   iid, rollout_id)
+                    continue
+                # The engine is judged while it is still the eval's: a load waiting on it (_load)
+                # would otherwise start first, and a refresh gives no verdict on an engine that
+                # is loading (the eval then ended slime's job although its engine was restarted).
+                try:
+                    out, _ = task.result()
+                except Exception:
+                    await self._refresh()
+                    if iid in self.sched.instances:
+                        raise
+                    continue
+                seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
+                if seen - {tag}:
+                    # A restarted engine at the same address (see _run_trajectory): evaluate again
+                    # elsewhere once the refresh has retired it; otherwise the mismatch is an error.
+                    await self._refresh()
+                    if iid in self.sched.instances:
+                        raise AdapterError(
+                            f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
+                    continue
             finally:
                 self._eval_on = None
                 self._eval_over.set()
-            if task.cancelled():
-                logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again", iid, rollout_id)
-                continue
-            try:
-                out, _ = task.result()
-            except Exception:
-                await self._refresh()
-                if iid in self.sched.instances:
-                    raise
-                continue
-            seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
-            if seen - {tag}:
-                # A restarted engine at the same address (see _run_trajectory): evaluate again
-                # elsewhere once the refresh has retired it; otherwise the mismatch is an error.
-                await self._refresh()
-                if iid in self.sched.instances:
-                    raise AdapterError(
-                        f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
-                continue
             break
         else:
             raise AdapterError(f"evaluation of rollout {rollout_id}: engines kept dying")

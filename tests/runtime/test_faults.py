@@ -14,7 +14,8 @@ import pytest
 
 from dora_ext.core.events import InstanceFailed
 from dora_ext.runtime import prepare, recipe_from_dict
-from dora_ext.runtime.faults import HoldAfterLoad
+from dora_ext.runtime import faults
+from dora_ext.runtime.faults import HoldAfterLoad, OthersWait, StalledFirst
 from dora_ext.runtime.runtime import Runtime, WorkerDied
 
 from .conftest import tiny
@@ -81,40 +82,52 @@ def _check_books(result, recipe, prepared):
 
 
 def _running_at_each_failure(rt) -> list:
-    """A list that gets, for each `InstanceFailed` the runtime feeds its scheduler, how many
-    trajectories the scheduler still had running on that instance (what must be re-dispatched)."""
+    """A list that gets, for each `InstanceFailed` the runtime feeds its scheduler, the (group,
+    index) keys the scheduler still had running on that instance (what must be re-dispatched)."""
     at_failure: list = []
     handle = rt.sched.handle
 
     def spy(event):
         if isinstance(event, InstanceFailed):
-            at_failure.append(len(rt.sched.instances[event.instance_id].running))
+            at_failure.append(set(rt.sched.running_on(event.instance_id)))
         return handle(event)
 
     rt.sched.handle = spy
     return at_failure
 
 
-class KillsWhenHeld(KillingRuntime):
+class KillsWhenHeld(OthersWait, KillingRuntime):
     """KillingRuntime whose kill cannot come too late: the victims run `faults.HoldAfterLoad`
     (after the trainer's first step each stops decoding once an unfinished sequence of it has a
     token, and reports it "held"), and they get SIGKILL when every victim has reported one. A held
-    sequence cannot finish there: it is re-dispatched (or, had an R5 move taken it off first,
-    retried or finished at its destination), forced, not hoped for."""
+    sequence cannot finish there. The other instances get no command until the kill
+    (`faults.OthersWait`): they cannot run the whole run while a victim is late, and no R5 move can
+    take a held sequence off its victim first (R5 moves only between instances that hold or have
+    loaded a version, and the others have loaded nothing). The coordinator waits for the victims'
+    exits and looks at its workers at once, so the deaths are handled before anything else (a
+    move onto a released instance used to take a held sequence off a dead victim not yet found
+    dead: retried, not re-dispatched). A held sequence is re-dispatched, forced, not hoped for.
+    `moved`: the (group, index) of every move before the kill."""
 
     victims = (0,)
 
-    def __init__(self, *args, **kwargs):
+    @property
+    def alone(self):
+        return self.victims
+
+    def __init__(self, *args, instance_loops=None, **kwargs):
         from dora_ext.core.actions import Migrate
 
-        super().__init__(*args, instance_loops={v: HoldAfterLoad for v in self.victims}, **kwargs)
+        super().__init__(*args, instance_loops={**{v: HoldAfterLoad for v in self.victims}, **(instance_loops or {})},
+                         **kwargs)
         self.held: dict = {}  # victim -> (group, index, attempt) it held
-        self.moved: set = set()  # (group, index) of every R5 move (a held sequence may still leave)
+        self.moved: set = set()
         handle = self.sched.handle
 
         def spy(event):
             out = handle(event)
-            self.moved.update((a.group_id, a.index) for a in out if isinstance(a, Migrate))
+            if not getattr(self, "killed", False):
+                self.moved.update((a.group_id, a.index) for a in out if isinstance(a, Migrate))
             return out
 
         self.sched.handle = spy
@@ -133,19 +146,28 @@ class KillsWhenHeld(KillingRuntime):
         for v in self.victims:
             os.kill(self.instance_pids[v], signal.SIGKILL)
         self.killed = True
+        for v in self.victims:
+            self.instance_handles[v].join(timeout=60)
+        self._watch(self.trainer_handles)  # the deaths are found at once, before anything can move
+        self.release()
+
+
+# Late: which instance's process takes its first load late (an injected delay, `faults.LateFirstLoad`):
+# the forced order must not depend on who starts first.
+LATE = {None: {}, "victim": {0: faults.LateHoldAfterLoad}, "other": {1: faults.LateInstance}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,restarts", [("dora", 0), ("sync", 0), ("dora", 1), ("sync", 1)])
-def test_a_killed_instance_process_loses_nothing(mode, restarts):
+@pytest.mark.parametrize("mode,restarts,late", [("dora", 0, None), ("sync", 0, None), ("dora", 1, None),
+                                                ("sync", 1, None), ("dora", 1, "victim"), ("dora", 1, "other")])
+def test_a_killed_instance_process_loses_nothing(mode, restarts, late):
     """With `max_instance_restarts: 0` the run goes on with one instance; with 1 a fresh process
     (a new instance id) takes the dead one's place and serves trajectories. Instance 0 is killed
     while it holds an unfinished sequence (`KillsWhenHeld`): one run, and what ran there (that
-    sequence, unless a move took it off first) is re-dispatched to its pinned version, nothing
-    lost or doubled."""
+    sequence among it) is re-dispatched to its pinned version, nothing lost or doubled."""
     recipe = _kill_recipe(mode, 0, restarts)
     prepared = prepare(recipe)
-    rt = KillsWhenHeld(recipe, prepared, keep_versions=True)
+    rt = KillsWhenHeld(recipe, prepared, keep_versions=True, instance_loops=LATE[late])
     at_failure = _running_at_each_failure(rt)
     result = rt.run()
     assert getattr(rt, "killed", False), "instance 0 never held an unfinished sequence; the kill did not happen"
@@ -158,14 +180,84 @@ def test_a_killed_instance_process_loses_nothing(mode, restarts):
         assert result.ledger["engine_stats"][2]["weight_loads"] >= 1
     else:
         assert result.ledger["instance_restarts"] == [] and served <= {0, 1}
-    # What ran there was re-dispatched, to the same version, on the other instances.
-    assert result.core_metrics["redispatched"] == at_failure[0]
-    redone = _check_books(result, recipe, prepared)
-    assert len(redone) >= at_failure[0]
+    # What ran there was re-dispatched, to the same version, on the other instances: exactly
+    # that (nothing else failed, nothing was retried), the held sequence among it.
     gid, idx, attempt = rt.held[0]
-    assert attempt == 0 and result.ledger["served_by"][(gid, idx)] != 0
-    assert (gid, idx) in redone or (gid, idx) in rt.moved  # (a move may take it off before the kill)
-    assert at_failure[0] >= 1 or (gid, idx) in rt.moved
+    assert not rt.moved and attempt == 0 and (gid, idx) in at_failure[0], (rt.moved, rt.held, at_failure)
+    assert result.core_metrics["redispatched"] == len(at_failure[0]) and result.core_metrics["retries"] == 0
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == at_failure[0]
+    for key in redone:
+        assert result.ledger["dispatch"][key][2] == 1 and result.ledger["served_by"][key] != 0, key
+
+
+class KillsUnnoticed(KillsWhenHeld):
+    """KillsWhenHeld whose coordinator does not look at its workers after the kill until the
+    scheduler, which still sees the dead victim holding its sequences, has moved some of them
+    off it (R5 spreads them onto instance 1, released at the kill, once their groups gate a step
+    and instance 1 has nothing else to do): the other order of a death and a move off the dead
+    instance, forced. `unnoticed`: the (group, index, src, dst) of every move from the kill to
+    the failure."""
+
+    def __init__(self, *args, **kwargs):
+        from dora_ext.core.actions import Migrate
+
+        super().__init__(*args, **kwargs)
+        self.unnoticed: list = []
+        self.noticed = False
+        handle = self.sched.handle
+
+        def spy(event):
+            if isinstance(event, InstanceFailed):
+                self.noticed = True
+            out = handle(event)
+            if getattr(self, "killed", False) and not self.noticed:
+                self.unnoticed.extend((a.group_id, a.index, a.src, a.dst) for a in out if isinstance(a, Migrate))
+            return out
+
+        self.sched.handle = spy
+
+    def _kill(self):
+        victim = self.victims[0]
+        if len(self.sched.running_on(victim)) < 2:  # R5 spreads only an instance running two or more
+            pytest.fail(f"instance {victim} held {self.sched.running_on(victim)}: too few for R5 to move")
+        os.kill(self.instance_pids[victim], signal.SIGKILL)
+        self.killed = True
+        self.instance_handles[victim].join(timeout=60)
+        self.release()
+
+    def _watch(self, trainer):
+        if getattr(self, "killed", False) and not self.unnoticed:
+            return  # not yet: the scheduler moves first
+        super()._watch(trainer)
+
+
+@pytest.mark.slow
+def test_moves_off_an_instance_that_died_unnoticed_are_retried():
+    """Instance 0 dies holding unfinished sequences (`KillsUnnoticed`), and before its death is
+    noticed the scheduler moves some of them off it (the moves go to a dead process). Once the
+    death is noticed each moved sequence is retried (lost in a migration from a failed instance),
+    what the scheduler still had there is re-dispatched, each exactly once, to its pinned version;
+    nothing else is redone. (The other order, the death noticed first, is
+    `test_a_killed_instance_process_loses_nothing`.)"""
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = KillsUnnoticed(recipe, prepared, keep_versions=True)
+    at_failure = _running_at_each_failure(rt)
+    result = rt.run()
+    assert rt.killed and not rt.moved and rt.unnoticed, (rt.moved, rt.unnoticed)
+    assert all((src, dst) == (0, 1) for *_, src, dst in rt.unnoticed), rt.unnoticed
+    assert rt.failed_instances == {0: -signal.SIGKILL} and result.ledger["instance_restarts"] == [(0, 2)]
+    moved = {(gid, idx) for gid, idx, *_ in rt.unnoticed}
+    assert len(at_failure) == 1 and not moved & at_failure[0]
+    m = result.core_metrics
+    assert m["retries"] == len(moved) and m["redispatched"] == len(at_failure[0])
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == moved | at_failure[0]
+    for key in redone:
+        assert result.ledger["dispatch"][key][2] == 1 and result.ledger["served_by"][key] != 0, key
+    gid, idx, attempt = rt.held[0]
+    assert attempt == 0 and (gid, idx) in redone
 
 
 class KillsTheReplacementToo(KillingRuntime):
@@ -652,12 +744,6 @@ class KillsBothAtOnce(KillsWhenHeld):
 
     victims = (0, 1)
 
-    def _kill(self):
-        super()._kill()
-        for i in self.victims:
-            self.instance_handles[i].join(timeout=60)
-        self._watch(self.trainer_handles)
-
 
 @pytest.mark.slow
 def test_two_instances_killed_at_once_are_both_replaced():
@@ -673,18 +759,24 @@ def test_two_instances_killed_at_once_are_both_replaced():
     assert getattr(rt, "killed", False), "the two instances never both held an unfinished sequence"
     assert rt.failed_instances.keys() == {0, 1} and len(at_failure) == 2
     assert sorted(result.ledger["instance_restarts"]) == [(0, 2), (1, 3)]
-    # what ran on both (less what they had reported finished before dying) was redone, the held
-    # sequences among it
-    assert result.core_metrics["redispatched"] == sum(at_failure)
+    # what ran on both (less what they had reported finished before dying) was re-dispatched;
+    # what was moving between them (R5 may move while only one of them holds) was retried; each
+    # exactly once, and nothing else was redone. A held sequence is in one of the two.
+    ran = at_failure[0] | at_failure[1]
+    m = result.core_metrics
+    assert m["redispatched"] == len(ran) == sum(map(len, at_failure))
     assert set(result.ledger["served_by"].values()) <= {0, 1, 2, 3}
-    redone = _check_books(result, recipe, prepared)
-    for gid, idx, _ in rt.held.values():
-        assert (gid, idx) in redone or (gid, idx) in rt.moved  # (a move may take it off before the kill)
-        assert result.ledger["served_by"][(gid, idx)] not in (0, 1)
+    redone = set(_check_books(result, recipe, prepared))
+    retried = redone - ran
+    assert ran <= redone and retried <= rt.moved and m["retries"] == len(retried), (ran, retried, rt.moved)
+    for key in redone:
+        assert result.ledger["dispatch"][key][2] == 1 and result.ledger["served_by"][key] in (2, 3), key
+    for gid, idx, attempt in rt.held.values():
+        assert attempt == 0 and (gid, idx) in redone
 
 
-class WaitsForTheExporter(Runtime):
-    """Right after the coordinator tells an instance (`faults.DieAfterExport`) to migrate a
+class WaitsForTheExporter(StalledFirst, Runtime):
+    """Instance 0 stalls first (`faults.StalledFirst`). Right after the coordinator tells an instance (`faults.DieAfterExport`) to migrate a
     sequence, it waits for that process to exit (it dies right after writing the export, or at once
     if the sequence finished there first) before it reads anything more: an export is read after
     its source is gone (forced)."""
@@ -721,7 +813,8 @@ def _moves_until_the_first_failure(rt) -> tuple[list, list]:
 
 
 @pytest.mark.slow
-def test_a_source_that_dies_right_after_exporting_loses_nothing():
+@pytest.mark.parametrize("late", [None, "staller", "other"])
+def test_a_source_that_dies_right_after_exporting_loses_nothing(late):
     """The source of a migration writes the sequence (with its KV cache) in full and dies before
     the coordinator reads it. The export cannot be rebuilt (its shared memory went with its
     process): the coordinator names it (`reports_lost`), fails the source, retries every sequence
@@ -729,18 +822,23 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing():
     (`TrajectoryFailed`), re-dispatches what still ran there, and keeps the books.
 
     The migration is forced, one run: instance 0 (`faults.StallThenDieAfterExport`) stops
-    decoding once it holds two sequences with a token each, so their groups gate step K and R5
-    spreads them onto idle instance 1 (`Migrate` 0 -> 1, the only move the scheduler can make
-    while instance 0 stalls); instance 0 dies right after writing the first export, and the
-    coordinator reads on only once it is gone (`WaitsForTheExporter`)."""
-    from dora_ext.runtime.faults import StallThenDieAfterExport
-
+    decoding once it holds two sequences with a token each, before instance 1 gets any command
+    (`faults.StalledFirst`), so their groups gate step K and R5 spreads them onto idle instance 1
+    (`Migrate` 0 -> 1, the only move the scheduler can make while instance 0 stalls); instance 0
+    dies right after writing the first export, and the coordinator reads on only once it is gone
+    (`WaitsForTheExporter`). Whichever instance takes its first load late (`late`, an injected
+    delay), the same order."""
+    loops = {None: {0: faults.StallThenDieAfterExport},
+             "staller": {0: faults.LateStallThenDieAfterExport},
+             "other": {0: faults.StallThenDieAfterExport, 1: faults.LateInstance}}[late]
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
-    rt = WaitsForTheExporter(recipe, prepared, keep_versions=True, instance_loops={0: StallThenDieAfterExport})
+    rt = WaitsForTheExporter(recipe, prepared, keep_versions=True, instance_loops=loops)
     moves, holding = _moves_until_the_first_failure(rt)
     result = rt.run()
     assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    # only sequences instance 0 stalled on moved
+    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
     assert rt.failed_instances == {0: -signal.SIGKILL}
     assert result.ledger["instance_restarts"] == [(0, 2)]
     lost = result.ledger["reports_lost"]
@@ -758,7 +856,66 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing():
     assert set(redone) == moved | holding[0][1]
 
 
-class RecordsExports(Runtime):
+class KillsTheSourceOnceForwarded(StalledFirst, Runtime):
+    """Instance 0 stalls first (`faults.StalledFirst`); right after the coordinator has read the
+    first export and passed it on to its destination, the source gets SIGKILL and the coordinator
+    waits for its exit and looks at its workers at once: the source dies after its export was
+    read (the other order than `WaitsForTheExporter`'s), and before any export after it (on its
+    pipe, unread: their KV cache went with the process) is read."""
+
+    forwarded = None
+
+    def _on_export(self, src, dst, state):
+        super()._on_export(src, dst, state)
+        if self.forwarded is None:
+            self.forwarded = state.request_id
+            os.kill(self.instance_pids[src], signal.SIGKILL)
+            self.instance_handles[src].join(timeout=60)
+            self._watch(self.trainer_handles)
+
+
+@pytest.mark.slow
+def test_a_source_that_dies_once_its_export_was_read_redoes_only_what_it_lost():
+    """The other order of `test_a_source_that_dies_right_after_exporting_loses_nothing`: the
+    source dies right after the coordinator read its first export and passed it on. That sequence
+    is out of the source (its KV cache was fetched): it lands and finishes on its destination as
+    attempt 0, never retried. The exports still unread on the dead source's pipe are lost and
+    retried (so are moves it had not exported yet), what still ran there is re-dispatched;
+    nothing else is redone.
+
+    Forced, one run: instance 0 (`faults.StallUntilMigrate`) stalls first (`faults.StalledFirst`),
+    R5 spreads its sequences onto instance 1 in one batch of moves, which instance 0 exports at
+    once; the kill comes with the first export read (`KillsTheSourceOnceForwarded`)."""
+    recipe = _kill_recipe("dora", 0, 1)
+    prepared = prepare(recipe)
+    rt = KillsTheSourceOnceForwarded(recipe, prepared, keep_versions=True, instance_loops={0: faults.StallUntilMigrate})
+    moves, holding = _moves_until_the_first_failure(rt)
+    result = rt.run()
+    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(0, 2)]
+    gid, idx, attempt = rt.forwarded
+    moved = {(m.group_id, m.index) for m in moves}
+    lost = moved - {(gid, idx)}
+    assert attempt == 0 and (gid, idx) in moved and [i for i, _ in holding] == [0] and not moved & holding[0][1]
+    # (each later move was exported before the kill, its report unreadable, or not yet: either way
+    # it was moving off the dead source, and is retried)
+    lost_reports = result.ledger["reports_lost"]
+    assert len(lost_reports) <= len(lost) and all(n == "instance-0" for n, _ in lost_reports), lost_reports
+    led = result.ledger
+    assert led["dispatch"][(gid, idx)][2] == 0 and led["served_by"][(gid, idx)] == 1
+    m = result.core_metrics
+    assert m["retries"] == len(lost) and m["redispatched"] == len(holding[0][1])
+    for key in lost | holding[0][1]:
+        assert led["dispatch"][key][2] == 1 and led["served_by"][key] != 0, key
+    redone = _check_books(result, recipe, prepared)
+    assert set(redone) == lost | holding[0][1]
+
+
+class RecordsExports(StalledFirst, Runtime):
+    """Instance 0 stalls first (`faults.StalledFirst`); every export read is recorded."""
+
     exported: list = []
 
     def _on_export(self, src, dst, state):
@@ -767,26 +924,31 @@ class RecordsExports(Runtime):
 
 
 @pytest.mark.slow
-def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_once():
+@pytest.mark.parametrize("late", [None, "staller", "other"])
+def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_once(late):
     """The destination of a migration (`faults.DieAfterImport`) dies right after it took the
     sequence in. Every sequence moved to it is re-dispatched exactly once for that death (as the
     scheduler saw them at the failure: on the destination) and generated again under its group's
     pinned version elsewhere; none is retried as lost on the way; the books are kept.
 
     The migration is forced, one run: instance 0 (`faults.StallUntilMigrate`) stops decoding
-    once it holds two sequences with a token each, so their groups gate step K and R5 spreads
-    them onto idle instance 1 (`Migrate` 0 -> 1, the only move the scheduler can make while
-    instance 0 stalls); instance 0 then decodes on, instance 1 dies at its first import."""
-    from dora_ext.runtime.faults import DieAfterImport, StallUntilMigrate
-
+    once it holds two sequences with a token each, before instance 1 gets any command
+    (`faults.StalledFirst`), so their groups gate step K and R5 spreads them onto idle instance 1
+    (`Migrate` 0 -> 1, the only move the scheduler can make while instance 0 stalls); instance 0
+    then decodes on, instance 1 dies at its first import. Whichever instance takes its first load
+    late (`late`, an injected delay), the same order."""
+    loops = {None: {0: faults.StallUntilMigrate, 1: faults.DieAfterImport},
+             "staller": {0: faults.LateStallUntilMigrate, 1: faults.DieAfterImport},
+             "other": {0: faults.StallUntilMigrate, 1: faults.LateDieAfterImport}}[late]
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
-    rt = RecordsExports(recipe, prepared, keep_versions=True,
-                        instance_loops={0: StallUntilMigrate, 1: DieAfterImport})
+    rt = RecordsExports(recipe, prepared, keep_versions=True, instance_loops=loops)
     rt.exported = []
     moves, holding = _moves_until_the_first_failure(rt)
     result = rt.run()
     assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    # only sequences instance 0 stalled on moved
+    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
     assert rt.failed_instances == {1: -signal.SIGKILL}
     assert result.ledger["instance_restarts"] == [(1, 2)]
     (gid, idx, attempt), src, dst, forwarded = rt.exported[0]

@@ -166,27 +166,34 @@ def test_partial_preempts_and_reports_multi_version_trajectories():
 
 
 def test_dora_migrations_keep_the_books():
-    """Mode dora, sized so that R5 fires: every scheduled move either ran (export with KV, import
-    without prefill) or found its sequence already finished, and nothing spans two versions. When
-    a move happens is up to real timing, so up to three seeds are tried until the core schedules one."""
-    scheduled = 0
-    for seed in range(3):
-        data = tiny(steps=8, seed=seed, task={"median": 5, "cv": 1.5},
-                    dora={"capacity": 8, "batch_size": 4, "group_size": 4, "instances": 2, "max_staleness": 2})
-        recipe = recipe_from_dict(data)
-        result = run(recipe, prepare(recipe))
-        led, m = result.ledger, result.metrics
-        assert m["c1_ok"] and m["c2_ok"] and m["c3_ok"]
-        # (a move of a sequence still travelling from an earlier move is passed through: forwarded)
-        assert led["migrations_executed"] + led["migrations_missed"] == m["migrations"]
-        stats = led["engine_stats"].values()
-        assert sum(s["imports"] for s in stats) == led["migrations_executed"] - led["migrations_forwarded"]
-        # Imports carried their KV: prefills = fresh requests only (one per dispatched trajectory).
-        assert sum(s["prefills"] for s in stats) == len(led["token_versions"])
-        scheduled += m["migrations"]
-        if scheduled:
-            break
-    assert scheduled > 0
+    """Mode dora: every scheduled move either ran (export with KV, import without prefill) or
+    found its sequence already finished, and nothing spans two versions.
+
+    The move is forced, one run, one seed: instance 0 (`faults.StallUntilMigrate`) stops decoding
+    once it holds two sequences with a token each, before instance 1 gets any command
+    (`faults.StalledFirst`); their groups gate step K and R5 spreads them onto idle instance 1
+    while they still sit on instance 0, so at least that move runs (exported, imported)."""
+    from dora_ext.runtime.faults import StalledFirst, StallUntilMigrate
+
+    class StallsFirst(StalledFirst, Runtime):
+        pass
+
+    data = tiny(steps=8, seed=0, task={"median": 5, "cv": 1.5},
+                dora={"capacity": 8, "batch_size": 4, "group_size": 4, "instances": 2, "max_staleness": 2})
+    recipe = recipe_from_dict(data)
+    rt = StallsFirst(recipe, prepare(recipe), instance_loops={0: StallUntilMigrate})
+    result = rt.run()
+    led, m = result.ledger, result.metrics
+    assert m["c1_ok"] and m["c2_ok"] and m["c3_ok"]
+    # (a move of a sequence still travelling from an earlier move is passed through: forwarded)
+    assert led["migrations_executed"] + led["migrations_missed"] == m["migrations"]
+    stats = led["engine_stats"]
+    assert sum(s["imports"] for s in stats.values()) == led["migrations_executed"] - led["migrations_forwarded"]
+    # Imports carried their KV: prefills = fresh requests only (one per dispatched trajectory).
+    assert sum(s["prefills"] for s in stats.values()) == len(led["token_versions"])
+    # the forced move ran: sequences instance 0 stalled on were exported and imported on instance 1
+    assert m["migrations"] >= 1 and led["migrations_executed"] >= 1 and stats[1]["imports"] >= 1
+    assert any(led["served_by"][(gid, idx)] == 1 for gid, idx, _ in rt.stalled)
 
 
 def test_instance_migration_moves_kv_and_continues_token_identically():

@@ -292,3 +292,296 @@ def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp
     assert fleet.violations == []
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
     assert len(prompts) == len(set(prompts)) == 3 * 2
+
+
+def test_eval_engine_restarted_with_a_load_waiting_on_it_is_retired_before_the_load_runs(
+        tmp_path, standins, monkeypatch):
+    """The eval's engine E (newest version, 1) is restarted at its address during the eval, its
+    old registration kept: only the weight version it reports tells. A load waits on E for the
+    eval to end: the other engine died with a straggler of version 0, so the scheduler sends the
+    idle-looking E back to 0 (see test_slime_review). The eval used to release E before checking
+    the version it saw: the waiting load then started first (on the successor), the check found
+    E loading and gave no verdict, and the eval ended slime's job ("saw versions ['default']").
+    The check now runs while E is still the eval's: E is retired, the waiting load finds it gone
+    and the eval runs again on an engine holding version 1.
+
+    Order forced: no periodic refresh in the run (600 s); the other engine's death is told by
+    the straggler's failed request; E is restarted only once the load waits on it."""
+    from test_slime_review import _install_eval_rollout
+
+    from dora_ext.slime import rollout as slime_rollout
+    from dora_ext.slime._compat import RolloutFnEvalOutput
+
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31800)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    probes: list = []
+    load_waits = asyncio.Event()
+
+    def probe(name, value):
+        probes.append((name, value))
+        if name == "load_waits_for_eval":
+            load_waits.set()
+
+    session.probe = probe
+    straggler = asyncio.Event()
+    calls: list = []
+
+    async def eval_rollout(eval_args, rollout_id):
+        port = int(eval_args.sglang_router_port)
+        calls.append(port)
+        if len(calls) == 1:
+            for other in fleet.engines:
+                if other.port != port:
+                    other.alive = False  # dies with the straggler running
+            straggler.set()  # its request fails now: the worker refreshes, E is sent back to 0
+            await asyncio.wait_for(load_waits.wait(), 30)
+            fleet.restart_engine(port, reregister=False)
+        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+    _install_eval_rollout(monkeypatch, eval_rollout)
+    standins.HOLD[("p2", 4)] = straggler  # p2's first sample: dispatched at version 0, kept running
+    try:
+        driver = SimulatedSlimeDriver(args, ds)
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        driver.push_weights()
+        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        standins.HOLD.clear()
+    failed = [v for n, v in probes if n == "engine_failed"]
+    assert len(calls) == 2 and ev.metrics["dora/eval_instance"] not in failed, (calls, failed, probes)
+    assert len(failed) == 2 and len(set(failed)) == 2  # the other engine, then E: once each
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2 and "p2" in prompts
+
+
+@pytest.mark.parametrize("load_starts", ["before-the-refresh", "during-its-health-check"])
+def test_an_engine_reporting_a_version_it_is_still_being_told_about_is_not_retired(tmp_path, standins, load_starts):
+    """SGLang sets the version `/model_info` reports when the load is done, before its reply
+    reaches the adapter (tokenizer_manager.update_weights_from_disk): for a while the engine is
+    ahead of what the adapter recorded. A refresh in that window must give no verdict: the
+    engine is healthy and holds what it was told to load. Both orders forced with gates: the
+    load's reply held after the engine switched, and (second case) the refresh's /health held
+    until then. (The stand-in's loads are otherwise instantaneous: without the gates no refresh
+    can ever see this window.)"""
+    fleet, engines = _engines(standins, tmp_path, 31900)
+    (tmp_path / "w").mkdir()
+    real_get, real_post = fleet.get, fleet.post
+    switched, reply_go, health_in, health_go = (asyncio.Event() for _ in range(4))
+
+    async def post(url, payload):
+        reply = await real_post(url, payload)  # the engine now reports the new version
+        switched.set()
+        await asyncio.wait_for(reply_go.wait(), 10)  # ... and its reply is still on its way
+        return reply
+
+    async def get(url):
+        if url.endswith("/health") and "31900" in url and load_starts == "during-its-health-check":
+            health_in.set()
+            await asyncio.wait_for(health_go.wait(), 10)
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        fleet.get, fleet.post = get, post
+        if load_starts == "before-the-refresh":
+            load = asyncio.ensure_future(engines.load(0, "4", str(tmp_path / "w")))
+            await asyncio.wait_for(switched.wait(), 10)
+            assert (await engines.refresh()) == ([], [])
+        else:
+            refresh = asyncio.ensure_future(engines.refresh())
+            await asyncio.wait_for(health_in.wait(), 10)
+            load = asyncio.ensure_future(engines.load(0, "4", str(tmp_path / "w")))
+            await asyncio.wait_for(switched.wait(), 10)
+            health_go.set()
+            assert (await refresh) == ([], [])
+        assert fleet.engines[0].version == "4" and engines._loaded_tags[0] == "3"  # the window was open
+        reply_go.set()
+        await load
+        fleet.get, fleet.post = real_get, real_post
+        assert await engines.refresh() == ([], [])  # it holds 4, which was loaded
+
+    asyncio.run(run())
+
+
+def test_a_url_listed_under_two_registrations_is_not_taken_for_a_restart(tmp_path, standins):
+    """sglang-router 0.3.2 refuses a second registration of a URL (test above), but a router
+    that listed one URL under two ids, in an order that varies between reads (a hash map), made
+    the adapter keep whichever came last and take the other for "a new registration": a healthy
+    engine retired on every other refresh, with its trajectories. An id is evidence of a restart
+    only when the one the adapter knew is no longer listed for that URL."""
+    fleet, engines = _engines(standins, tmp_path, 32000)
+    (tmp_path / "w").mkdir()
+    real_get = fleet.get
+    reads = [0]
+
+    async def get(url):
+        reply = await real_get(url)
+        if url.endswith("/workers"):
+            reads[0] += 1
+            first = reply["workers"][0]
+            twin = dict(first, id="twin-" + first["id"])
+            pair = [first, twin] if reads[0] % 2 else [twin, first]
+            reply = {"workers": pair + reply["workers"][1:]}
+        return reply
+
+    fleet.get = get
+
+    async def run():
+        assert await engines.discover() == [2, 2]
+        await engines.load(0, "3", str(tmp_path / "w"))
+        for _ in range(4):
+            assert await engines.refresh() == ([], []), engines.reasons
+        # Both registrations gone and a new one at the URL: that is a restart.
+        fleet.get = real_get
+        fleet.restart_engine(32000, reregister=True)
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "new registration" in engines.reasons[0]
+
+    asyncio.run(run())
+
+
+def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_path, standins):
+    """Two refreshes see the same restart at once (a trajectory answered with the successor's
+    launch version, and the periodic watcher): the instance is failed once, the successor joins
+    once. Order forced: the trajectory's refresh is held at the victim's /model_info until a
+    second refresh (what `_watch_engines` calls) has started and reached its first wait, and, if
+    that second one got into the engines' refresh (nothing serialised them), until it is done;
+    the periodic watcher itself is pushed out of the run (600 s)."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2, use_fault_tolerance=True)
+    args.dora_slime["engine_check_interval_s"] = 600
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=32100)
+    victim = fleet.engines[0]
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    seen = collections.defaultdict(list)
+    session.probe = lambda name, value: seen[name].append(value)
+    real_get, real_refresh, real_engines_refresh = fleet.get, session._refresh, session.engines.refresh
+    entered, left = asyncio.Event(), asyncio.Event()
+    held: list = []
+    inside = [0]  # refreshes inside SglangEngines.refresh now
+
+    async def refresh():
+        entered.set()
+        return await real_refresh()
+
+    async def engines_refresh():
+        inside[0] += 1
+        try:
+            return await real_engines_refresh()
+        finally:
+            inside[0] -= 1
+            left.set()
+
+    async def get(url):
+        if (url == victim.url + "/model_info" and standins.ENGINES[victim.port] is not victim
+                and not held):
+            held.append(url)
+            entered.clear()
+            session._spawn(session._refresh())  # the second refresh, as the watcher starts it
+            await asyncio.wait_for(entered.wait(), 10)
+            while inside[0] > 1:  # it runs beside this one: let it finish first
+                left.clear()
+                await asyncio.wait_for(left.wait(), 10)
+        return await real_get(url)
+
+    def on_start(engine):
+        if engine is victim and engine.started == 3:
+            fleet.restart_engine(victim.port, reregister=False)
+
+    fleet.get = get
+    session._refresh = refresh
+    session.engines.refresh = engines_refresh
+    standins.ON_START = on_start
+    try:
+        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+    finally:
+        standins.ON_START = None
+    assert held, "the restart was never checked"
+    assert seen["engine_failed"] == [0] and seen["engine_joined"] == [2], dict(seen)
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 6 * 2
+    assert outs[5].metrics["dora/failed_groups"] == 0
+
+
+@pytest.mark.parametrize("answer", ["error-status", "never", "no-field"])
+def test_an_engine_whose_model_info_gives_no_answer_is_not_retired(tmp_path, standins, answer):
+    """/model_info that fails, hangs past the health timeout, or has no `weight_version` (an older
+    SGLang) is no evidence: a healthy engine stays. A restart whose registration was renewed is
+    still told by the router's id."""
+    fleet, engines = _engines(standins, tmp_path, 32200)
+    engines.health_timeout_s = 0.05  # the hang below is cut by it
+    (tmp_path / "w").mkdir()
+    real_get = fleet.get
+    never = asyncio.Event()
+
+    async def get(url):
+        if url.endswith("/model_info"):
+            if answer == "error-status":
+                raise RuntimeError("503 Service Unavailable")
+            if answer == "never":
+                await never.wait()
+            return {"model_path": "m"}
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        fleet.get = get
+        fleet.engines[0].version = "default"  # what it reports would differ, if it said
+        assert await engines.refresh() == ([], [])
+        fleet.restart_engine(32200, reregister=True)
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "new registration" in engines.reasons[0]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("reregister", [True, False], ids=["new-registration", "old-registration-kept"])
+def test_an_engine_restarted_during_a_weight_load(tmp_path, standins, reregister):
+    """The engine dies while loading and slime restarts it at its address; slime's HTTP client
+    retries the load there, so the successor performs it. A renewed registration retires the
+    instance at once, loading or not (the late load reply records nothing for it). With the old
+    registration kept, a refresh gives no verdict while the load runs, and afterwards the
+    successor holds exactly the version loaded: it stays (no trajectory ran on it: loads wait
+    for the engine to drain)."""
+    fleet, engines = _engines(standins, tmp_path, 32300)
+    (tmp_path / "w").mkdir()
+    real_post = fleet.post
+    in_load, go = asyncio.Event(), asyncio.Event()
+
+    async def post(url, payload):
+        in_load.set()
+        await asyncio.wait_for(go.wait(), 10)
+        return await real_post(url, payload)  # lands on whichever engine serves the URL now
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        fleet.post = post
+        load = asyncio.ensure_future(engines.load(0, "4", str(tmp_path / "w")))
+        await asyncio.wait_for(in_load.wait(), 10)
+        successor = fleet.restart_engine(32300, reregister=reregister)
+        gone, new = await engines.refresh()
+        assert (gone, new) == (([0], [(2, 2)]) if reregister else ([], []))
+        go.set()
+        await load
+        assert successor.version == "4"
+        if reregister:
+            assert 0 not in engines._loaded_tags and 2 not in engines._loaded_tags
+        else:
+            assert engines._loaded_tags[0] == "4"
+        assert await engines.refresh() == ([], [])
+
+    asyncio.run(run())

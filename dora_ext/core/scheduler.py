@@ -1282,6 +1282,7 @@ class Scheduler:
                     self._r5_stuck.pop(b, None)
             if self._queue.get(b):
                 self._dispatch(b)
+                n_run = inst.nrun  # (the dispatch may have given the instance new work)
             if not n_run:
                 self._idle[inst.id] = None
                 self._plan_instance(inst)

@@ -86,6 +86,10 @@ class _Ledger:
             assert list(inst.ps) == sorted(inst.ps)  # appended in placement order
         for iid in where:
             assert iid in s.instances, (iid, "runs work but is not registered")
+        # An idle instance runs nothing (a finish that emptied an instance which its own dispatch
+        # refilled at once left the busy instance listed as idle, out of its place in that order).
+        busy = [iid for iid in s._idle if iid in s.instances and s.instances[iid].nrun]
+        assert not busy, (busy, "listed idle while running work")
 
 
 def _checked(cls):

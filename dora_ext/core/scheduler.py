@@ -196,8 +196,10 @@ class _Instance:
     `_NOP`), and `nrun` counts the live entries. A trajectory that leaves (finishes, fails, moves
     away) only decrements `nrun`: no hash table per instance is touched on the hot path (with 10k
     instances those tables did not fit the CPU caches). Dead entries are dropped when the log is
-    cleared (`nrun` reaches 0) or compacted (`Scheduler._place`), so the log stays within about
-    three times the live entries."""
+    cleared (`nrun` reaches 0) or compacted (`Scheduler._place`, before a placement into a log
+    longer than three times the live entries + 32), so a log stays within three times what ran
+    at its last placement + 33: at most `3 * capacity + 33` entries, not three times what runs
+    now (departures alone never compact)."""
 
     __slots__ = ("id", "capacity", "version", "loading", "nrun", "hs", "ps", "_tp")
 
@@ -1506,7 +1508,7 @@ class Scheduler:
             tm = self._tm
             for h in src.live():
                 if tm[h]:
-                    continue  # its first move may still be in flight: a trajectory moves at most once
+                    continue  # its move may still be in flight: it moves again only after MigrationLanded
                 movable = True
                 if dst is None or dst is src or dst.nrun >= dst_full:
                     # The most loaded holder still below the threshold (the previous destination
@@ -1551,10 +1553,11 @@ class Scheduler:
             g = self._gslot.get(gid)
             ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
             h = g * self.n + int(idx) if ok else None
-            if h not in s.running or d.nrun >= d.capacity:
+            if s is d or h not in s.running or d.nrun >= d.capacity:
+                # (a move onto its own instance left the occupancy levels wrong: a KeyError later)
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
             if self._tm[h]:
-                continue  # its first move may still be in flight: a trajectory moves at most once
+                continue  # its move may still be in flight: it moves again only after MigrationLanded
             self._move(v, h, s, d)
         for i in holders:
             if not i.nrun:

@@ -149,3 +149,36 @@ def test_a_migration_plugin_is_called_and_its_plan_applied():
         assert {a.instance_id for a in h.of(LoadVersion, mark) if a.version == 1} == freed
     assert calls and calls[0] == (0, [2, 2, 2, 2])
     assert packs["hook"] == packs["builtin"] == [4, 4]
+
+
+def test_a_migration_plan_onto_the_same_instance_is_refused():
+    """A plugin's move whose source is its destination is not feasible: it is refused with a
+    `ProtocolError` naming the move (it raised a bare KeyError from the occupancy levels, after
+    the instance's count and levels had gone out of step)."""
+    import importlib.util
+    import pathlib
+
+    from dora_ext.core import Scheduler
+    from dora_ext.core.scheduler import ProtocolError
+
+    spec = importlib.util.spec_from_file_location("rules", pathlib.Path(__file__).with_name("test_rules.py"))
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+
+    class OntoItself:
+        @hookimpl
+        def dora_plan_migration(self, version, instances, newest_version, fill):
+            i = instances[0]
+            return [(g, idx, i["id"], i["id"]) for g, idx in i["running"][:1]]
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(OntoItself())
+    h = rules.Harness.__new__(rules.Harness)
+    h.s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 2,
+                                          "group_size": 2, "instances": 4, "capacity": 8}), pm)
+    h.log, h.next_gid, h.running = [], 0, {}
+    h.feed_actions(h.s.start())
+    h.finish_group(0)
+    h.finish_group(1)
+    with pytest.raises(ProtocolError, match="from 0 to 0 is not feasible"):
+        h.train(0)

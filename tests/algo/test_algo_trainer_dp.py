@@ -44,7 +44,11 @@ def _rank(rank: int, port: int, positions: bool, policy, out) -> None:
         for p in SHARES[rank]:
             tr.add_group(groups[p], p if positions else None)
         metrics = tr.finish_step(2)
-        out.put((rank, {k: v.clone() for k, v in tr.policy.state_dict().items()}, metrics))
+        # As bytes: a tensor put on the queue travels as a shared-memory file descriptor that the
+        # parent fetches from this process, which may have exited by then (ConnectionResetError).
+        buf = io.BytesIO()
+        torch.save(tr.policy.state_dict(), buf)
+        out.put((rank, buf.getvalue(), metrics))
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out.put((rank, repr(exc), None))
@@ -66,7 +70,7 @@ def _two_ranks(policy, positions: bool) -> dict:
         for _ in procs:
             rank, state, metrics = out.get(timeout=120)
             assert metrics is not None, state
-            results[rank] = (state, metrics)
+            results[rank] = (torch.load(io.BytesIO(state), weights_only=True), metrics)
     finally:
         for p in procs:
             p.join(timeout=30)

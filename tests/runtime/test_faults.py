@@ -44,6 +44,10 @@ class KillingRuntime(Runtime):
             self.running_at_kill = len(inst.running)
             os.kill(self.instance_pids[self.victim], signal.SIGKILL)
             self.killed = True
+            # The death is found at once: left to the coordinator's periodic look, a kill near the
+            # end of the run could go unnoticed until the last step was trained (seen under CI load).
+            self.instance_handles[self.victim].join(timeout=60)
+            self._watch(self.trainer_handles)
 
     def _send_step(self, step, rest):
         if self.starting:

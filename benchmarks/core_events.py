@@ -14,8 +14,9 @@ keep slots of instances that still run old-version stragglers empty, so the mean
 slots (about a quarter to three quarters of them with this driver); a row is as large as its
 `in flight mean` says, not as its slots. The window is long enough to hold several trainer
 steps where the slots allow (at least 200k events, at least four steps' worth); what happens
-inside it (events, steps, publishes, version switches, migrations) is counted and printed: a
-row whose window holds no step measured nothing of R3/R4/R5 and says so.
+inside it (events, steps, publishes, version switches, migrations, and of those the moves of a
+trajectory that had moved before in its attempt, each one more KV transfer) is counted and
+printed: a row whose window holds no step measured nothing of R3/R4/R5 and says so.
 
 Only the CPU time (`time.process_time`) spent inside `Scheduler.handle_many` is counted, with
 the garbage collector on (its cost grows with the objects the scheduler keeps, so it is part
@@ -71,7 +72,8 @@ class Bench:
         self.running: deque = deque()  # [gid, idx, laps left] oldest first
         self.todo: deque = deque()
         self.next_gid = 0
-        self.count = {"steps": 0, "publishes": 0, "switches": 0, "migrations": 0, "dispatches": 0}
+        self.count = {"steps": 0, "publishes": 0, "switches": 0, "migrations": 0, "remigrations": 0, "dispatches": 0}
+        self.moved: set = set()  # (gid, idx) of running trajectories that moved at least once
 
     def execute(self, actions) -> None:
         count = self.count
@@ -99,6 +101,11 @@ class Bench:
                 # destination (it keeps its place among the running: its remaining work moved
                 # with it), and R5 may move it again.
                 count["migrations"] += 1
+                key = (a.group_id, a.index)
+                if key in self.moved:
+                    count["remigrations"] += 1  # a move of a trajectory that moved before (a KV transfer more)
+                else:
+                    self.moved.add(key)
                 self.todo.append(MigrationLanded(a.group_id, a.index, 0))
 
     def next_batch(self) -> list:
@@ -111,6 +118,7 @@ class Bench:
             if laps:
                 running.append((gid, idx, laps - 1))  # a straggler: it finishes a lap later
                 continue
+            self.moved.discard((gid, idx))
             out.append(TrajectoryFinished(gid, idx, tokens=100, reward=1.0))
         return out
 
@@ -217,6 +225,7 @@ def _line(r: dict, tag: str = "") -> str:
             f"min={r['in_flight_min']:>9,} events/s={r['events_per_s']:>9,} us/event={r['us_per_event']:>7} "
             f"bytes/traj={r['core_bytes_per_in_flight']:>5} | window: events={r['events']:,} "
             f"steps={r['window_steps']} switches={r['window_switches']} migrations={r['window_migrations']} "
+            f"(of a trajectory moved before: {r['window_remigrations']}) "
             f"live groups {r['live_groups_start']:,}->{r['live_groups_end']:,}")
 
 

@@ -961,6 +961,7 @@ class Scheduler:
             self._tm[base:end] = self._zero_b
             self._tr[base:end] = self._nan_d
             self._ti[base:end] = self._noi
+            self._tp[base:end] = self._nop  # (a failed instance's handles kept their stamp)
             self._tt[base:end] = self._zero_q
             self._tv[base:end] = self._nov
             self._gst[g] = _ACTIVE

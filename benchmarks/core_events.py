@@ -28,6 +28,8 @@ running then. Flatness is the dearest row's cost per event over the cheapest row
     python benchmarks/core_events.py            # the full table (the 1M rows take a while)
     python benchmarks/core_events.py --quick    # up to 100k slots
     python benchmarks/core_events.py --json     # {"rows": [...], "flatness": ...}
+    python benchmarks/core_events.py --no-landings   # no MigrationLanded answers (the embedded
+        # runtime and verl send none today): a trajectory moves at most once per attempt
     python benchmarks/core_events.py --quick --baseline main   # each row also measured with
         # dora_ext/core/scheduler.py as of git revision `main`, side by side in this run
 
@@ -58,7 +60,9 @@ BUDGET_X = 1.0  # the R2 budget over the slots
 
 
 class Bench:
-    def __init__(self, K: int, in_flight: int, instances: int, seed: int = 0, scheduler: type = Scheduler) -> None:
+    def __init__(self, K: int, in_flight: int, instances: int, seed: int = 0, scheduler: type = Scheduler,
+                 landings: bool = True) -> None:
+        self.landings = landings
         cap = max(1, in_flight // instances)
         # The R2 budget, (K + 1) * B groups, is 1.5x the slots: completed groups waiting for their
         # step hold budget too, and with a budget of exactly the slots the fleet ran ~15% empty.
@@ -106,7 +110,8 @@ class Bench:
                     count["remigrations"] += 1  # a move of a trajectory that moved before (a KV transfer more)
                 else:
                     self.moved.add(key)
-                self.todo.append(MigrationLanded(a.group_id, a.index, 0))
+                if self.landings:  # without: as the embedded runtime and verl, which send none
+                    self.todo.append(MigrationLanded(a.group_id, a.index, 0))
 
     def next_batch(self) -> list:
         out = []
@@ -123,10 +128,11 @@ class Bench:
         return out
 
 
-def measure(K: int, in_flight: int, instances: int, events: int | None = None, scheduler: type = Scheduler) -> dict:
+def measure(K: int, in_flight: int, instances: int, events: int | None = None, scheduler: type = Scheduler,
+            landings: bool = True) -> dict:
     gc.collect()
     tracemalloc.start()
-    b = Bench(K, in_flight, instances, scheduler=scheduler)
+    b = Bench(K, in_flight, instances, scheduler=scheduler, landings=landings)
     sched = b.sched
     b.execute(sched.start())
     # Fill (not timed): answer everything until the engines are full and the pool is primed.
@@ -235,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="skip the 1M-in-flight rows")
     p.add_argument("--events", type=int, default=None, help="events measured per row (default: >= 4 steps)")
     p.add_argument("--k", default="1,2,3", help="comma-separated K values")
+    p.add_argument("--no-landings", dest="landings", action="store_false",
+                   help="answer no Migrate with MigrationLanded (as the embedded runtime and verl's "
+                        "coordinator today: a trajectory then moves at most once per attempt)")
     p.add_argument("--baseline", metavar="REV", default=None,
                    help="also measure dora_ext/core/scheduler.py as of git revision REV, row by row "
                         "in this run, and print the ratio")
@@ -246,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.quick and in_flight > 100_000:
                 continue
             if base is not None:
-                base_rows.append(measure(K, in_flight, instances, args.events, scheduler=base))
+                base_rows.append(measure(K, in_flight, instances, args.events, scheduler=base, landings=args.landings))
                 base_rows[-1]["slots"] = in_flight
                 if not args.json:
                     print(_line(base_rows[-1], f"[{args.baseline}] "), flush=True)
-            rows.append(measure(K, in_flight, instances, args.events))
+            rows.append(measure(K, in_flight, instances, args.events, landings=args.landings))
             rows[-1]["slots"] = in_flight
             if not args.json:
                 print(_line(rows[-1], "[this]  " if base is not None else ""), flush=True)

@@ -64,7 +64,25 @@ class DieMidReport(InstanceLoop):
         self.outbox = _CutOutbox(self, self.outbox)
 
 
-class HoldForPublish(InstanceLoop):
+class _HoldsAStartedSequence(InstanceLoop):
+    """Once `armed`, decodes until some unfinished sequence has at least one response token, then
+    holds (`holding`: a subclass stops decoding) and reports ("held", iid, request_id, tokens)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.holding = False
+
+    def decode(self) -> None:
+        super().decode()
+        if self.armed and not self.holding:
+            started = [(rid, n) for rid, n in self.engine.progress().items() if n >= 1]
+            if started:
+                self.holding = True
+                self.outbox.put(("held", self.iid, *started[0]))
+
+
+class HoldForPublish(_HoldsAStartedSequence):
     """Makes a sequence span a weight load (mode `partial`), whatever the timing.
 
     ("hold",) arms the hold. Once armed, the loop decodes until some unfinished sequence has at
@@ -73,11 +91,6 @@ class HoldForPublish(InstanceLoop):
     under the new version); a load before the hold is in force leaves it armed. If the engine has
     no work once the commands waiting are taken, it reports ("hold_missed", iid) and disarms.
     Commands (and the load) are still taken while it holds."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.armed = False
-        self.holding = False
 
     def handle(self, cmd: tuple) -> None:
         if cmd[0] == "hold":
@@ -93,27 +106,14 @@ class HoldForPublish(InstanceLoop):
             self.outbox.put(("hold_missed", self.iid))
         return not self.holding and super().can_decode()
 
-    def decode(self) -> None:
-        super().decode()
-        if self.armed and not self.holding:
-            started = [(rid, n) for rid, n in self.engine.progress().items() if n >= 1]
-            if started:
-                self.holding = True
-                self.outbox.put(("held", self.iid, *started[0]))
 
-
-class HoldAfterLoad(InstanceLoop):
+class HoldAfterLoad(_HoldsAStartedSequence):
     """A victim that cannot finish its work before it is killed: once it has loaded a version >= 1
     (so after the trainer's first step), the loop decodes until some unfinished sequence has at
     least one response token, then stops decoding for good and reports ("held", iid, request_id,
     tokens). That sequence is still running there, whatever the timing, when a test that kills
     the instance on that report does so. Commands are still taken while it holds (a migrated
     sequence still leaves it)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.armed = False
-        self.holding = False
 
     def handle(self, cmd: tuple) -> None:
         super().handle(cmd)
@@ -122,14 +122,6 @@ class HoldAfterLoad(InstanceLoop):
 
     def can_decode(self) -> bool:
         return not self.holding and super().can_decode()
-
-    def decode(self) -> None:
-        super().decode()
-        if self.armed and not self.holding:
-            started = [(rid, n) for rid, n in self.engine.progress().items() if n >= 1]
-            if started:
-                self.holding = True
-                self.outbox.put(("held", self.iid, *started[0]))
 
 
 class LateFirstLoad:

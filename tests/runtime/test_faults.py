@@ -918,13 +918,26 @@ def test_a_source_that_dies_once_its_export_was_read_redoes_only_what_it_lost():
 
 
 class RecordsExports(StalledFirst, Runtime):
-    """Instance 0 stalls first (`faults.StalledFirst`); every export read is recorded."""
+    """Instance 0 stalls first (`faults.StalledFirst`); every export read is recorded. An
+    "imported" report read before its writer's death was noticed is followed at once by a look at
+    the workers (after waiting for the writer's exit when `victim` is it, `faults.DieAfterImport`):
+    its landing is applied and the death handled with no other report between them (left to the
+    coordinator's periodic look, an instance running dry meanwhile could have R5 spread the landed
+    sequence off the dead destination: a move to a dead process, retried). A death noticed first
+    takes the report from the dead worker's pipe (`_drain`): no landing is sent."""
 
     exported: list = []
+    victim = 1
 
     def _on_export(self, src, dst, state):
         self.exported.append((state.request_id, src, dst, dst in self.inboxes))
         super()._on_export(src, dst, state)
+
+    def _on_message(self, msg):
+        super()._on_message(msg)
+        if msg[0] == "imported" and msg[1] == self.victim and self.victim not in self.failed_instances:
+            self.instance_handles[self.victim].join(timeout=60)
+            self._watch(self.trainer_handles)
 
 
 @pytest.mark.slow

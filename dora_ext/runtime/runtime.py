@@ -15,7 +15,8 @@ What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards
 checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
 engine, timed), same-version migration (the sequence's KV cache moves between engines; the
 destination's "imported" report is answered to the scheduler with `MigrationLanded`, so R5 may
-move a trajectory again, `_on_imported`), and the core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
+move a trajectory again, `_on_imported`), and the core split between rollout and trainer
+(`RuntimeSpec`). Nothing is simulated.
 
 Faults and checkpoints. The coordinator watches its worker processes. Before a dead worker is
 declared failed, every complete report still on its pipe is taken (a trajectory it finished, a

@@ -8,7 +8,8 @@ id, assumed the old weights were loaded, and failed every trajectory the success
 its launch weight version until their retries ran out.
 
 slime is ABSENT here (CI): the stand-ins of `slime_standins.py` speak SGLang's and sglang-router's
-HTTP interface (a fresh router id per registration, `/model_info`'s `weight_version`), and the
+HTTP interface (a fresh router id per registration, the `weight_version` of `/server_info`'s
+internal states and of `/model_info`), and the
 stand-in generate retries at the same URL as slime's HTTP client does. The restart is forced as
 the victim's 3rd request starts; the periodic refresh is pushed out of the run
 (`engine_check_interval_s` = 600 s), so no refresh can fall between the death and the restart.
@@ -114,7 +115,7 @@ def test_a_load_in_flight_voids_the_version_check(tmp_path, standins):
 
         async def get(url):
             reply = await real_get(url)
-            if url.endswith("/model_info") and "31400" in url:
+            if url.endswith("/server_info") and "31400" in url:
                 # The worker starts loading version 4 while this answer ("3") is on its way.
                 await engines.load(0, "4", str(tmp_path / "w"))
             return reply
@@ -455,7 +456,7 @@ def test_a_url_listed_under_two_registrations_is_not_taken_for_a_restart(tmp_pat
 def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_path, standins):
     """Two refreshes see the same restart at once (a trajectory answered with the successor's
     launch version, and the periodic watcher): the instance is failed once, the successor joins
-    once. Order forced: the trajectory's refresh is held at the victim's /model_info until a
+    once. Order forced: the trajectory's refresh is held at the victim's /server_info until a
     second refresh (what `_watch_engines` calls) has started and reached its first wait, and, if
     that second one got into the engines' refresh (nothing serialised them), until it is done;
     the periodic watcher itself is pushed out of the run (600 s)."""
@@ -485,7 +486,7 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
             left.set()
 
     async def get(url):
-        if (url == victim.url + "/model_info" and standins.ENGINES[victim.port] is not victim
+        if (url == victim.url + "/server_info" and standins.ENGINES[victim.port] is not victim
                 and not held):
             held.append(url)
             entered.clear()
@@ -517,9 +518,9 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
 
 @pytest.mark.parametrize("answer", ["error-status", "never", "no-field"])
 def test_an_engine_whose_model_info_gives_no_answer_is_not_retired(tmp_path, standins, answer):
-    """/model_info that fails, hangs past the health timeout, or has no `weight_version` (an older
-    SGLang) is no evidence: a healthy engine stays. A restart whose registration was renewed is
-    still told by the router's id."""
+    """/server_info and /model_info that fail, hang past the health timeout, or have no
+    `weight_version` (an older SGLang) are no evidence: a healthy engine stays. A restart whose
+    registration was renewed is still told by the router's id."""
     fleet, engines = _engines(standins, tmp_path, 32200)
     engines.health_timeout_s = 0.05  # the hang below is cut by it
     (tmp_path / "w").mkdir()
@@ -527,7 +528,7 @@ def test_an_engine_whose_model_info_gives_no_answer_is_not_retired(tmp_path, sta
     never = asyncio.Event()
 
     async def get(url):
-        if url.endswith("/model_info"):
+        if url.endswith(("/model_info", "/server_info")):
             if answer == "error-status":
                 raise RuntimeError("503 Service Unavailable")
             if answer == "never":

@@ -17,18 +17,9 @@ import textwrap
 
 import pytest
 
-from slime_helpers import HARNESS, SimulatedSlimeDriver, install_fleet_session, make_args
+from slime_helpers import HARNESS, SimulatedSlimeDriver, fleet_engines, install_fleet_session, make_args
 
 from dora_ext.slime.data_source import DoraDataSource
-from dora_ext.slime.engines import SglangEngines
-from dora_ext.slime.settings import slime_settings
-
-
-def _engines(standins, tmp_path, port, n=2):
-    args = make_args(tmp_path, capacity=2)
-    fleet = standins.FakeSglangFleet(n, capacity=2, base_port=port)
-    (tmp_path / "w").mkdir(exist_ok=True)
-    return fleet, SglangEngines(args, slime_settings(args), http=fleet)
 
 
 class Interrupted(BaseException):
@@ -42,7 +33,7 @@ def test_a_refresh_interrupted_part_way_keeps_what_it_would_have_dropped(tmp_pat
     cancelled there, or the await raising). It used to drop engine 0 before that await: the
     caller never got `gone`, and the next refresh no longer knew engine 0, so the scheduler
     was never told. Now nothing changes, and the next refresh reports it."""
-    fleet, engines = _engines(standins, tmp_path, 32400)
+    fleet, engines = fleet_engines(standins, tmp_path, 32400)
     real_get = fleet.get
     asked, never = asyncio.Event(), asyncio.Event()
 
@@ -84,7 +75,7 @@ def test_one_refresh_asks_every_engine_concurrently(tmp_path, standins):
     """Engine 0's /health answers only once engine 1's /health has been asked in the same pass
     (bounded: asked one after the other, engine 0's check times out and it would be declared
     dead). Each engine is asked once per pass."""
-    fleet, engines = _engines(standins, tmp_path, 32500)
+    fleet, engines = fleet_engines(standins, tmp_path, 32500)
     engines.health_timeout_s = 5.0
     real_get = fleet.get
     other_asked = asyncio.Event()
@@ -165,7 +156,7 @@ def test_an_engine_with_several_tokenizer_workers_is_judged_by_its_schedulers_ve
     worker, so it reports the launch version half the time. The adapter read `/model_info` and
     retired a healthy engine as "restarted". It now reads the scheduler's version
     (`/server_info`'s internal states); a real restart is still caught."""
-    fleet, engines = _engines(standins, tmp_path, 32700)
+    fleet, engines = fleet_engines(standins, tmp_path, 32700)
     for e in fleet.engines:
         e.tokenizer_workers = 2
 
@@ -191,7 +182,7 @@ def test_without_the_schedulers_version_model_info_decides_only_with_one_tokeniz
     decides when the engine runs one tokenizer worker (or does not say); with several, its answer
     is one worker's copy and gives no verdict (a restart with a renewed registration is still
     told by the router's id)."""
-    fleet, engines = _engines(standins, tmp_path, 32800)
+    fleet, engines = fleet_engines(standins, tmp_path, 32800)
     real_get = fleet.get
 
     async def get(url):

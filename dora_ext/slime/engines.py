@@ -12,7 +12,9 @@ training rollouts. `generate_and_reward` is slime's `generate_and_rm` without th
 Weights are loaded with SGLang's `/update_weights_from_disk`, tagged with the version so that
 SGLang reports it in every response (`Sample.weight_versions`).
 
-Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health`, so
+Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health` (all
+engines at once; every answer is in before anything changes, so a refresh that raises or is
+cancelled part-way changes nothing), so
 an engine that died leaves (its trajectories go back to the same version elsewhere) and one that
 slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
 weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
@@ -26,10 +28,16 @@ from the one the adapter knew, whenever it is looked at:
 
 * the router's worker id: sglang-router gives every registration a fresh id (slime's
   `SGLangEngine.shutdown` deletes the dead engine's registration, its successor registers anew);
-* the weight version the engine reports (SGLang's `/model_info`): a restarted server reports its
-  launch version (SGLang's `--weight-version`, "default"), not the one the adapter loaded. This
-  also catches a restart whose old registration was never deleted (the router then keeps the old
-  id and refuses the duplicate).
+* the weight version the engine's scheduler reports (SGLang's `/server_info`, `internal_states`):
+  a restarted server reports its launch version (SGLang's `--weight-version`, "default"), not the
+  one the adapter loaded. This also catches a restart whose old registration was never deleted
+  (the router then keeps the old id and refuses the duplicate). `/model_info` is not asked first:
+  with `--tokenizer-worker-num` > 1 it answers from one tokenizer worker's copy of the version,
+  which only the worker that ran the weight update changes (SGLang 0.5.23,
+  `tokenizer_control_mixin._update_weight_version_if_provided`; only pause/continue is broadcast
+  to the workers), so it reports the launch version for a healthy engine. It is asked only where
+  `/server_info` carries no version and the engine runs one tokenizer worker (see
+  `reported_version`).
 
 Either one retires the instance id (`InstanceFailed`) and the engine joins under a fresh, larger
 id (`InstanceReady`), so the scheduler loads a version onto it before sending it work. The rollout

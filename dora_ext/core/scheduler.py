@@ -1536,28 +1536,34 @@ class Scheduler:
             self._plan_instance(i)
 
     def _consolidate_plugin(self, v: int) -> None:
-        """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan."""
+        """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan.
+
+        O(view + moves): the view is built once, and each move is checked in O(1) against the
+        state as the earlier moves of the plan left it (`_ti[h]` names the instance a trajectory
+        runs on: it is `src` only while it runs there)."""
         instances = self.instances
         holders = [instances[i] for n, level in self._lv.get(v, {}).items() if n for i in level]
         holders.sort(key=lambda i: i.id)
+        key = self._key
         plan = self._plan_migration(
             version=v,
-            instances=[{"id": i.id, "capacity": i.capacity, "running": list(map(self._key, i.running))}
+            instances=[{"id": i.id, "capacity": i.capacity, "running": [key(h) for h in i.live()]}
                        for i in holders],
             newest_version=self.newest,
             fill=self.config.migrate_threshold,
         )
+        n, ti, tm, gslot = self.n, self._ti, self._tm, self._gslot
         for gid, idx, src, dst in plan or ():
             s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
-            g = self._gslot.get(gid)
-            ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
-            h = g * self.n + int(idx) if ok else None
-            if s is d or h not in s.running or d.nrun >= d.capacity:
+            g = gslot.get(gid) if isinstance(gid, (int, str)) else None  # (a list is unhashable)
+            ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < n
+            h = g * n + int(idx) if ok else None
+            if s is d or h is None or ti[h] != s.id or d.nrun >= d.capacity:
                 # (a move onto its own instance left the occupancy levels wrong: a KeyError later)
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
-            if self._tm[h]:
+            if tm[h]:
                 continue  # its move may still be in flight: it moves again only after MigrationLanded
             self._move(v, h, s, d)
         for i in holders:

@@ -143,7 +143,9 @@ def _json_data(x: Any, where: str, depth: int = 0) -> Any:
                     f"{where} has the key {_brief(k)} ({type(k).__name__}): the keys of a JSON object are "
                     f"str (a JSON round trip, as the snapshot's, would give back another key)"
                 )
-            out[str(k)] = _json_data(v, f"{where}[{k!r}]", depth + 1)
+            tv = type(v)
+            # (a str, int or bool value as is, without the call: the common meta is a flat mapping)
+            out[str(k)] = v if tv is str or tv is int or tv is bool else _json_data(v, f"{where}[{k!r}]", depth + 1)
         return out
     if isinstance(x, (list, tuple)):
         return [_json_data(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]

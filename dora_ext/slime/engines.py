@@ -36,7 +36,8 @@ from the one the adapter knew, whenever it is looked at:
   which only the worker that ran the weight update changes (SGLang 0.5.23,
   `tokenizer_control_mixin._update_weight_version_if_provided`; only pause/continue is broadcast
   to the workers), so it reports the launch version for a healthy engine. It is asked only where
-  `/server_info` carries no version and the engine runs one tokenizer worker (see
+  `/server_info` carries no version and the engine runs one tokenizer worker, or where the engine
+  has no `/server_info` (404); a `/server_info` that fails otherwise gives no verdict (see
   `reported_version`).
 
 Either one retires the instance id (`InstanceFailed`) and the engine joins under a fresh, larger

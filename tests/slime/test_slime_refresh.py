@@ -425,11 +425,11 @@ def test_a_cancelled_refresh_caller_leaves_the_others_their_pass(outcome):
         s3, r3 = engines.hold_next(Interrupted("pass 3"))
         d = asyncio.ensure_future(session._refresh())
         await asyncio.wait_for(s3.wait(), 10)
+        runner = session._refresh_runner
         d.cancel()
         r3.set()
-        while session._refresh_runner is not None:
-            await asyncio.sleep(0)
-        assert session.refresh_passes == 3
+        await asyncio.wait_for(runner, 10)  # the runner hands a pass's failure to its callers, never raises
+        assert session.refresh_passes == 3 and session._refresh_runner is None
         import gc
 
         gc.collect()
@@ -500,5 +500,40 @@ def test_a_router_that_never_answers_does_not_hold_the_refresh_callers(tmp_path,
         hang[0] = False
         fleet.engines[0].alive = False
         assert await engines.refresh() == ([0], [])
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("first", ["restarted", "slow"])
+def test_a_slow_server_info_beside_a_restarted_engine(tmp_path, standins, first):
+    """Engine 0 was restarted (its registration kept: only its version tells); engine 1 is healthy
+    and its `/server_info` is slow. Both orders forced within the one pass: the answer of one
+    engine's `/server_info` is held until the other's has been answered. Either way the pass
+    retires engine 0 alone (its successor joins), and engine 1 keeps its instance."""
+    fleet, engines = fleet_engines(standins, tmp_path, 33300)
+    real_get = fleet.get
+    answered = {0: asyncio.Event(), 1: asyncio.Event()}
+    held = 0 if first == "slow" else 1  # the one answered second
+
+    async def get(url):
+        if url.endswith("/server_info"):
+            i = next(i for i, e in enumerate(fleet.engines[:2]) if url.startswith(e.url))
+            if i == held:
+                await asyncio.wait_for(answered[1 - i].wait(), 10)
+            reply = await real_get(url)
+            answered[i].set()
+            return reply
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        for iid in (0, 1):
+            await engines.load(iid, "3", str(tmp_path / "w"))
+        fleet.restart_engine(33300, reregister=False)
+        fleet.get = get
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "weight version 'default'" in engines.reasons[0]
+        assert sorted(engines.urls) == [1, 2] and engines._loaded_tags == {1: "3"}
+        assert all(e.is_set() for e in answered.values())
 
     asyncio.run(run())

@@ -98,8 +98,10 @@ class DoraCoordinator:
         # At most one entry per running trajectory (cleared on landing, re-dispatch, failure,
         # generation end, group failure or training, and when the destination is removed).
         self.moving: dict[tuple, tuple[int, int]] = {}
+        # Every Migrate applied ends as one of: landed, dropped (with its cause), or still pending
+        # (``moving``); the scheduler's ``migrations`` is their sum.
         self.counts = {"delivered": 0, "errors": 0, "load_errors": 0, "late_reports": 0,
-                       "migrations_landed": 0}
+                       "migrations_landed": 0, "moves_dropped": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
@@ -116,7 +118,7 @@ class DoraCoordinator:
             elif isinstance(act, A.Dispatch):
                 key = (act.group_id, act.index)
                 self.route[key] = act.instance_id
-                self.moving.pop(key, None)  # a new attempt: no move of the old one can land
+                self._drop_move(key, "dispatch")  # a new attempt: no move of the old one can land
                 self._record(("dispatch", act.group_id, act.index, act.instance_id, act.version + self.base))
                 for fut in self.waiters.pop(key, ()):
                     if not fut.done():
@@ -130,18 +132,20 @@ class DoraCoordinator:
                     self.loads.append((act.instance_id, act.version + self.base))
             elif isinstance(act, A.Migrate):
                 key = (act.group_id, act.index)
-                self.moving.pop(key, None)
+                self._drop_move(key, "moved_again")  # (the scheduler moves no trajectory not landed)
+                self._record(("migrate", act.group_id, act.index, act.src, act.dst))
+                _report("migrate", group=str(act.group_id), index=act.index, src=act.src, dst=act.dst)
                 if self._serving(act.dst):
                     self.route[key] = act.dst
                     self._moved(key, act.dst)
                 else:
+                    self._unlanded(key, "removed")
                     # Decided in a `remove_servers` batch before its destination was removed in
                     # it: the scheduler re-queued the trajectory, its request waits for the new
                     # Dispatch (routed to the removed server, it failed on its in-flight count).
                     self.route.pop(key, None)
                 if act.src not in self.aborts:
                     self.aborts.append(act.src)
-                self._record(("migrate", act.group_id, act.index, act.src, act.dst))
             elif isinstance(act, A.StartStep):
                 self.steps[act.step] = act.group_ids
             elif isinstance(act, A.DeliverGroup):
@@ -149,7 +153,8 @@ class DoraCoordinator:
             elif isinstance(act, A.ReportGroupFailed):
                 self.failed[act.group_id] = act.reason
                 self.admitted.pop(act.group_id, None)
-                self._forget_moves(act.group_id)
+                for idx in range(self.config.group_size):
+                    self._drop_move((act.group_id, idx), "group_failed")
                 _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
                 for key in [k for k in self.waiters if k[0] == act.group_id]:
@@ -165,19 +170,28 @@ class DoraCoordinator:
         """Remember that R5 moved `key` to `dst`, with the attempt it moved in, until it lands.
 
         The scheduler's view is read after the whole batch: a trajectory that does not run on
-        `dst` by then (re-queued later in the same ``remove_servers`` batch) gets no entry."""
+        `dst` by then (re-queued later in the same ``remove_servers`` batch) gets no entry (the
+        move is counted dropped)."""
         from dora_ext.core.scheduler import ProtocolError
 
         try:
             t = self.sched.trajectory(*key)
             if t.status == "R" and t.instance == dst:
                 self.moving[key] = (dst, t.attempt)
+                return
         except (ProtocolError, LookupError):  # its group left the scheduler in the same batch
             pass
+        self._unlanded(key, "requeued")
 
-    def _forget_moves(self, group_id: Any) -> None:
-        for idx in range(self.config.group_size):
-            self.moving.pop((group_id, idx), None)
+    def _drop_move(self, key: tuple, cause: str) -> None:
+        """The pending move of `key` (if any) can no longer land: `cause` ended its attempt."""
+        if self.moving.pop(key, None) is not None:
+            self._unlanded(key, cause)
+
+    def _unlanded(self, key: tuple, cause: str) -> None:
+        self.counts["moves_dropped"] += 1
+        self._record(("move_dropped", key[0], key[1], cause))
+        _report("move_dropped", group=str(key[0]), index=key[1], cause=cause)
 
     def _land(self, key: tuple, iid: int) -> None:
         """An acquire of trajectory `key` routed to instance `iid`: if it is the destination of the
@@ -190,12 +204,14 @@ class DoraCoordinator:
         entry = self.moving.get(key)
         if entry is None or entry[0] != iid:
             return
-        del self.moving[key]
         gid, idx = key
         if gid in self.failed or self._late(gid, idx, "migration_landed"):
+            self._drop_move(key, "late")
             return
+        del self.moving[key]
         self.counts["migrations_landed"] += 1
         self._record(("landed", gid, idx, iid))
+        _report("landed", group=str(gid), index=idx, instance=iid, attempt=entry[1])
         self._feed(E.MigrationLanded(gid, idx, entry[1]))
 
     def _admit(self) -> None:
@@ -265,7 +281,7 @@ class DoraCoordinator:
             self.admitted.pop(gid, None)
             for idx in range(self.config.group_size):
                 self.route.pop((gid, idx), None)
-                self.moving.pop((gid, idx), None)
+                self._drop_move((gid, idx), "trained")
         self._feed(E.TrainerStepFinished(k))
         self._feed(E.VersionPublished(k + 1))
 
@@ -331,7 +347,7 @@ class DoraCoordinator:
     def trajectory_done(self, group_id: Any, index: int, tokens: int, reward: float | None = None) -> None:
         # Generation is over: an aborted last request may come back finished (its token budget
         # was used up, or the abort came after its end) with no re-acquire on the destination.
-        self.moving.pop((group_id, index), None)
+        self._drop_move((group_id, index), "done")
         if group_id in self.failed or self._late(group_id, index, "trajectory_done"):
             return
         self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
@@ -343,7 +359,7 @@ class DoraCoordinator:
 
     def trajectory_failed(self, group_id: Any, index: int, reason: str = "") -> str:
         """Report a failed trajectory; returns "retry" (run it again) or "failed" (give up)."""
-        self.moving.pop((group_id, index), None)  # its next run is a new attempt
+        self._drop_move((group_id, index), "failed")  # its next run is a new attempt
         if group_id in self.failed or self._late(group_id, index, "trajectory_failed"):
             return "failed"
         self.route.pop((group_id, index), None)
@@ -421,7 +437,7 @@ class DoraCoordinator:
             for key in [k for k, iid in self.route.items() if iid in gone]:
                 del self.route[key]
             for key in [k for k, (dst, _) in self.moving.items() if dst in gone]:
-                del self.moving[key]  # re-queued by the scheduler: its next Dispatch is a new attempt
+                self._drop_move(key, "removed")  # re-queued by the scheduler: its next Dispatch is a new attempt
             self._apply(self.sched.handle_many(events))
 
     def get_all_servers(self) -> list[str]:

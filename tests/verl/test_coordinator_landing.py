@@ -39,20 +39,31 @@ def _since(coord: DoraCoordinator, n: int, kind: str) -> list[tuple]:
 
 
 def _check_ledger(coord: DoraCoordinator) -> None:
-    """``migrations_landed`` against the coordinator's log: one ``landed`` entry per landing fed,
-    each for the destination of that trajectory's last ``migrate``, with no ``dispatch`` of it (a
-    new attempt) in between, and at most one landing per move."""
+    """The coordinator's counters against its log and the scheduler's own count of moves.
+
+    One ``landed`` entry per landing fed (``migrations_landed``), each for the destination of that
+    trajectory's last ``migrate``, with no ``dispatch`` of it (a new attempt) or drop in between,
+    at most one per move; every move the scheduler made (its ``migrations``) ends landed, dropped
+    (``moves_dropped``, with its cause) or is still pending (``moves_not_landed``)."""
     log = coord.get_log()
+    m = coord.metrics()
     landed = [e for e in log if e[0] == "landed"]
-    assert coord.metrics()["migrations_landed"] == len(landed), (coord.metrics(), landed)
+    dropped = [e for e in log if e[0] == "move_dropped"]
+    assert m["migrations_landed"] == len(landed), (m, landed)
+    assert m["moves_dropped"] == len(dropped), (m, dropped)
+    assert m["migrations"] == m["migrations_landed"] + m["moves_dropped"] + m["moves_not_landed"], m
     pending: dict[tuple, int] = {}
     for e in log:
         if e[0] == "migrate":
+            assert (e[1], e[2]) not in pending, (e, log)  # moved again before it landed
             pending[(e[1], e[2])] = e[4]
         elif e[0] == "dispatch":
-            pending.pop((e[1], e[2]), None)
+            assert (e[1], e[2]) not in pending, (e, log)  # a new attempt: its move was dropped first
+        elif e[0] == "move_dropped":
+            assert pending.pop((e[1], e[2]), None) is not None, (e, log)
         elif e[0] == "landed":
             assert pending.pop((e[1], e[2]), None) == e[3], (e, log)
+    assert set(pending) == set(coord.moving), (pending, coord.moving)
 
 
 def _one_move(cfg_extra: dict | None = None) -> DoraCoordinator:
@@ -175,6 +186,7 @@ def test_failure_and_reacquire_in_both_orders(order):
     assert t.attempt == attempt + 1 and t.status == "R" and not t.moved
     assert _acquire(coord, "g1", 1) == "s0"  # the retry's request
     assert coord.metrics()["migrations_landed"] == (1 if order == "acquire_first" else 0)
+    assert (("move_dropped", "g1", 1, "failed") in coord.get_log()) == (order == "failed_first")
     assert coord.sched.metrics()["stale_events"] == before
     _check_ledger(coord)
 
@@ -193,6 +205,7 @@ def test_end_of_generation_and_reacquire_in_both_orders(order):
     assert coord.sched.trajectory("g1", 1).status == "F"  # finished, awaiting its reward
     coord.reward_ready("g1", 1, 1.0)
     assert coord.metrics()["migrations_landed"] == (1 if order == "acquire_first" else 0)
+    assert (("move_dropped", "g1", 1, "done") in coord.get_log()) == (order == "done_first")
     assert coord.sched.metrics()["stale_events"] == before
     assert coord.metrics()["late_reports"] == 0
     _check_ledger(coord)
@@ -206,6 +219,7 @@ def test_destination_removed_between_the_move_and_the_reacquire():
     attempt = coord.sched.trajectory("g1", 1).attempt
     coord.remove_servers(["s0"])
     assert coord.moving == {} and ("g1", 1) not in coord.route
+    assert ("move_dropped", "g1", 1, "removed") in coord.get_log()
     assert coord.sched.trajectory("g1", 1).status == "Q"
 
     async def run():
@@ -284,6 +298,8 @@ def test_group_failure_drops_its_pending_moves():
     assert set(coord.moving) == {("g0", 1), ("g0", 3)}
     assert coord.trajectory_failed("g0", 0, "replica error") == "failed"
     assert "g0" in coord.failed and coord.moving == {}
+    assert {e for e in coord.get_log() if e[0] == "move_dropped"} == {
+        ("move_dropped", "g0", 1, "group_failed"), ("move_dropped", "g0", 3, "group_failed")}
     with pytest.raises(GroupFailedError):
         _acquire(coord, "g0", 1)
     assert coord.metrics()["migrations_landed"] == 0
@@ -309,6 +325,8 @@ def test_a_landing_for_a_group_no_longer_live_is_dropped():
     coord.route[("g1", 1)] = 0
     assert _acquire(coord, "g1", 1) == "s0"
     assert coord.metrics()["late_reports"] == 1 and coord.metrics()["migrations_landed"] == 0
+    causes = [e[3] for e in coord.get_log() if e[0] == "move_dropped"]
+    assert causes == ["done", "trained", "late"], causes
     assert ("late", "migration_landed", "g1", 1) in coord.get_log()
     with pytest.raises(ProtocolError):  # what the guard protects against
         coord.sched.handle(E.MigrationLanded("g1", 1, 0))

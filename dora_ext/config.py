@@ -1,7 +1,9 @@
 """One validated configuration object for every runtime (simulator, embedded runtime, hosts).
 
-`DoraConfig` is built from a dict (`from_dict`), a YAML file (`from_yaml`) or CLI-style overrides
-(`with_overrides(["max_staleness=2"])`). Every invalid value raises `ConfigError`, whose message
+`DoraConfig` is built from a dict (`from_dict`), a YAML file (`from_yaml`), CLI-style overrides
+(`with_overrides(["max_staleness=2"])`) or directly (`DoraConfig(mode="dora", max_staleness=2)`,
+`dataclasses.replace`): the constructor checks every field, so each of these paths runs the same
+checks. Every invalid value raises `ConfigError`, whose message
 names the field and says what is accepted, so that a typo in a recipe fails before any GPU time is
 spent. Integer fields take an `int` and nothing else: a float (even 2.0), a bool or a numeric
 string is refused, never converted.
@@ -30,6 +32,7 @@ class ConfigError(ValueError):
 
     def __init__(self, field_name: str, message: str):
         self.field = field_name
+        self.detail = message  # the message without the field name
         super().__init__(f"{field_name}: {message}")
 
 
@@ -51,9 +54,11 @@ class DoraConfig:
         `one_step_off` needs K=1, `dora` needs K>=1, `partial` takes any K>=0.
       batch_size: B, groups per trainer step (>=1).
       group_size: n, trajectories per group (>=1; n=1 is SAO single-rollout).
-      instances: number of rollout instances, or a list of `{"capacity": c}` mappings (each may
-        give its `"id"`, an integer in [0, 2**63); default its position in the list).
-      capacity: sequences an instance runs at once when `instances` is a number.
+      instances: a tuple of `InstanceSpec(id, capacity)` (ids unique integers in [0, 2**63),
+        capacities >= 1; a list is turned into a tuple). `from_dict` also takes a number of
+        instances, or a list of `{"capacity": c}` mappings (each may give its `"id"`; default its
+        position in the list).
+      capacity (`from_dict` only): sequences an instance runs at once when `instances` is a number.
       max_retries: how often a failed trajectory is re-dispatched before its group is reported
         failed.
       max_steps: optional cap on trainer steps; admission stops at `max_steps * batch_size`
@@ -96,10 +101,20 @@ class DoraConfig:
     elastic_max_lent: float = 0.5
     max_failed_group_share: float = 0.5
 
+    def __post_init__(self) -> None:
+        # Built directly (`DoraConfig(mode="dora", ...)`), through `dataclasses.replace` or by
+        # `from_dict`: every path runs these checks (the one place they live).
+        _check(self)
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "") -> "DoraConfig":
-        """Validate `data` and build a config. Unknown keys are errors. `where` prefixes field names."""
+        """Validate `data` and build a config. Unknown keys are errors. `where` prefixes field names.
+
+        `data` takes what a recipe file holds: `instances` as a count (with `capacity`, which
+        is no field of the config) or as a list of `{capacity, id}` mappings, `max_staleness`
+        defaulting to the mode's (`DEFAULT_STALENESS`). The fields themselves are checked by
+        the constructor, as for a config built directly."""
         if not isinstance(data, Mapping):
             raise ConfigError(where or "config", f"expected a mapping, got {type(data).__name__}")
         pre = f"{where}." if where else ""
@@ -110,21 +125,7 @@ class DoraConfig:
                     f"{pre}{key}", f"unknown key; accepted keys are {', '.join(sorted(known))}"
                 )
         mode = data.get("mode", "dora")
-        if mode not in MODES:
-            raise ConfigError(f"{pre}mode", f"unknown mode {mode!r}; accepted: {', '.join(MODES)}")
-        k = _int(data, "max_staleness", DEFAULT_STALENESS[mode], pre, minimum=0)
-        fixed = {"sync": 0, "pipeline": 0, "one_step_off": 1}
-        if mode in fixed and k != fixed[mode]:
-            raise ConfigError(
-                f"{pre}max_staleness",
-                f"mode {mode!r} requires max_staleness={fixed[mode]}, got {k}",
-            )
-        if mode == "dora" and k < 1:
-            raise ConfigError(
-                f"{pre}max_staleness", "mode 'dora' requires max_staleness >= 1 (use 'pipeline' for K=0)"
-            )
-        b = _int(data, "batch_size", 8, pre, minimum=1)
-        n = _int(data, "group_size", 4, pre, minimum=1)
+        _check_mode(mode, f"{pre}mode")
         cap = _int(data, "capacity", 8, pre, minimum=1)
         raw = data.get("instances", 4)
         if isinstance(raw, bool):
@@ -132,75 +133,31 @@ class DoraConfig:
         if isinstance(raw, int):
             if raw < 1:
                 raise ConfigError(f"{pre}instances", f"expected an integer >= 1, got {raw}")
-            instances = tuple(InstanceSpec(i, cap) for i in range(raw))
+            instances: Any = tuple(InstanceSpec(i, cap) for i in range(raw))
         elif isinstance(raw, Sequence) and not isinstance(raw, str):
-            if not raw:
-                raise ConfigError(f"{pre}instances", "expected at least one instance")
             specs = []
             for i, item in enumerate(raw):
-                if isinstance(item, InstanceSpec):  # checked like a mapping: the dataclass checks nothing
+                if isinstance(item, InstanceSpec):  # checked like a mapping, by the constructor
                     item = {"id": item.id, "capacity": item.capacity}
                 if not isinstance(item, Mapping) or set(item) - {"capacity", "id"}:
                     raise ConfigError(
                         f"{pre}instances[{i}]", f"expected a mapping with key 'capacity', got {item!r}"
                     )
-                c = _int(item, "capacity", cap, f"{pre}instances[{i}].", minimum=1)
-                # An id is a non-negative 64-bit integer (the scheduler keeps ids in 64-bit arrays,
-                # the runtime names workers `instance-<id>`); 1.5 or "3" is refused, not truncated.
-                iid = _int(item, "id", i, f"{pre}instances[{i}].", minimum=0, maximum=2**63 - 1)
-                specs.append(InstanceSpec(iid, c))
-            if len({s.id for s in specs}) != len(specs):
-                raise ConfigError(f"{pre}instances", "instance ids must be unique")
+                specs.append(InstanceSpec(item.get("id", i), item.get("capacity", cap)))
             instances = tuple(specs)
         else:
             raise ConfigError(
                 f"{pre}instances", f"expected an integer >= 1 or a list of {{capacity: int}}, got {raw!r}"
             )
-        retries = _int(data, "max_retries", 2, pre, minimum=0)
-        steps = data.get("max_steps")
-        if steps is not None:
-            steps = _int(data, "max_steps", None, pre, minimum=1)
-        migrate = data.get("migrate", True)
-        if not isinstance(migrate, bool):
-            raise ConfigError(f"{pre}migrate", f"expected true or false, got {migrate!r}")
-        thr = data.get("migrate_threshold", 0.5)
-        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 < thr <= 1.0:
-            raise ConfigError(f"{pre}migrate_threshold", f"expected a number in (0, 1], got {thr!r}")
-        spread = data.get("spread", True)
-        if not isinstance(spread, bool):
-            raise ConfigError(f"{pre}spread", f"expected true or false, got {spread!r}")
-        elastic = data.get("elastic", False)
-        if not isinstance(elastic, bool):
-            raise ConfigError(f"{pre}elastic", f"expected true or false, got {elastic!r}")
-        if elastic and mode not in ELASTIC_MODES:
-            raise ConfigError(
-                f"{pre}elastic", f"mode {mode!r} does not take elastic colocation; accepted modes: {', '.join(ELASTIC_MODES)}"
-            )
-        spare = _int(data, "elastic_spare", 0, pre, minimum=0)
-        if spare and not elastic:
-            raise ConfigError(f"{pre}elastic_spare", f"needs elastic: true, got elastic_spare={spare}")
-        lent = data.get("elastic_max_lent", 0.5)
-        if isinstance(lent, bool) or not isinstance(lent, (int, float)) or not 0.0 <= lent < 1.0:
-            raise ConfigError(f"{pre}elastic_max_lent", f"expected a number in [0, 1), got {lent!r}")
-        share = data.get("max_failed_group_share", 0.5)
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
-            raise ConfigError(f"{pre}max_failed_group_share", f"expected a number in [0, 1], got {share!r}")
-        return cls(
-            mode=mode,
-            max_staleness=k,
-            batch_size=b,
-            group_size=n,
-            instances=instances,
-            max_retries=retries,
-            max_steps=steps,
-            migrate=migrate,
-            migrate_threshold=float(thr),
-            spread=spread,
-            elastic=elastic,
-            elastic_spare=spare,
-            elastic_max_lent=float(lent),
-            max_failed_group_share=float(share),
-        )
+        values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        values.update(mode=mode, instances=instances,
+                      max_staleness=data.get("max_staleness", DEFAULT_STALENESS[mode]))
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            if not pre:
+                raise
+            raise ConfigError(f"{pre}{exc.field}", exc.detail) from None
 
     @classmethod
     def from_yaml(cls, path: str, *, key: str | None = None) -> "DoraConfig":
@@ -267,9 +224,13 @@ class DoraConfig:
 
 def _int(data: Mapping[str, Any], key: str, default: Any, pre: str, *, minimum: int,
          maximum: int | None = None) -> Any:
-    """The integer `data[key]` (or `default`): an `int` and nothing else. A float (even 2.0), a
-    bool, a numeric string or None is refused, never converted: 1.5 must not become 1."""
-    value = data.get(key, default)
+    """The integer `data[key]` (or `default`), checked by `_integer`."""
+    return _integer(data.get(key, default), f"{pre}{key}", minimum=minimum, maximum=maximum)
+
+
+def _integer(value: Any, name: str, *, minimum: int, maximum: int | None = None) -> int:
+    """`value` if it is an `int` in range. A float (even 2.0), a bool, a numeric string or None
+    is refused, never converted: 1.5 must not become 1."""
     if maximum is None:
         accepted = f"an integer >= {minimum}"
     elif maximum == 2**63 - 1:
@@ -277,7 +238,80 @@ def _int(data: Mapping[str, Any], key: str, default: Any, pre: str, *, minimum: 
     else:
         accepted = f"an integer in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{pre}{key}", f"expected {accepted}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(name, f"expected {accepted}, got {value!r} ({type(value).__name__})")
     if value < minimum or (maximum is not None and value > maximum):
-        raise ConfigError(f"{pre}{key}", f"expected {accepted}, got {value}")
+        raise ConfigError(name, f"expected {accepted}, got {value}")
     return value
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(name, f"expected true or false, got {value!r}")
+    return value
+
+
+def _share(value: Any, name: str, *, low_open: bool, high_open: bool) -> float:
+    """A number (int or float, not a bool) in the interval, as a float."""
+    lo, hi = 0.0, 1.0
+    interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and (lo < value if low_open else lo <= value) and (value < hi if high_open else value <= hi))
+    if not ok:
+        raise ConfigError(name, f"expected a number in {interval}, got {value!r}")
+    return float(value)
+
+
+def _check_mode(mode: Any, name: str) -> None:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ConfigError(name, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}")
+
+
+def _check(cfg: DoraConfig) -> None:
+    """Check every field of `cfg` (in field order; the first bad one raises `ConfigError`
+    naming it and what is accepted) and normalise in place what has one spelling: `instances`
+    becomes a tuple, the shares floats."""
+    put = object.__setattr__  # (the dataclass is frozen)
+    mode = cfg.mode
+    _check_mode(mode, "mode")
+    k = _integer(cfg.max_staleness, "max_staleness", minimum=0)
+    fixed = {"sync": 0, "pipeline": 0, "one_step_off": 1}
+    if mode in fixed and k != fixed[mode]:
+        raise ConfigError("max_staleness", f"mode {mode!r} requires max_staleness={fixed[mode]}, got {k}")
+    if mode == "dora" and k < 1:
+        raise ConfigError("max_staleness", "mode 'dora' requires max_staleness >= 1 (use 'pipeline' for K=0)")
+    _integer(cfg.batch_size, "batch_size", minimum=1)
+    _integer(cfg.group_size, "group_size", minimum=1)
+    specs = cfg.instances
+    if isinstance(specs, (str, bytes)) or not isinstance(specs, (tuple, list)):
+        raise ConfigError(
+            "instances", f"expected a tuple of InstanceSpec(id, capacity), got {specs!r} "
+            f"(DoraConfig.from_dict takes a count of instances and their capacity)"
+        )
+    if not specs:
+        raise ConfigError("instances", "expected at least one instance")
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, InstanceSpec):
+            raise ConfigError(f"instances[{i}]", f"expected an InstanceSpec(id, capacity), got {spec!r}")
+        _integer(spec.capacity, f"instances[{i}].capacity", minimum=1)
+        # An id is a non-negative 64-bit integer (the scheduler keeps ids in 64-bit arrays, the
+        # runtime names workers `instance-<id>`); 1.5 or "3" is refused, not truncated.
+        _integer(spec.id, f"instances[{i}].id", minimum=0, maximum=2**63 - 1)
+    if len({s.id for s in specs}) != len(specs):
+        raise ConfigError("instances", "instance ids must be unique")
+    put(cfg, "instances", tuple(specs))
+    _integer(cfg.max_retries, "max_retries", minimum=0)
+    if cfg.max_steps is not None:
+        _integer(cfg.max_steps, "max_steps", minimum=1)
+    _flag(cfg.migrate, "migrate")
+    put(cfg, "migrate_threshold", _share(cfg.migrate_threshold, "migrate_threshold", low_open=True, high_open=False))
+    _flag(cfg.spread, "spread")
+    if _flag(cfg.elastic, "elastic") and mode not in ELASTIC_MODES:
+        raise ConfigError(
+            "elastic", f"mode {mode!r} does not take elastic colocation; accepted modes: {', '.join(ELASTIC_MODES)}"
+        )
+    spare = _integer(cfg.elastic_spare, "elastic_spare", minimum=0)
+    if spare and not cfg.elastic:
+        raise ConfigError("elastic_spare", f"needs elastic: true, got elastic_spare={spare}")
+    put(cfg, "elastic_max_lent", _share(cfg.elastic_max_lent, "elastic_max_lent", low_open=False, high_open=True))
+    put(cfg, "max_failed_group_share",
+        _share(cfg.max_failed_group_share, "max_failed_group_share", low_open=False, high_open=False))

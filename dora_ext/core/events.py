@@ -51,7 +51,11 @@ class SwitchedToTrainer:
 class GroupAdmitted:
     """The runtime bound a prompt to a new group (answer to `RequestGroups`).
 
-    `meta` is an optional JSON-able mapping handed to admission hooks (e.g. prompt length).
+    `meta` is optional JSON data, usually a mapping (e.g. prompt length), handed to admission
+    hooks. The scheduler keeps it as its JSON round trip gives it back (a tuple becomes a list),
+    so that a run resumed from a JSON snapshot sees the same meta; a value JSON cannot give back
+    unchanged (a non-str key, NaN, a set, a numpy integer) is a `ProtocolError` naming
+    `GroupAdmitted.meta`.
     """
 
     group_id: GroupId

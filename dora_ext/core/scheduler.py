@@ -113,6 +113,88 @@ def _brief(x: Any) -> str:
     return r if len(r) <= 80 else r[:60] + f"...<{len(r)} characters>"
 
 
+_JSON_DEPTH = 64  # `_json_data`: deeper nesting (or a cycle) is refused
+
+
+def _json_data(x: Any, where: str, depth: int = 0) -> Any:
+    """`x` as a JSON round trip gives it back, as a fresh copy: a tuple becomes a list, a
+    subclass of dict, list, str, int or float its base type (a namedtuple a list, an IntEnum
+    an int, a numpy float64 a float). What JSON cannot give back unchanged is refused with a
+    `ProtocolError` naming `where` and the path in it: a mapping key that is not a str (JSON
+    would turn 1 into "1"), NaN or an infinite float (not JSON), any other type (a set, bytes,
+    a numpy integer), nesting deeper than `_JSON_DEPTH` (or a cycle).
+
+    A group's `meta` is kept in this form from admission on, so policies see the same value in
+    a run resumed from a JSON snapshot as in the uninterrupted run (`_on_group_admitted`)."""
+    t = type(x)
+    if t is str or t is int or t is bool or x is None:
+        return x
+    if t is float:
+        if x - x == 0.0:
+            return x
+        raise ProtocolError(f"{where} is {x!r}: JSON has no NaN or infinity (the snapshot is JSON data)")
+    if depth >= _JSON_DEPTH:
+        raise ProtocolError(f"{where}: JSON data nested deeper than {_JSON_DEPTH} levels (or a cycle)")
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise ProtocolError(
+                    f"{where} has the key {_brief(k)} ({type(k).__name__}): the keys of a JSON object are "
+                    f"str (a JSON round trip, as the snapshot's, would give back another key)"
+                )
+            tv = type(v)
+            # (a str, int or bool value as is, without the call: the common meta is a flat mapping)
+            out[str(k)] = v if tv is str or tv is int or tv is bool else _json_data(v, f"{where}[{k!r}]", depth + 1)
+        return out
+    if isinstance(x, (list, tuple)):
+        return [_json_data(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
+    if isinstance(x, str):
+        return str(x)
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return _json_data(float(x), where, depth)
+    raise ProtocolError(
+        f"{where} is {_brief(x)} ({type(x).__name__}): expected JSON data (None, bool, int, float, str, "
+        f"list, tuple, dict with str keys), as the scheduler's snapshot holds it"
+    )
+
+
+def _json_key(key: Any, hook: str) -> tuple:
+    """A plugin's admission or batch key as a tuple of JSON scalars (None, bool, int, finite
+    float, str; a subclass of int, float or str as its base type, as JSON gives it back): the key
+    is part of the snapshot, and a tuple or a numpy integer in it would come back from the JSON
+    round trip as a list (a resumed queue then compares a list with a tuple: TypeError) or not
+    at all. Anything else is a `ProtocolError` naming the hook."""
+    if isinstance(key, (str, bytes)) or not isinstance(key, (tuple, list)):
+        raise ProtocolError(f"{hook} returned {_brief(key)} ({type(key).__name__}): expected a tuple of JSON scalars")
+    out = None
+    for i, x in enumerate(key):
+        t = type(x)
+        if t is int or t is str or t is bool or x is None:
+            y = x
+        elif isinstance(x, float) and x - x == 0.0:
+            y = float(x)
+        elif isinstance(x, int) and t is not bool:
+            y = int(x)
+        elif isinstance(x, str):
+            y = str(x)
+        else:
+            raise ProtocolError(
+                f"{hook} returned {_brief(key)}: its element {_brief(x)} ({t.__name__}) is not a JSON scalar "
+                f"(None, bool, int, finite float, str); the key is part of the snapshot and must come back "
+                f"unchanged from its JSON round trip"
+            )
+        if out is None and t is not type(y):  # (a subclass: the rest is copied as base types)
+            out = list(key[:i])
+        if out is not None:
+            out.append(y)
+    if out is not None:
+        return tuple(out)
+    return key if type(key) is tuple else tuple(key)
+
+
 def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
     """A trajectory's versions relative to `base`, as the snapshot stores them (a list)."""
     if vs is None:
@@ -371,7 +453,12 @@ class Scheduler:
         self._n_sent = 0  # trajectories dispatched (only `_r5_stuck` reads it)
         self._n_landed = 0  # moves landed (only `_r5_stuck` reads it)
         self._cap_max = 1  # the largest instance capacity seen (R5's packing bound)
-        self._pool_fifo = self.mode != "dora"
+        # `_form` takes the smallest key among the versions that can be taken now; in mode dora
+        # with the built-in keys (oldest version first) the global head, or waits for it: when
+        # the oldest pooled version cannot be taken, no newer one can (EDF). A plugin's batch key
+        # may order a newer version first: waiting for that head, while the older group it waits
+        # for sits in the pool behind it, was a deadlock.
+        self._pool_fifo = self.mode != "dora" or not self._builtin_keys
         # Elastic colocation: instance id -> capacity of instances on the trainer side (switchable
         # to rollout), switching to the trainer, and switching to rollout.
         self._elastic = config.elastic
@@ -711,14 +798,22 @@ class Scheduler:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")
         if ev.group_id in self._gslot:
             raise ProtocolError(f"group id {ev.group_id!r} admitted twice")
-        self._outstanding -= 1
+        # Kept (and handed to the admission key) as its JSON round trip gives it back, so that a run
+        # resumed from a JSON snapshot sees the same meta as the uninterrupted one (`_json_data`).
+        meta = ev.meta
+        if meta is not None:
+            meta = _json_data(meta, "GroupAdmitted.meta")
         v = self.newest
         seq = self._seq
-        self._seq += 1
         if self._builtin_keys:
             key = None  # `defaults.dora_admission_key`: `(seq,)`, the default, which is not stored
         else:
-            key = tuple(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=ev.meta, mode=self.mode))
+            # (before any state changes: a key refused leaves the group not admitted, and the
+            # scheduler as it was)
+            key = _json_key(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=meta, mode=self.mode),
+                            "dora_admission_key")
+        self._outstanding -= 1
+        self._seq = seq + 1
         g = self._alloc()
         self._gslot[ev.group_id] = g
         self._ggid[g] = ev.group_id
@@ -726,8 +821,8 @@ class Scheduler:
         self._gseq[g] = seq
         if key is not None and key != (seq,):
             self._gkey[g] = key
-        if ev.meta is not None:
-            self._gmeta[g] = ev.meta
+        if meta is not None:
+            self._gmeta[g] = meta
         self._admitted += 1
         self.m["groups_admitted"] += 1
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
@@ -1345,7 +1440,8 @@ class Scheduler:
             if self._builtin_keys:  # `defaults.dora_batch_key`
                 key = (v, cseq) if self.mode == "dora" else (cseq,)
             else:
-                key = tuple(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode))
+                key = _json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode),
+                                "dora_batch_key")
             heapq.heappush(self._pools.setdefault(v, []), (key, cseq, gid))
             self._pool_n += 1
             self._form_dirty = True
@@ -1539,28 +1635,34 @@ class Scheduler:
             self._plan_instance(i)
 
     def _consolidate_plugin(self, v: int) -> None:
-        """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan."""
+        """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan.
+
+        O(view + moves): the view is built once, and each move is checked in O(1) against the
+        state as the earlier moves of the plan left it (`_ti[h]` names the instance a trajectory
+        runs on: it is `src` only while it runs there)."""
         instances = self.instances
         holders = [instances[i] for n, level in self._lv.get(v, {}).items() if n for i in level]
         holders.sort(key=lambda i: i.id)
+        key = self._key
         plan = self._plan_migration(
             version=v,
-            instances=[{"id": i.id, "capacity": i.capacity, "running": list(map(self._key, i.running))}
+            instances=[{"id": i.id, "capacity": i.capacity, "running": [key(h) for h in i.live()]}
                        for i in holders],
             newest_version=self.newest,
             fill=self.config.migrate_threshold,
         )
+        n, ti, tm, gslot = self.n, self._ti, self._tm, self._gslot
         for gid, idx, src, dst in plan or ():
             s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
-            g = self._gslot.get(gid)
-            ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
-            h = g * self.n + int(idx) if ok else None
-            if s is d or h not in s.running or d.nrun >= d.capacity:
+            g = gslot.get(gid) if isinstance(gid, (int, str)) else None  # (a list is unhashable)
+            ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < n
+            h = g * n + int(idx) if ok else None
+            if s is d or h is None or ti[h] != s.id or d.nrun >= d.capacity:
                 # (a move onto its own instance left the occupancy levels wrong: a KeyError later)
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
-            if self._tm[h]:
+            if tm[h]:
                 continue  # its move may still be in flight: it moves again only after MigrationLanded
             self._move(v, h, s, d)
         for i in holders:
@@ -1781,7 +1883,7 @@ class Scheduler:
                     else:
                         waited = True
             else:
-                # dora: the global head (oldest version first by default), or wait for it.
+                # dora with the built-in keys: the global head (oldest version first), or wait for it.
                 if len(pools) == 1:
                     v = next(iter(pools))  # (the only pooled version: nothing to compare)
                 else:
@@ -1883,7 +1985,7 @@ class Scheduler:
             # admission key only when it is not the default `(seq,)`, trajectory versions
             # relative to the group's version (almost always `[0]`).
             groups.append([
-                gid, self.newest - v, self._seq - self._gseq[g], None if key is None else list(key), self._gmeta.get(g),
+                gid, self.newest - v, self._seq - self._gseq[g], None if key is None else list(key), _json_data(self._gmeta.get(g), "meta"),
                 _STATES[gst[g]], None if gstep[g] < 0 else self.step - gstep[g],
                 None if gcseq[g] < 0 else self._complete_seq - gcseq[g],
                 bool(self._ginq[g]), self._pending(g), self._gdone[g], self._glive[g],
@@ -1963,7 +2065,8 @@ class Scheduler:
             if key is not None and tuple(key) != (seq,):
                 self._gkey[g] = tuple(key)
             if meta is not None:
-                self._gmeta[g] = meta
+                # (a copy in JSON form: the same meta whether `snap` went through JSON or not)
+                self._gmeta[g] = _json_data(meta, f"snapshot group {gid!r} meta")
             self._gst[g], self._ginq[g] = _STATE_CODES[state], 1 if in_queue else 0
             self._gstep[g] = -1 if step is None else step
             self._gcseq[g] = -1 if cseq is None else cseq

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dora_ext.config import ConfigError, DoraConfig
+from dora_ext.config import ConfigError, DoraConfig, InstanceSpec
 
 
 def test_defaults_and_round_trip():
@@ -104,3 +104,66 @@ def test_yaml_and_overrides(tmp_path):
     p.write_text("other: {}\n")
     with pytest.raises(ConfigError, match="missing section 'dora'"):
         DoraConfig.from_yaml(str(p), key="dora")
+
+
+@pytest.mark.parametrize(
+    "kw, field, words",
+    [
+        ({"mode": "dora", "max_staleness": -1}, "max_staleness", ">= 0"),
+        ({"mode": "dora", "max_staleness": 0}, "max_staleness", "mode 'dora' requires max_staleness >= 1"),
+        ({"mode": "sync", "max_staleness": 2}, "max_staleness", "requires max_staleness=0"),
+        ({"mode": "fast"}, "mode", "sync, one_step_off, partial, pipeline, dora"),
+        ({"batch_size": 2.0}, "batch_size", "expected an integer >= 1, got 2.0 (float)"),
+        ({"group_size": 0}, "group_size", ">= 1"),
+        ({"instances": 4}, "instances", "tuple of InstanceSpec"),
+        ({"instances": ()}, "instances", "at least one instance"),
+        ({"instances": ({"capacity": 2},)}, "instances[0]", "expected an InstanceSpec"),
+        ({"instances": (InstanceSpec(0, 0),)}, "instances[0].capacity", ">= 1"),
+        ({"instances": (InstanceSpec(0, 2), InstanceSpec(1.5, 2))}, "instances[1].id", "2**63"),
+        ({"instances": (InstanceSpec(3, 2), InstanceSpec(3, 2))}, "instances", "unique"),
+        ({"max_retries": -1}, "max_retries", ">= 0"),
+        ({"max_steps": 0}, "max_steps", ">= 1"),
+        ({"migrate": 1}, "migrate", "true or false"),
+        ({"migrate_threshold": 0}, "migrate_threshold", "(0, 1]"),
+        ({"spread": None}, "spread", "true or false"),
+        ({"mode": "partial", "elastic": True}, "elastic", "accepted modes: pipeline, dora"),
+        ({"elastic_spare": 1}, "elastic_spare", "needs elastic: true"),
+        ({"elastic": True, "elastic_max_lent": 1.0}, "elastic_max_lent", "[0, 1)"),
+        ({"max_failed_group_share": True}, "max_failed_group_share", "[0, 1]"),
+    ],
+)
+def test_a_config_built_directly_is_validated_like_from_dict(kw, field, words):
+    """`DoraConfig(...)` checked nothing: `DoraConfig(mode="dora", max_staleness=-1)` was
+    accepted and broke later, far from the cause. The constructor runs the checks `from_dict`
+    runs (one code path), with the same errors."""
+    with pytest.raises(ConfigError) as err:
+        DoraConfig(**kw)
+    assert err.value.field == field, err.value
+    assert str(err.value).startswith(field + ":") and words in str(err.value), err.value
+
+
+def test_replace_is_validated_and_direct_construction_normalises():
+    import dataclasses
+
+    cfg = DoraConfig(mode="pipeline", max_staleness=0, instances=[InstanceSpec(0, 3), InstanceSpec(7, 5)],
+                     migrate_threshold=1, max_failed_group_share=0)
+    # A list becomes the tuple from_dict builds, an int share a float: equal to the same config
+    # built from its dict, and hashable.
+    assert cfg.instances == (InstanceSpec(0, 3), InstanceSpec(7, 5))
+    assert type(cfg.migrate_threshold) is float and type(cfg.max_failed_group_share) is float
+    assert DoraConfig.from_dict(cfg.to_dict()) == cfg and hash(cfg) == hash(DoraConfig.from_dict(cfg.to_dict()))
+    assert dataclasses.replace(cfg, max_steps=3).max_steps == 3
+    with pytest.raises(ConfigError, match=r"^max_steps: expected an integer >= 1, got 0$"):
+        dataclasses.replace(cfg, max_steps=0)
+    with pytest.raises(ConfigError, match=r"^max_staleness: mode 'dora' requires max_staleness >= 1"):
+        dataclasses.replace(cfg, mode="dora")  # K=0 was pipeline's
+    assert DoraConfig() == DoraConfig.from_dict({})  # the defaults agree
+
+
+def test_from_dict_prefixes_constructor_errors_with_where():
+    with pytest.raises(ConfigError) as err:
+        DoraConfig.from_dict({"instances": [{"capacity": 2}, {"capacity": 0}]}, where="dora")
+    assert err.value.field == "dora.instances[1].capacity"
+    assert str(err.value) == "dora.instances[1].capacity: expected an integer >= 1, got 0"
+    with pytest.raises(ConfigError, match=r"^dora\.elastic_spare: needs elastic: true"):
+        DoraConfig.from_dict({"elastic_spare": 2}, where="dora")

@@ -182,3 +182,39 @@ def test_a_migration_plan_onto_the_same_instance_is_refused():
     h.finish_group(1)
     with pytest.raises(ProtocolError, match="from 0 to 0 is not feasible"):
         h.train(0)
+
+
+def test_a_batch_key_that_puts_a_newer_version_first_does_not_deadlock():
+    """A plugin's `dora_batch_key` of plain completion order `(complete_seq,)` in mode dora: a
+    completed group of a newer version could head the pool while the older group the step must
+    take (C3) completed behind it; the scheduler waited for the head to become takeable, which it
+    never did (115 of these 200 runs deadlocked). It now takes the smallest key among the
+    versions it can take, as the other modes do, and every run keeps C2/C3."""
+    import random
+
+    from dora_ext.testing import Deadlock
+
+    from .test_properties import check_run
+
+    class CompletionOrder:
+        @hookimpl
+        def dora_batch_key(self, group_id, version, complete_seq, mode):
+            return (complete_seq,)
+
+    waits = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]),
+                                    "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
+                                    "instances": rng.randint(1, 4), "capacity": rng.randint(1, 4), "max_steps": 8})
+        pm = get_plugin_manager(load_entrypoints=False)
+        pm.register(CompletionOrder())
+        d = RandomDriver(cfg, seed, plugins=pm, long_tail=0.5)
+        d.start()
+        try:
+            d.run(8)
+        except Deadlock as exc:
+            raise AssertionError(f"seed {seed}: {exc}") from None
+        check_run("dora", d, 8)
+        waits += d.sched.metrics()["trainer_waits_for_older"]
+    assert waits  # the runs reached the state: a pooled version that could not be taken yet

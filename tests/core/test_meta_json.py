@@ -1,0 +1,247 @@
+"""A group's `meta` and the plugins' keys survive the snapshot's JSON round trip unchanged.
+
+The snapshot is JSON data (the simulator's `--resume` and the embedded runtime store it as JSON).
+A tuple in a group's `meta` came back from it as a list, so a run resumed from a checkpoint
+handed policies other values than the uninterrupted run. The scheduler now keeps `meta` as its
+JSON round trip gives it back from admission on (a tuple becomes a list) and refuses, naming
+`GroupAdmitted.meta` and the path, what JSON cannot give back (a non-str key, NaN, a set, ...).
+The admission and batch keys of plugins, also in the snapshot, must be tuples of JSON scalars.
+"""
+
+import collections
+import enum
+import json
+import random
+
+import pytest
+
+from dora_ext import hookimpl
+from dora_ext.config import DoraConfig
+from dora_ext.core import Scheduler
+from dora_ext.core import actions as A
+from dora_ext.core import events as E
+from dora_ext.core.scheduler import ProtocolError
+from dora_ext.plugins import get_plugin_manager
+from dora_ext.testing import RandomDriver, stable_seed
+
+
+class ShapeFirst:
+    """A batch policy that reads each group's `meta` through the scheduler (`groups[gid].meta`)
+    and tells a tuple from a list: groups whose `shape` is a tuple are trained first. It notes
+    what it saw for each group."""
+
+    def __init__(self):
+        self.sched = None
+        self.seen = {}
+
+    @hookimpl
+    def dora_batch_key(self, group_id, version, complete_seq, mode):
+        shape = self.sched.groups[group_id].meta["shape"]
+        self.seen[group_id] = type(shape).__name__
+        return (0 if isinstance(shape, tuple) else 1, complete_seq)
+
+
+def _scheduler(cfg, snap=None):
+    policy = ShapeFirst()
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(policy)
+    s = Scheduler(cfg, plugins=pm) if snap is None else Scheduler.restore(snap, plugins=pm)
+    policy.sched = s
+    return s, policy
+
+
+class ResumedTwin(RandomDriver):
+    """Drives an uninterrupted scheduler; a second one gets the same events and, at event
+    `resume_at`, is replaced by a scheduler restored from its own snapshot's JSON round trip.
+    Each answers every event with the same actions; their snapshots and metas stay equal."""
+
+    def __init__(self, cfg, seed, resume_at, **kw):
+        sched, self.policy = _scheduler(cfg)  # the uninterrupted one
+        super().__init__(cfg, seed, scheduler=sched, **kw)
+        self.twin, self.twin_policy = _scheduler(cfg)
+        self.resume_at = resume_at
+        self.fed = 0
+        self.resumed = False
+        self.restored_active = set()
+
+    def start(self):
+        out = self.sched.start()
+        assert self.twin.start() == out
+        self.execute(out)
+
+    def _feed(self, event):
+        if isinstance(event, E.GroupAdmitted):  # meta with tuples, as a host may build it
+            n = event.meta["len"]
+            event = E.GroupAdmitted(event.group_id, {"len": n, "shape": (n, 2), "tags": ("t", (n, "x"))})
+        if self.fed == self.resume_at:
+            snap = json.loads(json.dumps(self.twin.snapshot()))
+            self.twin, policy = _scheduler(self.config, snap)
+            policy.seen = self.twin_policy.seen
+            self.restored_active = {g for g, view in self.twin.groups.items() if view.state == "active"}
+            self.twin_policy = policy
+            self.resumed = True
+        self.fed += 1
+        twin = self.twin.handle(event)
+        out = super()._feed(event)
+        assert twin == out, (event, twin, out)
+        if self.fed % 50 == 0 or self.fed == self.resume_at + 1:
+            assert self.twin.snapshot() == self.sched.snapshot()  # (== tells a tuple from a list)
+            for gid in self.sched.groups:
+                assert repr(self.twin.groups[gid].meta) == repr(self.sched.groups[gid].meta)
+        return out
+
+
+def test_a_run_resumed_from_json_with_tuple_meta_acts_as_the_uninterrupted_one():
+    resumed = restored_completions = 0
+    for seed in range(40):
+        rng = random.Random(stable_seed(f"meta-json/{seed}"))
+        mode, k = rng.choice([("dora", 2), ("dora", 3), ("partial", 3)])
+        cfg = DoraConfig.from_dict({"mode": mode, "max_staleness": k, "batch_size": rng.randint(2, 4),
+                                    "group_size": rng.randint(1, 3), "instances": rng.randint(2, 4),
+                                    "capacity": rng.randint(2, 4), "max_steps": 8})
+        d = ResumedTwin(cfg, rng.randrange(2**31), resume_at=rng.randint(10, 60), long_tail=0.5, late_reward=0.3)
+        d.start()
+        d.run(8)
+        assert d.sched.step == 8
+        assert d.twin.snapshot() == d.sched.snapshot()
+        resumed += d.resumed
+        # The policy saw the same meta for every group in both runs: lists (a tuple kept in the
+        # uninterrupted run came back from the JSON snapshot as a list in the resumed one, and
+        # such a group was then trained later there: other StartStep groups in some runs).
+        assert d.policy.seen == d.twin_policy.seen and set(d.policy.seen.values()) == {"list"}
+        restored_completions += len(set(d.twin_policy.seen) & d.restored_active)
+    assert resumed == 40
+    assert restored_completions  # groups active at the resume completed after it (the policy read their meta)
+
+
+def _admit(meta, plugins=None, cfg=None):
+    s = Scheduler(cfg or DoraConfig.from_dict({"mode": "pipeline", "instances": 1, "capacity": 2}), plugins)
+    s.start()
+    return s, s.handle(E.GroupAdmitted("g", meta))
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_meta_is_kept_as_its_json_round_trip_gives_it_back():
+    meta = collections.OrderedDict(shape=(3, 4), p=Point(1, 2.5), c=Color.RED, tags=["a", ("b",)], none=None,
+                                   flag=True)
+    s, _ = _admit(meta)
+    kept = s.groups["g"].meta
+    assert kept == json.loads(json.dumps(meta)) == {"shape": [3, 4], "p": [1, 2.5], "c": 1, "tags": ["a", ["b"]],
+                                                    "none": None, "flag": True}
+    assert type(kept) is dict and type(kept["c"]) is int and kept is not meta
+    assert s.snapshot()["groups"][0][4] == kept
+    assert s.snapshot()["groups"][0][4] is not kept  # the snapshot is a copy: mutating it changes nothing here
+    # The admission key sees the same meta (a plugin's, here).
+    seen = []
+
+    class Key:
+        @hookimpl
+        def dora_admission_key(self, group_id, version, seq, meta, mode):
+            seen.append(meta)
+            return (seq,)
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(Key())
+    _admit({"shape": (1, 2)}, pm)
+    assert seen == [{"shape": [1, 2]}]
+
+
+@pytest.mark.parametrize(
+    "meta, words",
+    [
+        ({1: "a"}, "GroupAdmitted.meta has the key 1 (int): the keys of a JSON object are str"),
+        ({"a": {None: 1}}, "GroupAdmitted.meta['a'] has the key None"),
+        ({"len": float("nan")}, "GroupAdmitted.meta['len'] is nan: JSON has no NaN or infinity"),
+        ({"x": [1, float("inf")]}, "GroupAdmitted.meta['x'][1] is inf"),
+        ({"s": {1, 2}}, "GroupAdmitted.meta['s'] is {1, 2} (set): expected JSON data"),
+        (b"raw", "GroupAdmitted.meta is b'raw' (bytes)"),
+    ],
+)
+def test_meta_json_cannot_give_back_is_refused_and_nothing_changes(meta, words):
+    s = Scheduler(DoraConfig.from_dict({"mode": "pipeline", "instances": 1, "capacity": 2}))
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    before = json.dumps(s.snapshot())
+    with pytest.raises(ProtocolError) as err:
+        s.handle(E.GroupAdmitted("g", meta))
+    assert str(err.value).startswith(words), err.value
+    assert json.dumps(s.snapshot()) == before  # the group was not admitted; the request still stands
+    assert any(isinstance(a, A.Dispatch) for a in s.handle(E.GroupAdmitted("g", {"ok": [1]})))
+
+
+def test_a_cycle_in_meta_is_refused_by_name():
+    cyc: list = []
+    cyc.append(cyc)
+    with pytest.raises(ProtocolError, match=r"^GroupAdmitted\.meta(\[0\])+: JSON data nested deeper than 64"):
+        _admit(cyc)
+
+
+def test_restore_keeps_meta_in_json_form_without_a_json_round_trip():
+    """A snapshot restored in memory (no JSON in between) gives the same meta as through JSON."""
+    s, _ = _admit({"shape": [3, 4]})
+    snap = s.snapshot()
+    snap["groups"][0][4] = {"shape": (3, 4)}  # (as an older in-memory snapshot may hold it)
+    t = Scheduler.restore(snap)
+    assert t.groups["g"].meta == {"shape": [3, 4]} and type(t.groups["g"].meta["shape"]) is list
+    snap["groups"][0][4] = {"bad": {1, 2}}
+    with pytest.raises(ProtocolError, match=r"^snapshot group 'g' meta\['bad'\] is \{1, 2\} \(set\)"):
+        Scheduler.restore(snap)
+
+
+@pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
+@pytest.mark.parametrize("key", [(("a", 1),), (1, {2}), "ab", 7, (float("nan"),), (1, float("inf"))])
+def test_plugin_keys_must_be_tuples_of_json_scalars(hook, key):
+    """A key element JSON cannot give back unchanged (a tuple came back as a list, and a resumed
+    queue then compared a list with a tuple) is refused naming the hook, when the plugin returns it."""
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_key_plugin(hook, key))
+    s = Scheduler(DoraConfig.from_dict({"mode": "pipeline", "instances": 1, "capacity": 2, "group_size": 1}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    with pytest.raises(ProtocolError, match=rf"^{hook} returned .*(is not a JSON scalar|expected a tuple of JSON scalars)"):
+        s.handle(E.GroupAdmitted("g"))
+        s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+
+
+@pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
+def test_plugin_keys_of_json_scalars_are_taken_as_json_gives_them_back(hook, monkeypatch):
+    from dora_ext.core import scheduler as S
+
+    taken = []
+    real = S._json_key
+    monkeypatch.setattr(S, "_json_key", lambda key, name: taken.append((name, real(key, name))) or taken[-1][1])
+    key = [Color.RED, "x", None, 1.5, True]
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_key_plugin(hook, key))
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
+                                        "batch_size": 2}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    snap = s.snapshot()
+    s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    mine = [k for name, k in taken if name == hook]  # (the other hook is the default's)
+    assert mine == [(1, "x", None, 1.5, True)] and type(mine[0][0]) is int
+    if hook == "dora_admission_key":
+        assert snap["groups"][0][3] == [1, "x", None, 1.5, True]
+    assert json.loads(json.dumps(snap)) == snap
+
+
+def _key_plugin(hook, key):
+    class Plugin:
+        if hook == "dora_admission_key":
+            @hookimpl
+            def dora_admission_key(self, group_id, version, seq, meta, mode):
+                return key
+        else:
+            @hookimpl
+            def dora_batch_key(self, group_id, version, complete_seq, mode):
+                return key
+
+    return Plugin()

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import pytest
 
+from dora_ext.core import ProtocolError
 from dora_ext.core import events as E
 from dora_ext.runtime import faults, prepare, recipe_from_dict
 from dora_ext.runtime.faults import StalledFirst
@@ -284,3 +285,93 @@ def test_an_export_whose_attempt_is_over_is_dropped():
     assert led["dispatch"][(gid, idx)][2] == 1 and result.core_metrics["retries"] == 1
     _check_landing_counts(result)
     assert _check_books(result, recipe, prepared) == [(gid, idx)]
+
+
+class HoldsLandingsPastCheckpoint4(StalledFirst, Runtime):
+    """Instance 0 (`faults.StallUntilMigrate`) stalls first (`faults.StalledFirst`), so R5 spreads
+    its sequences onto idle instance 1 before step 2 can start (their groups gate it). Every
+    "imported" report is held back until the coordinator has written its half of checkpoint 4
+    (after step 3), then handled in order: so checkpoint 4 holds moves that have not landed
+    (`held_at_save`: the reports held when it was written, `running_at_save`: those whose
+    sequence still ran, most of them finished), whatever the timing. The trainer
+    (`faults.DieAfterCheckpoint`) is killed right after it reported checkpoint 4."""
+
+    held: list
+    held_at_save = None
+
+    def _on_message(self, msg):
+        if self.held_at_save is None and msg[0] == "imported":
+            self.held = getattr(self, "held", []) + [msg]
+            return
+        if self.held_at_save is not None and getattr(self, "held", None):
+            held, self.held = self.held, []
+            for m in held:
+                super()._on_message(m)
+        super()._on_message(msg)
+
+    def _save_state(self, version):
+        super()._save_state(version)
+        if version == 4:
+            self.held_at_save = list(getattr(self, "held", []))
+            self.running_at_save = set()  # of those, the moved trajectories still running
+            for _, _, (gid, idx, attempt) in self.held_at_save:
+                try:
+                    view = self.sched.trajectory(gid, idx)
+                    if view.status == "R" and view.attempt == attempt and view.moved:
+                        self.running_at_save.add((gid, idx, attempt))
+                except ProtocolError:
+                    pass  # its group was trained and left the scheduler
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_a_move_in_flight_resumes_without_double_counting(tmp_path):
+    """Checkpoint 4 is written while moved sequences have not landed (forced:
+    `HoldsLandingsPastCheckpoint4`), the trainer dies right after it, the run is resumed. The
+    resumed run starts from the checkpoint's own record of the moves (`migration_log`, its
+    counters) and adds to it: nothing of what the killed run did after the checkpoint counts, the
+    checkpoint's moves are not counted twice, a landing for a move made before the resume never
+    arrives (fresh processes; those trajectories run again under a new attempt), and the
+    scheduler's count of moves equals the moves the runtime executed across both runs."""
+    import torch
+
+    from dora_ext.runtime import WorkerDied
+
+    recipe = _kill_recipe("dora", 0, 0)
+    prepared = prepare(recipe)
+    ckpt = str(tmp_path / "ckpt")
+    rt = HoldsLandingsPastCheckpoint4(recipe, prepared, checkpoint_dir=ckpt, checkpoint_every=2,
+                                      instance_loops={0: faults.StallUntilMigrate},
+                                      trainer_loop=faults.DieAfterCheckpoint)
+    with pytest.raises(WorkerDied, match="The run can continue from its last checkpoint"):
+        rt.run()
+    assert rt.held_at_save, "no landing was in flight when checkpoint 4 was written"
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "4"
+    saved = torch.load(str(tmp_path / "ckpt" / "state-000004.pt"), weights_only=False)
+    slog = saved["ledger"]["migration_log"]
+    moved = {tuple(e[1:4]) for e in slog if e[0] == "move"}
+    landed = {tuple(e[1:4]) for e in slog if e[0] == "imported"}
+    in_flight = {tuple(m[2]) for m in rt.held_at_save}
+    assert in_flight and in_flight <= moved and not in_flight & landed, (slog, in_flight)
+    assert saved["ledger"]["migrations_landed"] == len([e for e in slog if e[0] == "imported"])
+    assert saved["scheduler"] is not None
+
+    resumed = Runtime(recipe, prepared, checkpoint_dir=ckpt, resume=True)
+    landings = _spy_landings(resumed)
+    result = resumed.run()
+    led = result.ledger
+    log = led["migration_log"]
+    assert log[:len(slog)] == slog, "the resumed run's record of moves must extend the checkpoint's"
+    after = log[len(slog):]
+    # no landing for a move made before the resume: one still running ran again under a new attempt
+    assert not [e for e in after if e[0] == "imported" and tuple(e[1:4]) in in_flight], after
+    for gid, idx, attempt in rt.running_at_save:
+        assert led["dispatch"][(gid, idx)][2] > attempt
+    assert all(stale == 0 for *_, stale, _ in landings), landings
+    imported = [e for e in log if e[0] == "imported"]
+    assert led["migrations_landed"] == len(imported) == result.metrics["migrations_landed"]
+    assert led["landings_sent"] == sum(1 for e in imported if e[5] == "landed")
+    # the scheduler's moves (its snapshot's count, then this run's) are the moves the runtime executed
+    assert result.core_metrics["migrations"] == result.metrics["migrations"] == sum(1 for e in log if e[0] == "move")
+    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
+    assert [len(g) for g in led["step_groups"]] == [recipe.dora.batch_size] * recipe.steps
+    assert result.metrics["c1_ok"] and result.metrics["c2_ok"] and result.metrics["c3_ok"]

@@ -215,7 +215,8 @@ def format_report(name: str, result: Any) -> str:
         + (f"; last training batches {last:.3f}" if last is not None else ""),
         f"  trainer wait ratio     {m['trainer_wait_ratio']:.2f}; rollout bubble ratio {m['rollout_bubble_ratio']:.2f}",
         f"  staleness              max {m['staleness_max']}, mean {m['staleness_mean']:.2f}; live versions max "
-        f"{m['live_versions_max']}; migrations {m['migrations']}; weight loads {m['weight_loads']} "
+        f"{m['live_versions_max']}; migrations {m['migrations']} ({m.get('migrations_landed', 0)} landed); "
+        f"weight loads {m['weight_loads']} "
         f"({m['weight_load_s'] * 1e3:.0f} ms)",
         f"  multi-version trajectories {m['multi_version_trajectory_share']:.1%}; dropped {m['dropped']}, "
         f"truncated {m['truncated']}, duplicated {m['duplicated']}",

@@ -56,6 +56,8 @@ def aggregate(results: dict[str, list[RunResult]]) -> dict[str, dict[str, Any]]:
             "multi_version_trajectory_share": _mean([r.metrics["multi_version_trajectory_share"] for r in runs]),
             "live_versions_max": max(r.metrics["live_versions_max"] for r in runs),
             "migrations": sum(r.metrics["migrations"] for r in runs),
+            # of those, the sequences their destination took in (the rest finished first, or were lost)
+            "migrations_landed": sum(r.metrics.get("migrations_landed", 0) for r in runs),
             "weight_loads": sum(r.metrics["weight_loads"] for r in runs),
             "max_staleness": runs[0].max_staleness,
             "split": runs[0].split,
@@ -85,7 +87,7 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
         ("staleness max", lambda a: str(a["staleness_max"])),
         ("multi-version trajectories", lambda a: f"{a['multi_version_trajectory_share']:.1%}"),
         ("live versions (max)", lambda a: str(a["live_versions_max"])),
-        ("migrations", lambda a: str(a["migrations"])),
+        ("migrations (landed)", lambda a: f"{a['migrations']} ({a.get('migrations_landed', 0)})"),
         ("weight loads", lambda a: str(a["weight_loads"])),
         ("C1 one version per trajectory", lambda a: _ok(a["c1_ok"])),
         ("C2 every group trained once", lambda a: _ok(a["c2_ok"])),

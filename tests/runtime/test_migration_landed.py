@@ -155,6 +155,17 @@ def test_runtime_sends_a_landing_for_each_import():
     assert all(before and not after and stale == 0 for _, before, after, stale, _ in landings), landings
     _check_landing_counts(result)
     assert result.metrics["c1_ok"] and result.metrics["c2_ok"] and result.metrics["c3_ok"]
+    # what `dora-ext train` prints and `dora-ext compare`'s table shows: the moves, and how many landed
+    from dora_ext.runtime.cli import format_report
+    from dora_ext.runtime.report import aggregate, table
+
+    moves, landed = result.metrics["migrations"], len(imported)
+    assert 0 < landed <= moves == sum(1 for e in led["migration_log"] if e[0] == "move")
+    assert f"migrations {moves} ({landed} landed)" in format_report("tiny", result)
+    agg = aggregate({"dora": [result]})
+    assert (agg["dora"]["migrations"], agg["dora"]["migrations_landed"]) == (moves, landed)
+    assert any(line.startswith("migrations (landed)") and line.endswith(f"{moves} ({landed})")
+               for line in table(agg).splitlines()), table(agg)
 
 
 class DestinationDiesAtImport(StalledFirst, Runtime):

@@ -118,8 +118,10 @@ _JSON_DEPTH = 64  # `_json_data`: deeper nesting (or a cycle) is refused
 
 def _json_data(x: Any, where: str, depth: int = 0) -> Any:
     """`x` as a JSON round trip gives it back, as a fresh copy: a tuple becomes a list, a
-    subclass of dict, list, str, int or float its base type (a namedtuple a list, an IntEnum
-    an int, a numpy float64 a float). What JSON cannot give back unchanged is refused with a
+    subclass of dict, list, str, int or float its base type with the value JSON writes (a
+    namedtuple a list, an IntEnum an int, a numpy float64 a float, a `(str, Enum)` member its
+    value: JSON writes the value itself, not what an overridden `__str__`, `__int__` or
+    `__float__` returns). What JSON cannot give back unchanged is refused with a
     `ProtocolError` naming `where` and the path in it: a mapping key that is not a str (JSON
     would turn 1 into "1"), NaN or an infinite float (not JSON), any other type (a set, bytes,
     a numpy integer), nesting deeper than `_JSON_DEPTH` (or a cycle).
@@ -145,16 +147,16 @@ def _json_data(x: Any, where: str, depth: int = 0) -> Any:
                 )
             tv = type(v)
             # (a str, int or bool value as is, without the call: the common meta is a flat mapping)
-            out[str(k)] = v if tv is str or tv is int or tv is bool else _json_data(v, f"{where}[{k!r}]", depth + 1)
+            out[k if type(k) is str else str.__str__(k)] = v if tv is str or tv is int or tv is bool else _json_data(v, f"{where}[{k!r}]", depth + 1)
         return out
     if isinstance(x, (list, tuple)):
         return [_json_data(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
     if isinstance(x, str):
-        return str(x)
+        return str.__str__(x)  # (the value, as JSON writes it: `str()` gives a `(str, Enum)` member's name)
     if isinstance(x, int):
-        return int(x)
+        return int.__int__(x)
     if isinstance(x, float):
-        return _json_data(float(x), where, depth)
+        return _json_data(float.__float__(x), where, depth)
     raise ProtocolError(
         f"{where} is {_brief(x)} ({type(x).__name__}): expected JSON data (None, bool, int, float, str, "
         f"list, tuple, dict with str keys), as the scheduler's snapshot holds it"
@@ -174,12 +176,12 @@ def _json_key(key: Any, hook: str) -> tuple:
         t = type(x)
         if t is int or t is str or t is bool or x is None:
             y = x
-        elif isinstance(x, float) and x - x == 0.0:
-            y = float(x)
+        elif isinstance(x, float) and (y := float.__float__(x)) - y == 0.0:
+            pass
         elif isinstance(x, int) and t is not bool:
-            y = int(x)
+            y = int.__int__(x)  # (the value, as JSON writes it: `int()` may call an override)
         elif isinstance(x, str):
-            y = str(x)
+            y = str.__str__(x)  # (the value: `str()` gives a `(str, Enum)` member's name)
         else:
             raise ProtocolError(
                 f"{hook} returned {_brief(key)}: its element {_brief(x)} ({t.__name__}) is not a JSON scalar "

@@ -245,3 +245,58 @@ def _key_plugin(hook, key):
                 return key
 
     return Plugin()
+
+
+class Level(str, enum.Enum):
+    """A `(str, Enum)`: `str(Level.HARD)` is "Level.HARD", JSON writes its value "hard"."""
+
+    HARD = "hard"
+
+
+class Loud(str):
+    def __str__(self):
+        return "LOUD"
+
+
+class Seven(int):
+    def __int__(self):
+        return 7
+
+
+class Half(float):
+    def __float__(self):
+        return 0.5
+
+
+def test_subclasses_of_str_int_float_are_kept_as_json_writes_them():
+    """JSON writes the value of a str, int or float subclass, not what `str()`, `int()` or
+    `float()` return (a `(str, Enum)` member's name, an override): the kept meta is what the
+    JSON round trip gives back, in keys, values, lists and at the top."""
+    meta = {"level": Level.HARD, Level.HARD: [Level.HARD, Loud("q"), Seven(3), Half(2.25)], Loud("k"): Loud("v")}
+    s, _ = _admit(meta)
+    kept = s.groups["g"].meta
+    assert kept == json.loads(json.dumps(meta)) == {"level": "hard", "hard": ["hard", "q", 3, 2.25], "k": "v"}
+    assert [type(x) for x in kept["hard"]] == [str, str, int, float]
+    for scalar in (Level.HARD, Loud("q"), Seven(3), Half(2.25)):
+        s, _ = _admit(scalar)
+        assert s.groups["g"].meta == json.loads(json.dumps(scalar))
+
+
+@pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
+def test_plugin_key_subclass_elements_are_taken_as_json_writes_them(hook, monkeypatch):
+    from dora_ext.core import scheduler as S
+
+    taken = []
+    real = S._json_key
+    monkeypatch.setattr(S, "_json_key", lambda key, name: taken.append((name, real(key, name))) or taken[-1][1])
+    key = (Level.HARD, Loud("q"), Seven(3), Half(2.25))
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_key_plugin(hook, key))
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
+                                        "batch_size": 2}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    mine = [k for name, k in taken if name == hook]
+    assert mine == [tuple(json.loads(json.dumps(key)))] == [("hard", "q", 3, 2.25)]

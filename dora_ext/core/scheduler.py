@@ -1425,22 +1425,29 @@ class Scheduler:
             self._out.append(A.ReportError(gid, idx, msg))
             self._fail_traj(g, h, msg)
             return
-        self._tr[h] = float(reward)
-        self._ts[h] = _DONE
-        self._glive[g] -= 1
-        done = self._gdone[g] = self._gdone[g] + 1
-        if done == self.n:
-            self._gst[g] = _COMPLETE
-            self.m["groups_completed"] += 1
-            self._n_active -= 1
-            cseq = self._gcseq[g] = self._complete_seq
-            self._complete_seq += 1
+        completes = self._gdone[g] + 1 == self.n
+        if completes:
+            # The group completes with this reward: its batch key first, before any state changes,
+            # so that a key refused (or a plugin that raises) leaves the trajectory awaiting its
+            # reward and the group active, as they were (a later `RewardReady` completes it);
+            # computed after, the group was complete but in no pool: never trained, not failed.
+            cseq = self._complete_seq
             gid, v = self._ggid[g], self._gver[g]
             if self._builtin_keys:  # `defaults.dora_batch_key`
                 key = (v, cseq) if self.mode == "dora" else (cseq,)
             else:
                 key = _json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode),
                                 "dora_batch_key")
+        self._tr[h] = float(reward)
+        self._ts[h] = _DONE
+        self._glive[g] -= 1
+        self._gdone[g] += 1
+        if completes:
+            self._gst[g] = _COMPLETE
+            self.m["groups_completed"] += 1
+            self._n_active -= 1
+            self._gcseq[g] = cseq
+            self._complete_seq = cseq + 1
             heapq.heappush(self._pools.setdefault(v, []), (key, cseq, gid))
             self._pool_n += 1
             self._form_dirty = True

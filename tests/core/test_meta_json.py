@@ -300,3 +300,35 @@ def test_plugin_key_subclass_elements_are_taken_as_json_writes_them(hook, monkey
     s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
     mine = [k for name, k in taken if name == hook]
     assert mine == [tuple(json.loads(json.dumps(key)))] == [("hard", "q", 3, 2.25)]
+
+
+def test_a_refused_batch_key_loses_no_group():
+    """The batch key was computed after the group was recorded complete: a key refused (or a
+    plugin that raised) left a complete group in no pool, never trained and never failed, and
+    the reward sent again was a stale report. The key now comes first: the trajectory still
+    awaits its reward, and the reward sent again completes the group, which is trained."""
+    calls = []
+
+    class FirstBad:
+        @hookimpl
+        def dora_batch_key(self, group_id, version, complete_seq, mode):
+            calls.append(complete_seq)
+            return ((1, 2),) if len(calls) == 1 else (complete_seq,)
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(FirstBad())
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 2,
+                                        "batch_size": 1}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned"):
+        s.handle(E.TrajectoryFinished("g", 1, 5, 1.0))
+    g = s.groups["g"]
+    assert (g.state, g.done, g.complete_seq, s.metrics()["groups_completed"]) == ("active", 1, None, 0)
+    assert [t.status for t in s.trajectories("g")] == ["D", "F"]  # (done; finished, awaiting its reward)
+    out = s.handle(E.RewardReady("g", 1, 1.0))  # the reward again: the group completes now
+    assert calls == [0, 0]  # (the same completion sequence number the second time)
+    assert any(isinstance(a, A.StartStep) and a.group_ids == ("g",) for a in out), out
+    assert s.metrics()["stale_events"] == 0

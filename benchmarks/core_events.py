@@ -28,8 +28,8 @@ running then. Flatness is the dearest row's cost per event over the cheapest row
     python benchmarks/core_events.py            # the full table (the 1M rows take a while)
     python benchmarks/core_events.py --quick    # up to 100k slots
     python benchmarks/core_events.py --json     # {"rows": [...], "flatness": ...}
-    python benchmarks/core_events.py --no-landings   # no MigrationLanded answers (the embedded
-        # runtime and verl send none today): a trajectory moves at most once per attempt
+    python benchmarks/core_events.py --no-landings   # no MigrationLanded answers (a host that
+        # sends none): a trajectory moves at most once per attempt
     python benchmarks/core_events.py --quick --baseline main   # each row also measured with
         # dora_ext/core/scheduler.py as of git revision `main`, side by side in this run
 
@@ -110,7 +110,7 @@ class Bench:
                     count["remigrations"] += 1  # a move of a trajectory that moved before (a KV transfer more)
                 else:
                     self.moved.add(key)
-                if self.landings:  # without: as the embedded runtime and verl, which send none
+                if self.landings:  # without: as a host that sends none
                     self.todo.append(MigrationLanded(a.group_id, a.index, 0))
 
     def next_batch(self) -> list:
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", type=int, default=None, help="events measured per row (default: >= 4 steps)")
     p.add_argument("--k", default="1,2,3", help="comma-separated K values")
     p.add_argument("--no-landings", dest="landings", action="store_false",
-                   help="answer no Migrate with MigrationLanded (as the embedded runtime and verl's "
-                        "coordinator today: a trajectory then moves at most once per attempt)")
+                   help="answer no Migrate with MigrationLanded (as a host that sends none: a "
+                        "trajectory then moves at most once per attempt)")
     p.add_argument("--baseline", metavar="REV", default=None,
                    help="also measure dora_ext/core/scheduler.py as of git revision REV, row by row "
                         "in this run, and print the ratio")

@@ -12,7 +12,9 @@ training rollouts. `generate_and_reward` is slime's `generate_and_rm` without th
 Weights are loaded with SGLang's `/update_weights_from_disk`, tagged with the version so that
 SGLang reports it in every response (`Sample.weight_versions`).
 
-Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health`, so
+Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health` (all
+engines at once; every answer is in before anything changes, so a refresh that raises or is
+cancelled part-way changes nothing), so
 an engine that died leaves (its trajectories go back to the same version elsewhere) and one that
 slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
 weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
@@ -26,10 +28,16 @@ from the one the adapter knew, whenever it is looked at:
 
 * the router's worker id: sglang-router gives every registration a fresh id (slime's
   `SGLangEngine.shutdown` deletes the dead engine's registration, its successor registers anew);
-* the weight version the engine reports (SGLang's `/model_info`): a restarted server reports its
-  launch version (SGLang's `--weight-version`, "default"), not the one the adapter loaded. This
-  also catches a restart whose old registration was never deleted (the router then keeps the old
-  id and refuses the duplicate).
+* the weight version the engine's scheduler reports (SGLang's `/server_info`, `internal_states`):
+  a restarted server reports its launch version (SGLang's `--weight-version`, "default"), not the
+  one the adapter loaded. This also catches a restart whose old registration was never deleted
+  (the router then keeps the old id and refuses the duplicate). `/model_info` is not asked first:
+  with `--tokenizer-worker-num` > 1 it answers from one tokenizer worker's copy of the version,
+  which only the worker that ran the weight update changes (SGLang 0.5.23,
+  `tokenizer_control_mixin._update_weight_version_if_provided`; only pause/continue is broadcast
+  to the workers), so it reports the launch version for a healthy engine. It is asked only where
+  `/server_info` carries no version and the engine runs one tokenizer worker (see
+  `reported_version`).
 
 Either one retires the instance id (`InstanceFailed`) and the engine joins under a fresh, larger
 id (`InstanceReady`), so the scheduler loads a version onto it before sending it work. The rollout
@@ -215,12 +223,11 @@ class SglangEngines:
         self._worker_ids[iid] = worker_ids
         return iid
 
-    def _drop(self, iid: int, reason: str) -> None:
+    def _drop(self, iid: int) -> None:
         del self.urls[iid]
         del self._args[iid]
         self._worker_ids.pop(iid, None)
         self._loaded_tags.pop(iid, None)
-        self.reasons[iid] = reason
 
     async def discover(self) -> list[int]:
         listed = await self._listed()
@@ -244,7 +251,32 @@ class SglangEngines:
         return True
 
     async def reported_version(self, url: str) -> str | None:
-        """The weight version the engine reports (SGLang's `/model_info`), None if it gives none."""
+        """The weight version the engine's scheduler holds, None where the engine gives no verdict.
+
+        SGLang keeps the version in two places: its scheduler (set by a successful weight update,
+        and what every finished request's `meta_info["weight_version"]` is computed from), and
+        each tokenizer worker's config (set only in the worker whose HTTP handler ran the update).
+        `/model_info` answers from whichever tokenizer worker took the request, so with
+        `--tokenizer-worker-num` > 1 it can report a worker's stale version (the launch one) for a
+        healthy engine. `/server_info`'s `internal_states` are read back from the scheduler (one
+        per data-parallel rank), so they are asked first; `/model_info` only where the engine
+        says it runs one tokenizer worker (an SGLang whose internal states carry no version).
+        """
+        try:
+            info = await asyncio.wait_for(self.http.get(f"{url}/server_info"), self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - an SGLang without /server_info: /model_info alone tells
+            info = None
+        if isinstance(info, dict):
+            states = info.get("internal_states")
+            versions = {str(st["weight_version"]) for st in states or []
+                        if isinstance(st, dict) and st.get("weight_version") is not None}
+            if len(versions) == 1:
+                return versions.pop()
+            if len(versions) > 1:
+                return None  # ranks disagree (an update landing now): no verdict from this
+            workers = info.get("tokenizer_worker_num")
+            if isinstance(workers, int) and workers > 1:
+                return None  # /model_info would answer for one tokenizer worker: no verdict
         try:
             reply = await asyncio.wait_for(self.http.get(f"{url}/model_info"), self.health_timeout_s)
         except Exception:  # noqa: BLE001 - no verdict from this; /health decides whether it is alive
@@ -252,45 +284,60 @@ class SglangEngines:
         version = reply.get("weight_version") if isinstance(reply, dict) else None
         return None if version is None else str(version)
 
+    async def _verdict(self, iid: int, url: str) -> str | None:
+        """Why instance `iid` at `url` should leave (fails /health, or holds another version), or None."""
+        if not await self.healthy(url):
+            return "the engine fails /health"
+        expected = self._loaded_tags.get(iid)
+        if expected is None:
+            return None
+        reported = await self.reported_version(url)
+        if reported is not None and reported != expected:
+            return (f"{url} reports weight version {reported!r}, the adapter loaded {expected!r}: "
+                    "the engine was restarted")
+        return None
+
     async def refresh(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """Every question is asked first (the engines concurrently), then the answers are applied
+        with no await in between: a refresh that raises or is cancelled part-way (its router read,
+        an engine's check) changes nothing, and the next one sees everything again."""
         listed = await self._listed()
-        gone = []
-        self.reasons = {}
-        for iid, url in list(self.urls.items()):
+        reasons: dict[int, str] = {}
+        checked: dict[int, tuple[str, int]] = {}  # iid -> (url, loads started when asked)
+        for iid, url in sorted(self.urls.items()):
             known_ids = self._worker_ids.get(iid)
             if url not in listed:
-                self._drop(iid, "the engine left slime's router")
-                gone.append(iid)
-                continue
-            if known_ids and listed[url] and not known_ids & listed[url]:
+                reasons[iid] = "the engine left slime's router"
+            elif known_ids and listed[url] and not known_ids & listed[url]:
                 # A new registration at the same address: slime deleted the old one and the
                 # restarted engine registered again. Whatever it holds, it is not what we loaded.
-                self._drop(iid, f"slime's router lists {url} under a new registration "
+                reasons[iid] = (f"slime's router lists {url} under a new registration "
                                 f"({', '.join(sorted(listed[url]))}, was {', '.join(sorted(known_ids))}): "
                                 "the engine was restarted")
-                gone.append(iid)
-                continue
-            if iid in self._loading:
-                continue
-            started = self._loads_started.get(iid, 0)
-            alive = await self.healthy(url)
-            reason = None if alive else "the engine fails /health"
-            expected = self._loaded_tags.get(iid)
-            if alive and expected is not None:
-                reported = await self.reported_version(url)
-                if reported is not None and reported != expected:
-                    reason = (f"{url} reports weight version {reported!r}, the adapter loaded {expected!r}: "
-                              "the engine was restarted")
+            elif iid not in self._loading:
+                checked[iid] = (url, self._loads_started.get(iid, 0))
+        # One health pass over the engines, concurrently (each check is bounded by health_timeout_s).
+        verdicts = await asyncio.gather(*(self._verdict(iid, url) for iid, (url, _) in checked.items()))
+        for (iid, (url, started)), reason in zip(checked.items(), verdicts):
             if iid in self._loading or self._loads_started.get(iid, 0) != started:
                 continue  # a load started while it was asked: no verdict from this check
             if reason is not None:
-                self._drop(iid, reason)
+                reasons[iid] = reason
+        staying = {url for iid, url in self.urls.items() if iid not in reasons}
+        candidates = [url for url in listed if url not in staying]
+        alive = await asyncio.gather(*(self.healthy(url) for url in candidates))
+        # Apply (no await from here on).
+        gone = []
+        for iid in sorted(reasons):
+            if self.urls.get(iid) is not None:
+                self._drop(iid)
                 gone.append(iid)
+        self.reasons = {iid: reasons[iid] for iid in gone}
         known = set(self.urls.values())
         new = []
-        for url, worker_ids in listed.items():
-            if url not in known and await self.healthy(url):
-                new.append((self._add(url, worker_ids), self._cap))
+        for url, ok in zip(candidates, alive):
+            if ok and url not in known:
+                new.append((self._add(url, listed[url]), self._cap))
         return gone, new
 
     def args_for_instance(self, instance_id: int) -> Any:

@@ -271,6 +271,11 @@ class RolloutSession:
         # does not see eval requests, so a load it asks for on that instance waits for them.
         self._eval_on: int | None = None
         self._eval_over: asyncio.Event | None = None
+        # Engine refreshes: the pass callers wait for next, and the task running the passes.
+        self._refresh_next: asyncio.Future | None = None
+        self._refresh_runner: asyncio.Task | None = None
+        #: Refresh passes run (each asks the router once and every engine once).
+        self.refresh_passes = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -356,7 +361,6 @@ class RolloutSession:
         self.sched = Scheduler(config, plugins=self._plugins)
         self._pending.extend(self.sched.start())
         self._drain()
-        self._refresh_lock = asyncio.Lock()
         self._spawn(self._watch_weights())
         self._spawn(self._watch_engines())
         logger.info("dora: rollout worker started at step %d: %s", self.first_step, config.to_dict())
@@ -504,6 +508,7 @@ class RolloutSession:
         out["dora/batch_staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
         out["dora/batch_staleness_max"] = max(stale) if stale else 0
         out["dora/delivered_groups"] = self._delivered
+        out["dora/engine_refresh_passes"] = self.refresh_passes
         out["dora/batch_wait_s"] = waited
         return out
 
@@ -640,6 +645,8 @@ class RolloutSession:
                 reason = f"engine reported weight versions {list(s.weight_versions)}, pinned to {tag}"
                 mismatch = True
         if reason is not None:
+            if mismatch:
+                self._probe("version_mismatch", (gid, idx, d.instance_id))
             if mismatch and d.instance_id in self.sched.instances:
                 # The engine does not hold what the scheduler loaded onto it: slime's fault
                 # tolerance may have restarted it at the same address (slime's HTTP client
@@ -705,13 +712,51 @@ class RolloutSession:
                 self.board.release(v)
 
     async def _refresh(self) -> None:
-        """Re-read slime's router and the engines' health; tell the scheduler who left or joined."""
-        async with self._refresh_lock:
-            try:
-                gone, new = await self.engines.refresh()
-            except Exception:  # noqa: BLE001 - the router itself unreachable: try again next time
-                logger.warning("dora: could not re-read slime's router", exc_info=True)
-                return
+        """Re-read slime's router and the engines' health; tell the scheduler who left or joined.
+
+        Callers share passes: a caller waits for the next pass that starts after its call (one
+        that is running may have asked an engine before what the caller saw happened), and every
+        caller that arrives while a pass runs shares the one after it. So N trajectories coming
+        back with a wrong weight version at once cost at most two passes, not N (each pass asks
+        every engine once, concurrently: `SglangEngines.refresh`).
+        """
+        fut = self._refresh_next
+        if fut is None:
+            fut = self._refresh_next = self.loop.create_future()
+            fut.add_done_callback(_retrieve)
+            if self._refresh_runner is None:
+                self._refresh_runner = self.loop.create_task(self._run_refreshes())
+                self._tasks.add(self._refresh_runner)
+                self._refresh_runner.add_done_callback(self._tasks.discard)
+        # A caller cancelled (its task closed) leaves the pass to the others.
+        await asyncio.shield(fut)
+
+    async def _run_refreshes(self) -> None:
+        try:
+            while self._refresh_next is not None:
+                fut, self._refresh_next = self._refresh_next, None
+                self.refresh_passes += 1
+                try:
+                    await self._refresh_pass()
+                except asyncio.CancelledError:
+                    fut.cancel()
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - the callers raise it
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(None)
+        finally:
+            self._refresh_runner = None
+            if self._refresh_next is not None:  # cancelled (closing) with callers waiting
+                self._refresh_next.cancel()
+                self._refresh_next = None
+
+    async def _refresh_pass(self) -> None:
+        try:
+            gone, new = await self.engines.refresh()
+        except Exception:  # noqa: BLE001 - the router itself unreachable: try again next time
+            logger.warning("dora: could not re-read slime's router", exc_info=True)
+            return
         # One batch: a trajectory re-dispatched from one gone engine onto another engine that is
         # also gone in this refresh is then not sent there (handle_many drops it).
         events: list = []
@@ -749,6 +794,12 @@ class RolloutSession:
                 self._feed(VersionPublished(v))
                 self._probe("published", self.first_step + v)
             await asyncio.sleep(self.settings.poll_interval_s)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a refresh's outcome seen (its callers may all have been cancelled meanwhile)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _ledger_id(group: list) -> Any:

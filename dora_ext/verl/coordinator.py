@@ -12,6 +12,9 @@ placed, with no change to verl's workers:
 * later acquires of the same trajectory (multi-turn turns, and resumes after an abort) go to the
   instance the trajectory is on now, which after an R5 ``Migrate`` is the new instance: the
   engine re-prefills there under the same version (C1 kept);
+* the first acquire of a moved trajectory routed to its destination is its landing: the
+  coordinator answers the ``Migrate`` with ``MigrationLanded`` there (see ``_land``), so R5 may
+  move the trajectory again in the same attempt;
 * the workers report ``trajectory_done`` / ``reward_ready`` / ``trajectory_failed``;
 * the trainer reports ``start``, ``step_finished`` and ``loaded``, takes the batch of each step
   (``step_batch``) and the weight loads and aborts to execute (``take_work``).
@@ -91,7 +94,14 @@ class DoraCoordinator:
         self.loads: list[tuple[int, int]] = []  # (instance, verl version) to load
         self.aborts: list[int] = []
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
-        self.counts = {"delivered": 0, "errors": 0, "load_errors": 0, "late_reports": 0}
+        # (group, index) -> (destination instance, scheduler attempt): moved by R5, not landed yet.
+        # At most one entry per running trajectory (cleared on landing, re-dispatch, failure,
+        # generation end, group failure or training, and when the destination is removed).
+        self.moving: dict[tuple, tuple[int, int]] = {}
+        # Every Migrate applied ends as one of: landed, dropped (with its cause), or still pending
+        # (``moving``); the scheduler's ``migrations`` is their sum.
+        self.counts = {"delivered": 0, "errors": 0, "load_errors": 0, "late_reports": 0,
+                       "migrations_landed": 0, "moves_dropped": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
@@ -108,6 +118,7 @@ class DoraCoordinator:
             elif isinstance(act, A.Dispatch):
                 key = (act.group_id, act.index)
                 self.route[key] = act.instance_id
+                self._drop_move(key, "dispatch")  # a new attempt: no move of the old one can land
                 self._record(("dispatch", act.group_id, act.index, act.instance_id, act.version + self.base))
                 for fut in self.waiters.pop(key, ()):
                     if not fut.done():
@@ -120,16 +131,21 @@ class DoraCoordinator:
                 else:
                     self.loads.append((act.instance_id, act.version + self.base))
             elif isinstance(act, A.Migrate):
+                key = (act.group_id, act.index)
+                self._drop_move(key, "moved_again")  # (the scheduler moves no trajectory not landed)
+                self._record(("migrate", act.group_id, act.index, act.src, act.dst))
+                _report("migrate", group=str(act.group_id), index=act.index, src=act.src, dst=act.dst)
                 if self._serving(act.dst):
-                    self.route[(act.group_id, act.index)] = act.dst
+                    self.route[key] = act.dst
+                    self._moved(key, act.dst)
                 else:
+                    self._unlanded(key, "removed")
                     # Decided in a `remove_servers` batch before its destination was removed in
                     # it: the scheduler re-queued the trajectory, its request waits for the new
                     # Dispatch (routed to the removed server, it failed on its in-flight count).
-                    self.route.pop((act.group_id, act.index), None)
+                    self.route.pop(key, None)
                 if act.src not in self.aborts:
                     self.aborts.append(act.src)
-                self._record(("migrate", act.group_id, act.index, act.src, act.dst))
             elif isinstance(act, A.StartStep):
                 self.steps[act.step] = act.group_ids
             elif isinstance(act, A.DeliverGroup):
@@ -137,6 +153,8 @@ class DoraCoordinator:
             elif isinstance(act, A.ReportGroupFailed):
                 self.failed[act.group_id] = act.reason
                 self.admitted.pop(act.group_id, None)
+                for idx in range(self.config.group_size):
+                    self._drop_move((act.group_id, idx), "group_failed")
                 _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
                 for key in [k for k in self.waiters if k[0] == act.group_id]:
@@ -147,6 +165,54 @@ class DoraCoordinator:
                 self.counts["errors"] += 1
                 logger.warning("dora: %s", act.message)
         self._admit()
+
+    def _moved(self, key: tuple, dst: int) -> None:
+        """Remember that R5 moved `key` to `dst`, with the attempt it moved in, until it lands.
+
+        The scheduler's view is read after the whole batch: a trajectory that does not run on
+        `dst` by then (re-queued later in the same ``remove_servers`` batch) gets no entry (the
+        move is counted dropped)."""
+        from dora_ext.core.scheduler import ProtocolError
+
+        try:
+            t = self.sched.trajectory(*key)
+            if t.status == "R" and t.instance == dst:
+                self.moving[key] = (dst, t.attempt)
+                return
+        except (ProtocolError, LookupError):  # its group left the scheduler in the same batch
+            pass
+        self._unlanded(key, "requeued")
+
+    def _drop_move(self, key: tuple, cause: str) -> None:
+        """The pending move of `key` (if any) can no longer land: `cause` ended its attempt."""
+        if self.moving.pop(key, None) is not None:
+            self._unlanded(key, cause)
+
+    def _unlanded(self, key: tuple, cause: str) -> None:
+        self.counts["moves_dropped"] += 1
+        self._record(("move_dropped", key[0], key[1], cause))
+        _report("move_dropped", group=str(key[0]), index=key[1], cause=cause)
+
+    def _land(self, key: tuple, iid: int) -> None:
+        """An acquire of trajectory `key` routed to instance `iid`: if it is the destination of the
+        trajectory's pending move, the move has landed (verl's client re-acquires after the abort
+        of the source, or the agent loop acquires for its next turn), and the scheduler is told.
+
+        verl's agent loop carries no attempt number; the coordinator sends the scheduler's attempt
+        it recorded at the ``Migrate``, and drops the entry on every event that ends that attempt,
+        so a landing is never sent for a later attempt (nor for a group no longer live)."""
+        entry = self.moving.get(key)
+        if entry is None or entry[0] != iid:
+            return
+        gid, idx = key
+        if gid in self.failed or self._late(gid, idx, "migration_landed"):
+            self._drop_move(key, "late")
+            return
+        del self.moving[key]
+        self.counts["migrations_landed"] += 1
+        self._record(("landed", gid, idx, iid))
+        _report("landed", group=str(gid), index=idx, instance=iid, attempt=entry[1])
+        self._feed(E.MigrationLanded(gid, idx, entry[1]))
 
     def _admit(self) -> None:
         while self.owed > 0 and self.pool:
@@ -215,6 +281,7 @@ class DoraCoordinator:
             self.admitted.pop(gid, None)
             for idx in range(self.config.group_size):
                 self.route.pop((gid, idx), None)
+                self._drop_move((gid, idx), "trained")
         self._feed(E.TrainerStepFinished(k))
         self._feed(E.VersionPublished(k + 1))
 
@@ -245,11 +312,15 @@ class DoraCoordinator:
         m["load_error_text"] = self.load_error_text
         m["pool"] = len(self.pool)
         m["waiting_requests"] = sum(len(v) for v in self.waiters.values())
+        m["moves_not_landed"] = len(self.moving)
         return m
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What verl's checkpoint keeps of the coordinator (``dora_state.json``): the groups admitted
-        and not trained (by the steps finished so far), the base version, the scheduler snapshot."""
+        and not trained (by the steps finished so far), the base version, the scheduler snapshot.
+
+        Moves not landed yet (``moving``) are not kept: a resumed run starts a new scheduler, under
+        which every untrained group is generated again (``DoraTrainer._prepare_resume``)."""
         import time
 
         # "time": admissions reported (``admit``) after this instant are not in this state.
@@ -274,6 +345,9 @@ class DoraCoordinator:
         return True
 
     def trajectory_done(self, group_id: Any, index: int, tokens: int, reward: float | None = None) -> None:
+        # Generation is over: an aborted last request may come back finished (its token budget
+        # was used up, or the abort came after its end) with no re-acquire on the destination.
+        self._drop_move((group_id, index), "done")
         if group_id in self.failed or self._late(group_id, index, "trajectory_done"):
             return
         self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
@@ -285,6 +359,7 @@ class DoraCoordinator:
 
     def trajectory_failed(self, group_id: Any, index: int, reason: str = "") -> str:
         """Report a failed trajectory; returns "retry" (run it again) or "failed" (give up)."""
+        self._drop_move((group_id, index), "failed")  # its next run is a new attempt
         if group_id in self.failed or self._late(group_id, index, "trajectory_failed"):
             return "failed"
         self.route.pop((group_id, index), None)
@@ -311,6 +386,9 @@ class DoraCoordinator:
                 fut = asyncio.get_running_loop().create_future()
                 self.waiters.setdefault(key, []).append(fut)
                 iid = await fut
+                # Moved between its Dispatch and this task's resumption: where it runs now.
+                iid = self.route.get(key, iid)
+            self._land(key, iid)
             sid = self.server_of[iid]
         self.inflight[sid] += 1
         return sid, self.handles[sid]
@@ -358,6 +436,8 @@ class DoraCoordinator:
             gone = {ev.instance_id for ev in events}
             for key in [k for k, iid in self.route.items() if iid in gone]:
                 del self.route[key]
+            for key in [k for k, (dst, _) in self.moving.items() if dst in gone]:
+                self._drop_move(key, "removed")  # re-queued by the scheduler: its next Dispatch is a new attempt
             self._apply(self.sched.handle_many(events))
 
     def get_all_servers(self) -> list[str]:

@@ -10,7 +10,8 @@
 * ``DoraLLMServerClient`` is verl's ``FullyAsyncLLMServerClient`` whose ``_acquire_server``
   passes that ``(uid, session)`` to the coordinator, which answers with the instance the
   scheduler dispatched the trajectory to (R1, R6). After an abort (R5 migration) the client's own
-  resume loop re-acquires and lands on the trajectory's new instance, same version (C1).
+  resume loop re-acquires and lands on the trajectory's new instance, same version (C1); the
+  coordinator answers the move with ``MigrationLanded`` on that acquire.
 
 Everything else (agent loops, tokenisation, reward, TransferQueue writes) is verl's code.
 """

@@ -101,6 +101,110 @@ def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, f
     return session
 
 
+def fleet_engines(standins: Any, tmp_path: Path, port: int, n: int = 2) -> tuple[Any, Any]:
+    """`n` stand-in engines of capacity 2 and the adapter's `SglangEngines` over them (no session);
+    `tmp_path / "w"` is a checkpoint directory to load."""
+    from dora_ext.slime.engines import SglangEngines
+    from dora_ext.slime.settings import slime_settings
+
+    args = make_args(tmp_path, capacity=2)
+    fleet = standins.FakeSglangFleet(n, capacity=2, base_port=port)
+    (tmp_path / "w").mkdir(exist_ok=True)
+    return fleet, SglangEngines(args, slime_settings(args), http=fleet)
+
+
+# ---------------------------------------------------------------- slime's evaluation between rollouts
+def install_eval_rollout(monkeypatch: Any, fn: Any) -> None:
+    """slime's `eval_rollout(args, rollout_id)` (slime/rollout/sglang_rollout.py) replaced by `fn`:
+    slime's own sends its eval requests to the engine `args` names, as `fn` does."""
+    import sys
+    import types
+
+    try:
+        import slime.rollout.sglang_rollout as mod  # a real checkout (DORA_SLIME_PATH)
+    except ImportError:
+        mod = types.ModuleType("slime.rollout.sglang_rollout")
+        monkeypatch.setitem(sys.modules, "slime", types.ModuleType("slime"))
+        monkeypatch.setitem(sys.modules, "slime.rollout", types.ModuleType("slime.rollout"))
+        monkeypatch.setitem(sys.modules, "slime.rollout.sglang_rollout", mod)
+    monkeypatch.setattr(mod, "eval_rollout", fn, raising=False)
+
+
+def eval_fleet_session(tmp_path: Path, standins: Any, port: int, *, check_interval_s: float) -> tuple:
+    """(args, fleet, data source, session): mode dora, K = 1, batches of 2 groups of 2, two
+    engines of capacity 2, each with room for one eval request beside the scheduler's 2;
+    `check_interval_s` is the periodic engine refresh (600: none during the run)."""
+    from dora_ext.slime.data_source import DoraDataSource
+
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = check_interval_s
+    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=port)
+    ds = DoraDataSource(args)
+    return args, fleet, ds, install_fleet_session(args, ds, fleet, first_step=0)
+
+
+def record_probes(session: Any, signal: str) -> tuple[list, Any]:
+    """Record the session's probes as (name, value); the event returned is set (on the worker's
+    loop) the first time the probe `signal` fires, for a test that holds something until then."""
+    import asyncio
+
+    probes: list = []
+    fired = asyncio.Event()
+
+    def probe(name: str, value: Any) -> None:
+        probes.append((name, value))
+        if name == signal:
+            fired.set()
+
+    session.probe = probe
+    return probes, fired
+
+
+async def probe_eval(standins: Any, eval_args: Any) -> Any:
+    """What slime's `eval_rollout` returns for one eval prompt generated on the engine `eval_args`
+    names: (RolloutFnEvalOutput with the dataset "probe", its raw data)."""
+    from dora_ext.slime._compat import RolloutFnEvalOutput
+
+    s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+    return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+
+
+def train_eval_train(args: SimpleNamespace, data_source: Any, standins: Any) -> tuple[dict[int, Any], Any]:
+    """slime's loop around one evaluation, in `train_async.py` order: rollout 0 (version 0),
+    version 1 published, slime's evaluation (after rollout 0, on version 1), then rollouts 1 and
+    2, weights pushed after each. Returns ({rollout id: train output}, eval output). Requests
+    the test held (`standins.HOLD`) are released at the end, whatever happened."""
+    try:
+        driver = SimulatedSlimeDriver(args, data_source)
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        driver.push_weights()
+        ev = slime_rollout.generate_rollout(args, 0, data_source, evaluation=True)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        standins.HOLD.clear()
+    return outs, ev
+
+
+def check_train_eval_train(outs: dict[int, Any], ev: Any, fleet: Any) -> list[str]:
+    """What every train-eval-train run must show: the eval ran on version 1 only; no engine loaded
+    weights under a request or exceeded its capacity; every group trained once (C2), from one
+    version (C1), at most K = 1 behind (C3). Returns the trained prompts."""
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
+    assert ev.metrics["dora/eval_version"] == 1
+    assert fleet.violations == []
+    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
+    assert len(prompts) == len(set(prompts)) == 3 * 2
+    for step, out in outs.items():
+        for group in out.samples:
+            (v,) = {s.weight_versions[0] for s in group}
+            assert 0 <= step - int(v) <= 1
+    return prompts
+
+
 # ---------------------------------------------------------------- slime checkout (DORA_SLIME_PATH)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HARNESS = os.path.join(ROOT, "tests", "slime", "harness")

@@ -8,7 +8,10 @@ documented data shapes and interfaces (read from slime's source, commit 624b824)
   `n_samples_per_prompt` deep copies of one prompt, a cursor saved under `args.save/rollout/`).
 * `FakeSglangFleet`: the HTTP surface of SGLang servers behind slime's router that the adapter
   uses (`GET /workers` on the router, with sglang-router's fresh `id` per registration;
-  `GET /health`, `GET /model_info` and `POST /update_weights_from_disk` on an engine). It records
+  `GET /health`, `GET /server_info`, `GET /model_info` and `POST /update_weights_from_disk` on an
+  engine, with SGLang 0.5.23's two places for the weight version: the scheduler's, read back in
+  `/server_info`'s `internal_states`, and each tokenizer worker's, which `/model_info` answers
+  from; see `FakeEngine.tokenizer_workers`). It records
   violations instead of hiding them: a load on an engine with requests running (R4), more
   requests than the engine's capacity. `restart_engine` replaces an engine by a fresh one at the
   same address, as slime's fault tolerance does.
@@ -140,9 +143,26 @@ class FakeEngine:
         self.max_running = 0
         self.loads: list[str] = []
         self.wrong_version_once = False
+        self.wrong_versions = 0  # the next this many requests report weight version "999"
         self.alive = True
         self.started = 0
         self.inherited = 0  # requests retried here from a predecessor at the same URL
+        self.launch_version = "initial"
+        # SGLang's `--tokenizer-worker-num`: each worker process keeps its own copy of the weight
+        # version, set only in the worker whose HTTP handler ran the update; `/model_info` is
+        # answered by one worker after another (the HTTP server's workers share the port).
+        self.tokenizer_workers = 1
+        self.worker_versions: dict[int, str] = {}
+        self._turn = 0
+
+    def tokenizer_worker(self) -> int:
+        """The tokenizer worker that takes the next HTTP request."""
+        w = self._turn % self.tokenizer_workers
+        self._turn += 1
+        return w
+
+    def worker_version(self, worker: int) -> str:
+        return self.worker_versions.get(worker, self.launch_version)
 
 
 # port -> engine: the stand-in generate finds its engine by the address slime puts in args.
@@ -179,7 +199,8 @@ class FakeSglangFleet:
         old = ENGINES[port]
         old.alive = False
         new = FakeEngine(old.url, port)
-        new.version = "default"
+        new.version = new.launch_version = "default"
+        new.tokenizer_workers = old.tokenizer_workers
         if not reregister:
             new.worker_id = old.worker_id
         ENGINES[port] = new
@@ -195,11 +216,16 @@ class FakeSglangFleet:
     async def get(self, url: str) -> dict:
         if url.endswith("/workers"):
             return {"workers": [{"id": e.worker_id, "url": e.url, "worker_type": "regular"} for e in self.engines]}
-        if url.endswith("/health") or url.endswith("/model_info"):
+        if url.endswith(("/health", "/model_info", "/server_info")):
             engine = next(e for e in self.engines if url.startswith(e.url))
             if not engine.alive:
                 raise ConnectionError(f"{engine.url} is down")
-            return {"weight_version": engine.version} if url.endswith("/model_info") else {}
+            if url.endswith("/model_info"):  # the answering tokenizer worker's copy
+                return {"weight_version": engine.worker_version(engine.tokenizer_worker())}
+            if url.endswith("/server_info"):  # launch config on top, the scheduler's state below
+                return {"weight_version": engine.launch_version, "tokenizer_worker_num": engine.tokenizer_workers,
+                        "internal_states": [{"weight_version": engine.version}]}
+            return {}
         raise AssertionError(f"unexpected GET {url}")
 
     async def post(self, url: str, payload: dict) -> dict:
@@ -210,6 +236,7 @@ class FakeSglangFleet:
             if not os.path.isdir(payload["model_path"]):
                 self.violations.append(f"{engine.url}: checkpoint {payload['model_path']} does not exist")
             engine.version = payload["weight_version"]
+            engine.worker_versions[engine.tokenizer_worker()] = payload["weight_version"]
             engine.loads.append(payload["weight_version"])
             self.observe()
             return {"success": True, "message": "ok"}
@@ -286,6 +313,9 @@ async def _request(engine: FakeEngine, args: Any, sample: Any, sampling_params: 
         reported = version
         if engine.wrong_version_once:
             engine.wrong_version_once = False
+            reported = "999"
+        elif engine.wrong_versions > 0:
+            engine.wrong_versions -= 1
             reported = "999"
         sample.tokens = list(sample.tokens) + [7] * n
         sample.response = "y" * n

@@ -8,7 +8,8 @@ id, assumed the old weights were loaded, and failed every trajectory the success
 its launch weight version until their retries ran out.
 
 slime is ABSENT here (CI): the stand-ins of `slime_standins.py` speak SGLang's and sglang-router's
-HTTP interface (a fresh router id per registration, `/model_info`'s `weight_version`), and the
+HTTP interface (a fresh router id per registration, the `weight_version` of `/server_info`'s
+internal states and of `/model_info`), and the
 stand-in generate retries at the same URL as slime's HTTP client does. The restart is forced as
 the victim's 3rd request starts; the periodic refresh is pushed out of the run
 (`engine_check_interval_s` = 600 s), so no refresh can fall between the death and the restart.
@@ -22,11 +23,12 @@ import asyncio
 import collections
 import pytest
 
-from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+from slime_helpers import (
+    SimulatedSlimeDriver, check_train_eval_train, eval_fleet_session, fleet_engines, install_eval_rollout,
+    install_fleet_session, make_args, probe_eval, record_probes, train_eval_train,
+)
 
 from dora_ext.slime.data_source import DoraDataSource
-from dora_ext.slime.engines import SglangEngines
-from dora_ext.slime.settings import slime_settings
 
 
 @pytest.mark.parametrize("reregister", [True, False], ids=["new-registration", "old-registration-kept"])
@@ -73,16 +75,9 @@ def test_engine_restarted_at_the_same_address_joins_under_a_fresh_id(tmp_path, s
     assert m["dora/retries"] == 0 and m["dora/failed_groups"] == 0
 
 
-def _engines(standins, tmp_path, port):
-    args = make_args(tmp_path, capacity=2)
-    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=port)
-    return fleet, SglangEngines(args, slime_settings(args), http=fleet)
-
-
 def test_refresh_names_the_evidence_of_a_restart(tmp_path, standins):
     """What each kind of evidence says, and that an engine still holding what was loaded stays."""
-    fleet, engines = _engines(standins, tmp_path, 31300)
-    (tmp_path / "w").mkdir()
+    fleet, engines = fleet_engines(standins, tmp_path, 31300)
 
     async def run():
         assert await engines.discover() == [2, 2]
@@ -104,8 +99,7 @@ def test_refresh_names_the_evidence_of_a_restart(tmp_path, standins):
 
 def test_a_load_in_flight_voids_the_version_check(tmp_path, standins):
     """The version is read while a load starts: the engine may report the old one; no verdict."""
-    fleet, engines = _engines(standins, tmp_path, 31400)
-    (tmp_path / "w").mkdir()
+    fleet, engines = fleet_engines(standins, tmp_path, 31400)
     real_get = fleet.get
 
     async def run():
@@ -114,7 +108,7 @@ def test_a_load_in_flight_voids_the_version_check(tmp_path, standins):
 
         async def get(url):
             reply = await real_get(url)
-            if url.endswith("/model_info") and "31400" in url:
+            if url.endswith("/server_info") and "31400" in url:
                 # The worker starts loading version 4 while this answer ("3") is on its way.
                 await engines.load(0, "4", str(tmp_path / "w"))
             return reply
@@ -129,8 +123,7 @@ def test_a_load_in_flight_voids_the_version_check(tmp_path, standins):
 
 def test_router_without_ids_still_catches_the_restart_by_version(tmp_path, standins):
     """A router that gives no worker ids: the weight version alone tells."""
-    fleet, engines = _engines(standins, tmp_path, 31500)
-    (tmp_path / "w").mkdir()
+    fleet, engines = fleet_engines(standins, tmp_path, 31500)
     real_get = fleet.get
 
     async def get(url):
@@ -253,17 +246,8 @@ def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp
     request answered by the successor with its launch version, the old registration kept): the
     eval used to end slime's job ("saw versions ['default']"); it now runs again on another
     engine holding the newest version, and the successor joins under a fresh id."""
-    from test_slime_review import _install_eval_rollout
-
-    from dora_ext.slime import rollout as slime_rollout
-    from dora_ext.slime._compat import RolloutFnEvalOutput
-
-    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
-    args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
-    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
-    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31700)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    # no periodic refresh during the run
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31700, check_interval_s=600)
     seen = collections.defaultdict(list)
     session.probe = lambda name, value: seen[name].append(value)
     calls: list = []
@@ -273,25 +257,14 @@ def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp
         calls.append(port)
         if len(calls) == 1:
             fleet.restart_engine(port, reregister=False)
-        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
-        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+        return await probe_eval(standins, eval_args)
 
-    _install_eval_rollout(monkeypatch, eval_rollout)
-    driver = SimulatedSlimeDriver(args, ds)
-    driver.push_weights()
-    outs = {0: driver.generate(0)}
-    driver.push_weights()
-    ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
-    for k in (1, 2):
-        outs[k] = driver.generate(k)
-        driver.push_weights()
+    install_eval_rollout(monkeypatch, eval_rollout)
+    outs, ev = train_eval_train(args, ds, standins)
     assert len(calls) == 2 and calls[0] != calls[1], calls
     assert len(seen["engine_failed"]) == 1 and seen["engine_joined"] == [2]
     assert ev.metrics["dora/eval_instance"] != seen["engine_failed"][0]
-    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
-    assert fleet.violations == []
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 3 * 2
+    check_train_eval_train(outs, ev, fleet)
 
 
 def test_eval_engine_restarted_with_a_load_waiting_on_it_is_retired_before_the_load_runs(
@@ -307,26 +280,8 @@ def test_eval_engine_restarted_with_a_load_waiting_on_it_is_retired_before_the_l
 
     Order forced: no periodic refresh in the run (600 s); the other engine's death is told by
     the straggler's failed request; E is restarted only once the load waits on it."""
-    from test_slime_review import _install_eval_rollout
-
-    from dora_ext.slime import rollout as slime_rollout
-    from dora_ext.slime._compat import RolloutFnEvalOutput
-
-    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
-    args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
-    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
-    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31800)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
-    probes: list = []
-    load_waits = asyncio.Event()
-
-    def probe(name, value):
-        probes.append((name, value))
-        if name == "load_waits_for_eval":
-            load_waits.set()
-
-    session.probe = probe
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31800, check_interval_s=600)
+    probes, load_waits = record_probes(session, "load_waits_for_eval")
     straggler = asyncio.Event()
     calls: list = []
 
@@ -340,29 +295,15 @@ def test_eval_engine_restarted_with_a_load_waiting_on_it_is_retired_before_the_l
             straggler.set()  # its request fails now: the worker refreshes, E is sent back to 0
             await asyncio.wait_for(load_waits.wait(), 30)
             fleet.restart_engine(port, reregister=False)
-        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
-        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+        return await probe_eval(standins, eval_args)
 
-    _install_eval_rollout(monkeypatch, eval_rollout)
+    install_eval_rollout(monkeypatch, eval_rollout)
     standins.HOLD[("p2", 4)] = straggler  # p2's first sample: dispatched at version 0, kept running
-    try:
-        driver = SimulatedSlimeDriver(args, ds)
-        driver.push_weights()
-        outs = {0: driver.generate(0)}
-        driver.push_weights()
-        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
-        for k in (1, 2):
-            outs[k] = driver.generate(k)
-            driver.push_weights()
-    finally:
-        standins.HOLD.clear()
+    outs, ev = train_eval_train(args, ds, standins)
     failed = [v for n, v in probes if n == "engine_failed"]
     assert len(calls) == 2 and ev.metrics["dora/eval_instance"] not in failed, (calls, failed, probes)
     assert len(failed) == 2 and len(set(failed)) == 2  # the other engine, then E: once each
-    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
-    assert fleet.violations == []
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 3 * 2 and "p2" in prompts
+    assert "p2" in check_train_eval_train(outs, ev, fleet)
 
 
 @pytest.mark.parametrize("load_starts", ["before-the-refresh", "during-its-health-check"])
@@ -374,8 +315,7 @@ def test_an_engine_reporting_a_version_it_is_still_being_told_about_is_not_retir
     load's reply held after the engine switched, and (second case) the refresh's /health held
     until then. (The stand-in's loads are otherwise instantaneous: without the gates no refresh
     can ever see this window.)"""
-    fleet, engines = _engines(standins, tmp_path, 31900)
-    (tmp_path / "w").mkdir()
+    fleet, engines = fleet_engines(standins, tmp_path, 31900)
     real_get, real_post = fleet.get, fleet.post
     switched, reply_go, health_in, health_go = (asyncio.Event() for _ in range(4))
 
@@ -421,8 +361,7 @@ def test_a_url_listed_under_two_registrations_is_not_taken_for_a_restart(tmp_pat
     the adapter keep whichever came last and take the other for "a new registration": a healthy
     engine retired on every other refresh, with its trajectories. An id is evidence of a restart
     only when the one the adapter knew is no longer listed for that URL."""
-    fleet, engines = _engines(standins, tmp_path, 32000)
-    (tmp_path / "w").mkdir()
+    fleet, engines = fleet_engines(standins, tmp_path, 32000)
     real_get = fleet.get
     reads = [0]
 
@@ -455,7 +394,7 @@ def test_a_url_listed_under_two_registrations_is_not_taken_for_a_restart(tmp_pat
 def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_path, standins):
     """Two refreshes see the same restart at once (a trajectory answered with the successor's
     launch version, and the periodic watcher): the instance is failed once, the successor joins
-    once. Order forced: the trajectory's refresh is held at the victim's /model_info until a
+    once. Order forced: the trajectory's refresh is held at the victim's /server_info until a
     second refresh (what `_watch_engines` calls) has started and reached its first wait, and, if
     that second one got into the engines' refresh (nothing serialised them), until it is done;
     the periodic watcher itself is pushed out of the run (600 s)."""
@@ -485,7 +424,7 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
             left.set()
 
     async def get(url):
-        if (url == victim.url + "/model_info" and standins.ENGINES[victim.port] is not victim
+        if (url == victim.url + "/server_info" and standins.ENGINES[victim.port] is not victim
                 and not held):
             held.append(url)
             entered.clear()
@@ -517,17 +456,16 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
 
 @pytest.mark.parametrize("answer", ["error-status", "never", "no-field"])
 def test_an_engine_whose_model_info_gives_no_answer_is_not_retired(tmp_path, standins, answer):
-    """/model_info that fails, hangs past the health timeout, or has no `weight_version` (an older
-    SGLang) is no evidence: a healthy engine stays. A restart whose registration was renewed is
-    still told by the router's id."""
-    fleet, engines = _engines(standins, tmp_path, 32200)
+    """/server_info and /model_info that fail, hang past the health timeout, or have no
+    `weight_version` (an older SGLang) are no evidence: a healthy engine stays. A restart whose
+    registration was renewed is still told by the router's id."""
+    fleet, engines = fleet_engines(standins, tmp_path, 32200)
     engines.health_timeout_s = 0.05  # the hang below is cut by it
-    (tmp_path / "w").mkdir()
     real_get = fleet.get
     never = asyncio.Event()
 
     async def get(url):
-        if url.endswith("/model_info"):
+        if url.endswith(("/model_info", "/server_info")):
             if answer == "error-status":
                 raise RuntimeError("503 Service Unavailable")
             if answer == "never":
@@ -556,8 +494,7 @@ def test_an_engine_restarted_during_a_weight_load(tmp_path, standins, reregister
     registration kept, a refresh gives no verdict while the load runs, and afterwards the
     successor holds exactly the version loaded: it stays (no trajectory ran on it: loads wait
     for the engine to drain)."""
-    fleet, engines = _engines(standins, tmp_path, 32300)
-    (tmp_path / "w").mkdir()
+    fleet, engines = fleet_engines(standins, tmp_path, 32300)
     real_post = fleet.post
     in_load, go = asyncio.Event(), asyncio.Event()
 

@@ -8,30 +8,16 @@ signature). Event orders are forced with held requests and the session's probe, 
 from __future__ import annotations
 
 import asyncio
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 
-from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+from slime_helpers import (
+    SimulatedSlimeDriver, check_train_eval_train, eval_fleet_session, install_eval_rollout, install_fleet_session,
+    make_args, probe_eval, record_probes, train_eval_train,
+)
 
-from dora_ext.slime import rollout as slime_rollout
-from dora_ext.slime._compat import RolloutFnEvalOutput
 from dora_ext.slime.data_source import DoraDataSource
-
-
-def _install_eval_rollout(monkeypatch, fn) -> None:
-    """slime's `eval_rollout(args, rollout_id)` (slime/rollout/sglang_rollout.py) replaced by `fn`:
-    slime's own sends its eval requests to the engine `args` names, as `fn` does."""
-    try:
-        import slime.rollout.sglang_rollout as mod  # a real checkout (DORA_SLIME_PATH)
-    except ImportError:
-        mod = types.ModuleType("slime.rollout.sglang_rollout")
-        monkeypatch.setitem(sys.modules, "slime", types.ModuleType("slime"))
-        monkeypatch.setitem(sys.modules, "slime.rollout", types.ModuleType("slime.rollout"))
-        monkeypatch.setitem(sys.modules, "slime.rollout.sglang_rollout", mod)
-    monkeypatch.setattr(mod, "eval_rollout", fn, raising=False)
 
 
 def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(tmp_path, standins, monkeypatch):
@@ -40,21 +26,8 @@ def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(
     which no engine holds, and the scheduler, which does not see eval requests, sends the
     idle-looking E back to version 0. That load used to run under the eval request (R4; the eval
     saw two versions and slime's job died); it now waits until the eval is over."""
-    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
-    args.dora_slime["engine_check_interval_s"] = 0.02
-    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
-    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31300)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
-    probes: list = []
-    release_eval = asyncio.Event()
-
-    def probe(name, value):
-        probes.append((name, value))
-        if name == "load_waits_for_eval":
-            release_eval.set()
-
-    session.probe = probe
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31300, check_interval_s=0.02)
+    probes, release_eval = record_probes(session, "load_waits_for_eval")
     post = fleet.post
     seen: dict = {}
 
@@ -77,37 +50,19 @@ def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(
                 other.alive = False  # dies with the straggler running
         standins.HOLD[("eval", 0)] = release_eval
         try:
-            s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
+            return await probe_eval(standins, eval_args)
         finally:
             straggler.set()
-        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
 
-    _install_eval_rollout(monkeypatch, eval_rollout)
+    install_eval_rollout(monkeypatch, eval_rollout)
     standins.HOLD[("p2", 4)] = straggler  # p2's first sample: dispatched at version 0, kept running
-    try:
-        driver = SimulatedSlimeDriver(args, ds)
-        driver.push_weights()
-        outs = {0: driver.generate(0)}
-        driver.push_weights()
-        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
-        for k in (1, 2):
-            outs[k] = driver.generate(k)
-            driver.push_weights()
-    finally:
-        standins.HOLD.clear()
+    outs, ev = train_eval_train(args, ds, standins)
     # the forced state: eval on version 1 while the other engine held version 0 with work running
     (old_version, old_running), (new_version, _) = sorted(seen["at_start"].values())
     assert (old_version, new_version) == (0, 1) and old_running >= 1, seen
     assert any(n == "load_waits_for_eval" for n, _ in probes), f"no load was sent to the eval's engine: {probes}"
-    assert fleet.violations == []
-    samples = ev.data["probe"]["samples"]
-    assert [s.weight_versions for s in samples] == [["1"]] and ev.metrics["dora/eval_version"] == 1
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 3 * 2 and "p2" in prompts  # the straggler's group was trained
-    for step, out in outs.items():
-        for group in out.samples:
-            (v,) = {s.weight_versions[0] for s in group}
-            assert 0 <= step - int(v) <= 1
+    prompts = check_train_eval_train(outs, ev, fleet)
+    assert "p2" in prompts  # the straggler's group was trained
 
 
 @pytest.mark.parametrize("death", ["request_fails", "request_hangs"])
@@ -116,21 +71,8 @@ def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp
     hang (slime's `post` retries a dead engine for a minute; held here until the engine is
     declared gone, 5 s at most). The eval used to fail and end slime's job; it now runs again on
     another engine holding the newest version, and training goes on."""
-    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
-    args.dora_slime["engine_check_interval_s"] = 0.02
-    args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
-    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31400)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
-    probes: list = []
-    engine_gone = asyncio.Event()
-
-    def probe(name, value):
-        probes.append((name, value))
-        if name == "engine_failed":
-            engine_gone.set()
-
-    session.probe = probe
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31400, check_interval_s=0.02)
+    probes, engine_gone = record_probes(session, "engine_failed")
     calls: list = []
 
     async def eval_rollout(eval_args, rollout_id):
@@ -140,29 +82,14 @@ def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp
             engine.alive = False
             if death == "request_hangs":
                 standins.HOLD[("eval", 0)] = engine_gone
-        s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
-        return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+        return await probe_eval(standins, eval_args)
 
-    _install_eval_rollout(monkeypatch, eval_rollout)
-    try:
-        driver = SimulatedSlimeDriver(args, ds)
-        driver.push_weights()
-        outs = {0: driver.generate(0)}
-        driver.push_weights()
-        ev = slime_rollout.generate_rollout(args, 0, ds, evaluation=True)
-        for k in (1, 2):
-            outs[k] = driver.generate(k)
-            driver.push_weights()
-    finally:
-        standins.HOLD.clear()
+    install_eval_rollout(monkeypatch, eval_rollout)
+    outs, ev = train_eval_train(args, ds, standins)
     assert len(calls) == 2 and calls[0] != calls[1], calls
     dead = [v for n, v in probes if n == "engine_failed"]
     assert len(dead) == 1 and ev.metrics["dora/eval_instance"] != dead[0]
-    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
-    assert ev.metrics["dora/eval_version"] == 1
-    assert fleet.violations == []
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 3 * 2
+    check_train_eval_train(outs, ev, fleet)
 
 
 def _kl_batch():

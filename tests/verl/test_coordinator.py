@@ -164,3 +164,18 @@ def test_r5_migration_resumes_on_same_version_instance(ray_tq):
     for records in served.values():
         for r in records:
             assert len(set(r["versions"])) <= 1, r
+    # verl's client re-acquired after the abort and was sent to the destination: the coordinator
+    # answered the move with MigrationLanded there (``migrations_landed`` against the log: a
+    # landing only for the destination of the trajectory's last move, at most once per move, never
+    # after a new Dispatch of it); every move the scheduler made landed, was dropped or is pending.
+    landed = [e for e in log if e[0] == "landed"]
+    assert m["migrations_landed"] == len(landed) >= 1, (m, landed)
+    assert m["migrations"] == m["migrations_landed"] + m["moves_dropped"] + m["moves_not_landed"], m
+    pending: dict[tuple, int] = {}
+    for e in log:
+        if e[0] == "migrate":
+            pending[(e[1], e[2])] = e[4]
+        elif e[0] in ("dispatch", "move_dropped"):
+            pending.pop((e[1], e[2]), None)
+        elif e[0] == "landed":
+            assert pending.pop((e[1], e[2]), None) == e[3], (e, log)

@@ -151,6 +151,8 @@ def test_a_move_to_a_server_removed_in_the_same_call_leaves_its_request_waiting(
     assert moves, "the batch no longer moves a trajectory into s3: pick another state"
     key = (moves[0][1], moves[0][2])
     assert coord.sched.trajectory(*key).status == "Q"  # re-queued by s3's failure
+    # The move cannot land (its destination is gone): counted dropped, nothing pending.
+    assert ("move_dropped", key[0], key[1], "removed") in coord.get_log() and key not in coord.moving
     assert 0 in coord.take_work()["abort"]  # its request on the live source stops
     assert all(iid not in (1, 3) for iid in coord.route.values()), coord.route
 

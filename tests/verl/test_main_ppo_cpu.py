@@ -121,6 +121,25 @@ def _assert_run(res: dict, *, live_at_least: int | None = None) -> None:
         assert res["max_live_versions"] >= live_at_least, res
 
 
+def _assert_moves(metrics: list[dict], reports: list[dict]) -> None:
+    """R5 moves against the coordinator's evidence: at every logged step the scheduler's moves
+    (``migrations``) are the coordinator's landed, dropped and pending ones; in the coordinator's
+    reports each landing follows a move of that trajectory to that instance, at most once per move,
+    and no landing follows a drop of the move (its attempt ended)."""
+    for m in metrics:
+        s = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith("dora/scheduler/")}
+        assert s["migrations"] == s["migrations_landed"] + s["moves_dropped"] + s["moves_not_landed"], (m["step"], s)
+    pending: dict[tuple, int] = {}
+    for r in reports:
+        key = (r.get("group"), r.get("index"))
+        if r["kind"] == "migrate":
+            pending[key] = r["dst"]
+        elif r["kind"] == "move_dropped":
+            pending.pop(key, None)
+        elif r["kind"] == "landed":
+            assert pending.pop(key, None) == r["instance"], r
+
+
 def test_dora_k1_six_steps(assets, tmp_path):
     from dora_ext.verl.cpu.evidence import analyze, load_run, published_checksums, reference_checksum
 
@@ -131,6 +150,7 @@ def test_dora_k1_six_steps(assets, tmp_path):
     res = analyze(metrics, reports, mode="dora", max_staleness=1)
     assert res["steps"] == 6, res
     _assert_run(res, live_at_least=2)
+    _assert_moves(metrics, reports)
     # Version 0 as published by the actor is the model on disk (a reference the publisher did not write).
     assert published_checksums(reports)[0] == reference_checksum(os.path.join(work, "model"))
     # The scheduler admitted exactly what was trained (no failures injected here).
@@ -157,6 +177,7 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     assert steps1[:3] == [1, 2, 3], steps1
     res1 = analyze([m for m in m1 if m["step"] <= 3], r1, mode="dora", max_staleness=2)
     _assert_run(res1)
+    _assert_moves(m1, r1)
     # Failure injection: the once-failing prompt was retried (its failure is no group failure),
     # the always-failing one was reported after its retries, and training went on.
     assert os.path.exists(os.path.join(work, "dora_tiny_failed_once_1"))
@@ -191,6 +212,7 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     assert [m["step"] for m in m2] == [4, 5, 6]
     res2 = analyze(m2, r2, mode="dora", max_staleness=2)
     _assert_run(res2)
+    _assert_moves(m2, r2)
     resume = [r for r in r2 if r["kind"] == "resume"]
     assert resume and resume[0]["global_steps"] == 3 and not resume[0]["lost"], resume
     # The resumed actor publishes its base version from verl's checkpoint of step 3.

@@ -10,7 +10,9 @@ and serves the tiny torch model of `model.py` for real: every token is sampled f
                                   weight_version, output_token_logprobs, prompt_tokens, ...}}
   GET  /health /health_generate  liveness (slime's router checks it before listing a worker)
   GET  /server_info /get_server_info /model_info /get_model_info /get_weight_version
-       (`/model_info` is SGLang 0.5.23's; it reports the loaded `weight_version`)
+       (as SGLang 0.5.23's, with one tokenizer worker: `/model_info` reports the loaded
+       `weight_version`; `/server_info` the launch one on top and the loaded one in its
+       scheduler's `internal_states`)
   GET|POST /flush_cache, POST /pause_generation /continue_generation /abort_request
   POST /update_weights_from_disk {model_path, weight_version}: loads `model.safetensors`
 
@@ -39,6 +41,8 @@ import torch
 
 from . import model as tiny
 
+LAUNCH_VERSION = "default"  # SGLang's --weight-version default
+
 FAIL_SYMBOL = "zz"
 GATE_LIMIT_S = 120.0  # an injected delay, never a hang
 
@@ -52,7 +56,7 @@ class Engine:
         self.model = tiny.new_model().eval()
         tiny.load_into(self.model, Path(model_path))
         self.model_path = model_path
-        self.version = "default"
+        self.version = LAUNCH_VERSION
         self.lock = threading.Lock()
         self.state = threading.Lock()
         self.running = 0
@@ -142,6 +146,12 @@ class Engine:
             "disaggregation_mode": "null", "is_generation": True, "enable_memory_saver": False, "version": "0.5.23-cpu-standin",
         }
 
+    def server_info(self) -> dict:
+        """SGLang 0.5.23's `/server_info`: the launch config on top (its `weight_version` is the
+        launch one), the scheduler's state (with the version it holds) in `internal_states`."""
+        return {**self.info(), "weight_version": LAUNCH_VERSION, "tokenizer_worker_num": 1,
+                "internal_states": [{"weight_version": self.version}]}
+
 
 def make_handler(engine: Engine):
     class Handler(BaseHTTPRequestHandler):
@@ -166,7 +176,9 @@ def make_handler(engine: Engine):
             p = self.path.split("?")[0]
             if p in ("/health", "/health_generate", "/flush_cache"):
                 return self._reply({})
-            if p in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+            if p in ("/server_info", "/get_server_info"):
+                return self._reply(engine.server_info())
+            if p in ("/model_info", "/get_model_info"):
                 return self._reply(engine.info())
             if p == "/get_weight_version":
                 return self._reply({"weight_version": engine.version})

@@ -1,0 +1,380 @@
+"""verl's coordinator answers R5's ``Migrate`` with ``MigrationLanded``.
+
+In verl a move is: the coordinator re-routes the trajectory to its destination and the trainer
+aborts the source replica (``take_work``); verl's ``FullyAsyncLLMServerClient`` then re-acquires in
+its resume loop (or the agent loop acquires for its next turn) and the coordinator sends the
+request to the destination. That first acquire routed to the destination is the landing: the
+coordinator feeds ``MigrationLanded`` and the scheduler may move the trajectory again in the same
+attempt. verl carries no attempt number, so every event that ends the attempt (a failure, the end
+of generation, a new dispatch, the group's failure or training, the removal of the destination)
+drops the pending move.
+
+No stand-in: the coordinator (the plain class that ``create_coordinator`` wraps as a Ray actor)
+and its scheduler run as in ``main_ppo``; no server is called because nothing here generates
+(``acquire_server`` returns the server's handle, ``None`` here). Each race is forced by the order
+of the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dora_ext.verl.coordinator import DoraCoordinator, GroupFailedError
+
+ONE = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 2, "instances": 2, "capacity": 4}
+TWO = {"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 5, "instances": 2, "capacity": 10}
+
+
+def _acquire(coord: DoraCoordinator, group, index) -> str:
+    async def ask():
+        return (await coord.acquire_server("r", dora_group=group, dora_index=index))[0]
+
+    return asyncio.run(ask())
+
+
+def _since(coord: DoraCoordinator, n: int, kind: str) -> list[tuple]:
+    return [e for e in coord.get_log()[n:] if e[0] == kind]
+
+
+def _check_ledger(coord: DoraCoordinator) -> None:
+    """The coordinator's counters against its log and the scheduler's own count of moves.
+
+    One ``landed`` entry per landing fed (``migrations_landed``), each for the destination of that
+    trajectory's last ``migrate``, with no ``dispatch`` of it (a new attempt) or drop in between,
+    at most one per move; every move the scheduler made (its ``migrations``) ends landed, dropped
+    (``moves_dropped``, with its cause) or is still pending (``moves_not_landed``)."""
+    log = coord.get_log()
+    m = coord.metrics()
+    landed = [e for e in log if e[0] == "landed"]
+    dropped = [e for e in log if e[0] == "move_dropped"]
+    assert m["migrations_landed"] == len(landed), (m, landed)
+    assert m["moves_dropped"] == len(dropped), (m, dropped)
+    assert m["migrations"] == m["migrations_landed"] + m["moves_dropped"] + m["moves_not_landed"], m
+    pending: dict[tuple, int] = {}
+    for e in log:
+        if e[0] == "migrate":
+            assert (e[1], e[2]) not in pending, (e, log)  # moved again before it landed
+            pending[(e[1], e[2])] = e[4]
+        elif e[0] == "dispatch":
+            assert (e[1], e[2]) not in pending, (e, log)  # a new attempt: its move was dropped first
+        elif e[0] == "move_dropped":
+            assert pending.pop((e[1], e[2]), None) is not None, (e, log)
+        elif e[0] == "landed":
+            assert pending.pop((e[1], e[2]), None) == e[3], (e, log)
+    assert set(pending) == set(coord.moving), (pending, coord.moving)
+
+
+def _one_move(cfg_extra: dict | None = None) -> DoraCoordinator:
+    """Two instances of 4 slots, K=2, B=2, n=2. Version 0's last two trajectories run one on each
+    instance when version 1 is published: R5 moves g1/1 from instance 1 onto instance 0, and
+    instance 1 loads version 1 (its request there is aborted: ``take_work``)."""
+    coord = DoraCoordinator(dict(ONE, **(cfg_extra or {})), {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(10)])
+    for g in ("g2", "g3", "g4", "g5"):
+        for i in range(2):
+            coord.trajectory_done(g, i, 5, 1.0)
+    coord.trajectory_done("g0", 1, 5, 1.0)
+    coord.trajectory_done("g1", 0, 5, 1.0)
+    assert coord.step_batch(0) == ["g2", "g3"]
+    n = len(coord.get_log())
+    coord.step_finished(1)
+    assert _since(coord, n, "migrate") == [("migrate", "g1", 1, 1, 0)]
+    assert coord.take_work() == {"load": [(1, 1)], "abort": [1]}
+    assert coord.moving == {("g1", 1): (0, 0)}
+    assert coord.sched.trajectory("g1", 1).moved
+    return coord
+
+
+def _two_moves(land: bool) -> tuple[DoraCoordinator, int]:
+    """Two instances of 10 slots, K=2, B=1, n=5. Publishing version 1 moves g0/1 and g0/3 from
+    instance 1 onto instance 0 (R5 consolidation). g0/1's request re-acquires on instance 0 if
+    `land`. Once version 0 gates step 2 and instance 1 is idle, R5 spreads version 0's stragglers
+    (g0/1, g0/3, both on instance 0) onto it: it may take only a trajectory whose move landed.
+    Returns the coordinator and the length of its log before the spread."""
+    coord = DoraCoordinator(TWO, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(4)])
+    for g in ("g1", "g2"):
+        for i in range(5):
+            coord.trajectory_done(g, i, 5, 1.0)
+    assert coord.step_batch(0) == ["g1"]
+    n = len(coord.get_log())
+    coord.step_finished(1)
+    assert _since(coord, n, "migrate") == [("migrate", "g0", 1, 1, 0), ("migrate", "g0", 3, 1, 0)]
+    assert coord.take_work() == {"load": [(1, 1)], "abort": [1]}
+    for i in (0, 2, 4):
+        coord.trajectory_done("g0", i, 5, 1.0)
+    if land:
+        assert _acquire(coord, "g0", 1) == "s0"  # verl's client resumes after the abort of s1
+    coord.loaded([1], 1)
+    for i in range(5):
+        coord.trajectory_done("g3", i, 5, 1.0)
+    assert coord.step_batch(1) == ["g2"]
+    coord.step_finished(2)  # version 0 now gates step 2
+    assert coord.take_work()["load"] == [(1, 2)]
+    coord.offer(["g4", "g5"])
+    coord.loaded([1], 2)
+    for i in range(5):
+        coord.trajectory_done("g4", i, 5, 1.0)  # instance 1 is idle: R2's budget is spent
+    assert coord.sched.running_on(0) == [("g0", 1), ("g0", 3)] and coord.sched.running_on(1) == []
+    return coord, len(coord.get_log())
+
+
+def test_a_landed_move_moves_again_in_the_same_attempt():
+    coord, n = _two_moves(land=True)
+    assert ("landed", "g0", 1, 0) in coord.get_log()
+    assert coord.moving == {("g0", 3): (0, 0)}  # g0/3's request has not re-acquired yet
+    attempt = coord.sched.trajectory("g0", 1).attempt
+    assert coord.take_work()["load"] == [(1, 0)]  # instance 1 loads version 0 to take its share
+    coord.loaded([1], 0)
+    assert _since(coord, n, "migrate") == [("migrate", "g0", 1, 0, 1)]  # moved a second time
+    t = coord.sched.trajectory("g0", 1)
+    assert t.attempt == attempt and t.moved and t.instance == 1
+    assert coord.moving[("g0", 1)] == (1, attempt)
+    assert coord.take_work()["abort"] == [0]
+    assert _acquire(coord, "g0", 1) == "s1"  # the second move lands too
+    assert not coord.sched.trajectory("g0", 1).moved
+    assert coord.metrics()["migrations_landed"] == 2
+    assert _acquire(coord, "g0", 1) == "s1"  # a later turn on the same instance is no landing
+    assert coord.metrics()["migrations_landed"] == 2
+    _check_ledger(coord)
+
+
+def test_without_the_landing_the_trajectory_does_not_move_again():
+    """The same run, but g0/1's request had not re-acquired: both stragglers moved and did not
+    land, so the idle instance has nothing it may take and loads nothing (a switch for nothing)."""
+    coord, n = _two_moves(land=False)
+    assert coord.sched.trajectory("g0", 1).moved and coord.sched.trajectory("g0", 3).moved
+    assert coord.take_work()["load"] == []
+    assert _since(coord, n, "migrate") == []
+    assert coord.metrics()["migrations_landed"] == 0
+    # The landing comes now: instance 1, idle, may take g0/1 on its next decision.
+    assert _acquire(coord, "g0", 1) == "s0"
+    assert not coord.sched.trajectory("g0", 1).moved and coord.sched.trajectory("g0", 3).moved
+    _check_ledger(coord)
+
+
+def test_the_landing_resets_the_schedulers_moved_flag():
+    coord = _one_move()
+    before = coord.sched.metrics()["stale_events"]
+    assert _acquire(coord, "g1", 1) == "s0"
+    assert not coord.sched.trajectory("g1", 1).moved
+    assert coord.moving == {} and coord.metrics()["moves_not_landed"] == 0
+    assert coord.sched.metrics()["stale_events"] == before  # accepted, not counted stale
+    assert coord.get_log()[-1] == ("landed", "g1", 1, 0)
+    _check_ledger(coord)
+
+
+@pytest.mark.parametrize("order", ["acquire_first", "failed_first"])
+def test_failure_and_reacquire_in_both_orders(order):
+    """A failure of the moved trajectory ends its attempt; the retry is dispatched to the same
+    instance (the move's destination, which holds version 0). Its acquire there must not be taken
+    for the old attempt's landing."""
+    coord = _one_move()
+    before = coord.sched.metrics()["stale_events"]
+    attempt = coord.sched.trajectory("g1", 1).attempt
+    if order == "acquire_first":
+        assert _acquire(coord, "g1", 1) == "s0"
+    n = len(coord.get_log())
+    assert coord.trajectory_failed("g1", 1, "replica error") == "retry"
+    assert coord.moving == {}
+    assert _since(coord, n, "dispatch") == [("dispatch", "g1", 1, 0, 0)]  # the retry, on the destination
+    t = coord.sched.trajectory("g1", 1)
+    assert t.attempt == attempt + 1 and t.status == "R" and not t.moved
+    assert _acquire(coord, "g1", 1) == "s0"  # the retry's request
+    assert coord.metrics()["migrations_landed"] == (1 if order == "acquire_first" else 0)
+    assert (("move_dropped", "g1", 1, "failed") in coord.get_log()) == (order == "failed_first")
+    assert coord.sched.metrics()["stale_events"] == before
+    _check_ledger(coord)
+
+
+@pytest.mark.parametrize("order", ["acquire_first", "done_first"])
+def test_end_of_generation_and_reacquire_in_both_orders(order):
+    """verl's client does not always re-acquire after the abort: a request that reached its token
+    budget, or that the abort found finished, comes back as it is and the agent loop reports the
+    end of generation. The pending move is then dropped, not kept for ever."""
+    coord = _one_move()
+    before = coord.sched.metrics()["stale_events"]
+    if order == "acquire_first":
+        assert _acquire(coord, "g1", 1) == "s0"
+    coord.trajectory_done("g1", 1, 7, None)
+    assert coord.moving == {}
+    assert coord.sched.trajectory("g1", 1).status == "F"  # finished, awaiting its reward
+    coord.reward_ready("g1", 1, 1.0)
+    assert coord.metrics()["migrations_landed"] == (1 if order == "acquire_first" else 0)
+    assert (("move_dropped", "g1", 1, "done") in coord.get_log()) == (order == "done_first")
+    assert coord.sched.metrics()["stale_events"] == before
+    assert coord.metrics()["late_reports"] == 0
+    _check_ledger(coord)
+
+
+def test_destination_removed_between_the_move_and_the_reacquire():
+    """verl removes the destination's server before the moved request re-acquires: the scheduler
+    re-queues the trajectory, the pending move is dropped, the request waits for the new
+    Dispatch (a new attempt, on a server verl adds) and its acquire there is no landing."""
+    coord = _one_move()
+    attempt = coord.sched.trajectory("g1", 1).attempt
+    coord.remove_servers(["s0"])
+    assert coord.moving == {} and ("g1", 1) not in coord.route
+    assert ("move_dropped", "g1", 1, "removed") in coord.get_log()
+    assert coord.sched.trajectory("g1", 1).status == "Q"
+
+    async def run():
+        task = asyncio.ensure_future(coord.acquire_server("r", dora_group="g1", dora_index=1))
+        await asyncio.sleep(0)
+        assert not task.done()  # waits for its Dispatch
+        coord.loaded([1], 1)  # instance 1 finishes its load and takes version 1's groups
+        coord.add_servers({"s2": None})  # instance 2
+        assert coord.take_work()["load"] == [(2, 0)]
+        coord.loaded([2], 0)
+        assert coord.route[("g1", 1)] == 2
+        return await task
+
+    sid, _ = asyncio.run(run())
+    assert sid == "s2"
+    t = coord.sched.trajectory("g1", 1)
+    assert t.attempt > attempt and t.instance == 2 and not t.moved
+    assert coord.metrics()["migrations_landed"] == 0 and coord.moving == {}
+    _check_ledger(coord)
+
+
+def test_destination_removed_after_the_landing():
+    coord = _one_move()
+    assert _acquire(coord, "g1", 1) == "s0"
+    coord.remove_servers(["s0"])
+    assert coord.moving == {}
+    coord.loaded([1], 1)
+    coord.add_servers({"s2": None})
+    coord.loaded([2], 0)
+    assert coord.route[("g1", 1)] == 2
+    assert _acquire(coord, "g1", 1) == "s2"  # the new attempt's request: no second landing
+    assert coord.metrics()["migrations_landed"] == 1
+    _check_ledger(coord)
+
+
+def test_moved_between_its_dispatch_and_the_waiting_acquire_resuming():
+    """An acquire waits for its trajectory's Dispatch; the Dispatch resolves it, and R5 moves the
+    trajectory before the waiting task runs again. The request goes where the trajectory runs now
+    (the destination; it went to the source, whose abort could already have been executed), and
+    that is the move's landing."""
+    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+
+    async def run():
+        task = asyncio.ensure_future(coord.acquire_server("r", dora_group="g1", dora_index=1))
+        await asyncio.sleep(0)
+        assert not task.done() and ("g1", 1) in coord.waiters
+        # Everything below runs before the task resumes: no await in between.
+        coord.offer([f"g{i}" for i in range(10)])
+        assert coord.route[("g1", 1)] == 1  # dispatched to instance 1: the waiter is resolved
+        for g in ("g2", "g3", "g4", "g5"):
+            for i in range(2):
+                coord.trajectory_done(g, i, 5, 1.0)
+        coord.trajectory_done("g0", 1, 5, 1.0)
+        coord.trajectory_done("g1", 0, 5, 1.0)
+        coord.step_finished(1)  # R5 moves g1/1 from instance 1 to instance 0
+        assert coord.route[("g1", 1)] == 0 and not task.done()
+        return await task
+
+    sid, _ = asyncio.run(run())
+    assert sid == "s0"
+    assert coord.metrics()["migrations_landed"] == 1 and not coord.sched.trajectory("g1", 1).moved
+    _check_ledger(coord)
+
+
+def test_group_failure_drops_its_pending_moves():
+    """With no retries, a failure of another trajectory of the group fails the group: its moves
+    that have not landed are dropped, and their requests get the group's failure."""
+    coord = DoraCoordinator(dict(TWO, max_retries=0), {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(4)])
+    for g in ("g1", "g2"):
+        for i in range(5):
+            coord.trajectory_done(g, i, 5, 1.0)
+    coord.step_finished(1)
+    assert set(coord.moving) == {("g0", 1), ("g0", 3)}
+    assert coord.trajectory_failed("g0", 0, "replica error") == "failed"
+    assert "g0" in coord.failed and coord.moving == {}
+    assert {e for e in coord.get_log() if e[0] == "move_dropped"} == {
+        ("move_dropped", "g0", 1, "group_failed"), ("move_dropped", "g0", 3, "group_failed")}
+    with pytest.raises(GroupFailedError):
+        _acquire(coord, "g0", 1)
+    assert coord.metrics()["migrations_landed"] == 0
+    _check_ledger(coord)
+
+
+def test_a_landing_for_a_group_no_longer_live_is_dropped():
+    """A pending move of a group that left the coordinator without passing through the paths that
+    drop it (a bookkeeping slip) must not stop the run: the scheduler would raise ProtocolError
+    for the unknown group. The landing is counted as a late report and not sent."""
+    from dora_ext.core import events as E
+    from dora_ext.core.scheduler import ProtocolError
+
+    coord = _one_move()
+    coord.trajectory_done("g1", 1, 5, 1.0)
+    coord.moving[("g1", 1)] = (0, 0)  # the slip, forced
+    coord.trajectory_done("g0", 0, 5, 1.0)
+    coord.step_finished(2)  # step 1 (g4, g5) trained
+    assert sorted(coord.step_batch(2)) == ["g0", "g1"]
+    coord.step_finished(3)
+    assert "g1" not in coord.admitted and coord.moving == {}  # training drops it too
+    coord.moving[("g1", 1)] = (0, 0)  # forced again, after training
+    coord.route[("g1", 1)] = 0
+    assert _acquire(coord, "g1", 1) == "s0"
+    assert coord.metrics()["late_reports"] == 1 and coord.metrics()["migrations_landed"] == 0
+    causes = [e[3] for e in coord.get_log() if e[0] == "move_dropped"]
+    assert causes == ["done", "trained", "late"], causes
+    assert ("late", "migration_landed", "g1", 1) in coord.get_log()
+    with pytest.raises(ProtocolError):  # what the guard protects against
+        coord.sched.handle(E.MigrationLanded("g1", 1, 0))
+
+
+def test_pending_moves_stay_bounded_over_many_steps():
+    """Every move is answered or dropped: over a run of many steps with moves that land, moves that
+    end with the generation and moves whose trajectory fails, nothing is left pending once the
+    work is done, and never more than there are running trajectories."""
+    import random
+
+    rng = random.Random(5)
+    cfg = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 3, "instances": 3, "capacity": 4,
+           "max_retries": 100}
+    coord = DoraCoordinator(cfg, {f"s{i}": None for i in range(3)}, use_plugins=False)
+    asyncio.run(coord.start())
+    counter = iter(range(100_000))
+    coord.offer([f"g{next(counter)}" for _ in range(6)])
+    step = 0
+    peak = 0
+    for _ in range(3000):
+        for iid, v in coord.take_work()["load"]:
+            coord.loaded([iid], v)
+        gids = coord.step_batch(step)
+        if gids is not None:
+            step += 1
+            coord.offer([f"g{next(counter)}" for _ in range(2)])
+            coord.step_finished(step)
+            continue
+        running = [k for iid in coord.sched.instances for k in coord.sched.running_on(iid)]
+        peak = max(peak, len(coord.moving))
+        assert len(coord.moving) <= len(running)
+        if not running:
+            continue
+        key = rng.choice(running)
+        r = rng.random()
+        if r < 0.4 and key in coord.moving:
+            _acquire(coord, *key)
+        elif r < 0.5:
+            coord.trajectory_failed(*key, "injected")
+        else:
+            coord.trajectory_done(*key, 3, None)
+            coord.reward_ready(*key, rng.random())
+    m = coord.metrics()
+    assert step >= 50 and m["migrations"] >= 20, (step, m)
+    assert m["migrations_landed"] >= 5, m
+    assert peak >= 1
+    live = {k for iid in coord.sched.instances for k in coord.sched.running_on(iid)}
+    assert set(coord.moving) <= live, (coord.moving, live)
+    assert m["moves_not_landed"] == len(coord.moving)
+    _check_ledger(coord)

@@ -42,6 +42,7 @@ guarantees such a schedule exists, so waiting always ends when the engines make 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from array import array
 import numbers
@@ -195,6 +196,30 @@ def _json_key(key: Any, hook: str) -> tuple:
     if out is not None:
         return tuple(out)
     return key if type(key) is tuple else tuple(key)
+
+
+def _ordered(key: tuple) -> tuple:
+    """A plugin's key (a tuple of JSON scalars) as the scheduler's queues and pools compare it:
+    each element preceded by its kind, None (0) < numbers (1) < strs (2), in one flat tuple, so
+    that any two keys compare. Keys whose elements are of one kind at each position keep their
+    order; a mix (None against an int, a str against a float, at the same position) compared by
+    `<` raised `TypeError` inside a heap push or pop, halfway through an event. `_plain` gives
+    the key back (snapshots, views)."""
+    if None in key or str in map(type, key):
+        out: list = []
+        for x in key:
+            out += (0, 0) if x is None else (2, x) if type(x) is str else (1, x)
+        return tuple(out)
+    return tuple(_flat(zip(_ONES, key)))  # (numbers only, the common key: built in C)
+
+
+_ONES = itertools.repeat(1)  # (`_ordered`: an endless 1 to precede numbers with)
+_flat = itertools.chain.from_iterable
+
+
+def _plain(key: tuple) -> tuple:
+    """The key `_ordered` was given."""
+    return tuple(None if key[i] == 0 else key[i + 1] for i in range(0, len(key), 2))
 
 
 def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
@@ -499,6 +524,7 @@ class Scheduler:
             # The built-in keys are computed inline (`_on_group_admitted`, `_set_reward`): the
             # same tuples, without a keyword call per group.
             self._builtin_keys = True
+            self._qkey = self._key_of  # (the queue's key: the built-in keys are ints, they compare)
         else:
             hook = plugins.hook
             self._admission_key = lambda **kw: hook.dora_admission_key(**kw)
@@ -506,6 +532,7 @@ class Scheduler:
             self._plan_migration = lambda **kw: hook.dora_plan_migration(**kw)
             self._builtin_r5 = False
             self._builtin_keys = False
+            self._qkey = self._key_ordered
         self._plugins = plugins
 
     # ------------------------------------------------------------------ public API
@@ -1026,6 +1053,11 @@ class Scheduler:
         key = self._gkey.get(g)
         return (self._gseq[g],) if key is None else key
 
+    def _key_ordered(self, g: int) -> tuple:
+        """Group slot `g`'s admission key as the queue compares it with a plugin's keys (`_ordered`)."""
+        key = self._gkey.get(g)
+        return (1, self._gseq[g]) if key is None else _ordered(key)
+
     def _pending(self, g: int) -> list[int]:
         """Group slot `g`'s pending trajectories' indices, in dispatch order."""
         retry = self._gretry.get(g)
@@ -1172,7 +1204,7 @@ class Scheduler:
         if self._pinned and not self._cap.get(b):
             self._orphaned = True  # no instance holds or loads this version: see `_finish`
         if not self._ginq[g] and (g in self._gretry or self._gnext[g] < self.n):
-            heapq.heappush(self._queue.setdefault(b, []), (self._key_of(g), self._gseq[g], self._ggid[g]))
+            heapq.heappush(self._queue.setdefault(b, []), (self._qkey(g), self._gseq[g], self._ggid[g]))
             self._ginq[g] = 1
 
     def _lv_set(self, b: int, iid: int, old: int | None, new: int | None) -> None:
@@ -1436,8 +1468,8 @@ class Scheduler:
             if self._builtin_keys:  # `defaults.dora_batch_key`
                 key = (v, cseq) if self.mode == "dora" else (cseq,)
             else:
-                key = _json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode),
-                                "dora_batch_key")
+                key = _ordered(_json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq,
+                                                         mode=self.mode), "dora_batch_key"))
         self._tr[h] = float(reward)
         self._ts[h] = _DONE
         self._glive[g] -= 1
@@ -2003,8 +2035,10 @@ class Scheduler:
                  for i in self.instances.values()]
         live = self._gslot
 
+        plain = (lambda k: k) if self._builtin_keys else _plain  # (a plugin's keys: as it gave them)
+
         def heap(h):
-            return [[list(e[0]), e[1], e[2]] for e in h if e[2] in live]
+            return [[list(plain(e[0])), e[1], e[2]] for e in h if e[2] in live]
 
         return {
             "format": SNAPSHOT_FORMAT,
@@ -2115,11 +2149,12 @@ class Scheduler:
         self._nhold = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._lv.items()}
         self._nhold = {b: c for b, c in self._nhold.items() if c}
         self._unassigned = {v: c for v, c in snap["unassigned"]}
-        self._queue = {b: [(tuple(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
+        keyed = tuple if self._builtin_keys else _ordered  # (as `_enqueue` and `_set_reward` push them)
+        self._queue = {b: [(keyed(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
         for h in self._queue.values():
             heapq.heapify(h)
         self._queued = {b: c for b, c in snap["queued"]}
-        self._pools = {v: [(tuple(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
+        self._pools = {v: [(keyed(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
         for h in self._pools.values():
             heapq.heapify(h)
         self._pool_n = sum(len(h) for h in self._pools.values())

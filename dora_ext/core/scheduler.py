@@ -1912,14 +1912,19 @@ class Scheduler:
             best = None
             waited = False
             if fifo:
-                # The smallest key among the versions that can be taken now.
+                # The smallest key among the versions that can be taken now. A wait is counted
+                # when the smallest key of all cannot be taken (it is checked whatever the order:
+                # every head below the best is), as the global-head path counts it: a head that
+                # cannot be taken behind a smaller one that can is no wait.
+                low = None  # the smallest head that cannot be taken
                 for v, heap in pools.items():
                     if best is not None and heap[0] >= best[0]:
                         continue
                     if self._feasible(v, r):
                         best = (heap[0], v)
-                    else:
-                        waited = True
+                    elif low is None or heap[0] < low:
+                        low = heap[0]
+                waited = low is not None and (best is None or low < best[0])
             else:
                 # dora with the built-in keys: the global head (oldest version first), or wait for it.
                 if len(pools) == 1:

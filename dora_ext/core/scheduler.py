@@ -1909,17 +1909,15 @@ class Scheduler:
         r = self.B - len(self._forming)
         pools = self._pools
         fifo = self._pool_fifo
+        dora = self.mode == "dora"
         while r > 0 and self._pool_n:
             # Each version's pool is ordered by the batch key, and feasibility depends only on
             # the version: the candidates are the heads of the live versions' pools.
             best = None
             waited = False
             if fifo:
-                # The smallest key among the versions that can be taken now. A wait is counted
-                # when the smallest key of all cannot be taken (it is checked whatever the order:
-                # every head below the best is), as the global-head path counts it: a head that
-                # cannot be taken behind a smaller one that can is no wait.
-                low = None  # the smallest head that cannot be taken
+                # The smallest key among the versions that can be taken now.
+                low = None  # the smallest head found untakeable
                 for v, heap in pools.items():
                     if best is not None and heap[0] >= best[0]:
                         continue
@@ -1927,7 +1925,11 @@ class Scheduler:
                         best = (heap[0], v)
                     elif low is None or heap[0] < low:
                         low = heap[0]
-                waited = low is not None and (best is None or low < best[0])
+                # A wait: in dora (a plugin's keys), when the smallest key of all cannot be taken
+                # (it is checked whatever the pools' order: every head below the best is), as the
+                # global-head path counts it; a head that cannot be taken behind a smaller one that
+                # can is no wait. The other modes count any head found untakeable, as they did.
+                waited = low is not None and (not dora or best is None or low < best[0])
             else:
                 # dora with the built-in keys: the global head (oldest version first), or wait for it.
                 if len(pools) == 1:

@@ -67,6 +67,10 @@ def _check_landing_counts(result, dead_imports: int = 0) -> None:
     assert led["landings_sent"] == sum(1 for e in imported if e[5] == "landed")
     # every move executed was exported, or its sequence had finished first
     assert led["migrations_executed"] + led["migrations_missed"] == result.metrics["migrations"]
+    # and none reached a source that did not hold its sequence yet (a worker's `_forward`): the
+    # scheduler moves a trajectory again only after `MigrationLanded`, sent once its destination
+    # reported "imported"
+    assert led["migrations_forwarded"] == 0
 
 
 class GoOnceLanded(StalledFirst, Runtime):

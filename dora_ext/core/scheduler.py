@@ -698,36 +698,6 @@ class Scheduler:
             return
         self._tm[h] = 0  # it runs on its destination: it may move again (R5)
         self._n_landed += 1
-        if self._migrate:
-            self._landed(self._gver[g])
-
-    def _landed(self, v: int) -> None:
-        """A move of a version-`v` trajectory landed: that trajectory may move again, so R5 may
-        now do what it could not before (it moves a trajectory once until it lands).
-
-        The record of a fruitless consolidation try of `v` (`_r5_tried`, a state in which every
-        movable trajectory had moved already) no longer describes the state: it is dropped, and
-        the try is made again now, not at the next event that happens to call it. Where `v` gates
-        the step being formed and is the crowded gating version, the idle instances are planned
-        again: one may now spread the stragglers (`_maybe_spread`) where every one above the even
-        share had moved and not landed. Both only where they may act (a pending fruitless try; an
-        idle instance, nothing outstanding), so a landing costs O(1) otherwise."""
-        tried = self._r5_tried.pop(v, None)
-        if v + self.K > self.step:
-            if tried is not None:
-                self._maybe_consolidate(v)
-        elif self._spread and self._idle and not self._outstanding:
-            crowd = self._gating_crowd()
-            if crowd is None or crowd[0] != v:
-                return
-            instances = self.instances
-            for iid in list(self._idle):
-                inst = instances.get(iid)
-                if inst is None:
-                    continue
-                self._plan_instance(inst)
-                if iid in self._idle:
-                    break  # it stays idle: the next one would find the same plan (nothing)
 
     def _on_trainer_idle(self, ev: E.TrainerIdle) -> None:
         self._trainer_idle = self._trainer_busy is None

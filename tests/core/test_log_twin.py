@@ -8,10 +8,8 @@
    through `handle_many`, elastic lending, mode `partial`'s preemption). Every batch of actions
    must be equal, and so must the two snapshots at every restore and at the end. The rework was
    meant to change nothing but cost: a deliberate policy change after `REF` makes this fail, and
-   then `REF` moves to the commit of that change, or the reference is given the same behavioural
-   delta here, written against its own state, so that the twin still checks the log rework (see
-   `_with_landing_replan`: R5 acting on `MigrationLanded`). Skipped (with the reason) where git
-   or that commit is not available (a source tarball, a shallow clone).
+   then `REF` moves to the commit of that change. Skipped (with the reason) where git or that
+   commit is not available (a source tarball, a shallow clone).
 2. Ledger: whatever the policy, after every event each instance's live log (`running_on`) must be
    exactly the driver's own record of what runs there (the twin checks the order), with `nrun` its length
    and the log no longer than `3 * capacity + 33` entries (compaction runs on a placement: a log
@@ -61,44 +59,6 @@ def _reference_scheduler():
         sys.modules.pop(name, None)
     assert not hasattr(mod._Instance, "nrun")  # it is the dict version
     return mod.Scheduler
-
-
-def _with_landing_replan(ref):
-    """`ref` with the one deliberate policy change made after it: a landing drops R5's record of
-    a fruitless consolidation try of the landed trajectory's version (`_r5_tried`) and makes that
-    try again at once if there was one (the version not gating the step); for the crowded gating
-    version, it plans the idle instances again (R5 spread) until one stays idle. The same delta as
-    `Scheduler._landed`, written here against the reference's own state (its handler runs first;
-    `_n_landed` tells whether the landing counted), so that the twin compares everything else."""
-    from dora_ext.core import events as E
-
-    class Ref(ref):
-        def _on_migration_landed(self, ev):
-            landed = self._n_landed
-            ref._on_migration_landed(self, ev)
-            if self._n_landed == landed or not self._migrate:
-                return
-            v = self._gver[self._group(ev.group_id)]
-            tried = self._r5_tried.pop(v, None)
-            if v + self.K > self.step:
-                if tried is not None:
-                    self._maybe_consolidate(v)
-            elif self._spread and self._idle and not self._outstanding:
-                crowd = self._gating_crowd()
-                if crowd is None or crowd[0] != v:
-                    return
-                for iid in list(self._idle):
-                    inst = self.instances.get(iid)
-                    if inst is None:
-                        continue
-                    self._plan_instance(inst)
-                    if iid in self._idle:
-                        break
-
-        _handlers = {**ref._handlers, E.MigrationLanded: _on_migration_landed}
-
-    Ref.__name__ = Ref.__qualname__ = f"{ref.__name__}WithLandingReplan"
-    return Ref
 
 
 class _Ledger:
@@ -221,7 +181,7 @@ def test_logs_match_the_driver_ledger(mode, elastic, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,elastic", CASES)
 def test_twin_of_the_dict_scheduler(mode, elastic):
-    ref = _with_landing_replan(_reference_scheduler())
+    ref = _reference_scheduler()
     events = restores = migrations = 0
     for seed in range(25):
         for base in (AdversarialDriver, InboxDriver):

@@ -10,7 +10,7 @@ import pytest
 from dora_ext.config import DoraConfig
 from dora_ext.core import (
     DeliverGroup, Dispatch, GroupAdmitted, InstanceFailed, InstanceLoaded, LoadVersion, Migrate,
-    MigrationLanded, ProtocolError, ReportError, ReportGroupFailed, RequestGroups, RewardReady, Scheduler, StartStep,
+    ProtocolError, ReportError, ReportGroupFailed, RequestGroups, RewardReady, Scheduler, StartStep,
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
 
@@ -204,83 +204,6 @@ def test_r5_leaves_the_version_that_gates_the_trainer_alone():
     mark = len(h.log)
     h.train(0)
     assert not h.of(Migrate, mark)
-
-
-class HeldLoads(Harness):
-    """A harness whose hosts take their time to load: `LoadVersion` is kept, not answered, once
-    `hold` is set (so the newest version has work queued for instances still loading)."""
-
-    def __init__(self, **cfg):
-        self.hold = False
-        self.held: list = []
-        super().__init__(**cfg)
-
-    def feed_actions(self, actions):
-        if self.hold:
-            self.held += [a for a in actions if isinstance(a, LoadVersion)]
-            actions = [a for a in actions if not isinstance(a, LoadVersion)]
-        super().feed_actions(actions)
-
-
-def test_r5_consolidates_again_when_a_move_lands_in_an_otherwise_unchanged_state():
-    # R5 moves a trajectory once until it lands. Here its second pass finds only moved
-    # trajectories to move (a fruitless try, `_r5_tried`); the landing itself lets it go on.
-    h = HeldLoads(mode="dora", max_staleness=2, batch_size=2, group_size=2, instances=4, capacity=8)
-    h.finish_group(0)
-    h.finish_group(1)
-    h.hold = True  # v1's groups stay queued while the freed instances load it
-    mark = len(h.log)
-    h.train(0)
-    first = h.of(Migrate, mark)
-    assert sorted((m.group_id, m.index, m.src, m.dst) for m in first) == [
-        (2, 0, 0, 1), (3, 0, 2, 3), (4, 0, 0, 1), (5, 0, 2, 3)]
-    assert {a.instance_id for a in h.held} == {0, 2}
-    for gid in (2, 3, 4, 5):
-        h.finish(gid, 1)  # the trajectories that did not move finish
-    # v0: 4 trajectories on instances 1 and 3, 2 each, all moved and not landed: R5 tried in vain
-    assert h.s._r5_tried == {0: (4, 2)}
-    mark = len(h.log)
-    h.feed_actions(h.s.handle(MigrationLanded(2, 0)))
-    assert h.log[mark:] == [Migrate(2, 0, 1, 3, 0)]  # before the change: nothing until a release
-    mark = len(h.log)
-    h.feed_actions(h.s.handle(MigrationLanded(4, 0)))
-    assert h.log[mark:] == [Migrate(4, 0, 1, 3, 0)]
-    assert h.s._r5_tried == {}
-    assert sorted(i for i, v in h.running.values()) == [3, 3, 3, 3]  # instance 1 is free for v1
-    assert h.held[-1] == LoadVersion(1, 1)  # and it switches to v1 (R4)
-    # and a stale landing (the trajectory finished meanwhile) still only counts
-    h.finish(2, 0)
-    mark = len(h.log)
-    h.feed_actions(h.s.handle(MigrationLanded(2, 0, 0)))
-    assert h.log[mark:] == [] and h.s.metrics()["stale_events"] == 1
-
-
-def test_r5_spreads_onto_an_idle_instance_when_a_move_lands():
-    # K=1: v0 gates step 1 and its stragglers spread onto idle instances (R5 spread). An instance
-    # that went idle while the only trajectory above the even share had moved and not landed
-    # takes it when the move lands, not at the next publish.
-    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=8, instances=3, capacity=8)
-    h.finish_group(0)
-    h.train(0)
-
-    def on(i):
-        return sorted(k for k, (ii, v) in h.running.items() if ii == i)
-
-    for k in on(1):
-        h.finish(*k)  # instance 1 drains, loads v1 and runs v1's group 2
-    mark = len(h.log)
-    for k in on(1):
-        h.finish(*k)  # then it spreads v0's stragglers: one from each other instance
-    assert h.of(Migrate, mark) == [Migrate(1, 1, 0, 1, 0), Migrate(1, 0, 2, 1, 0)]
-    assert on(1) == [(1, 0), (1, 1)]
-    for k in on(2) + on(0)[:1]:
-        h.finish(*k)
-    # instance 2 went idle: v0 runs 2 on instance 1 (both moved, not landed) and 1 on instance 0
-    assert 2 in h.s._idle and on(0) == [(1, 7)]
-    mark = len(h.log)
-    h.feed_actions(h.s.handle(MigrationLanded(1, 1)))
-    assert h.log[mark:] == [LoadVersion(2, 0), Migrate(1, 1, 1, 2, 0)]  # before: nothing
-    assert sorted(i for i, v in h.running.values()) == [0, 1, 2]
 
 
 def test_r6_frontier_dispatch_is_group_major():

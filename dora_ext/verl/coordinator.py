@@ -208,6 +208,21 @@ class DoraCoordinator:
         if gid in self.failed or self._late(gid, idx, "migration_landed"):
             self._drop_move(key, "late")
             return
+        # Counted landed only if the scheduler takes it: the trajectory runs on `iid` in the attempt
+        # it moved in, still marked moved. Otherwise (a bookkeeping slip) the scheduler would count
+        # the event stale and keep the trajectory unmovable, and ``migrations_landed`` would lie.
+        from dora_ext.core.scheduler import ProtocolError
+
+        try:
+            t = self.sched.trajectory(gid, idx)
+            takes = t.status == "R" and t.instance == iid and t.attempt == entry[1] and t.moved
+        except (ProtocolError, LookupError):
+            takes = False
+        if not takes:
+            logger.warning("dora: landing of %s/%s on instance %s does not match the scheduler's state: dropped",
+                           gid, idx, iid)
+            self._drop_move(key, "stale")
+            return
         del self.moving[key]
         self.counts["migrations_landed"] += 1
         self._record(("landed", gid, idx, iid))
@@ -382,12 +397,18 @@ class DoraCoordinator:
             if dora_group in self.failed:
                 raise GroupFailedError(self.failed[dora_group])
             iid = self.route.get(key)
-            if iid is None:
+            while iid is None:
                 fut = asyncio.get_running_loop().create_future()
                 self.waiters.setdefault(key, []).append(fut)
-                iid = await fut
-                # Moved between its Dispatch and this task's resumption: where it runs now.
-                iid = self.route.get(key, iid)
+                await fut
+                # What happened between its Dispatch and this task's resumption counts: the group
+                # failed (its request must not run), the trajectory moved (R5: it goes where it runs
+                # now), or the Dispatch was voided (its instance removed, the trajectory re-queued:
+                # sent to the removed server it would fail on a trajectory the scheduler holds
+                # queued, a ProtocolError, and be lost), so it waits for the next one.
+                if dora_group in self.failed:
+                    raise GroupFailedError(self.failed[dora_group])
+                iid = self.route.get(key)
             self._land(key, iid)
             sid = self.server_of[iid]
         self.inflight[sid] += 1

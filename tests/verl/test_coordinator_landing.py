@@ -378,3 +378,65 @@ def test_pending_moves_stay_bounded_over_many_steps():
     assert set(coord.moving) <= live, (coord.moving, live)
     assert m["moves_not_landed"] == len(coord.moving)
     _check_ledger(coord)
+
+
+@pytest.mark.parametrize("event", ["removed", "group_failed"])
+def test_a_waiting_acquire_rechecks_its_dispatch_when_it_resumes(event):
+    """An acquire waits for its trajectory's Dispatch; the Dispatch resolves it, and before the
+    waiting task runs again the Dispatch is voided (`removed`: verl removes that server; the
+    scheduler re-queues the trajectory, no slot is free for it) or the group fails (`group_failed`:
+    no retries, another trajectory of it failed).
+
+    `removed`: the request must wait for the next Dispatch. Sent to the removed server it failed on
+    the server's missing in-flight count, and the worker's failure report for a trajectory the
+    scheduler holds queued was a ProtocolError: the trajectory was lost (its group never completes).
+    `group_failed`: the request must get the group's failure, not run for a group already given up."""
+    cfg = dict(ONE, max_retries=0) if event == "group_failed" else ONE
+    coord = DoraCoordinator(cfg, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+
+    async def run():
+        task = asyncio.ensure_future(coord.acquire_server("r", dora_group="g1", dora_index=1))
+        await asyncio.sleep(0)
+        assert not task.done() and ("g1", 1) in coord.waiters
+        # Everything below runs before the task resumes: no await in between.
+        coord.offer([f"g{i}" for i in range(10)])
+        assert coord.route[("g1", 1)] == 1 and ("g1", 1) not in coord.waiters  # resolved
+        if event == "group_failed":
+            assert coord.trajectory_failed("g1", 0, "replica error") == "failed"
+            with pytest.raises(GroupFailedError):
+                await task
+            return None
+        coord.remove_servers(["s1"])
+        assert coord.sched.trajectory("g1", 1).status == "Q"  # instance 0 is full
+        await asyncio.sleep(0)
+        assert not task.done() and ("g1", 1) in coord.waiters  # waits again
+        coord.add_servers({"s2": None})  # instance 2
+        assert coord.take_work()["load"] == [(2, 0)]
+        coord.loaded([2], 0)
+        assert coord.route[("g1", 1)] == 2
+        return await task
+
+    out = asyncio.run(run())
+    if event == "removed":
+        assert out[0] == "s2"
+        t = coord.sched.trajectory("g1", 1)
+        assert t.status == "R" and t.instance == 2
+        assert coord.trajectory_done("g1", 1, 5, 1.0) is None  # its report is the running attempt's
+    assert coord.metrics()["stale_events"] == 0 and coord.metrics()["late_reports"] == 0
+
+
+def test_a_landing_the_scheduler_would_not_take_is_not_counted_landed():
+    """``migrations_landed`` counts what the scheduler took. A pending move whose record no longer
+    matches the scheduler's state (a bookkeeping slip, forced here: another attempt) is dropped
+    (cause ``stale``) instead of being fed and counted: fed, the scheduler only counted it stale
+    and kept the trajectory marked moved (it never moves again in this attempt)."""
+    coord = _one_move()
+    attempt = coord.sched.trajectory("g1", 1).attempt
+    coord.moving[("g1", 1)] = (0, attempt + 1)  # the slip
+    assert _acquire(coord, "g1", 1) == "s0"
+    m = coord.metrics()
+    assert m["migrations_landed"] == 0 and m["stale_events"] == 0, m
+    assert ("move_dropped", "g1", 1, "stale") in coord.get_log() and coord.moving == {}
+    assert coord.sched.trajectory("g1", 1).moved  # what the scheduler says: it never landed
+    _check_ledger(coord)

@@ -440,3 +440,39 @@ def test_a_landing_the_scheduler_would_not_take_is_not_counted_landed():
     assert ("move_dropped", "g1", 1, "stale") in coord.get_log() and coord.moving == {}
     assert coord.sched.trajectory("g1", 1).moved  # what the scheduler says: it never landed
     _check_ledger(coord)
+
+
+def test_a_failed_groups_running_trajectories_free_their_slots_when_they_end():
+    """With no retries, g0/0's failure fails g0 while its four other trajectories run. The scheduler
+    keeps them, holding their slots, until their end is reported (verl's worker reports it: the
+    generation ends, then the reward or a failure, e.g. the group's failure raised by its next
+    acquire). The coordinator dropped those reports for a failed group: the slots leaked for the
+    rest of the run (the instances never drained, so never loaded a newer version), the group
+    never left the scheduler, and R5 moved the ghosts: moves that could never land (seen in
+    ``main_ppo``'s K=2 CPU test: a move of a failed group's trajectory pending for good)."""
+    coord = DoraCoordinator(dict(TWO, max_retries=0), {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(4)])
+    ghosts = {k for iid in (0, 1) for k in coord.sched.running_on(iid) if k[0] == "g0"}
+    assert len(ghosts) == 5
+    assert coord.trajectory_failed("g0", 0, "replica error") == "failed" and "g0" in coord.failed
+    assert ("g0", 1) not in coord.route
+    with pytest.raises(GroupFailedError):  # g0/4's next acquire (a resume or its next turn)
+        _acquire(coord, "g0", 4)
+    assert coord.trajectory_failed("g0", 4, "GroupFailedError") == "failed"
+    coord.trajectory_done("g0", 1, 5, None)  # its generation ended; then its reward
+    coord.reward_ready("g0", 1, 1.0)
+    coord.trajectory_done("g0", 2, 5, None)  # ... then the reward computation failed
+    assert coord.trajectory_failed("g0", 2, "reward error") == "failed"
+    coord.trajectory_done("g0", 3, 5, 0.5)  # with its reward
+    assert not any(k[0] == "g0" for iid in (0, 1) for k in coord.sched.running_on(iid))
+    from dora_ext.core.scheduler import ProtocolError
+
+    with pytest.raises(ProtocolError):  # the group left the scheduler
+        coord.sched.trajectory("g0", 1)
+    # A report after that is dropped quietly, as before: no ProtocolError, no late report.
+    coord.reward_ready("g0", 3, 0.5)
+    assert coord.trajectory_failed("g0", 3, "again") == "failed"
+    m = coord.metrics()
+    assert m["late_reports"] == 0 and m["stale_events"] == 0 and m["failed_groups"] == 1, m
+    _check_ledger(coord)

@@ -660,7 +660,10 @@ class Scheduler:
         if g is not None and 0 <= idx < self.n:
             h = g * self.n + idx  # (`_group` and `_traj` of a live group and a valid index, inlined)
         else:
-            h = self._traj(self._group(ev.group_id), idx)  # raises ProtocolError
+            g = self._group(ev.group_id, ev.attempt)  # a group no longer held: stale with an attempt
+            if g is None:
+                return
+            h = self._traj(g, idx)  # raises ProtocolError
         if (ev.attempt is not None and ev.attempt != self._ta[h]) or self._ts[h] != _RUNNING:
             self.m["stale_events"] += 1  # it finished, failed or was re-dispatched meanwhile
             return

@@ -258,6 +258,52 @@ class StalledFirst(OthersWait):
         self.release()
 
 
+class StallUntilMigrateThenGo(StallUntilMigrate):
+    """`StallUntilMigrate` stalling on four sequences (each with a token), and after its first
+    ("migrate", ...) command stalling on until ("go",): it exports what it is told to (commands
+    are still taken), decodes nothing. A coordinator that sends "go" decides when the sequences it
+    kept finish, so when the instance runs dry and the scheduler plans it idle (R5 may spread onto
+    it then); the plain loop never gets "go"."""
+
+    hold_at = 4
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.go = False
+
+    def handle(self, cmd: tuple) -> None:
+        if cmd[0] == "go":
+            self.go = True
+            return
+        super().handle(cmd)
+
+    def can_decode(self) -> bool:
+        return (self.go or not self.released) and super().can_decode()
+
+
+class StallAfterImport(InstanceLoop):
+    """A destination that keeps what it took in: once it imported a migrated sequence it decodes
+    nothing until its first ("migrate", ...) command, from then on it is a plain instance.
+    Commands are still taken while it stalls (a second import, the move that releases it). The
+    sequences it imported then run here only, whatever the timing, until the scheduler moves one
+    of them on: which R5 does only after `MigrationLanded` for it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.holding = False
+        self.released = False
+
+    def handle(self, cmd: tuple) -> None:
+        if cmd[0] == "migrate":
+            self.released = True
+        super().handle(cmd)
+        if cmd[0] == "import" and not self.released:
+            self.holding = True
+
+    def can_decode(self) -> bool:
+        return (self.released or not self.holding) and super().can_decode()
+
+
 class StallThenDieAfterExport(StallUntilMigrate, DieAfterExport):
     """`StallUntilMigrate`, killed (SIGKILL) right after it wrote its first export in full
     (`DieAfterExport`): the source of a forced migration dies before the coordinator reads it."""

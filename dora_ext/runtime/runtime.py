@@ -13,8 +13,10 @@ are measured independently of the scheduler's counters.
 
 What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards (the task's
 checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
-engine, timed), same-version migration (the sequence's KV cache moves between engines), and the
-core split between rollout and trainer (`RuntimeSpec`). Nothing is simulated.
+engine, timed), same-version migration (the sequence's KV cache moves between engines; the
+destination's "imported" report is answered to the scheduler with `MigrationLanded`, so R5 may
+move a trajectory again, `_on_imported`), and the core split between rollout and trainer
+(`RuntimeSpec`). Nothing is simulated.
 
 Faults and checkpoints. The coordinator watches its worker processes. Before a dead worker is
 declared failed, every complete report still on its pipe is taken (a trajectory it finished, a
@@ -274,6 +276,13 @@ class Runtime:
         self.loads = 0
         self.tokens_trained = 0
         self.migrations = 0
+        # The runtime's own record of every move: ("move", gid, idx, attempt, src, dst) when a
+        # `Migrate` is executed, ("imported", gid, idx, attempt, instance, outcome) for each
+        # "imported" report read (outcome "landed": `MigrationLanded` fed to the scheduler; else
+        # why not, see `_on_imported`).
+        self.migration_log: list[tuple] = []
+        self.migrations_landed = 0  # "imported" reports read: sequences a destination took in
+        self.landings_sent = 0  # of those, answered to the scheduler with `MigrationLanded`
         self.failed_instances: dict[int, Any] = {}  # instance id -> exit code
         self.in_transit: dict[tuple, int] = {}  # (gid, idx) -> the instance exporting it
         self.instance_pids: dict[int, Any] = {}
@@ -522,8 +531,8 @@ class Runtime:
         for iid, h in list(self.instance_handles.items()):
             if h.is_alive():
                 continue
+            self.failed_instances[iid] = h.exitcode  # first: what `_drain` takes knows it is dead
             self._drain(f"instance-{iid}")
-            self.failed_instances[iid] = h.exitcode
             del self.instance_handles[iid]
             self._close_inbox(self.inboxes.pop(iid, None))
             self._outgoing.pop(iid, None)
@@ -634,6 +643,8 @@ class Runtime:
                 "trained": self.trained, "step_end": self.step_end, "step_records": self.step_records,
                 "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
                 "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
+                "migration_log": self.migration_log, "migrations_landed": self.migrations_landed,
+                "landings_sent": self.landings_sent,
                 "served_by": self.served_by, "next_instance_id": self.next_instance_id,
                 "step_order": self.step_order, "rank_speed": self.rank_speed, "rank_tokens": self.rank_tokens,
                 "rank_seconds": self.rank_seconds,
@@ -830,7 +841,7 @@ class Runtime:
         elif kind == "checkpointed":
             self._checkpoint_complete(msg[1])
         elif kind == "imported":
-            self.in_transit.pop(tuple(msg[2][:2]), None)
+            self._on_imported(msg[1], tuple(msg[2]))
         elif kind == "export":
             self._on_export(*msg[1:])
         elif kind == "lost":
@@ -904,6 +915,41 @@ class Runtime:
             self.exports_dropped += 1
             return
         self._send(dst, ("import", state))
+
+    def _on_imported(self, iid: int, rid: tuple) -> None:
+        """Instance `iid` took in a migrated sequence (its engine runs it now): answer the
+        scheduler's `Migrate` with `MigrationLanded`, after which R5 may move the trajectory again.
+
+        Only for the trajectory's current attempt, still on `iid` in the ledger, not finished, on
+        an instance not declared dead. Orders: a worker's reports keep their order on its pipe, so
+        "imported" is read before that sequence's "finished" there, and a dead worker's reports are
+        all taken (`_drain`) before its `InstanceFailed`; read then (`iid` is in
+        `failed_instances` already) the landing is not sent: the failure re-dispatches the
+        trajectory, and a landing would only let R5 move it off a dead engine (a lost move, a
+        retry). Read before the death is noticed, it is sent and applied; the failure then
+        re-dispatches it (or, moved on meanwhile, `_watch` retries the move off the dead source).
+        A group reported failed meanwhile still holds its running trajectories in the scheduler
+        (they land as any other); one no longer held counts the landing as a stale event."""
+        gid, idx, attempt = rid
+        key = (gid, idx)
+        self.migrations_landed += 1
+        rec = self.dispatch.get(key)
+        if rec is None or rec[2] != attempt:
+            outcome = "attempt over"
+        else:
+            self.in_transit.pop(key, None)  # on its destination: its source's death can no longer lose it
+            if iid in self.failed_instances:
+                outcome = "instance failed"
+            elif rec[0] != iid:
+                outcome = "elsewhere"  # (a move the scheduler made before it landed: never, kept safe)
+            elif self._finished(key):
+                outcome = "finished"
+            else:
+                outcome = "landed"
+        self.migration_log.append(("imported", gid, idx, attempt, iid, outcome))
+        if outcome == "landed":
+            self.landings_sent += 1
+            self._execute(self.sched.handle(E.MigrationLanded(gid, idx, attempt)))
 
     def _on_finished(self, iid: int, f: Any, t: float) -> None:
         gid, idx, attempt = f.request_id
@@ -1011,6 +1057,7 @@ class Runtime:
                 self.in_transit.setdefault((act.group_id, act.index), act.src)
                 self.migrations += 1
                 rid = (act.group_id, act.index, rec[2])
+                self.migration_log.append(("move", *rid, act.src, act.dst))
                 self._send(act.src, ("migrate", rid, act.dst))
             elif isinstance(act, A.DeliverGroup):
                 if act.step != len(self.step_groups):  # its position counts in the batch being formed
@@ -1202,6 +1249,8 @@ class Runtime:
             "c3_ok": bool(checks["c3_ok"] and core["c3_ok"]),
             "live_versions_max": core["live_versions_max"],
             "migrations": core["migrations"],
+            # moved sequences their destination took in ("imported" reports read)
+            "migrations_landed": self.migrations_landed,
             "weight_loads": core["weight_loads"],
             "weight_load_s": self.load_seconds,
             "initial_reward": self.prepared.initial_reward,
@@ -1228,6 +1277,8 @@ class Runtime:
             "migrations_executed": sum(st.get("migrations_out", 0) for st in stats),
             "migrations_missed": sum(st.get("migrations_missed", 0) for st in stats),
             "migrations_forwarded": sum(st.get("migrations_forwarded", 0) for st in stats),
+            "migrations_landed": self.migrations_landed, "landings_sent": self.landings_sent,
+            "migration_log": list(self.migration_log),
             "engine_stats": {iid: self.instance_stats[iid]["engine"] for iid in sorted(self.inboxes)
                              if iid in self.instance_stats},
             "torch_threads": dict(self.torch_threads),

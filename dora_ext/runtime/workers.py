@@ -240,7 +240,10 @@ class InstanceLoop:
                                             `dst` (same version: no re-prefill there); it travels
                                             as the report ("export", iid, dst, SequenceState),
                                             which the coordinator passes on to `dst`
-      ("import", SequenceState)             a migrated sequence arriving (from the coordinator)
+      ("import", SequenceState)             a migrated sequence arriving (from the coordinator);
+                                            reported ("imported", iid, rid) once the engine runs
+                                            it, which the coordinator answers to the scheduler
+                                            with `MigrationLanded` (R5 may then move it again)
       ("stop",)                             report ("stats", iid, {...}) and return
       ("batch", [commands])                 several of the above, executed in order (one wake-up)
     Reports: ("ready", name, torch_threads, cpus, nice), ("loaded", iid, version, seconds), ("imported", iid, rid),
@@ -355,7 +358,9 @@ class InstanceLoop:
             else:
                 # Still on its way here from an earlier move (the scheduler moved it again before it
                 # arrived): send it on when it lands, never import it under a version it may no
-                # longer match.
+                # longer match. (The runtime's coordinator never does this: it answers a move with
+                # `MigrationLanded` only once this instance reported "imported", and the scheduler
+                # moves a trajectory again only after that. Kept for a coordinator that would.)
                 self._forward[rid] = dst
         elif kind == "import":
             state = cmd[1]

@@ -36,7 +36,8 @@ from the one the adapter knew, whenever it is looked at:
   which only the worker that ran the weight update changes (SGLang 0.5.23,
   `tokenizer_control_mixin._update_weight_version_if_provided`; only pause/continue is broadcast
   to the workers), so it reports the launch version for a healthy engine. It is asked only where
-  `/server_info` carries no version and the engine runs one tokenizer worker (see
+  `/server_info` carries no version and the engine runs one tokenizer worker, or where the engine
+  has no `/server_info` (404); a `/server_info` that fails otherwise gives no verdict (see
   `reported_version`).
 
 Either one retires the instance id (`InstanceFailed`) and the engine joins under a fresh, larger
@@ -155,6 +156,13 @@ def load_object(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status an HTTP client's error carries (httpx's `HTTPStatusError`, which slime's
+    `http_utils.get` raises through `raise_for_status`), None for any other failure."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
 def slime_http() -> Any:
     """slime's async HTTP helpers (`get(url)`, `post(url, payload)`), as a namespace."""
     from slime.utils import http_utils
@@ -193,6 +201,7 @@ class SglangEngines:
         self._cap = 0
         self._next_id = 0
         self.health_timeout_s = 5.0
+        self.router_timeout_s = 30.0  # a refresh's read of slime's router
         # Instances with /update_weights_from_disk in flight. SGLang's /health runs a one-token
         # generation by default, which waits for the load (up to 20 s): their health is not asked
         # (slime pauses its own health monitor around weight updates too). A load that fails
@@ -250,7 +259,7 @@ class SglangEngines:
             return False
         return True
 
-    async def reported_version(self, url: str) -> str | None:
+    async def reported_version(self, url: str, expected: str | None = None) -> str | None:
         """The weight version the engine's scheduler holds, None where the engine gives no verdict.
 
         SGLang keeps the version in two places: its scheduler (set by a successful weight update,
@@ -260,16 +269,31 @@ class SglangEngines:
         `--tokenizer-worker-num` > 1 it can report a worker's stale version (the launch one) for a
         healthy engine. `/server_info`'s `internal_states` are read back from the scheduler (one
         per data-parallel rank), so they are asked first; `/model_info` only where the engine
-        says it runs one tokenizer worker (an SGLang whose internal states carry no version).
+        says it runs one tokenizer worker (an SGLang whose internal states carry no version), or
+        where it has no `/server_info` at all (HTTP 404). A `/server_info` that fails otherwise
+        (times out, refuses, an error status) gives no verdict: the tokenizer-worker count is
+        then unknown, and `/model_info` could be a stale worker's copy.
+
+        `expected` (the version the adapter loaded): SGLang releases whose scheduler reads back
+        its own copy of the launch arguments (`vars(get_global_server_args())`) and whose
+        weight update sets the version in the tokenizer manager alone report the launch version
+        in `internal_states` for a healthy engine, and the loaded one on top of `/server_info`
+        (the tokenizer manager's arguments). A fresh process reports its launch version in both
+        places, so the expected version on top means the engine holds it.
         """
         try:
             info = await asyncio.wait_for(self.http.get(f"{url}/server_info"), self.health_timeout_s)
-        except Exception:  # noqa: BLE001 - an SGLang without /server_info: /model_info alone tells
+        except Exception as exc:  # noqa: BLE001 - only an SGLang without /server_info leaves /model_info to tell
+            if _http_status(exc) != 404:
+                return None
             info = None
         if isinstance(info, dict):
             states = info.get("internal_states")
             versions = {str(st["weight_version"]) for st in states or []
                         if isinstance(st, dict) and st.get("weight_version") is not None}
+            top = info.get("weight_version")
+            if expected is not None and top is not None and str(top) == expected and expected not in versions:
+                return expected  # the scheduler's copy is the launch one (see above)
             if len(versions) == 1:
                 return versions.pop()
             if len(versions) > 1:
@@ -291,7 +315,7 @@ class SglangEngines:
         expected = self._loaded_tags.get(iid)
         if expected is None:
             return None
-        reported = await self.reported_version(url)
+        reported = await self.reported_version(url, expected)
         if reported is not None and reported != expected:
             return (f"{url} reports weight version {reported!r}, the adapter loaded {expected!r}: "
                     "the engine was restarted")
@@ -300,8 +324,11 @@ class SglangEngines:
     async def refresh(self) -> tuple[list[int], list[tuple[int, int]]]:
         """Every question is asked first (the engines concurrently), then the answers are applied
         with no await in between: a refresh that raises or is cancelled part-way (its router read,
-        an engine's check) changes nothing, and the next one sees everything again."""
-        listed = await self._listed()
+        an engine's check) changes nothing, and the next one sees everything again. Every await
+        is bounded (slime's HTTP client has no timeout of its own): the router read by
+        `router_timeout_s`, so a router that never answers fails the refresh (the caller tries
+        again later) instead of holding every caller that waits for it."""
+        listed = await asyncio.wait_for(self._listed(), self.router_timeout_s)
         reasons: dict[int, str] = {}
         checked: dict[int, tuple[str, int]] = {}  # iid -> (url, loads started when asked)
         for iid, url in sorted(self.urls.items()):

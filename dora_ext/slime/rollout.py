@@ -728,6 +728,7 @@ class RolloutSession:
                 self._refresh_runner = self.loop.create_task(self._run_refreshes())
                 self._tasks.add(self._refresh_runner)
                 self._refresh_runner.add_done_callback(self._tasks.discard)
+                self._refresh_runner.add_done_callback(self._refresh_runner_done)
         # A caller cancelled (its task closed) leaves the pass to the others.
         await asyncio.shield(fut)
 
@@ -748,6 +749,16 @@ class RolloutSession:
         finally:
             self._refresh_runner = None
             if self._refresh_next is not None:  # cancelled (closing) with callers waiting
+                self._refresh_next.cancel()
+                self._refresh_next = None
+
+    def _refresh_runner_done(self, task: asyncio.Task) -> None:
+        """A runner cancelled before it ever ran (closing, in the loop turn that created it) never
+        reaches its `finally`: its pass is cancelled here, so no caller waits for it forever (a
+        caller outside the worker's tasks, such as slime's evaluation, is not cancelled with them)."""
+        if self._refresh_runner is task:
+            self._refresh_runner = None
+            if self._refresh_next is not None:
                 self._refresh_next.cancel()
                 self._refresh_next = None
 

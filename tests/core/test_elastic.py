@@ -289,3 +289,16 @@ def test_migration_landed_for_a_finished_trajectory_is_stale():
     _to_first_step(s)
     s.handle(E.MigrationLanded(1, 0))  # group 1 finished long ago
     assert s.metrics()["stale_events"] == 1
+
+
+def test_migration_landed_for_a_group_no_longer_held_is_stale_with_an_attempt():
+    """A landing that carries its attempt, for a group the scheduler no longer holds (trained
+    here; also failed and retired), is a late report like any other trajectory event: counted
+    stale, not a `ProtocolError`. Without an attempt the group must still be known."""
+    s = _sched(spread=False)
+    _to_first_step(s)
+    s.handle(E.TrainerStepFinished(0))  # group 1 trained: it leaves the scheduler
+    s.handle(E.MigrationLanded(1, 0, 0))
+    assert s.metrics()["stale_events"] == 1
+    with pytest.raises(ProtocolError, match="unknown group 1"):
+        s.handle(E.MigrationLanded(1, 0))

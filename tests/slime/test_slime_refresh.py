@@ -241,3 +241,299 @@ def test_sglangs_response_version_is_the_schedulers(tmp_path):
                PYTHONPATH=os.pathsep.join([os.path.join(HARNESS, "no_torchcodec"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ review: where the version is read
+def _status_error(status: int) -> Exception:
+    """What slime's `http_utils.get` raises for an error status (`raise_for_status`): httpx's
+    `HTTPStatusError`, which carries the response (httpx is slime's, and sglang's, HTTP client)."""
+    httpx = pytest.importorskip("httpx", reason="httpx (slime's HTTP client) is not installed")
+    request = httpx.Request("GET", "http://127.0.0.1/server_info")
+    return httpx.HTTPStatusError(f"{status}", request=request, response=httpx.Response(status, request=request))
+
+
+@pytest.mark.parametrize("failure", ["times-out", "refused", "error-status"])
+def test_a_failing_server_info_gives_no_verdict_with_several_tokenizer_workers(tmp_path, standins, failure):
+    """`/server_info` fails on a healthy engine with two tokenizer workers (its readback waits on
+    a busy scheduler past the timeout, the connection is refused, a 503). The adapter then asked
+    `/model_info`, whose answer is one tokenizer worker's copy: the worker that did not run the
+    load reports the launch version, and the healthy engine was retired as "restarted" (the
+    hazard the scheduler's version was read to avoid). Only a `/server_info` that does not exist
+    (404) leaves the verdict to `/model_info` now; any other failure gives none."""
+    fleet, engines = fleet_engines(standins, tmp_path, 32900)
+    engines.health_timeout_s = 0.05  # cuts the hang below
+    for e in fleet.engines:
+        e.tokenizer_workers = 2
+    real_get = fleet.get
+    never = asyncio.Event()
+    asked = collections.Counter()
+
+    async def get(url):
+        if url.endswith("/server_info"):
+            if failure == "times-out":
+                await never.wait()
+            raise ConnectionRefusedError(url) if failure == "refused" else _status_error(503)
+        if url.endswith("/model_info"):
+            asked[url] += 1
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        for iid in (0, 1):
+            await engines.load(iid, "3", str(tmp_path / "w"))
+        fleet.get = get
+        for _ in range(2):  # /model_info would answer from each worker in turn: one is stale
+            assert await engines.refresh() == ([], []), engines.reasons
+
+    asyncio.run(run())
+    assert asked == {}  # /model_info is not asked: its answer would be no evidence
+
+
+def test_an_sglang_without_server_info_is_judged_by_model_info(tmp_path, standins):
+    """An SGLang that has no `/server_info` (404, slime's client raises httpx's HTTPStatusError):
+    `/model_info` decides (one tokenizer worker), so a restart that kept its registration is told."""
+    fleet, engines = fleet_engines(standins, tmp_path, 33000)
+    real_get = fleet.get
+
+    async def get(url):
+        if url.endswith("/server_info"):
+            raise _status_error(404)
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        fleet.get = get
+        assert await engines.refresh() == ([], [])
+        fleet.restart_engine(33000, reregister=False)
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "weight version 'default'" in engines.reasons[0]
+
+    asyncio.run(run())
+
+
+def test_a_scheduler_that_keeps_the_launch_version_does_not_retire_a_healthy_engine(tmp_path, standins):
+    """SGLang releases before the scheduler recorded weight versions: the scheduler's readback is
+    its own copy of the launch arguments (`get_internal_state` returns
+    `vars(get_global_server_args())`) and a weight update sets the version in the tokenizer
+    manager alone (`_update_weight_version_if_provided`: `self.server_args.weight_version = ...`),
+    whose arguments are the top of `/server_info`. So `internal_states` say "initial" for a
+    healthy engine that loaded "3", and every refresh retired every loaded engine. An engine that
+    reports the version loaded anywhere holds it (a fresh process reports its launch version in
+    both places); a real restart is still told."""
+    fleet, engines = fleet_engines(standins, tmp_path, 33100)
+    real_get = fleet.get
+
+    async def get(url):
+        reply = await real_get(url)
+        if url.endswith("/server_info"):
+            engine = next(e for e in fleet.engines if url.startswith(e.url))
+            # the older shape: the tokenizer manager's (updated) arguments on top, the
+            # scheduler's launch copy in its internal state
+            reply = {**reply, "weight_version": engine.version,
+                     "internal_states": [{"weight_version": engine.launch_version}]}
+        return reply
+
+    async def run():
+        await engines.discover()
+        for iid in (0, 1):
+            await engines.load(iid, "3", str(tmp_path / "w"))
+        fleet.get = get
+        for _ in range(2):
+            assert await engines.refresh() == ([], []), engines.reasons
+        fleet.restart_engine(33100, reregister=False)
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "weight version 'default'" in engines.reasons[0]
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------ review: shared passes, faults
+class _HeldEngines:
+    """An `Engines` whose refresh passes are held until the test lets each one go (a stand-in for
+    `SglangEngines.refresh`; no scheduler is needed while passes report nobody gone or new)."""
+
+    def __init__(self) -> None:
+        self.holds: collections.deque = collections.deque()  # (started, release, outcome), one per pass
+        self.passes = 0
+
+    def hold_next(self, outcome=None) -> tuple[asyncio.Event, asyncio.Event]:
+        """The next pass not yet held: it sets `started`, waits for `release`, then returns
+        nothing changed or raises `outcome`."""
+        started, release = asyncio.Event(), asyncio.Event()
+        self.holds.append((started, release, outcome))
+        return started, release
+
+    async def refresh(self):
+        self.passes += 1
+        started, release, outcome = self.holds.popleft()
+        started.set()
+        await asyncio.wait_for(release.wait(), 10)
+        if outcome is not None:
+            raise outcome
+        return [], []
+
+
+def _bare_session(engines, loop):
+    from dora_ext.slime.rollout import RolloutSession
+    from dora_ext.slime.settings import slime_settings
+
+    return RolloutSession(None, None, first_step=0, engines=engines, board=None,
+                          settings=slime_settings(None), loop=loop)
+
+
+def _unretrieved(loop) -> list:
+    """Errors the loop reports (a future's exception never retrieved, a task's)."""
+    seen: list = []
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx.get("message")))
+    return seen
+
+
+@pytest.mark.parametrize("outcome", ["ok", "raises"])
+def test_a_cancelled_refresh_caller_leaves_the_others_their_pass(outcome):
+    """Caller A runs pass 1 (held); B and C arrive meanwhile and share pass 2; B is cancelled while
+    pass 1 runs. C still gets pass 2's outcome (its result, or the exception it raised: every
+    caller of the pass raises it), A gets pass 1's; nothing is reported as never retrieved, even
+    when the only caller left of a failing pass was cancelled."""
+    engines = _HeldEngines()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        errors = _unretrieved(loop)
+        session = _bare_session(engines, loop)
+        failure = Interrupted("pass 2") if outcome == "raises" else None
+        (s1, r1), (s2, r2) = engines.hold_next(), engines.hold_next(failure)
+        a = asyncio.ensure_future(session._refresh())
+        await asyncio.wait_for(s1.wait(), 10)
+        b = asyncio.ensure_future(session._refresh())
+        c = asyncio.ensure_future(session._refresh())
+        await asyncio.sleep(0)  # B and C are waiting (a yield, not a timing wait)
+        b.cancel()
+        r1.set()
+        await asyncio.wait_for(a, 10)
+        await asyncio.wait_for(s2.wait(), 10)
+        assert not c.done()
+        r2.set()
+        done, _ = await asyncio.wait({c}, timeout=10)
+        assert c in done
+        if outcome == "raises":
+            assert isinstance(c.exception(), Interrupted)
+        else:
+            assert c.result() is None
+        assert b.cancelled() and session.refresh_passes == 2
+        # The same failure, its only caller cancelled: retrieved all the same.
+        s3, r3 = engines.hold_next(Interrupted("pass 3"))
+        d = asyncio.ensure_future(session._refresh())
+        await asyncio.wait_for(s3.wait(), 10)
+        runner = session._refresh_runner
+        d.cancel()
+        r3.set()
+        await asyncio.wait_for(runner, 10)  # the runner hands a pass's failure to its callers, never raises
+        assert session.refresh_passes == 3 and session._refresh_runner is None
+        import gc
+
+        gc.collect()
+        await asyncio.sleep(0)
+        assert errors == []
+
+    asyncio.run(run())
+
+
+def test_a_refresh_runner_cancelled_before_it_ran_leaves_no_caller_waiting():
+    """Closing cancels the worker's tasks; a refresh runner created in that same loop turn is
+    cancelled before it ever ran, so its `finally` never runs. A caller outside the worker's
+    tasks (slime's evaluation, `_evaluate`) waited for its pass forever; it is cancelled now."""
+    engines = _HeldEngines()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        session = _bare_session(engines, loop)
+        caller = asyncio.ensure_future(session._refresh())
+        await asyncio.sleep(0)  # the caller ran: the runner exists, not started yet
+        runner = session._refresh_runner
+        assert runner is not None and session.refresh_passes == 0 and engines.passes == 0
+        runner.cancel()
+        done, _ = await asyncio.wait({caller}, timeout=10)
+        assert caller in done and caller.cancelled()
+        assert session._refresh_runner is None and session._refresh_next is None
+        # A later caller gets a fresh pass.
+        s, r = engines.hold_next()
+        later = asyncio.ensure_future(session._refresh())
+        await asyncio.wait_for(s.wait(), 10)
+        r.set()
+        await asyncio.wait_for(later, 10)
+
+    asyncio.run(run())
+
+
+def test_a_router_that_never_answers_does_not_hold_the_refresh_callers(tmp_path, standins):
+    """slime's HTTP client has no timeout (`httpx.Timeout(None)`), and the refresh's read of the
+    router had none either: a router that never answers held the pass, and with it every
+    caller sharing it (trajectories back with a wrong version, a failed load, the eval, the
+    watcher). The read is bounded now: the pass fails (logged, nothing changed) and its callers
+    go on; the next pass sees the router again."""
+    args = make_args(tmp_path, capacity=2)
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=33200)
+    from dora_ext.slime.engines import SglangEngines
+    from dora_ext.slime.settings import slime_settings
+
+    engines = SglangEngines(args, slime_settings(args), http=fleet)
+    engines.router_timeout_s = 0.05
+    real_get = fleet.get
+    never = asyncio.Event()
+    hang = [True]
+
+    async def get(url):
+        if url.endswith("/workers") and hang[0]:
+            await never.wait()
+        return await real_get(url)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        session = _bare_session(engines, loop)
+        await engines.discover()
+        fleet.get = get
+        callers = [asyncio.ensure_future(session._refresh()) for _ in range(3)]
+        done, _ = await asyncio.wait(callers, timeout=10)
+        assert len(done) == 3 and all(c.result() is None for c in callers)
+        assert sorted(engines.urls) == [0, 1]
+        hang[0] = False
+        fleet.engines[0].alive = False
+        assert await engines.refresh() == ([0], [])
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("first", ["restarted", "slow"])
+def test_a_slow_server_info_beside_a_restarted_engine(tmp_path, standins, first):
+    """Engine 0 was restarted (its registration kept: only its version tells); engine 1 is healthy
+    and its `/server_info` is slow. Both orders forced within the one pass: the answer of one
+    engine's `/server_info` is held until the other's has been answered. Either way the pass
+    retires engine 0 alone (its successor joins), and engine 1 keeps its instance."""
+    fleet, engines = fleet_engines(standins, tmp_path, 33300)
+    real_get = fleet.get
+    answered = {0: asyncio.Event(), 1: asyncio.Event()}
+    held = 0 if first == "slow" else 1  # the one answered second
+
+    async def get(url):
+        if url.endswith("/server_info"):
+            i = next(i for i, e in enumerate(fleet.engines[:2]) if url.startswith(e.url))
+            if i == held:
+                await asyncio.wait_for(answered[1 - i].wait(), 10)
+            reply = await real_get(url)
+            answered[i].set()
+            return reply
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        for iid in (0, 1):
+            await engines.load(iid, "3", str(tmp_path / "w"))
+        fleet.restart_engine(33300, reregister=False)
+        fleet.get = get
+        gone, new = await engines.refresh()
+        assert (gone, new) == ([0], [(2, 2)]) and "weight version 'default'" in engines.reasons[0]
+        assert sorted(engines.urls) == [1, 2] and engines._loaded_tags == {1: "3"}
+        assert all(e.is_set() for e in answered.values())
+
+    asyncio.run(run())

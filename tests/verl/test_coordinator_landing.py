@@ -308,8 +308,9 @@ def test_group_failure_drops_its_pending_moves():
 
 def test_a_landing_for_a_group_no_longer_live_is_dropped():
     """A pending move of a group that left the coordinator without passing through the paths that
-    drop it (a bookkeeping slip) must not stop the run: the scheduler would raise ProtocolError
-    for the unknown group. The landing is counted as a late report and not sent."""
+    drop it (a bookkeeping slip) must not stop the run (the scheduler refuses a landing with no
+    attempt for an unknown group; one with an attempt it counts as stale). The landing is counted
+    as a late report and not sent."""
     from dora_ext.core import events as E
     from dora_ext.core.scheduler import ProtocolError
 
@@ -328,8 +329,14 @@ def test_a_landing_for_a_group_no_longer_live_is_dropped():
     causes = [e[3] for e in coord.get_log() if e[0] == "move_dropped"]
     assert causes == ["done", "trained", "late"], causes
     assert ("late", "migration_landed", "g1", 1) in coord.get_log()
-    with pytest.raises(ProtocolError):  # what the guard protects against
-        coord.sched.handle(E.MigrationLanded("g1", 1, 0))
+    # What the guard protects against: the scheduler refuses a landing for a group it does not
+    # hold when the landing has no attempt; with one it counts it as a stale event (as every
+    # trajectory event with an attempt), but the coordinator drops it before then.
+    with pytest.raises(ProtocolError):
+        coord.sched.handle(E.MigrationLanded("g1", 1))
+    stale = coord.sched.metrics()["stale_events"]
+    coord.sched.handle(E.MigrationLanded("g1", 1, 0))
+    assert coord.sched.metrics()["stale_events"] == stale + 1
 
 
 def test_pending_moves_stay_bounded_over_many_steps():

@@ -428,11 +428,11 @@ class DoraCoordinator:
                 fut = asyncio.get_running_loop().create_future()
                 self.waiters.setdefault(key, []).append(fut)
                 await fut
-                # What happened between its Dispatch and this task's resumption counts: the group
-                # failed (its request must not run), the trajectory moved (R5: it goes where it runs
-                # now), or the Dispatch was voided (its instance removed, the trajectory re-queued:
-                # sent to the removed server it would fail on a trajectory the scheduler holds
-                # queued, a ProtocolError, and be lost), so it waits for the next one.
+                # Between its Dispatch and this task's resumption the group may have failed (its
+                # request must not run), the trajectory moved (R5: it goes where it runs now), or
+                # the Dispatch been voided (its instance removed, the trajectory re-queued): it then
+                # waits for the next one. (Sent to the removed server, it failed there, and the
+                # failure report for a trajectory the scheduler holds queued was a ProtocolError.)
                 if dora_group in self.failed:
                     raise GroupFailedError(self.failed[dora_group])
                 iid = self.route.get(key)

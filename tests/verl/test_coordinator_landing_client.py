@@ -109,8 +109,8 @@ def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch)
     must not move the trajectory again, and the landing comes after the move's own abort.
     `turn_ended_before_abort`: the turn ended on the source before the move's abort ran (the trainer
     was busy); the next turn's acquire is the landing, and the late abort finds nothing of it."""
-    from verl.workers.rollout import llm_server
     from omegaconf import OmegaConf
+    from verl.workers.rollout import llm_server
 
     from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
 

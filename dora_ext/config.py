@@ -125,7 +125,7 @@ class DoraConfig:
                     f"{pre}{key}", f"unknown key; accepted keys are {', '.join(sorted(known))}"
                 )
         mode = data.get("mode", "dora")
-        _check_mode(mode, f"{pre}mode")
+        mode = _check_mode(mode, f"{pre}mode")
         cap = _int(data, "capacity", 8, pre, minimum=1)
         raw = data.get("instances", 4)
         if isinstance(raw, bool):
@@ -229,8 +229,9 @@ def _int(data: Mapping[str, Any], key: str, default: Any, pre: str, *, minimum: 
 
 
 def _integer(value: Any, name: str, *, minimum: int, maximum: int | None = None) -> int:
-    """`value` if it is an `int` in range. A float (even 2.0), a bool, a numeric string or None
-    is refused, never converted: 1.5 must not become 1."""
+    """`value` as an `int` if it is one in range (a subclass, an IntEnum, as the plain int it holds,
+    checked as that). A float (even 2.0), a bool, a numeric string or None is refused, never
+    converted: 1.5 must not become 1."""
     if maximum is None:
         accepted = f"an integer >= {minimum}"
     elif maximum == 2**63 - 1:
@@ -239,6 +240,7 @@ def _integer(value: Any, name: str, *, minimum: int, maximum: int | None = None)
         accepted = f"an integer in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(name, f"expected {accepted}, got {value!r} ({type(value).__name__})")
+    value = int.__int__(value)  # (the value itself: `int()` or a comparison may be overridden)
     if value < minimum or (maximum is not None and value > maximum):
         raise ConfigError(name, f"expected {accepted}, got {value}")
     return value
@@ -251,36 +253,42 @@ def _flag(value: Any, name: str) -> bool:
 
 
 def _share(value: Any, name: str, *, low_open: bool, high_open: bool) -> float:
-    """A number (int or float, not a bool) in the interval, as a float."""
-    lo, hi = 0.0, 1.0
+    """A number (int or float, not a bool) in the interval, as a float (a subclass checked as
+    the plain number it holds)."""
     interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and (lo < value if low_open else lo <= value) and (value < hi if high_open else value <= hi))
+    ok = False
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        v = int.__int__(value) if isinstance(value, int) else float.__float__(value)
+        ok = (0 < v if low_open else 0 <= v) and (v < 1 if high_open else v <= 1)
     if not ok:
         raise ConfigError(name, f"expected a number in {interval}, got {value!r}")
-    return float(value)
+    return float(v)
 
 
-def _check_mode(mode: Any, name: str) -> None:
-    if not isinstance(mode, str) or mode not in MODES:
+def _check_mode(mode: Any, name: str) -> str:
+    """`mode` as a plain str (a `(str, Enum)` member as its value), if it is one of `MODES`."""
+    if not isinstance(mode, str) or str.__str__(mode) not in MODES:
         raise ConfigError(name, f"unknown mode {mode!r}; accepted: {', '.join(MODES)}")
+    return str.__str__(mode)
 
 
 def _check(cfg: DoraConfig) -> None:
     """Check every field of `cfg` (in field order; the first bad one raises `ConfigError`
     naming it and what is accepted) and normalise in place what has one spelling: `instances`
-    becomes a tuple, the shares floats."""
+    becomes a tuple, the shares floats, and a subclass of str or int (an Enum member) the plain
+    value it holds, so a config reads, prints and compares as one built from a recipe file."""
     put = object.__setattr__  # (the dataclass is frozen)
-    mode = cfg.mode
-    _check_mode(mode, "mode")
+    mode = _check_mode(cfg.mode, "mode")
+    put(cfg, "mode", mode)
     k = _integer(cfg.max_staleness, "max_staleness", minimum=0)
+    put(cfg, "max_staleness", k)
     fixed = {"sync": 0, "pipeline": 0, "one_step_off": 1}
     if mode in fixed and k != fixed[mode]:
         raise ConfigError("max_staleness", f"mode {mode!r} requires max_staleness={fixed[mode]}, got {k}")
     if mode == "dora" and k < 1:
         raise ConfigError("max_staleness", "mode 'dora' requires max_staleness >= 1 (use 'pipeline' for K=0)")
-    _integer(cfg.batch_size, "batch_size", minimum=1)
-    _integer(cfg.group_size, "group_size", minimum=1)
+    put(cfg, "batch_size", _integer(cfg.batch_size, "batch_size", minimum=1))
+    put(cfg, "group_size", _integer(cfg.group_size, "group_size", minimum=1))
     specs = cfg.instances
     if isinstance(specs, (str, bytes)) or not isinstance(specs, (tuple, list)):
         raise ConfigError(
@@ -289,19 +297,22 @@ def _check(cfg: DoraConfig) -> None:
         )
     if not specs:
         raise ConfigError("instances", "expected at least one instance")
+    checked = []
     for i, spec in enumerate(specs):
         if not isinstance(spec, InstanceSpec):
             raise ConfigError(f"instances[{i}]", f"expected an InstanceSpec(id, capacity), got {spec!r}")
-        _integer(spec.capacity, f"instances[{i}].capacity", minimum=1)
+        cap = _integer(spec.capacity, f"instances[{i}].capacity", minimum=1)
         # An id is a non-negative 64-bit integer (the scheduler keeps ids in 64-bit arrays, the
         # runtime names workers `instance-<id>`); 1.5 or "3" is refused, not truncated.
-        _integer(spec.id, f"instances[{i}].id", minimum=0, maximum=2**63 - 1)
-    if len({s.id for s in specs}) != len(specs):
+        iid = _integer(spec.id, f"instances[{i}].id", minimum=0, maximum=2**63 - 1)
+        same = type(spec) is InstanceSpec and type(spec.id) is int and type(spec.capacity) is int
+        checked.append(spec if same else InstanceSpec(iid, cap))
+    if len({s.id for s in checked}) != len(checked):
         raise ConfigError("instances", "instance ids must be unique")
-    put(cfg, "instances", tuple(specs))
-    _integer(cfg.max_retries, "max_retries", minimum=0)
+    put(cfg, "instances", tuple(checked))
+    put(cfg, "max_retries", _integer(cfg.max_retries, "max_retries", minimum=0))
     if cfg.max_steps is not None:
-        _integer(cfg.max_steps, "max_steps", minimum=1)
+        put(cfg, "max_steps", _integer(cfg.max_steps, "max_steps", minimum=1))
     _flag(cfg.migrate, "migrate")
     put(cfg, "migrate_threshold", _share(cfg.migrate_threshold, "migrate_threshold", low_open=True, high_open=False))
     _flag(cfg.spread, "spread")
@@ -310,6 +321,7 @@ def _check(cfg: DoraConfig) -> None:
             "elastic", f"mode {mode!r} does not take elastic colocation; accepted modes: {', '.join(ELASTIC_MODES)}"
         )
     spare = _integer(cfg.elastic_spare, "elastic_spare", minimum=0)
+    put(cfg, "elastic_spare", spare)
     if spare and not cfg.elastic:
         raise ConfigError("elastic_spare", f"needs elastic: true, got elastic_spare={spare}")
     put(cfg, "elastic_max_lent", _share(cfg.elastic_max_lent, "elastic_max_lent", low_open=False, high_open=True))

@@ -33,7 +33,9 @@ def dora_admission_key(group_id: Any, version: int, seq: int, meta: Any, mode: s
     the key orders groups of the same version only; older versions are always served by their own
     instances first (R1). Must return a tuple (or list) of JSON scalars (None, bools, ints, finite
     floats, strings), because the key is part of the scheduler's snapshot: anything else (a tuple
-    inside, a numpy integer) is a ``ProtocolError`` naming the hook.
+    inside, a numpy integer) is a ``ProtocolError`` naming the hook. Keys are compared position
+    by position, None before numbers before strings (so a key may hold None at a position where
+    another holds an int).
 
     Default: ``(seq,)``, the admission order, so the group admitted first (the one closest to
     completing the next batch) gets free capacity first.

@@ -42,6 +42,7 @@ guarantees such a schedule exists, so waiting always ends when the engines make 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from array import array
 import numbers
@@ -118,8 +119,10 @@ _JSON_DEPTH = 64  # `_json_data`: deeper nesting (or a cycle) is refused
 
 def _json_data(x: Any, where: str, depth: int = 0) -> Any:
     """`x` as a JSON round trip gives it back, as a fresh copy: a tuple becomes a list, a
-    subclass of dict, list, str, int or float its base type (a namedtuple a list, an IntEnum
-    an int, a numpy float64 a float). What JSON cannot give back unchanged is refused with a
+    subclass of dict, list, str, int or float its base type with the value JSON writes (a
+    namedtuple a list, an IntEnum an int, a numpy float64 a float, a `(str, Enum)` member its
+    value: JSON writes the value itself, not what an overridden `__str__`, `__int__` or
+    `__float__` returns). What JSON cannot give back unchanged is refused with a
     `ProtocolError` naming `where` and the path in it: a mapping key that is not a str (JSON
     would turn 1 into "1"), NaN or an infinite float (not JSON), any other type (a set, bytes,
     a numpy integer), nesting deeper than `_JSON_DEPTH` (or a cycle).
@@ -145,16 +148,16 @@ def _json_data(x: Any, where: str, depth: int = 0) -> Any:
                 )
             tv = type(v)
             # (a str, int or bool value as is, without the call: the common meta is a flat mapping)
-            out[str(k)] = v if tv is str or tv is int or tv is bool else _json_data(v, f"{where}[{k!r}]", depth + 1)
+            out[k if type(k) is str else str.__str__(k)] = v if tv is str or tv is int or tv is bool else _json_data(v, f"{where}[{k!r}]", depth + 1)
         return out
     if isinstance(x, (list, tuple)):
         return [_json_data(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
     if isinstance(x, str):
-        return str(x)
+        return str.__str__(x)  # (the value, as JSON writes it: `str()` gives a `(str, Enum)` member's name)
     if isinstance(x, int):
-        return int(x)
+        return int.__int__(x)
     if isinstance(x, float):
-        return _json_data(float(x), where, depth)
+        return _json_data(float.__float__(x), where, depth)
     raise ProtocolError(
         f"{where} is {_brief(x)} ({type(x).__name__}): expected JSON data (None, bool, int, float, str, "
         f"list, tuple, dict with str keys), as the scheduler's snapshot holds it"
@@ -174,12 +177,12 @@ def _json_key(key: Any, hook: str) -> tuple:
         t = type(x)
         if t is int or t is str or t is bool or x is None:
             y = x
-        elif isinstance(x, float) and x - x == 0.0:
-            y = float(x)
+        elif isinstance(x, float) and (y := float.__float__(x)) - y == 0.0:
+            pass
         elif isinstance(x, int) and t is not bool:
-            y = int(x)
+            y = int.__int__(x)  # (the value, as JSON writes it: `int()` may call an override)
         elif isinstance(x, str):
-            y = str(x)
+            y = str.__str__(x)  # (the value: `str()` gives a `(str, Enum)` member's name)
         else:
             raise ProtocolError(
                 f"{hook} returned {_brief(key)}: its element {_brief(x)} ({t.__name__}) is not a JSON scalar "
@@ -193,6 +196,30 @@ def _json_key(key: Any, hook: str) -> tuple:
     if out is not None:
         return tuple(out)
     return key if type(key) is tuple else tuple(key)
+
+
+def _ordered(key: tuple) -> tuple:
+    """A plugin's key (a tuple of JSON scalars) as the scheduler's queues and pools compare it:
+    each element preceded by its kind, None (0) < numbers (1) < strs (2), in one flat tuple, so
+    that any two keys compare. Keys whose elements are of one kind at each position keep their
+    order; a mix (None against an int, a str against a float, at the same position) compared by
+    `<` raised `TypeError` inside a heap push or pop, halfway through an event. `_plain` gives
+    the key back (snapshots, views)."""
+    if None in key or str in map(type, key):
+        out: list = []
+        for x in key:
+            out += (0, 0) if x is None else (2, x) if type(x) is str else (1, x)
+        return tuple(out)
+    return tuple(_flat(zip(_ONES, key)))  # (numbers only, the common key: built in C)
+
+
+_ONES = itertools.repeat(1)  # (`_ordered`: an endless 1 to precede numbers with)
+_flat = itertools.chain.from_iterable
+
+
+def _plain(key: tuple) -> tuple:
+    """The key `_ordered` was given."""
+    return tuple(None if key[i] == 0 else key[i + 1] for i in range(0, len(key), 2))
 
 
 def _vlist(vs: int | list[int] | None, base: int) -> list[int]:
@@ -497,6 +524,7 @@ class Scheduler:
             # The built-in keys are computed inline (`_on_group_admitted`, `_set_reward`): the
             # same tuples, without a keyword call per group.
             self._builtin_keys = True
+            self._qkey = self._key_of  # (the queue's key: the built-in keys are ints, they compare)
         else:
             hook = plugins.hook
             self._admission_key = lambda **kw: hook.dora_admission_key(**kw)
@@ -504,6 +532,7 @@ class Scheduler:
             self._plan_migration = lambda **kw: hook.dora_plan_migration(**kw)
             self._builtin_r5 = False
             self._builtin_keys = False
+            self._qkey = self._key_ordered
         self._plugins = plugins
 
     # ------------------------------------------------------------------ public API
@@ -1027,6 +1056,11 @@ class Scheduler:
         key = self._gkey.get(g)
         return (self._gseq[g],) if key is None else key
 
+    def _key_ordered(self, g: int) -> tuple:
+        """Group slot `g`'s admission key as the queue compares it with a plugin's keys (`_ordered`)."""
+        key = self._gkey.get(g)
+        return (1, self._gseq[g]) if key is None else _ordered(key)
+
     def _pending(self, g: int) -> list[int]:
         """Group slot `g`'s pending trajectories' indices, in dispatch order."""
         retry = self._gretry.get(g)
@@ -1173,7 +1207,7 @@ class Scheduler:
         if self._pinned and not self._cap.get(b):
             self._orphaned = True  # no instance holds or loads this version: see `_finish`
         if not self._ginq[g] and (g in self._gretry or self._gnext[g] < self.n):
-            heapq.heappush(self._queue.setdefault(b, []), (self._key_of(g), self._gseq[g], self._ggid[g]))
+            heapq.heappush(self._queue.setdefault(b, []), (self._qkey(g), self._gseq[g], self._ggid[g]))
             self._ginq[g] = 1
 
     def _lv_set(self, b: int, iid: int, old: int | None, new: int | None) -> None:
@@ -1426,22 +1460,29 @@ class Scheduler:
             self._out.append(A.ReportError(gid, idx, msg))
             self._fail_traj(g, h, msg)
             return
-        self._tr[h] = float(reward)
-        self._ts[h] = _DONE
-        self._glive[g] -= 1
-        done = self._gdone[g] = self._gdone[g] + 1
-        if done == self.n:
-            self._gst[g] = _COMPLETE
-            self.m["groups_completed"] += 1
-            self._n_active -= 1
-            cseq = self._gcseq[g] = self._complete_seq
-            self._complete_seq += 1
+        completes = self._gdone[g] + 1 == self.n
+        if completes:
+            # The group completes with this reward: its batch key first, before any state changes,
+            # so that a key refused (or a plugin that raises) leaves the trajectory awaiting its
+            # reward and the group active, as they were (a later `RewardReady` completes it);
+            # computed after, the group was complete but in no pool: never trained, not failed.
+            cseq = self._complete_seq
             gid, v = self._ggid[g], self._gver[g]
             if self._builtin_keys:  # `defaults.dora_batch_key`
                 key = (v, cseq) if self.mode == "dora" else (cseq,)
             else:
-                key = _json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode),
-                                "dora_batch_key")
+                key = _ordered(_json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq,
+                                                         mode=self.mode), "dora_batch_key"))
+        self._tr[h] = float(reward)
+        self._ts[h] = _DONE
+        self._glive[g] -= 1
+        self._gdone[g] += 1
+        if completes:
+            self._gst[g] = _COMPLETE
+            self.m["groups_completed"] += 1
+            self._n_active -= 1
+            self._gcseq[g] = cseq
+            self._complete_seq = cseq + 1
             heapq.heappush(self._pools.setdefault(v, []), (key, cseq, gid))
             self._pool_n += 1
             self._form_dirty = True
@@ -1868,6 +1909,7 @@ class Scheduler:
         r = self.B - len(self._forming)
         pools = self._pools
         fifo = self._pool_fifo
+        dora = self.mode == "dora"
         while r > 0 and self._pool_n:
             # Each version's pool is ordered by the batch key, and feasibility depends only on
             # the version: the candidates are the heads of the live versions' pools.
@@ -1875,13 +1917,19 @@ class Scheduler:
             waited = False
             if fifo:
                 # The smallest key among the versions that can be taken now.
+                low = None  # the smallest head found untakeable
                 for v, heap in pools.items():
                     if best is not None and heap[0] >= best[0]:
                         continue
                     if self._feasible(v, r):
                         best = (heap[0], v)
-                    else:
-                        waited = True
+                    elif low is None or heap[0] < low:
+                        low = heap[0]
+                # A wait: in dora (a plugin's keys), when the smallest key of all cannot be taken
+                # (it is checked whatever the pools' order: every head below the best is), as the
+                # global-head path counts it; a head that cannot be taken behind a smaller one that
+                # can is no wait. The other modes count any head found untakeable, as they did.
+                waited = low is not None and (not dora or best is None or low < best[0])
             else:
                 # dora with the built-in keys: the global head (oldest version first), or wait for it.
                 if len(pools) == 1:
@@ -1997,8 +2045,10 @@ class Scheduler:
                  for i in self.instances.values()]
         live = self._gslot
 
+        plain = (lambda k: k) if self._builtin_keys else _plain  # (a plugin's keys: as it gave them)
+
         def heap(h):
-            return [[list(e[0]), e[1], e[2]] for e in h if e[2] in live]
+            return [[list(plain(e[0])), e[1], e[2]] for e in h if e[2] in live]
 
         return {
             "format": SNAPSHOT_FORMAT,
@@ -2109,11 +2159,12 @@ class Scheduler:
         self._nhold = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._lv.items()}
         self._nhold = {b: c for b, c in self._nhold.items() if c}
         self._unassigned = {v: c for v, c in snap["unassigned"]}
-        self._queue = {b: [(tuple(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
+        keyed = tuple if self._builtin_keys else _ordered  # (as `_enqueue` and `_set_reward` push them)
+        self._queue = {b: [(keyed(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
         for h in self._queue.values():
             heapq.heapify(h)
         self._queued = {b: c for b, c in snap["queued"]}
-        self._pools = {v: [(tuple(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
+        self._pools = {v: [(keyed(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
         for h in self._pools.values():
             heapq.heapify(h)
         self._pool_n = sum(len(h) for h in self._pools.values())

@@ -167,3 +167,71 @@ def test_from_dict_prefixes_constructor_errors_with_where():
     assert str(err.value) == "dora.instances[1].capacity: expected an integer >= 1, got 0"
     with pytest.raises(ConfigError, match=r"^dora\.elastic_spare: needs elastic: true"):
         DoraConfig.from_dict({"elastic_spare": 2}, where="dora")
+
+
+class _Mode(str, __import__("enum").Enum):
+    DORA = "dora"
+
+
+class _K(int, __import__("enum").Enum):
+    TWO = 2
+    SEVEN = 7
+
+
+class _Below(int):
+    """An int whose comparisons say it is never below anything (its value may be)."""
+
+    def __lt__(self, other):
+        return False
+
+    def __le__(self, other):
+        return True
+
+
+class _Between(float):
+    def __gt__(self, other):
+        return True
+
+    def __lt__(self, other):
+        return True
+
+    def __le__(self, other):
+        return True
+
+    def __ge__(self, other):
+        return True
+
+
+def test_subclasses_of_str_and_int_are_kept_as_the_plain_values_they_hold():
+    """A `(str, Enum)` mode or IntEnum fields were kept as the members: the config printed
+    `mode=<_Mode.DORA: 'dora'>`, f-strings gave `_Mode.DORA`, and it did not equal the same
+    config from its own `to_dict` through YAML/JSON by type. They become plain str/int."""
+    import json
+
+    cfg = DoraConfig(mode=_Mode.DORA, max_staleness=_K.TWO, batch_size=_K.SEVEN, group_size=_K.TWO,
+                     instances=(InstanceSpec(_K.SEVEN, _K.TWO),), max_retries=_K.TWO, max_steps=_K.SEVEN)
+    assert type(cfg.mode) is str and f"{cfg.mode}" == "dora"
+    for name in ("max_staleness", "batch_size", "group_size", "max_retries", "max_steps", "elastic_spare"):
+        assert type(getattr(cfg, name)) is int, name
+    assert [(type(s.id), type(s.capacity)) for s in cfg.instances] == [(int, int)]
+    assert repr(cfg) == repr(DoraConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))))
+    assert DoraConfig.from_dict({"mode": _Mode.DORA}).mode.__class__ is str
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"max_staleness": _Below(-1)}, "max_staleness"),
+        ({"batch_size": _Below(0)}, "batch_size"),
+        ({"instances": (InstanceSpec(_Below(-3), 2),)}, "instances[0].id"),
+        ({"instances": (InstanceSpec(0, _Below(0)),)}, "instances[0].capacity"),
+        ({"migrate_threshold": _Between(7.0)}, "migrate_threshold"),
+        ({"max_failed_group_share": _Between(-1.0)}, "max_failed_group_share"),
+    ],
+)
+def test_a_number_subclass_is_checked_by_the_value_it_holds(kw, field):
+    """The range checks compared the object itself, so a subclass whose comparisons are
+    overridden passed with an out-of-range value; the value it holds is checked."""
+    with pytest.raises(ConfigError) as err:
+        DoraConfig(**kw)
+    assert err.value.field == field, err.value

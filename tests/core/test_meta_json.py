@@ -245,3 +245,168 @@ def _key_plugin(hook, key):
                 return key
 
     return Plugin()
+
+
+class Level(str, enum.Enum):
+    """A `(str, Enum)`: `str(Level.HARD)` is "Level.HARD", JSON writes its value "hard"."""
+
+    HARD = "hard"
+
+
+class Loud(str):
+    def __str__(self):
+        return "LOUD"
+
+
+class Seven(int):
+    def __int__(self):
+        return 7
+
+
+class Half(float):
+    def __float__(self):
+        return 0.5
+
+
+def test_subclasses_of_str_int_float_are_kept_as_json_writes_them():
+    """JSON writes the value of a str, int or float subclass, not what `str()`, `int()` or
+    `float()` return (a `(str, Enum)` member's name, an override): the kept meta is what the
+    JSON round trip gives back, in keys, values, lists and at the top."""
+    meta = {"level": Level.HARD, Level.HARD: [Level.HARD, Loud("q"), Seven(3), Half(2.25)], Loud("k"): Loud("v")}
+    s, _ = _admit(meta)
+    kept = s.groups["g"].meta
+    assert kept == json.loads(json.dumps(meta)) == {"level": "hard", "hard": ["hard", "q", 3, 2.25], "k": "v"}
+    assert [type(x) for x in kept["hard"]] == [str, str, int, float]
+    for scalar in (Level.HARD, Loud("q"), Seven(3), Half(2.25)):
+        s, _ = _admit(scalar)
+        assert s.groups["g"].meta == json.loads(json.dumps(scalar))
+
+
+@pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
+def test_plugin_key_subclass_elements_are_taken_as_json_writes_them(hook, monkeypatch):
+    from dora_ext.core import scheduler as S
+
+    taken = []
+    real = S._json_key
+    monkeypatch.setattr(S, "_json_key", lambda key, name: taken.append((name, real(key, name))) or taken[-1][1])
+    key = (Level.HARD, Loud("q"), Seven(3), Half(2.25))
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_key_plugin(hook, key))
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
+                                        "batch_size": 2}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    mine = [k for name, k in taken if name == hook]
+    assert mine == [tuple(json.loads(json.dumps(key)))] == [("hard", "q", 3, 2.25)]
+
+
+def test_a_refused_batch_key_loses_no_group():
+    """The batch key was computed after the group was recorded complete: a key refused (or a
+    plugin that raised) left a complete group in no pool, never trained and never failed, and
+    the reward sent again was a stale report. The key now comes first: the trajectory still
+    awaits its reward, and the reward sent again completes the group, which is trained."""
+    calls = []
+
+    class FirstBad:
+        @hookimpl
+        def dora_batch_key(self, group_id, version, complete_seq, mode):
+            calls.append(complete_seq)
+            return ((1, 2),) if len(calls) == 1 else (complete_seq,)
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(FirstBad())
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 2,
+                                        "batch_size": 1}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned"):
+        s.handle(E.TrajectoryFinished("g", 1, 5, 1.0))
+    g = s.groups["g"]
+    assert (g.state, g.done, g.complete_seq, s.metrics()["groups_completed"]) == ("active", 1, None, 0)
+    assert [t.status for t in s.trajectories("g")] == ["D", "F"]  # (done; finished, awaiting its reward)
+    out = s.handle(E.RewardReady("g", 1, 1.0))  # the reward again: the group completes now
+    assert calls == [0, 0]  # (the same completion sequence number the second time)
+    assert any(isinstance(a, A.StartStep) and a.group_ids == ("g",) for a in out), out
+    assert s.metrics()["stale_events"] == 0
+
+
+class MixedKinds:
+    """Keys whose elements differ in kind at one position: None or an int (batch), a str or an
+    int (admission). Compared by `<`, those raised `TypeError` inside a heap push or pop,
+    halfway through an event."""
+
+    @hookimpl
+    def dora_admission_key(self, group_id, version, seq, meta, mode):
+        return ("late", seq) if seq % 3 == 0 else (seq % 2, seq)
+
+    @hookimpl
+    def dora_batch_key(self, group_id, version, complete_seq, mode):
+        return (None if complete_seq % 2 else complete_seq, complete_seq)
+
+
+class _SnapshotTwin(RandomDriver):
+    """Also feeds every event to a second scheduler, restored at event `at` from a JSON round
+    trip of its own snapshot; both must answer every event with the same actions."""
+
+    def __init__(self, cfg, seed, at, **kw):
+        super().__init__(cfg, seed, plugins=_mixed_plugins(), **kw)
+        self.twin = Scheduler(cfg, plugins=_mixed_plugins())
+        self.at, self.fed, self.resumed = at, 0, False
+
+    def start(self):
+        out = self.sched.start()
+        assert self.twin.start() == out
+        self.execute(out)
+
+    def _feed(self, event):
+        if self.fed == self.at:
+            snap = json.loads(json.dumps(self.twin.snapshot()))
+            self.twin = Scheduler.restore(snap, plugins=_mixed_plugins())
+            assert self.twin.snapshot() == snap  # (the plugin's keys as it gave them, in JSON form)
+            self.resumed = True
+        self.fed += 1
+        twin = self.twin.handle(event)
+        out = super()._feed(event)
+        assert twin == out, (event, twin, out)
+        return out
+
+
+def _mixed_plugins():
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(MixedKinds())
+    return pm
+
+
+def test_keys_of_mixed_kinds_are_ordered_none_numbers_strs_and_survive_a_resume():
+    """Each position of a key orders None before numbers before strs (the same order as before
+    among keys of one kind), so such a plugin runs: every property holds, and a run resumed
+    from a JSON snapshot answers every event as the uninterrupted one."""
+    from .test_properties import check_run
+
+    resumed = 0
+    for seed in range(30):
+        rng = random.Random(stable_seed(f"mixed-keys/{seed}"))
+        mode, k = rng.choice([("dora", 2), ("partial", 2), ("pipeline", 0)])
+        cfg = DoraConfig.from_dict({"mode": mode, "max_staleness": k, "batch_size": rng.randint(2, 4),
+                                    "group_size": rng.randint(1, 3), "instances": rng.randint(1, 3),
+                                    "capacity": rng.randint(2, 4), "max_steps": 6})
+        d = _SnapshotTwin(cfg, rng.randrange(2**31), at=rng.randint(5, 30), long_tail=0.5, late_reward=0.3)
+        d.start()
+        d.run(6)
+        check_run(mode, d, 6)
+        resumed += d.resumed
+    assert resumed == 30
+    # The order itself: an admission queue of one version, none dispatched yet.
+    s = Scheduler(DoraConfig.from_dict({"mode": "pipeline", "instances": 1, "capacity": 5, "group_size": 1,
+                                        "batch_size": 5}), _mixed_plugins())
+    s.start()
+    for g in range(5):
+        s.handle(E.GroupAdmitted(f"g{g}"))
+    out = s.handle(E.InstanceLoaded(0, 0))
+    # keys: g0 ("late", 0), g1 (1, 1), g2 (0, 2), g3 ("late", 3), g4 (0, 4)
+    assert [a.group_id for a in out if isinstance(a, A.Dispatch)] == ["g2", "g4", "g1", "g0", "g3"]
+    assert s.groups["g0"].key == ("late", 0)  # (the view: the key as the plugin gave it)

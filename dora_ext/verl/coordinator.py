@@ -155,6 +155,7 @@ class DoraCoordinator:
                 self.admitted.pop(act.group_id, None)
                 for idx in range(self.config.group_size):
                     self._drop_move((act.group_id, idx), "group_failed")
+                    self.route.pop((act.group_id, idx), None)  # its acquires raise GroupFailedError
                 _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
                 for key in [k for k in self.waiters if k[0] == act.group_id]:
@@ -207,6 +208,21 @@ class DoraCoordinator:
         gid, idx = key
         if gid in self.failed or self._late(gid, idx, "migration_landed"):
             self._drop_move(key, "late")
+            return
+        # Counted landed only if the scheduler takes it: the trajectory runs on `iid` in the attempt
+        # it moved in, still marked moved. Otherwise (a bookkeeping slip) the scheduler would count
+        # the event stale and keep the trajectory unmovable, and ``migrations_landed`` would lie.
+        from dora_ext.core.scheduler import ProtocolError
+
+        try:
+            t = self.sched.trajectory(gid, idx)
+            takes = t.status == "R" and t.instance == iid and t.attempt == entry[1] and t.moved
+        except (ProtocolError, LookupError):
+            takes = False
+        if not takes:
+            logger.warning("dora: landing of %s/%s on instance %s does not match the scheduler's state: dropped",
+                           gid, idx, iid)
+            self._drop_move(key, "stale")
             return
         del self.moving[key]
         self.counts["migrations_landed"] += 1
@@ -344,23 +360,49 @@ class DoraCoordinator:
                        kind, group_id, index)
         return True
 
+    def _status_in_failed_group(self, group_id: Any, index: int) -> str | None:
+        """The scheduler's status letter of a trajectory of a group it gave up on, or None once the
+        group left it. Its trajectories that were running when it failed stay in the scheduler,
+        holding their slots, until their end is reported (``_retire``): these reports must reach
+        it, else the slots leak for the rest of the run (the instance never drains, so it never
+        loads a newer version, and R5 moves the ghost, a move that can never land)."""
+        from dora_ext.core.scheduler import ProtocolError
+
+        try:
+            return self.sched.trajectory(group_id, index).status
+        except (ProtocolError, LookupError):
+            return None
+
     def trajectory_done(self, group_id: Any, index: int, tokens: int, reward: float | None = None) -> None:
         # Generation is over: an aborted last request may come back finished (its token budget
         # was used up, or the abort came after its end) with no re-acquire on the destination.
         self._drop_move((group_id, index), "done")
-        if group_id in self.failed or self._late(group_id, index, "trajectory_done"):
+        if group_id in self.failed:
+            if self._status_in_failed_group(group_id, index) == "R":  # frees its slot (see above)
+                self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
+            return
+        if self._late(group_id, index, "trajectory_done"):
             return
         self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
 
     def reward_ready(self, group_id: Any, index: int, reward: float | None) -> None:
-        if group_id in self.failed or self._late(group_id, index, "reward_ready"):
+        if group_id in self.failed:
+            if self._status_in_failed_group(group_id, index) == "F":  # awaiting it: retired
+                self._feed(E.RewardReady(group_id, index, reward))
+            return
+        if self._late(group_id, index, "reward_ready"):
             return
         self._feed(E.RewardReady(group_id, index, reward))
 
     def trajectory_failed(self, group_id: Any, index: int, reason: str = "") -> str:
         """Report a failed trajectory; returns "retry" (run it again) or "failed" (give up)."""
         self._drop_move((group_id, index), "failed")  # its next run is a new attempt
-        if group_id in self.failed or self._late(group_id, index, "trajectory_failed"):
+        if group_id in self.failed:
+            if self._status_in_failed_group(group_id, index) in ("R", "F"):  # retired, slot freed
+                self.route.pop((group_id, index), None)
+                self._feed(E.TrajectoryFailed(group_id, index, reason))
+            return "failed"
+        if self._late(group_id, index, "trajectory_failed"):
             return "failed"
         self.route.pop((group_id, index), None)
         self._feed(E.TrajectoryFailed(group_id, index, reason))
@@ -382,12 +424,18 @@ class DoraCoordinator:
             if dora_group in self.failed:
                 raise GroupFailedError(self.failed[dora_group])
             iid = self.route.get(key)
-            if iid is None:
+            while iid is None:
                 fut = asyncio.get_running_loop().create_future()
                 self.waiters.setdefault(key, []).append(fut)
-                iid = await fut
-                # Moved between its Dispatch and this task's resumption: where it runs now.
-                iid = self.route.get(key, iid)
+                await fut
+                # Between its Dispatch and this task's resumption the group may have failed (its
+                # request must not run), the trajectory moved (R5: it goes where it runs now), or
+                # the Dispatch been voided (its instance removed, the trajectory re-queued): it then
+                # waits for the next one. (Sent to the removed server, it failed there, and the
+                # failure report for a trajectory the scheduler holds queued was a ProtocolError.)
+                if dora_group in self.failed:
+                    raise GroupFailedError(self.failed[dora_group])
+                iid = self.route.get(key)
             self._land(key, iid)
             sid = self.server_of[iid]
         self.inflight[sid] += 1

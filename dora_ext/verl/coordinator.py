@@ -23,7 +23,20 @@ Versions seen by verl are weight versions (``global_steps`` of ``update_weights`
 scheduler counts from 0 at the start of ``fit``, so ``verl = scheduler + base``.
 
 Requests without a group (validation, or a worker that is not dora's) go least-loaded to an
-instance holding the newest loaded version and do not use scheduler slots.
+instance holding the newest loaded version among those with no load pending, and do not use
+scheduler slots.
+
+A weight load never overtakes a request routed to its instance (C1). ``acquire_server`` counts a
+request in flight on its server the moment it routes it, before the request has crossed the Ray
+hop to the server; ``release_server`` (verl's client calls it in a ``finally`` once the server
+answered, also on an abort or an error) uncounts it. A ``LoadVersion`` the scheduler decides
+while its instance still counts requests in flight (a trajectory R5 moved off it, or whose end
+was reported before its release arrived) is *held*: not handed out (``take_work``, or the
+``dora_cpu`` loaders) until the count reaches 0, then handed out from that ``release_server``.
+Otherwise the request could reach the server behind the load (parked behind the load's abort,
+or queued behind it) and run under the new version: a resumed trajectory would span two
+versions. Ungrouped requests are not routed to an instance with a load held or running, so they
+cannot keep a held load waiting.
 """
 
 from __future__ import annotations
@@ -92,6 +105,11 @@ class DoraCoordinator:
         self.steps: dict[int, tuple] = {}
         self.failed: dict[Any, str] = {}
         self.loads: list[tuple[int, int]] = []  # (instance, verl version) to load
+        # Loads decided while requests routed to their instance were still in flight: handed out
+        # by the release that brings the instance's in-flight count to 0 (see the module docstring).
+        self.held: dict[int, list[int]] = {}  # instance -> verl versions
+        self.loading: dict[int, int] = {}  # instance -> verl version handed out, not loaded yet
+        self.load_waiters: list[asyncio.Future] = []  # ungrouped acquires waiting for a load to end
         self.aborts: list[int] = []
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
         # (group, index) -> (destination instance, scheduler attempt): moved by R5, not landed yet.
@@ -101,7 +119,13 @@ class DoraCoordinator:
         # Every Migrate applied ends as one of: landed, dropped (with its cause), or still pending
         # (``moving``); the scheduler's ``migrations`` is their sum.
         self.counts = {"delivered": 0, "errors": 0, "load_errors": 0, "late_reports": 0,
-                       "migrations_landed": 0, "moves_dropped": 0}
+                       "migrations_landed": 0, "moves_dropped": 0,
+                       # loads decided while requests routed to their instance were in flight
+                       "loads_held": 0,
+                       # ... and handed out once the last of them was released
+                       "loads_released": 0,
+                       # ungrouped acquires that waited because every loaded instance had a load pending
+                       "ungrouped_waits": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
@@ -126,10 +150,7 @@ class DoraCoordinator:
             elif isinstance(act, A.LoadVersion):
                 if act.preempt:
                     raise RuntimeError("dora: preempting loads (mode 'partial') are verl's own separate_async")
-                if act.instance_id in self.loaders and self._loop is not None:
-                    asyncio.run_coroutine_threadsafe(self._load(act.instance_id, act.version + self.base), self._loop)
-                else:
-                    self.loads.append((act.instance_id, act.version + self.base))
+                self._issue_load(act.instance_id, act.version + self.base)
             elif isinstance(act, A.Migrate):
                 key = (act.group_id, act.index)
                 self._drop_move(key, "moved_again")  # (the scheduler moves no trajectory not landed)
@@ -166,6 +187,38 @@ class DoraCoordinator:
                 self.counts["errors"] += 1
                 logger.warning("dora: %s", act.message)
         self._admit()
+
+    def _issue_load(self, iid: int, verl_version: int) -> None:
+        """The scheduler decided to load `verl_version` on instance `iid`: hand it out now, or hold
+        it while requests routed to the instance are in flight (see the module docstring)."""
+        sid = self.server_of.get(iid)
+        busy = self.inflight.get(sid, 0) if self._serving(iid) else 0
+        if busy > 0:
+            self.held.setdefault(iid, []).append(verl_version)
+            self.counts["loads_held"] += 1
+            self._record(("load_held", iid, verl_version, busy))
+            _report("load_held", instance=iid, version=verl_version, inflight=busy)
+            return
+        self._hand_out(iid, verl_version)
+
+    def _hand_out(self, iid: int, verl_version: int) -> None:
+        """Execute a load: in the coordinator (publishing backends with loaders) or by the trainer
+        (``take_work``). Only called while no request routed to `iid` is in flight."""
+        self.loading[iid] = verl_version
+        self._record(("load_out", iid, verl_version))
+        if iid in self.loaders and self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._load(iid, verl_version), self._loop)
+        else:
+            self.loads.append((iid, verl_version))
+
+    def _load_pending(self, iid: int) -> bool:
+        return iid in self.held or iid in self.loading
+
+    def _wake_load_waiters(self) -> None:
+        waiters, self.load_waiters = self.load_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     def _moved(self, key: tuple, dst: int) -> None:
         """Remember that R5 moved `key` to `dst`, with the attempt it moved in, until it lands.
@@ -258,6 +311,9 @@ class DoraCoordinator:
             self.counts["load_errors"] += 1
             self.load_error_text = f"instance {instance} version {verl_version}: {exc!r}"[:500]
             logger.error("dora: load failed: %s", self.load_error_text)
+            if self.loading.get(instance) == verl_version:
+                del self.loading[instance]
+            self._wake_load_waiters()
             return
         self.loaded([instance], verl_version)
 
@@ -309,12 +365,15 @@ class DoraCoordinator:
 
     def loaded(self, instances: list[int], verl_version: int) -> None:
         for iid in instances:
+            if self.loading.get(iid) == verl_version:
+                del self.loading[iid]
             if self._serving(iid):
                 self.versions[iid] = verl_version - self.base
             # else a late answer for a server removed since (its address may serve again under a
             # new instance id that loaded nothing yet): not recorded, and the scheduler counts it stale.
             self._record(("loaded", iid, verl_version))
             self._feed(E.InstanceLoaded(iid, verl_version - self.base))
+        self._wake_load_waiters()
 
     def _serving(self, iid: int) -> bool:
         """Instance `iid` is its server's current instance (not removed, nor replaced by a later
@@ -329,6 +388,7 @@ class DoraCoordinator:
         m["pool"] = len(self.pool)
         m["waiting_requests"] = sum(len(v) for v in self.waiters.values())
         m["moves_not_landed"] = len(self.moving)
+        m["loads_held_now"] = sum(len(v) for v in self.held.values())
         return m
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -418,7 +478,7 @@ class DoraCoordinator:
     async def acquire_server(self, request_id: str, dora_group: Any = None, dora_index: int | None = None,
                              dora_validate: bool = False, **_: Any) -> tuple[str, Any]:
         if dora_group is None or dora_validate:
-            sid = self._ungrouped(request_id)
+            sid = await self._ungrouped(request_id)
         else:
             key = (dora_group, int(dora_index))
             if dora_group in self.failed:
@@ -441,15 +501,26 @@ class DoraCoordinator:
         self.inflight[sid] += 1
         return sid, self.handles[sid]
 
-    def _ungrouped(self, request_id: str) -> str:
-        sid = self.sticky.get(request_id)
-        if sid is not None and sid in self.inflight:
-            return sid
-        loaded = {i: v for i, v in self.versions.items() if self._serving(i)}
-        if not loaded:
-            raise RuntimeError("No available servers in load balancer")
-        newest = max(loaded.values())
-        candidates = [self.server_of[i] for i, v in loaded.items() if v == newest]
+    async def _ungrouped(self, request_id: str) -> str:
+        """Least-loaded among the instances holding the newest version of those with no load
+        pending (held or running: a request sent there could run under the next version, or
+        keep the held load waiting); waits for a load to end when every loaded instance has one."""
+        while True:
+            sid = self.sticky.get(request_id)
+            if sid is not None and sid in self.inflight and not self._load_pending(self.instance_of[sid]):
+                return sid
+            loaded = {i: v for i, v in self.versions.items() if self._serving(i)}
+            if not loaded:
+                raise RuntimeError("No available servers in load balancer")
+            free = {i: v for i, v in loaded.items() if not self._load_pending(i)}
+            if free:
+                break
+            self.counts["ungrouped_waits"] += 1
+            fut = asyncio.get_running_loop().create_future()
+            self.load_waiters.append(fut)
+            await fut
+        newest = max(free.values())
+        candidates = [self.server_of[i] for i, v in free.items() if v == newest]
         sid = min(candidates, key=lambda s: self.inflight[s])
         self.sticky[request_id] = sid
         if len(self.sticky) > 10_000:
@@ -457,8 +528,16 @@ class DoraCoordinator:
         return sid
 
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
+        """verl's client releases each acquire once its request came back (``finally``: also after
+        an abort or an error). The release that ends the last request in flight on an instance
+        hands out the loads held for it."""
         if self.inflight.get(server_id, 0) > 0:
             self.inflight[server_id] -= 1
+            if self.inflight[server_id] == 0:
+                iid = self.instance_of.get(server_id)
+                for version in self.held.pop(iid, []):
+                    self.counts["loads_released"] += 1
+                    self._hand_out(iid, version)
 
     def add_servers(self, servers: dict[str, Any]) -> None:
         for sid, handle in servers.items():
@@ -477,6 +556,9 @@ class DoraCoordinator:
             self.inflight.pop(sid, None)
             if iid is not None:
                 self.versions.pop(iid, None)
+                self.loading.pop(iid, None)
+                for version in self.held.pop(iid, []):  # the instance is gone: nothing to load
+                    self._record(("load_dropped", iid, version))
                 events.append(E.InstanceFailed(iid, "removed from the load balancer"))
         if events:
             # A request for a trajectory of a removed server waits for its re-dispatch (it had
@@ -487,6 +569,7 @@ class DoraCoordinator:
             for key in [k for k, (dst, _) in self.moving.items() if dst in gone]:
                 self._drop_move(key, "removed")  # re-queued by the scheduler: its next Dispatch is a new attempt
             self._apply(self.sched.handle_many(events))
+            self._wake_load_waiters()  # they choose again (or fail: no server left)
 
     def get_all_servers(self) -> list[str]:
         return list(self.inflight)

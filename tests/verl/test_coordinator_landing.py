@@ -28,10 +28,14 @@ TWO = {"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 5, "in
 
 
 def _acquire(coord: DoraCoordinator, group, index) -> str:
+    """One request of the trajectory: acquired, and released once it came back (verl's client
+    releases in a ``finally``; a load decided on the instance meanwhile is held until then)."""
     async def ask():
         return (await coord.acquire_server("r", dora_group=group, dora_index=index))[0]
 
-    return asyncio.run(ask())
+    sid = asyncio.run(ask())
+    coord.release_server(sid, "r")
+    return sid
 
 
 def _since(coord: DoraCoordinator, n: int, kind: str) -> list[tuple]:

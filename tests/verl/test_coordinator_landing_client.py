@@ -179,3 +179,157 @@ def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch)
     assert coord.metrics()["migrations_landed"] == 1 and coord.metrics()["stale_events"] == 0
     if order != "turn_ended_before_abort":
         assert len(out.token_ids) == 10 and out.stop_reason == "length"  # verl's merge across the resume
+
+
+class _VersionedServer:
+    """A scripted rollout server with weights: each request answers with the version it ran under
+    (``extra_fields["global_steps"]``, which verl's client folds into ``min/max_global_steps``).
+    As verl's servers do for the trainer: ``abort_all_requests`` ends the running request
+    (``aborted`` with its tokens so far) and parks requests arriving after it until
+    ``resume_generation``; ``load`` is the trainer's weight sync (abort, swap, resume)."""
+
+    def __init__(self):
+        self.version = 0
+        self.open = asyncio.Event()
+        self.open.set()
+        self.stop = asyncio.Event()
+        self.hold = False  # the next request runs until it is aborted
+        self.arrived = asyncio.Event()
+        self.runs: list[tuple[int, int]] = []  # (prompt length, version) per request
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **_):
+        from verl.workers.rollout.replica import TokenOutput
+
+        await self.open.wait()
+        version = self.version
+        self.runs.append((len(prompt_ids), version))
+        self.arrived.set()
+        if self.hold:
+            self.hold = False
+            self.stop.clear()
+            await self.stop.wait()
+            tokens, reason = [5, 5, 5], "aborted"
+        else:
+            tokens, reason = [6] * int(sampling_params["max_tokens"]), "length"
+        return TokenOutput(token_ids=tokens, log_probs=[0.0] * len(tokens), stop_reason=reason, num_preempted=0,
+                           extra_fields={"global_steps": version})
+
+    async def abort_all_requests(self):
+        self.open.clear()
+        self.stop.set()
+
+    async def resume_generation(self):
+        self.open.set()
+
+    async def load(self, version):
+        await self.abort_all_requests()
+        self.version = version
+        await self.resume_generation()
+
+
+class _InTransit(_Handle):
+    """A server handle whose next ``generate`` call stays on its way (the Ray hop, the server's
+    event loop) until the test lets it through."""
+
+    def __init__(self, obj):
+        super().__init__(obj)
+        self.delay = False
+        self.sent = asyncio.Event()
+        self.through = asyncio.Event()
+
+    def __getattr__(self, name):
+        if name == "generate" and self.delay:
+            self.delay = False
+
+            async def delayed(**kwargs):
+                self.sent.set()
+                await self.through.wait()
+                return await self._obj.generate(**kwargs)
+
+            return _Method(delayed)
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("order", ["arrives_after_the_load_decision", "arrives_before_the_abort"])
+def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
+    """g1/1 runs on instance 1 (version 0); its request is aborted for another reason and verl's
+    client resumes it on instance 1 (not moved yet). Then R5 moves g1/1 onto instance 0 and the
+    scheduler, seeing instance 1 drained, decides its load of version 1; the trainer (played here:
+    ``take_work``, aborts, then loads) executes what it is handed.
+
+    `arrives_after_the_load_decision`: the resume is still on its way to instance 1 when the
+    trainer executes its work. The load must not run before it arrives: the resume would run
+    under version 1 after 3 tokens of version 0 (C1 broken; it failed so before the fix). It runs
+    under version 0 and the load goes out at its release, at the trainer's next poll.
+    `arrives_before_the_abort`: the resume runs on instance 1 when the move is decided; the move's
+    abort returns it, its release hands the load out, and the client resumes on instance 0."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout import llm_server
+
+    from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
+                                                                     gather=asyncio.gather))
+    coord = _before_the_move()
+
+    async def run():
+        s0, s1 = _VersionedServer(), _VersionedServer()
+        servers = {"s0": s0, "s1": s1}
+        transit = _InTransit(s1)
+        coord.handles = {"s0": _Handle(s0), "s1": transit}
+        client = DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
+                                     load_balancer_handle=_Handle(coord))
+        executed = []
+
+        async def service():  # DoraTrainer._service: aborts (then resume), then loads
+            work = coord.take_work()
+            for iid in work["abort"]:
+                await servers[f"s{iid}"].abort_all_requests()
+                await servers[f"s{iid}"].resume_generation()
+            for iid, version in work["load"]:
+                await servers[f"s{iid}"].load(version)
+                coord.loaded([iid], version)
+                executed.append((iid, version))
+
+        async def turn():
+            token = current_route.set(Route("g1", 1))
+            try:
+                return await client.generate(request_id="r", prompt_ids=[1, 2], sampling_params={"max_tokens": 10})
+            finally:
+                current_route.reset(token)
+
+        s1.hold = True
+        task = asyncio.ensure_future(turn())
+        await s1.arrived.wait()
+        s1.arrived.clear()
+        transit.delay = True
+        s1.hold = order == "arrives_before_the_abort"
+        await s1.abort_all_requests()  # an abort for another reason: the client resumes on instance 1
+        await s1.resume_generation()
+        await transit.sent.wait()  # the resume was routed to instance 1 and is on its way
+        assert coord.get_inflight_count("s1") == 1
+        if order == "arrives_before_the_abort":
+            transit.through.set()
+            await s1.arrived.wait()
+        coord.step_finished(1)  # R5 moves g1/1 onto instance 0; instance 1 is drained: load version 1
+        assert coord.route[("g1", 1)] == 0
+        await service()
+        early = list(executed)  # loads run while the resume was on its way (none: held)
+        transit.through.set()
+        out = await task
+        await service()  # the trainer's next poll
+        return out, s0.runs, s1.runs, early, executed, s1.version
+
+    out, runs0, runs1, early, executed, version1 = asyncio.run(run())
+    # C1: every token of the trajectory from version 0 (without the hold: min 0, max 1).
+    assert out.extra_fields["min_global_steps"] == out.extra_fields["max_global_steps"] == 0, (out.extra_fields,
+                                                                                            runs0, runs1)
+    assert early == [] and executed == [(1, 1)] and version1 == 1  # the held load ran at the next poll
+    assert len(out.token_ids) == 10
+    if order == "arrives_after_the_load_decision":
+        assert runs1 == [(2, 0), (5, 0)] and runs0 == []  # the resume ran on instance 1, version 0
+    else:
+        assert runs1 == [(2, 0), (5, 0)] and runs0 == [(8, 0)]  # aborted by the move, resumed on 0
+    m = coord.metrics()
+    assert m["loads_held"] == 1 and m["loads_released"] == 1 and m["loads_held_now"] == 0

@@ -35,8 +35,8 @@ was reported before its release arrived) is *held*: not handed out (``take_work`
 ``dora_cpu`` loaders) until the count reaches 0, then handed out from that ``release_server``.
 Otherwise the request could reach the server behind the load (parked behind the load's abort,
 or queued behind it) and run under the new version: a resumed trajectory would span two
-versions. Ungrouped requests are not routed to an instance with a load held or running, so they
-cannot keep a held load waiting.
+versions. Ungrouped requests go to an instance with no load pending whenever one is loaded, so
+they do not keep a held load waiting.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ class DoraCoordinator:
         # by the release that brings the instance's in-flight count to 0 (see the module docstring).
         self.held: dict[int, list[int]] = {}  # instance -> verl versions
         self.loading: dict[int, int] = {}  # instance -> verl version handed out, not loaded yet
-        self.load_waiters: list[asyncio.Future] = []  # ungrouped acquires waiting for a load to end
         self.aborts: list[int] = []
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
         # (group, index) -> (destination instance, scheduler attempt): moved by R5, not landed yet.
@@ -124,8 +123,8 @@ class DoraCoordinator:
                        "loads_held": 0,
                        # ... and handed out once the last of them was released
                        "loads_released": 0,
-                       # ungrouped acquires that waited because every loaded instance had a load pending
-                       "ungrouped_waits": 0}
+                       # ungrouped requests sent to an instance with a load pending (no other was loaded)
+                       "ungrouped_on_pending_load": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
@@ -213,12 +212,6 @@ class DoraCoordinator:
 
     def _load_pending(self, iid: int) -> bool:
         return iid in self.held or iid in self.loading
-
-    def _wake_load_waiters(self) -> None:
-        waiters, self.load_waiters = self.load_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
 
     def _moved(self, key: tuple, dst: int) -> None:
         """Remember that R5 moved `key` to `dst`, with the attempt it moved in, until it lands.
@@ -313,7 +306,6 @@ class DoraCoordinator:
             logger.error("dora: load failed: %s", self.load_error_text)
             if self.loading.get(instance) == verl_version:
                 del self.loading[instance]
-            self._wake_load_waiters()
             return
         self.loaded([instance], verl_version)
 
@@ -373,7 +365,6 @@ class DoraCoordinator:
             # new instance id that loaded nothing yet): not recorded, and the scheduler counts it stale.
             self._record(("loaded", iid, verl_version))
             self._feed(E.InstanceLoaded(iid, verl_version - self.base))
-        self._wake_load_waiters()
 
     def _serving(self, iid: int) -> bool:
         """Instance `iid` is its server's current instance (not removed, nor replaced by a later
@@ -478,7 +469,7 @@ class DoraCoordinator:
     async def acquire_server(self, request_id: str, dora_group: Any = None, dora_index: int | None = None,
                              dora_validate: bool = False, **_: Any) -> tuple[str, Any]:
         if dora_group is None or dora_validate:
-            sid = await self._ungrouped(request_id)
+            sid = self._ungrouped(request_id)
         else:
             key = (dora_group, int(dora_index))
             if dora_group in self.failed:
@@ -501,26 +492,25 @@ class DoraCoordinator:
         self.inflight[sid] += 1
         return sid, self.handles[sid]
 
-    async def _ungrouped(self, request_id: str) -> str:
-        """Least-loaded among the instances holding the newest version of those with no load
-        pending (held or running: a request sent there could run under the next version, or
-        keep the held load waiting); waits for a load to end when every loaded instance has one."""
-        while True:
-            sid = self.sticky.get(request_id)
-            if sid is not None and sid in self.inflight and not self._load_pending(self.instance_of[sid]):
-                return sid
-            loaded = {i: v for i, v in self.versions.items() if self._serving(i)}
-            if not loaded:
-                raise RuntimeError("No available servers in load balancer")
-            free = {i: v for i, v in loaded.items() if not self._load_pending(i)}
-            if free:
-                break
-            self.counts["ungrouped_waits"] += 1
-            fut = asyncio.get_running_loop().create_future()
-            self.load_waiters.append(fut)
-            await fut
-        newest = max(free.values())
-        candidates = [self.server_of[i] for i, v in free.items() if v == newest]
+    def _ungrouped(self, request_id: str) -> str:
+        """Least-loaded among the instances holding the newest loaded version, preferring those
+        with no load pending (held or handed out): there a request could keep a held load waiting,
+        or meet the load before it starts. When every loaded instance has one it goes to them as
+        before (counted, ``ungrouped_on_pending_load``): it never waits, since the trainer may be
+        waiting for it (validation) and not executing loads. Validation is not a trajectory of the
+        scheduler: C1 is not promised for it (verl's own sync aborts and resumes it across versions)."""
+        loaded = {i: v for i, v in self.versions.items() if self._serving(i)}
+        if not loaded:
+            raise RuntimeError("No available servers in load balancer")
+        free = {i: v for i, v in loaded.items() if not self._load_pending(i)}
+        sid = self.sticky.get(request_id)
+        if sid is not None and sid in self.inflight and (not free or self.instance_of[sid] in free):
+            return sid
+        if not free:
+            self.counts["ungrouped_on_pending_load"] += 1
+        pool = free or loaded
+        newest = max(pool.values())
+        candidates = [self.server_of[i] for i, v in pool.items() if v == newest]
         sid = min(candidates, key=lambda s: self.inflight[s])
         self.sticky[request_id] = sid
         if len(self.sticky) > 10_000:
@@ -569,7 +559,6 @@ class DoraCoordinator:
             for key in [k for k, (dst, _) in self.moving.items() if dst in gone]:
                 self._drop_move(key, "removed")  # re-queued by the scheduler: its next Dispatch is a new attempt
             self._apply(self.sched.handle_many(events))
-            self._wake_load_waiters()  # they choose again (or fail: no server left)
 
     def get_all_servers(self) -> list[str]:
         return list(self.inflight)

@@ -456,6 +456,10 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         live parameters only while they still are that version (``_live_version``), otherwise from
         the CPU copy kept at publish time (defect 1: with ``parameter_sync_step`` > 1 this runs
         between mini-batches, after an optimizer step).
+
+        A load the coordinator holds (requests routed to the replica still in flight) is not in
+        this ``take_work``; it is in the first one after the last of those requests is released
+        (the sampler calls this on every poll while it waits for a batch).
         """
         import ray
 

@@ -123,6 +123,8 @@ class DoraCoordinator:
                        "loads_held": 0,
                        # ... and handed out once the last of them was released
                        "loads_released": 0,
+                       # ... or dropped, their instance removed (held = released + dropped + held now)
+                       "held_loads_dropped": 0,
                        # ungrouped requests sent to an instance with a load pending (no other was loaded)
                        "ungrouped_on_pending_load": 0}
         self.load_error_text = ""
@@ -548,6 +550,7 @@ class DoraCoordinator:
                 self.versions.pop(iid, None)
                 self.loading.pop(iid, None)
                 for version in self.held.pop(iid, []):  # the instance is gone: nothing to load
+                    self.counts["held_loads_dropped"] += 1
                     self._record(("load_dropped", iid, version))
                 events.append(E.InstanceFailed(iid, "removed from the load balancer"))
         if events:

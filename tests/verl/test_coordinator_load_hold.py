@@ -146,6 +146,9 @@ def test_a_held_load_of_a_removed_server_is_dropped():
     coord.step_finished(1)
     coord.remove_servers(["s1"])
     assert coord.held == {} and ("load_dropped", 1, 1) in coord.get_log()
+    m = coord.metrics()
+    assert m["loads_held"] == 1 and m["held_loads_dropped"] == 1 and m["loads_released"] == 0
+    assert m["loads_held_now"] == 0
     coord.release_server("s1", "r")  # the late release of the removed server changes nothing
     assert coord.take_work()["load"] == []
 

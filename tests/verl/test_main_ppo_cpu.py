@@ -143,7 +143,7 @@ def _assert_moves(metrics: list[dict], reports: list[dict]) -> None:
     last = {}
     for m in metrics:
         s = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith("dora/scheduler/")}
-        assert s["loads_held"] == s["loads_released"] + s["loads_held_now"], (m["step"], s)
+        assert s["loads_held"] == s["loads_released"] + s["held_loads_dropped"] + s["loads_held_now"], (m["step"], s)
         last = s
     held = [r for r in reports if r["kind"] == "load_held"]
     assert len(held) >= last.get("loads_held", 0), (len(held), last)

@@ -23,7 +23,22 @@ Versions seen by verl are weight versions (``global_steps`` of ``update_weights`
 scheduler counts from 0 at the start of ``fit``, so ``verl = scheduler + base``.
 
 Requests without a group (validation, or a worker that is not dora's) go least-loaded to an
-instance holding the newest loaded version and do not use scheduler slots.
+instance holding the newest loaded version among those with no load pending, and do not use
+scheduler slots.
+
+A weight load never overtakes a request routed to its instance (C1). ``acquire_server`` counts a
+request in flight on its server the moment it routes it, before the request has crossed the Ray
+hop to the server; ``release_server`` (verl's client calls it in a ``finally`` once the server
+answered, also on an abort or an error) uncounts it. A ``LoadVersion`` the scheduler decides
+while its instance still counts requests in flight (a trajectory R5 moved off it, or whose end
+was reported before its release arrived) is *held*: not handed out (``take_work``, or the
+``dora_cpu`` loaders) until the count reaches 0, then handed out from that ``release_server``.
+Otherwise the request could reach the server behind the load (parked behind the load's abort,
+or queued behind it) and run under the new version: a resumed trajectory would span two
+versions. Ungrouped requests go to an instance with no load pending whenever one is loaded, so
+they do not keep a held load waiting. A request never released (its caller cancelled after this
+actor answered the acquire: verl 0.9.1's v1 agent loop cancels none) would keep its instance's
+load held; ``loads_held_now`` in the metrics shows such a load.
 """
 
 from __future__ import annotations
@@ -92,6 +107,10 @@ class DoraCoordinator:
         self.steps: dict[int, tuple] = {}
         self.failed: dict[Any, str] = {}
         self.loads: list[tuple[int, int]] = []  # (instance, verl version) to load
+        # Loads decided while requests routed to their instance were still in flight: handed out
+        # by the release that brings the instance's in-flight count to 0 (see the module docstring).
+        self.held: dict[int, list[int]] = {}  # instance -> verl versions
+        self.loading: dict[int, int] = {}  # instance -> verl version handed out, not loaded yet
         self.aborts: list[int] = []
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
         # (group, index) -> (destination instance, scheduler attempt): moved by R5, not landed yet.
@@ -101,7 +120,15 @@ class DoraCoordinator:
         # Every Migrate applied ends as one of: landed, dropped (with its cause), or still pending
         # (``moving``); the scheduler's ``migrations`` is their sum.
         self.counts = {"delivered": 0, "errors": 0, "load_errors": 0, "late_reports": 0,
-                       "migrations_landed": 0, "moves_dropped": 0}
+                       "migrations_landed": 0, "moves_dropped": 0,
+                       # loads decided while requests routed to their instance were in flight
+                       "loads_held": 0,
+                       # ... and handed out once the last of them was released
+                       "loads_released": 0,
+                       # ... or dropped, their instance removed (held = released + dropped + held now)
+                       "held_loads_dropped": 0,
+                       # ungrouped requests sent to an instance with a load pending (no other was loaded)
+                       "ungrouped_on_pending_load": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
@@ -126,10 +153,7 @@ class DoraCoordinator:
             elif isinstance(act, A.LoadVersion):
                 if act.preempt:
                     raise RuntimeError("dora: preempting loads (mode 'partial') are verl's own separate_async")
-                if act.instance_id in self.loaders and self._loop is not None:
-                    asyncio.run_coroutine_threadsafe(self._load(act.instance_id, act.version + self.base), self._loop)
-                else:
-                    self.loads.append((act.instance_id, act.version + self.base))
+                self._issue_load(act.instance_id, act.version + self.base)
             elif isinstance(act, A.Migrate):
                 key = (act.group_id, act.index)
                 self._drop_move(key, "moved_again")  # (the scheduler moves no trajectory not landed)
@@ -155,6 +179,7 @@ class DoraCoordinator:
                 self.admitted.pop(act.group_id, None)
                 for idx in range(self.config.group_size):
                     self._drop_move((act.group_id, idx), "group_failed")
+                    self.route.pop((act.group_id, idx), None)  # its acquires raise GroupFailedError
                 _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
                 for key in [k for k in self.waiters if k[0] == act.group_id]:
@@ -165,6 +190,32 @@ class DoraCoordinator:
                 self.counts["errors"] += 1
                 logger.warning("dora: %s", act.message)
         self._admit()
+
+    def _issue_load(self, iid: int, verl_version: int) -> None:
+        """The scheduler decided to load `verl_version` on instance `iid`: hand it out now, or hold
+        it while requests routed to the instance are in flight (see the module docstring)."""
+        sid = self.server_of.get(iid)
+        busy = self.inflight.get(sid, 0) if self._serving(iid) else 0
+        if busy > 0:
+            self.held.setdefault(iid, []).append(verl_version)
+            self.counts["loads_held"] += 1
+            self._record(("load_held", iid, verl_version, busy))
+            _report("load_held", instance=iid, version=verl_version, inflight=busy)
+            return
+        self._hand_out(iid, verl_version)
+
+    def _hand_out(self, iid: int, verl_version: int) -> None:
+        """Execute a load: in the coordinator (publishing backends with loaders) or by the trainer
+        (``take_work``). Only called while no request routed to `iid` is in flight."""
+        self.loading[iid] = verl_version
+        self._record(("load_out", iid, verl_version))
+        if iid in self.loaders and self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._load(iid, verl_version), self._loop)
+        else:
+            self.loads.append((iid, verl_version))
+
+    def _load_pending(self, iid: int) -> bool:
+        return iid in self.held or iid in self.loading
 
     def _moved(self, key: tuple, dst: int) -> None:
         """Remember that R5 moved `key` to `dst`, with the attempt it moved in, until it lands.
@@ -208,6 +259,21 @@ class DoraCoordinator:
         if gid in self.failed or self._late(gid, idx, "migration_landed"):
             self._drop_move(key, "late")
             return
+        # Counted landed only if the scheduler takes it: the trajectory runs on `iid` in the attempt
+        # it moved in, still marked moved. Otherwise (a bookkeeping slip) the scheduler would count
+        # the event stale and keep the trajectory unmovable, and ``migrations_landed`` would lie.
+        from dora_ext.core.scheduler import ProtocolError
+
+        try:
+            t = self.sched.trajectory(gid, idx)
+            takes = t.status == "R" and t.instance == iid and t.attempt == entry[1] and t.moved
+        except (ProtocolError, LookupError):
+            takes = False
+        if not takes:
+            logger.warning("dora: landing of %s/%s on instance %s does not match the scheduler's state: dropped",
+                           gid, idx, iid)
+            self._drop_move(key, "stale")
+            return
         del self.moving[key]
         self.counts["migrations_landed"] += 1
         self._record(("landed", gid, idx, iid))
@@ -242,6 +308,8 @@ class DoraCoordinator:
             self.counts["load_errors"] += 1
             self.load_error_text = f"instance {instance} version {verl_version}: {exc!r}"[:500]
             logger.error("dora: load failed: %s", self.load_error_text)
+            if self.loading.get(instance) == verl_version:
+                del self.loading[instance]
             return
         self.loaded([instance], verl_version)
 
@@ -293,6 +361,8 @@ class DoraCoordinator:
 
     def loaded(self, instances: list[int], verl_version: int) -> None:
         for iid in instances:
+            if self.loading.get(iid) == verl_version:
+                del self.loading[iid]
             if self._serving(iid):
                 self.versions[iid] = verl_version - self.base
             # else a late answer for a server removed since (its address may serve again under a
@@ -313,6 +383,7 @@ class DoraCoordinator:
         m["pool"] = len(self.pool)
         m["waiting_requests"] = sum(len(v) for v in self.waiters.values())
         m["moves_not_landed"] = len(self.moving)
+        m["loads_held_now"] = sum(len(v) for v in self.held.values())
         return m
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -344,23 +415,49 @@ class DoraCoordinator:
                        kind, group_id, index)
         return True
 
+    def _status_in_failed_group(self, group_id: Any, index: int) -> str | None:
+        """The scheduler's status letter of a trajectory of a group it gave up on, or None once the
+        group left it. Its trajectories that were running when it failed stay in the scheduler,
+        holding their slots, until their end is reported (``_retire``): these reports must reach
+        it, else the slots leak for the rest of the run (the instance never drains, so it never
+        loads a newer version, and R5 moves the ghost, a move that can never land)."""
+        from dora_ext.core.scheduler import ProtocolError
+
+        try:
+            return self.sched.trajectory(group_id, index).status
+        except (ProtocolError, LookupError):
+            return None
+
     def trajectory_done(self, group_id: Any, index: int, tokens: int, reward: float | None = None) -> None:
         # Generation is over: an aborted last request may come back finished (its token budget
         # was used up, or the abort came after its end) with no re-acquire on the destination.
         self._drop_move((group_id, index), "done")
-        if group_id in self.failed or self._late(group_id, index, "trajectory_done"):
+        if group_id in self.failed:
+            if self._status_in_failed_group(group_id, index) == "R":  # frees its slot (see above)
+                self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
+            return
+        if self._late(group_id, index, "trajectory_done"):
             return
         self._feed(E.TrajectoryFinished(group_id, index, int(tokens), reward=reward))
 
     def reward_ready(self, group_id: Any, index: int, reward: float | None) -> None:
-        if group_id in self.failed or self._late(group_id, index, "reward_ready"):
+        if group_id in self.failed:
+            if self._status_in_failed_group(group_id, index) == "F":  # awaiting it: retired
+                self._feed(E.RewardReady(group_id, index, reward))
+            return
+        if self._late(group_id, index, "reward_ready"):
             return
         self._feed(E.RewardReady(group_id, index, reward))
 
     def trajectory_failed(self, group_id: Any, index: int, reason: str = "") -> str:
         """Report a failed trajectory; returns "retry" (run it again) or "failed" (give up)."""
         self._drop_move((group_id, index), "failed")  # its next run is a new attempt
-        if group_id in self.failed or self._late(group_id, index, "trajectory_failed"):
+        if group_id in self.failed:
+            if self._status_in_failed_group(group_id, index) in ("R", "F"):  # retired, slot freed
+                self.route.pop((group_id, index), None)
+                self._feed(E.TrajectoryFailed(group_id, index, reason))
+            return "failed"
+        if self._late(group_id, index, "trajectory_failed"):
             return "failed"
         self.route.pop((group_id, index), None)
         self._feed(E.TrajectoryFailed(group_id, index, reason))
@@ -382,26 +479,42 @@ class DoraCoordinator:
             if dora_group in self.failed:
                 raise GroupFailedError(self.failed[dora_group])
             iid = self.route.get(key)
-            if iid is None:
+            while iid is None:
                 fut = asyncio.get_running_loop().create_future()
                 self.waiters.setdefault(key, []).append(fut)
-                iid = await fut
-                # Moved between its Dispatch and this task's resumption: where it runs now.
-                iid = self.route.get(key, iid)
+                await fut
+                # Between its Dispatch and this task's resumption the group may have failed (its
+                # request must not run), the trajectory moved (R5: it goes where it runs now), or
+                # the Dispatch been voided (its instance removed, the trajectory re-queued): it then
+                # waits for the next one. (Sent to the removed server, it failed there, and the
+                # failure report for a trajectory the scheduler holds queued was a ProtocolError.)
+                if dora_group in self.failed:
+                    raise GroupFailedError(self.failed[dora_group])
+                iid = self.route.get(key)
             self._land(key, iid)
             sid = self.server_of[iid]
         self.inflight[sid] += 1
         return sid, self.handles[sid]
 
     def _ungrouped(self, request_id: str) -> str:
-        sid = self.sticky.get(request_id)
-        if sid is not None and sid in self.inflight:
-            return sid
+        """Least-loaded among the instances holding the newest loaded version, preferring those
+        with no load pending (held or handed out): there a request could keep a held load waiting,
+        or meet the load before it starts. When every loaded instance has one it goes to them as
+        before (counted, ``ungrouped_on_pending_load``): it never waits, since the trainer may be
+        waiting for it (validation) and not executing loads. Validation is not a trajectory of the
+        scheduler: C1 is not promised for it (verl's own sync aborts and resumes it across versions)."""
         loaded = {i: v for i, v in self.versions.items() if self._serving(i)}
         if not loaded:
             raise RuntimeError("No available servers in load balancer")
-        newest = max(loaded.values())
-        candidates = [self.server_of[i] for i, v in loaded.items() if v == newest]
+        free = {i: v for i, v in loaded.items() if not self._load_pending(i)}
+        sid = self.sticky.get(request_id)
+        if sid is not None and sid in self.inflight and (not free or self.instance_of[sid] in free):
+            return sid
+        if not free:
+            self.counts["ungrouped_on_pending_load"] += 1
+        pool = free or loaded
+        newest = max(pool.values())
+        candidates = [self.server_of[i] for i, v in pool.items() if v == newest]
         sid = min(candidates, key=lambda s: self.inflight[s])
         self.sticky[request_id] = sid
         if len(self.sticky) > 10_000:
@@ -409,8 +522,16 @@ class DoraCoordinator:
         return sid
 
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
+        """verl's client releases each acquire once its request came back (``finally``: also after
+        an abort or an error). The release that ends the last request in flight on an instance
+        hands out the loads held for it."""
         if self.inflight.get(server_id, 0) > 0:
             self.inflight[server_id] -= 1
+            if self.inflight[server_id] == 0:
+                iid = self.instance_of.get(server_id)
+                for version in self.held.pop(iid, []):
+                    self.counts["loads_released"] += 1
+                    self._hand_out(iid, version)
 
     def add_servers(self, servers: dict[str, Any]) -> None:
         for sid, handle in servers.items():
@@ -429,6 +550,10 @@ class DoraCoordinator:
             self.inflight.pop(sid, None)
             if iid is not None:
                 self.versions.pop(iid, None)
+                self.loading.pop(iid, None)
+                for version in self.held.pop(iid, []):  # the instance is gone: nothing to load
+                    self.counts["held_loads_dropped"] += 1
+                    self._record(("load_dropped", iid, version))
                 events.append(E.InstanceFailed(iid, "removed from the load balancer"))
         if events:
             # A request for a trajectory of a removed server waits for its re-dispatch (it had

@@ -118,6 +118,7 @@ def configure(config: Any) -> Any:
         v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
         _check_split(config)
     dcfg = dora_config(config)
+    _check_resume(config, dcfg.migrate)
     with open_dict(config):
         _check_weight_store(config, dcfg.max_staleness)
         sampler = v1.sampler
@@ -139,6 +140,28 @@ def configure(config: Any) -> Any:
         else:
             agent.agent_loop_manager_class = MANAGER_CLASS
     return dcfg
+
+
+def _check_resume(config: Any, migrate: bool) -> None:
+    """R5 moves a trajectory by aborting its source replica's requests (``_service``) and relies on
+    verl's ``FullyAsyncLLMServerClient`` resuming each aborted request (on the destination for the
+    moved one). With ``async_training.partial_rollout=false`` verl's client does not resume: every
+    request on the source would end at the abort and be trained cut short, with no failure
+    reported. Refused while ``dora.migrate`` is on (the default)."""
+    from dora_ext.config import ConfigError
+
+    async_training = config.get("async_training")
+    if not migrate or async_training is None:
+        return
+    partial = async_training.get("partial_rollout", True)
+    if partial is None or bool(partial):
+        return
+    raise ConfigError(
+        "async_training.partial_rollout",
+        "is false; trainer_mode=dora moves trajectories (R5) by aborting their replica's requests, which "
+        "verl's client resumes only with partial rollout: remove the key or set it to true, or set "
+        "+dora.migrate=false",
+    )
 
 
 def _check_weight_store(config: Any, max_staleness: int) -> None:
@@ -433,6 +456,10 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         live parameters only while they still are that version (``_live_version``), otherwise from
         the CPU copy kept at publish time (defect 1: with ``parameter_sync_step`` > 1 this runs
         between mini-batches, after an optimizer step).
+
+        A load the coordinator holds (requests routed to the replica still in flight) is not in
+        this ``take_work``; it is in the first one after the last of those requests is released
+        (the sampler calls this on every poll while it waits for a batch).
         """
         import ray
 

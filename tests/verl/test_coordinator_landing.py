@@ -28,10 +28,14 @@ TWO = {"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 5, "in
 
 
 def _acquire(coord: DoraCoordinator, group, index) -> str:
+    """One request of the trajectory: acquired, and released once it came back (verl's client
+    releases in a ``finally``; a load decided on the instance meanwhile is held until then)."""
     async def ask():
         return (await coord.acquire_server("r", dora_group=group, dora_index=index))[0]
 
-    return asyncio.run(ask())
+    sid = asyncio.run(ask())
+    coord.release_server(sid, "r")
+    return sid
 
 
 def _since(coord: DoraCoordinator, n: int, kind: str) -> list[tuple]:
@@ -384,4 +388,102 @@ def test_pending_moves_stay_bounded_over_many_steps():
     live = {k for iid in coord.sched.instances for k in coord.sched.running_on(iid)}
     assert set(coord.moving) <= live, (coord.moving, live)
     assert m["moves_not_landed"] == len(coord.moving)
+    _check_ledger(coord)
+
+
+@pytest.mark.parametrize("event", ["removed", "group_failed"])
+def test_a_waiting_acquire_rechecks_its_dispatch_when_it_resumes(event):
+    """An acquire waits for its trajectory's Dispatch; the Dispatch resolves it, and before the
+    waiting task runs again the Dispatch is voided (`removed`: verl removes that server; the
+    scheduler re-queues the trajectory, no slot is free for it) or the group fails (`group_failed`:
+    no retries, another trajectory of it failed).
+
+    `removed`: the request must wait for the next Dispatch. Sent to the removed server it failed on
+    the server's missing in-flight count, and the worker's failure report for a trajectory the
+    scheduler holds queued was a ProtocolError: the trajectory was lost (its group never completes).
+    `group_failed`: the request must get the group's failure, not run for a group already given up."""
+    cfg = dict(ONE, max_retries=0) if event == "group_failed" else ONE
+    coord = DoraCoordinator(cfg, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+
+    async def run():
+        task = asyncio.ensure_future(coord.acquire_server("r", dora_group="g1", dora_index=1))
+        await asyncio.sleep(0)
+        assert not task.done() and ("g1", 1) in coord.waiters
+        # Everything below runs before the task resumes: no await in between.
+        coord.offer([f"g{i}" for i in range(10)])
+        assert coord.route[("g1", 1)] == 1 and ("g1", 1) not in coord.waiters  # resolved
+        if event == "group_failed":
+            assert coord.trajectory_failed("g1", 0, "replica error") == "failed"
+            with pytest.raises(GroupFailedError):
+                await task
+            return None
+        coord.remove_servers(["s1"])
+        assert coord.sched.trajectory("g1", 1).status == "Q"  # instance 0 is full
+        await asyncio.sleep(0)
+        assert not task.done() and ("g1", 1) in coord.waiters  # waits again
+        coord.add_servers({"s2": None})  # instance 2
+        assert coord.take_work()["load"] == [(2, 0)]
+        coord.loaded([2], 0)
+        assert coord.route[("g1", 1)] == 2
+        return await task
+
+    out = asyncio.run(run())
+    if event == "removed":
+        assert out[0] == "s2"
+        t = coord.sched.trajectory("g1", 1)
+        assert t.status == "R" and t.instance == 2
+        assert coord.trajectory_done("g1", 1, 5, 1.0) is None  # its report is the running attempt's
+    assert coord.metrics()["stale_events"] == 0 and coord.metrics()["late_reports"] == 0
+
+
+def test_a_landing_the_scheduler_would_not_take_is_not_counted_landed():
+    """``migrations_landed`` counts what the scheduler took. A pending move whose record no longer
+    matches the scheduler's state (a bookkeeping slip, forced here: another attempt) is dropped
+    (cause ``stale``) instead of being fed and counted: fed, the scheduler only counted it stale
+    and kept the trajectory marked moved (it never moves again in this attempt)."""
+    coord = _one_move()
+    attempt = coord.sched.trajectory("g1", 1).attempt
+    coord.moving[("g1", 1)] = (0, attempt + 1)  # the slip
+    assert _acquire(coord, "g1", 1) == "s0"
+    m = coord.metrics()
+    assert m["migrations_landed"] == 0 and m["stale_events"] == 0, m
+    assert ("move_dropped", "g1", 1, "stale") in coord.get_log() and coord.moving == {}
+    assert coord.sched.trajectory("g1", 1).moved  # what the scheduler says: it never landed
+    _check_ledger(coord)
+
+
+def test_a_failed_groups_running_trajectories_free_their_slots_when_they_end():
+    """With no retries, g0/0's failure fails g0 while its four other trajectories run. The scheduler
+    keeps them, holding their slots, until their end is reported (verl's worker reports it: the
+    generation ends, then the reward or a failure, e.g. the group's failure raised by its next
+    acquire). The coordinator dropped those reports for a failed group: the slots leaked for the
+    rest of the run (the instances never drained, so never loaded a newer version), the group
+    never left the scheduler, and R5 moved the ghosts: moves that could never land (seen in
+    ``main_ppo``'s K=2 CPU test: a move of a failed group's trajectory pending for good)."""
+    coord = DoraCoordinator(dict(TWO, max_retries=0), {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(4)])
+    ghosts = {k for iid in (0, 1) for k in coord.sched.running_on(iid) if k[0] == "g0"}
+    assert len(ghosts) == 5
+    assert coord.trajectory_failed("g0", 0, "replica error") == "failed" and "g0" in coord.failed
+    assert ("g0", 1) not in coord.route
+    with pytest.raises(GroupFailedError):  # g0/4's next acquire (a resume or its next turn)
+        _acquire(coord, "g0", 4)
+    assert coord.trajectory_failed("g0", 4, "GroupFailedError") == "failed"
+    coord.trajectory_done("g0", 1, 5, None)  # its generation ended; then its reward
+    coord.reward_ready("g0", 1, 1.0)
+    coord.trajectory_done("g0", 2, 5, None)  # ... then the reward computation failed
+    assert coord.trajectory_failed("g0", 2, "reward error") == "failed"
+    coord.trajectory_done("g0", 3, 5, 0.5)  # with its reward
+    assert not any(k[0] == "g0" for iid in (0, 1) for k in coord.sched.running_on(iid))
+    from dora_ext.core.scheduler import ProtocolError
+
+    with pytest.raises(ProtocolError):  # the group left the scheduler
+        coord.sched.trajectory("g0", 1)
+    # A report after that is dropped quietly, as before: no ProtocolError, no late report.
+    coord.reward_ready("g0", 3, 0.5)
+    assert coord.trajectory_failed("g0", 3, "again") == "failed"
+    m = coord.metrics()
+    assert m["late_reports"] == 0 and m["stale_events"] == 0 and m["failed_groups"] == 1, m
     _check_ledger(coord)

@@ -138,6 +138,17 @@ def _assert_moves(metrics: list[dict], reports: list[dict]) -> None:
             pending.pop(key, None)
         elif r["kind"] == "landed":
             assert pending.pop(key, None) == r["instance"], r
+    # Weight loads held while requests routed to their replica were in flight: each is handed out
+    # at a release or still held; the coordinator reported each one it held.
+    last = {}
+    for m in metrics:
+        s = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith("dora/scheduler/")}
+        assert s["loads_held"] == s["loads_released"] + s["held_loads_dropped"] + s["loads_held_now"], (m["step"], s)
+        last = s
+    held = [r for r in reports if r["kind"] == "load_held"]
+    assert len(held) >= last.get("loads_held", 0), (len(held), last)
+    print(f"loads held {last.get('loads_held')}, released {last.get('loads_released')}, "
+          f"validation on a pending load {last.get('ungrouped_on_pending_load')}")
 
 
 def test_dora_k1_six_steps(assets, tmp_path):

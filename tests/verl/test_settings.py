@@ -261,3 +261,29 @@ def test_resume_reads_dora_state_from_the_folder_verl_resumed_from(tmp_path, mon
     assert _resume_folder(cfg, 7) == str(tmp_path / "rel" / "global_step_7")
     cfg = _bare("trainer.default_local_dir=ckpts", "trainer.resume_mode=auto")
     assert _resume_folder(cfg, 7) == str(tmp_path / "ckpts" / "global_step_7")
+
+
+@pytest.mark.parametrize("migrate", [True, False])
+def test_partial_rollout_off_is_refused_while_r5_moves_by_aborting(migrate):
+    """verl's ``FullyAsyncLLMServerClient.generate`` resumes an aborted request only when
+    ``async_training.partial_rollout`` is absent or true. R5 moves a trajectory by aborting its
+    source replica: without the resume every request there (the moved one and the others) would end
+    at the abort and be trained cut short, silently. Refused unless ``dora.migrate`` is off."""
+    import inspect
+
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    from dora_ext.verl.trainer import configure
+
+    # The key the check names is the one verl's client reads (a canary for a verl upgrade).
+    assert "async_training.partial_rollout" in inspect.getsource(FullyAsyncLLMServerClient.generate)
+    extra = () if migrate else ("+dora.migrate=false",)
+    cfg = _compose(*_trainer_overrides(*extra), "+async_training.partial_rollout=false")
+    if migrate:
+        with pytest.raises(ConfigError) as err:
+            configure(cfg)
+        assert err.value.field == "async_training.partial_rollout"
+        assert "dora.migrate=false" in str(err.value)
+    else:
+        assert configure(cfg).migrate is False
+    configure(_compose(*_trainer_overrides(*extra), "+async_training.partial_rollout=true"))

@@ -1,0 +1,335 @@
+"""Landings with verl's real resuming client, in forced orders.
+
+What is real: verl 0.9.1's ``FullyAsyncLLMServerClient.generate`` (its abort/resume loop: merge the
+tokens, lower the budget, re-acquire), our ``DoraLLMServerClient`` on top of it, the coordinator
+(the plain class ``create_coordinator`` wraps as a Ray actor) and its scheduler. What stands in,
+in-process instead of over Ray: the actor handles (``.remote`` calls the method and returns an
+awaitable) and a scripted rollout server that speaks verl's server interface (``generate``
+returning a ``TokenOutput``; a request can be held until the test aborts it, as the trainer's
+``abort_replicas`` does). verl's one-second pause between resumes is made a yield. No order here
+depends on timing: each step waits for an event the previous one set.
+
+The property checked at every landing: no server is running a request of the trajectory (the
+landing is the first acquire on the destination, which verl's client makes only after its
+previous request came back), so the scheduler never moves a trajectory again while its source
+still runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+pytest.importorskip("verl")
+
+from dora_ext.verl.coordinator import DoraCoordinator  # noqa: E402
+
+ONE = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 2, "instances": 2, "capacity": 4}
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        if asyncio.iscoroutine(out):
+            return out
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(out)
+        return fut
+
+
+class _Handle:
+    """An actor handle stand-in: ``handle.method.remote(...)`` runs ``obj.method`` in this loop."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return _Method(getattr(self._obj, name))
+
+
+class _Server:
+    """A scripted rollout server: one token id per step; a held request returns ``aborted`` with
+    `done` tokens when the test aborts it, else the request generates its whole budget."""
+
+    def __init__(self):
+        self.active = 0
+        self.prompts: list[int] = []  # prompt length of each request (a resume re-prefills more)
+        self.hold = False
+        self.arrived = asyncio.Event()
+        self.aborted = asyncio.Event()
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **_):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.active += 1
+        self.prompts.append(len(prompt_ids))
+        self.arrived.set()
+        try:
+            if self.hold:
+                await self.aborted.wait()
+                self.aborted.clear()
+                tokens, reason = [5, 5, 5], "aborted"
+            else:
+                tokens, reason = [6] * int(sampling_params["max_tokens"]), "length"
+        finally:
+            self.active -= 1
+        return TokenOutput(token_ids=tokens, log_probs=[0.0] * len(tokens), stop_reason=reason, num_preempted=0,
+                           extra_fields={"global_steps": 0})
+
+    async def next_arrival(self):
+        await self.arrived.wait()
+        self.arrived.clear()
+
+
+def _before_the_move():
+    """The state of ``test_coordinator_landing._one_move`` just before version 1 is published:
+    g1/1 runs on instance 1, and the publish moves it onto instance 0 (R5)."""
+    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(10)])
+    for g in ("g2", "g3", "g4", "g5"):
+        for i in range(2):
+            coord.trajectory_done(g, i, 5, 1.0)
+    coord.trajectory_done("g0", 1, 5, 1.0)
+    coord.trajectory_done("g1", 0, 5, 1.0)
+    assert coord.step_batch(0) == ["g2", "g3"] and coord.route[("g1", 1)] == 1
+    return coord
+
+
+@pytest.mark.parametrize("order", ["abort_after_move", "reacquired_before_move", "turn_ended_before_abort"])
+def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch):
+    """`abort_after_move`: the move, then the abort of the source: verl's client re-acquires and
+    lands on the destination. `reacquired_before_move`: an abort for another reason came first and
+    the client re-acquired on the source before the move: that acquire is no landing, the scheduler
+    must not move the trajectory again, and the landing comes after the move's own abort.
+    `turn_ended_before_abort`: the turn ended on the source before the move's abort ran (the trainer
+    was busy); the next turn's acquire is the landing, and the late abort finds nothing of it."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout import llm_server
+
+    from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
+                                                                     gather=asyncio.gather))
+    coord = _before_the_move()
+    landings = []
+    land = coord._land
+
+    def checked_land(key, iid):
+        n = coord.counts["migrations_landed"]
+        land(key, iid)
+        if coord.counts["migrations_landed"] > n:
+            landings.append((key, iid, {sid: s.active for sid, s in servers.items()}))
+
+    coord._land = checked_land
+
+    async def run():
+        servers.update({"s0": _Server(), "s1": _Server()})
+        coord.handles = {sid: _Handle(s) for sid, s in servers.items()}
+        client = DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
+                                     load_balancer_handle=_Handle(coord))
+
+        async def turn(max_tokens):
+            token = current_route.set(Route("g1", 1))
+            try:
+                return await client.generate(request_id="r", prompt_ids=[1, 2],
+                                             sampling_params={"max_tokens": max_tokens})
+            finally:
+                current_route.reset(token)
+
+        s0, s1 = servers["s0"], servers["s1"]
+        if order == "turn_ended_before_abort":
+            out = await turn(4)  # the first turn ends on the source
+            assert out.stop_reason == "length" and s1.prompts == [2]
+            coord.step_finished(1)  # R5 moves g1/1 onto instance 0; its abort waits for the trainer
+            assert coord.moving == {("g1", 1): (0, 0)} and coord.aborts == [1]
+            out = await turn(4)  # the next turn: the landing
+            assert landings and s0.prompts == [2]
+            assert coord.take_work()["abort"] == [1]  # the late abort: nothing of g1/1 runs there
+            return out
+        s1.hold = True
+        task = asyncio.ensure_future(turn(10))
+        await s1.next_arrival()
+        if order == "reacquired_before_move":
+            s1.aborted.set()  # an abort for another reason: the client resumes on the source
+            await s1.next_arrival()
+            assert s1.prompts == [2, 5] and s1.active == 1
+        coord.step_finished(1)  # R5 moves g1/1 onto instance 0
+        assert coord.moving == {("g1", 1): (0, 0)} and landings == []
+        assert coord.sched.trajectory("g1", 1).moved  # the scheduler will not move it again yet
+        assert coord.take_work()["abort"] == [1]
+        s1.aborted.set()  # the trainer's abort of the source
+        out = await task
+        assert s0.prompts == [2 + (6 if order == "reacquired_before_move" else 3)]  # re-prefilled there
+        return out
+
+    servers: dict[str, _Server] = {}
+    out = asyncio.run(run())
+    assert len(landings) == 1, landings
+    key, iid, active = landings[0]
+    assert key == ("g1", 1) and iid == 0
+    assert active == {"s0": 0, "s1": 0}, active  # nothing of g1/1 ran anywhere when it landed
+    assert not coord.sched.trajectory("g1", 1).moved and coord.moving == {}
+    assert coord.metrics()["migrations_landed"] == 1 and coord.metrics()["stale_events"] == 0
+    if order != "turn_ended_before_abort":
+        assert len(out.token_ids) == 10 and out.stop_reason == "length"  # verl's merge across the resume
+
+
+class _VersionedServer:
+    """A scripted rollout server with weights: each request answers with the version it ran under
+    (``extra_fields["global_steps"]``, which verl's client folds into ``min/max_global_steps``).
+    As verl's servers do for the trainer: ``abort_all_requests`` ends the running request
+    (``aborted`` with its tokens so far) and parks requests arriving after it until
+    ``resume_generation``; ``load`` is the trainer's weight sync (abort, swap, resume)."""
+
+    def __init__(self):
+        self.version = 0
+        self.open = asyncio.Event()
+        self.open.set()
+        self.stop = asyncio.Event()
+        self.hold = False  # the next request runs until it is aborted
+        self.arrived = asyncio.Event()
+        self.runs: list[tuple[int, int]] = []  # (prompt length, version) per request
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **_):
+        from verl.workers.rollout.replica import TokenOutput
+
+        await self.open.wait()
+        version = self.version
+        self.runs.append((len(prompt_ids), version))
+        self.arrived.set()
+        if self.hold:
+            self.hold = False
+            self.stop.clear()
+            await self.stop.wait()
+            tokens, reason = [5, 5, 5], "aborted"
+        else:
+            tokens, reason = [6] * int(sampling_params["max_tokens"]), "length"
+        return TokenOutput(token_ids=tokens, log_probs=[0.0] * len(tokens), stop_reason=reason, num_preempted=0,
+                           extra_fields={"global_steps": version})
+
+    async def abort_all_requests(self):
+        self.open.clear()
+        self.stop.set()
+
+    async def resume_generation(self):
+        self.open.set()
+
+    async def load(self, version):
+        await self.abort_all_requests()
+        self.version = version
+        await self.resume_generation()
+
+
+class _InTransit(_Handle):
+    """A server handle whose next ``generate`` call stays on its way (the Ray hop, the server's
+    event loop) until the test lets it through."""
+
+    def __init__(self, obj):
+        super().__init__(obj)
+        self.delay = False
+        self.sent = asyncio.Event()
+        self.through = asyncio.Event()
+
+    def __getattr__(self, name):
+        if name == "generate" and self.delay:
+            self.delay = False
+
+            async def delayed(**kwargs):
+                self.sent.set()
+                await self.through.wait()
+                return await self._obj.generate(**kwargs)
+
+            return _Method(delayed)
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("order", ["arrives_after_the_load_decision", "arrives_before_the_abort"])
+def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
+    """g1/1 runs on instance 1 (version 0); its request is aborted for another reason and verl's
+    client resumes it on instance 1 (not moved yet). Then R5 moves g1/1 onto instance 0 and the
+    scheduler, seeing instance 1 drained, decides its load of version 1; the trainer (played here:
+    ``take_work``, aborts, then loads) executes what it is handed.
+
+    `arrives_after_the_load_decision`: the resume is still on its way to instance 1 when the
+    trainer executes its work. The load must not run before it arrives: the resume would run
+    under version 1 after 3 tokens of version 0 (C1 broken; it failed so before the fix). It runs
+    under version 0 and the load goes out at its release, at the trainer's next poll.
+    `arrives_before_the_abort`: the resume runs on instance 1 when the move is decided; the move's
+    abort returns it, its release hands the load out, and the client resumes on instance 0."""
+    from omegaconf import OmegaConf
+    from verl.workers.rollout import llm_server
+
+    from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
+                                                                     gather=asyncio.gather))
+    coord = _before_the_move()
+
+    async def run():
+        s0, s1 = _VersionedServer(), _VersionedServer()
+        servers = {"s0": s0, "s1": s1}
+        transit = _InTransit(s1)
+        coord.handles = {"s0": _Handle(s0), "s1": transit}
+        client = DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
+                                     load_balancer_handle=_Handle(coord))
+        executed = []
+
+        async def service():  # DoraTrainer._service: aborts (then resume), then loads
+            work = coord.take_work()
+            for iid in work["abort"]:
+                await servers[f"s{iid}"].abort_all_requests()
+                await servers[f"s{iid}"].resume_generation()
+            for iid, version in work["load"]:
+                await servers[f"s{iid}"].load(version)
+                coord.loaded([iid], version)
+                executed.append((iid, version))
+
+        async def turn():
+            token = current_route.set(Route("g1", 1))
+            try:
+                return await client.generate(request_id="r", prompt_ids=[1, 2], sampling_params={"max_tokens": 10})
+            finally:
+                current_route.reset(token)
+
+        s1.hold = True
+        task = asyncio.ensure_future(turn())
+        await s1.arrived.wait()
+        s1.arrived.clear()
+        transit.delay = True
+        s1.hold = order == "arrives_before_the_abort"
+        await s1.abort_all_requests()  # an abort for another reason: the client resumes on instance 1
+        await s1.resume_generation()
+        await transit.sent.wait()  # the resume was routed to instance 1 and is on its way
+        assert coord.get_inflight_count("s1") == 1
+        if order == "arrives_before_the_abort":
+            transit.through.set()
+            await s1.arrived.wait()
+        coord.step_finished(1)  # R5 moves g1/1 onto instance 0; instance 1 is drained: load version 1
+        assert coord.route[("g1", 1)] == 0
+        await service()
+        early = list(executed)  # loads run while the resume was on its way (none: held)
+        transit.through.set()
+        out = await task
+        await service()  # the trainer's next poll
+        return out, s0.runs, s1.runs, early, executed, s1.version
+
+    out, runs0, runs1, early, executed, version1 = asyncio.run(run())
+    # C1: every token of the trajectory from version 0 (without the hold: min 0, max 1).
+    assert out.extra_fields["min_global_steps"] == out.extra_fields["max_global_steps"] == 0, (out.extra_fields,
+                                                                                            runs0, runs1)
+    assert early == [] and executed == [(1, 1)] and version1 == 1  # the held load ran at the next poll
+    assert len(out.token_ids) == 10
+    if order == "arrives_after_the_load_decision":
+        assert runs1 == [(2, 0), (5, 0)] and runs0 == []  # the resume ran on instance 1, version 0
+    else:
+        assert runs1 == [(2, 0), (5, 0)] and runs0 == [(8, 0)]  # aborted by the move, resumed on 0
+    m = coord.metrics()
+    assert m["loads_held"] == 1 and m["loads_released"] == 1 and m["loads_held_now"] == 0

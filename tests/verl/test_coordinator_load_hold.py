@@ -1,0 +1,205 @@
+"""A weight load never overtakes a request already routed to its instance (C1).
+
+``acquire_server`` routes a trajectory's request to server X (X's in-flight count goes up); before
+the request has crossed the Ray hop to X, R5 moves the trajectory off X (or its end is reported
+before the release arrives), X counts as drained and the scheduler decides ``LoadVersion(X,
+newer)``. Handed out at once, the load could run before the request reaches X: the request then
+runs under the newer version (parked behind the load's abort on verl's NCCL path, queued behind
+the load on ``dora_cpu``), and a resumed trajectory spans two versions. The coordinator holds such
+a load until X's in-flight count is back to 0 (verl's client releases in a ``finally``), and hands
+it out from that release.
+
+No stand-in for the coordinator (the plain class ``create_coordinator`` wraps as a Ray actor) or
+its scheduler; no server is called here (``acquire_server`` returns the server's handle, ``None``).
+The ``dora_cpu`` loaders are stand-ins for the rollout workers' actor handles: their
+``update_weights.remote`` records the call (the real one fetches the version from the weight
+store, ``tests/verl/test_cpu_weights.py``). Each order is forced by the order of the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dora_ext.verl.coordinator import DoraCoordinator
+
+ONE = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 2, "instances": 2, "capacity": 4}
+
+
+def _before_the_move() -> DoraCoordinator:
+    """Two instances of 4 slots, K=2, B=2, n=2: g1/1 runs on instance 1, alone there, and
+    publishing version 1 moves it onto instance 0 (R5); instance 1, drained, loads version 1."""
+    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(10)])
+    for g in ("g2", "g3", "g4", "g5"):
+        for i in range(2):
+            coord.trajectory_done(g, i, 5, 1.0)
+    coord.trajectory_done("g0", 1, 5, 1.0)
+    coord.trajectory_done("g1", 0, 5, 1.0)
+    assert coord.step_batch(0) == ["g2", "g3"] and coord.route[("g1", 1)] == 1
+    assert coord.sched.running_on(1) == [("g1", 1)]
+    return coord
+
+
+def _acquire(coord: DoraCoordinator, request_id: str, group=None, index=None, validate=False) -> str:
+    async def ask():
+        return (await coord.acquire_server(request_id, dora_group=group, dora_index=index,
+                                           dora_validate=validate))[0]
+
+    return asyncio.run(ask())
+
+
+def _watch_hand_outs(coord: DoraCoordinator) -> list[tuple[int, int, int]]:
+    """Record (instance, version, requests in flight on it) at every load the coordinator hands
+    out (to ``take_work`` or its loaders)."""
+    seen: list[tuple[int, int, int]] = []
+    hand_out = coord._hand_out
+
+    def watched(iid, version):
+        seen.append((iid, version, coord.get_inflight_count(coord.server_of[iid])))
+        hand_out(iid, version)
+
+    coord._hand_out = watched
+    return seen
+
+
+@pytest.mark.parametrize("order", ["load_decided_first", "released_first"])
+def test_a_load_waits_for_the_requests_routed_to_its_instance(order):
+    """(1) `load_decided_first`: the move and the load are decided while g1/1's request, routed to
+    instance 1, is still in flight: the load is not handed out (``take_work`` gives the abort of
+    the move, not the load) until that request is released, and goes out at the release.
+    (2) `released_first`: the request came back before the decision: the load goes out at once."""
+    coord = _before_the_move()
+    hand_outs = _watch_hand_outs(coord)
+    assert _acquire(coord, "r", "g1", 1) == "s1"
+    assert coord.get_inflight_count("s1") == 1
+    if order == "released_first":
+        coord.release_server("s1", "r")
+    coord.step_finished(1)  # R5 moves g1/1 onto instance 0; instance 1 is drained: LoadVersion(1, 1)
+    assert coord.route[("g1", 1)] == 0
+    m = coord.metrics()
+    if order == "released_first":
+        assert coord.take_work() == {"load": [(1, 1)], "abort": [1]}
+        assert m["loads_held"] == 0 and m["loads_held_now"] == 0
+    else:
+        assert coord.take_work() == {"load": [], "abort": [1]}  # the abort goes out, the load waits
+        assert m["loads_held"] == 1 and m["loads_held_now"] == 1
+        assert ("load_held", 1, 1, 1) in coord.get_log()
+        assert coord.take_work() == {"load": [], "abort": []}  # still held at the trainer's next poll
+        assert hand_outs == []
+        coord.release_server("s1", "r")  # the request came back (aborted, or finished)
+        assert coord.take_work() == {"load": [(1, 1)], "abort": []}
+        m = coord.metrics()
+        assert m["loads_released"] == 1 and m["loads_held_now"] == 0
+    coord.loaded([1], 1)
+    assert coord.versions[1] == 1 and coord.loading == {}
+    assert hand_outs == [(1, 1, 0)]  # handed out once, with nothing in flight on instance 1
+
+
+def test_the_load_waits_for_the_last_of_several_requests():
+    """A validation request (ungrouped) routed to instance 1 before the decision counts too: the
+    load goes out only at the second release, whichever comes first."""
+    coord = _before_the_move()
+    assert _acquire(coord, "r", "g1", 1) == "s1"
+    coord.inflight["s0"] = 5  # instance 0 busier: the validation request goes to instance 1
+    assert _acquire(coord, "val", validate=True) == "s1"
+    coord.inflight["s0"] = 0
+    coord.step_finished(1)
+    assert coord.take_work()["load"] == []
+    coord.release_server("s1", "val")
+    assert coord.take_work()["load"] == [] and coord.metrics()["loads_held_now"] == 1
+    coord.release_server("s1", "r")
+    assert coord.take_work()["load"] == [(1, 1)]
+
+
+def test_ungrouped_requests_avoid_an_instance_whose_load_is_pending():
+    """While instance 1's load is held or running, validation goes to instance 0 (there it would
+    keep the held load waiting, or meet the load), even when its sticky session was on 1 and
+    instance 1 is less loaded. When every loaded instance has a load pending it does not wait (the
+    trainer may be waiting for it, not executing loads): it goes to one of them, counted."""
+    coord = _before_the_move()
+    assert _acquire(coord, "r", "g1", 1) == "s1"
+    coord.step_finished(1)
+    assert coord.metrics()["loads_held_now"] == 1
+    coord.sticky["val"] = "s1"
+    coord.inflight["s0"] = 3  # least-loaded would be instance 1
+    assert _acquire(coord, "val", validate=True) == "s0"
+    coord.inflight["s0"] = 0
+    coord.release_server("s1", "r")
+    assert coord.take_work()["load"] == [(1, 1)]
+    assert _acquire(coord, "val2", validate=True) == "s0"  # the load is handed out, not done
+    coord.release_server("s0", "val2")
+    assert coord.metrics()["ungrouped_on_pending_load"] == 0
+    coord.loading[0] = 1  # instance 0 has a load pending too (forced)
+    assert _acquire(coord, "val3", validate=True) in ("s0", "s1")
+    assert coord.metrics()["ungrouped_on_pending_load"] == 1
+    coord.loaded([1], 1)  # instance 1 holds version 1 now, no load pending: the newest, and free
+    assert _acquire(coord, "val4", validate=True) == "s1"
+    assert coord.metrics()["ungrouped_on_pending_load"] == 1
+
+
+def test_a_held_load_of_a_removed_server_is_dropped():
+    coord = _before_the_move()
+    assert _acquire(coord, "r", "g1", 1) == "s1"
+    coord.step_finished(1)
+    coord.remove_servers(["s1"])
+    assert coord.held == {} and ("load_dropped", 1, 1) in coord.get_log()
+    m = coord.metrics()
+    assert m["loads_held"] == 1 and m["held_loads_dropped"] == 1 and m["loads_released"] == 0
+    assert m["loads_held_now"] == 0
+    coord.release_server("s1", "r")  # the late release of the removed server changes nothing
+    assert coord.take_work()["load"] == []
+
+
+class _Worker:
+    """Stands in for a ``dora_cpu`` rollout worker's actor handle: ``update_weights.remote``
+    records the version asked for (the real worker loads it from the weight store)."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+        self.update_weights = self
+
+    def remote(self, global_steps):
+        self.calls.append(global_steps)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+
+@pytest.mark.parametrize("order", ["load_decided_first", "released_first"])
+def test_dora_cpu_loaders_run_a_held_load_at_the_release(order):
+    """With a publishing backend the coordinator runs loads itself (``_load`` on the instance's
+    workers): a held load runs from the release, with no trainer call in between."""
+    calls: list[int] = []
+
+    async def run():
+        coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+        coord.set_loaders({0: [_Worker([])], 1: [_Worker(calls)]})
+        await coord.start()
+        coord.offer([f"g{i}" for i in range(10)])
+        for g in ("g2", "g3", "g4", "g5"):
+            for i in range(2):
+                coord.trajectory_done(g, i, 5, 1.0)
+        coord.trajectory_done("g0", 1, 5, 1.0)
+        coord.trajectory_done("g1", 0, 5, 1.0)
+        sid, _ = await coord.acquire_server("r", dora_group="g1", dora_index=1)
+        assert sid == "s1"
+        if order == "released_first":
+            coord.release_server("s1", "r")
+        coord.step_finished(1)
+        for _ in range(5):
+            await asyncio.sleep(0)  # let a load handed out run
+        if order == "load_decided_first":
+            assert calls == [] and coord.versions[1] == 0  # held: not run
+            coord.release_server("s1", "r")
+            for _ in range(5):
+                await asyncio.sleep(0)
+        assert calls == [1] and coord.versions[1] == 1
+        assert coord.take_work()["load"] == []  # never through the trainer
+        return coord.metrics()
+
+    m = asyncio.run(run())
+    assert m["loads_held"] == (1 if order == "load_decided_first" else 0)
+    assert m["loads_released"] == m["loads_held"] and m["loads_held_now"] == 0

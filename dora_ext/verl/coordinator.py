@@ -366,6 +366,15 @@ class DoraCoordinator:
         self.loads, self.aborts = [], []
         return work
 
+    def pending_load_versions(self) -> list[int]:
+        """Verl versions of the loads not done yet: held, waiting for ``take_work``, or handed out.
+        The trainer keeps their CPU copies past the last K + 1 (a held load waits for a request,
+        however long it runs)."""
+        pending = {v for vs in self.held.values() for v in vs}
+        pending.update(v for _, v in self.loads)
+        pending.update(self.loading.values())
+        return sorted(pending)
+
     def loaded(self, instances: list[int], verl_version: int) -> None:
         for iid in instances:
             if self.loading.get(iid) == verl_version:

@@ -330,3 +330,19 @@ def test_verls_client_sends_the_request_id_its_release_is_matched_by():
     asyncio.run(run())
     assert coord.get_inflight_count("s1") == 0 and coord.acquired == {}
     assert coord.metrics()["unmatched_releases"] == 0
+
+
+def test_pending_load_versions_lists_held_queued_and_running_loads():
+    """What the trainer keeps CPU copies for (``DoraTrainer._keep_cpu_copy``): a held load is
+    pending until it is loaded, whether held, waiting for ``take_work`` or running."""
+    coord = _before_the_move()
+    assert coord.pending_load_versions() == []
+    assert _acquire(coord, "r", "g1", 1) == "s1"
+    coord.step_finished(1)
+    assert coord.metrics()["loads_held_now"] == 1 and coord.pending_load_versions() == [1]
+    coord.release_server("s1", "r")
+    assert coord.pending_load_versions() == [1]  # waiting for take_work
+    assert coord.take_work()["load"] == [(1, 1)]
+    assert coord.pending_load_versions() == [1]  # the trainer runs it
+    coord.loaded([1], 1)
+    assert coord.pending_load_versions() == []

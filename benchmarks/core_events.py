@@ -16,7 +16,10 @@ slots (about a quarter to three quarters of them with this driver); a row is as 
 steps where the slots allow (at least 200k events, at least four steps' worth); what happens
 inside it (events, steps, publishes, version switches, migrations, and of those the moves of a
 trajectory that had moved before in its attempt, each one more KV transfer) is counted and
-printed: a row whose window holds no step measured nothing of R3/R4/R5 and says so.
+printed: a row whose window holds no step measured nothing of R3/R4/R5 and says so. The 1k-slot
+row over 1k instances has capacity 1 per instance: R5 cannot move a trajectory there (a move
+needs a free slot on another instance holding the same version), so its window holds no
+migration and its line says so; every other row's window holds migrations.
 
 Only the CPU time (`time.process_time`) spent inside `Scheduler.handle_many` is counted, with
 the garbage collector on (its cost grows with the objects the scheduler keeps, so it is part
@@ -185,6 +188,7 @@ def measure(K: int, in_flight: int, instances: int, events: int | None = None, s
         "in_flight_mean": round(flight_sum / max(flight_n, 1)),  # over the measured window
         "in_flight_min": flight_min,
         "instances": instances,
+        "capacity": max(1, in_flight // instances),
         "batch_size": b.batch,
         "events": counted,
         "events_per_s": round(counted / spent),
@@ -226,12 +230,20 @@ def baseline_scheduler(rev: str) -> type:
     return mod.Scheduler
 
 
+def _no_moves(r: dict) -> str:
+    """Why a window holds no migration, where the row cannot have one."""
+    if r["window_migrations"] == 0 and r.get("capacity") == 1:
+        return "[capacity 1: R5 has no free slot to move a trajectory into, so this row measures no R5 move] "
+    return ""
+
+
 def _line(r: dict, tag: str = "") -> str:
     return (f"{tag}K={r['K']} slots={r['slots']:>9,} instances={r['instances']:>6,} in flight mean={r['in_flight_mean']:>9,} "
             f"min={r['in_flight_min']:>9,} events/s={r['events_per_s']:>9,} us/event={r['us_per_event']:>7} "
             f"bytes/traj={r['core_bytes_per_in_flight']:>5} | window: events={r['events']:,} "
             f"steps={r['window_steps']} switches={r['window_switches']} migrations={r['window_migrations']} "
             f"(of a trajectory moved before: {r['window_remigrations']}) "
+            f"{_no_moves(r)}"
             f"live groups {r['live_groups_start']:,}->{r['live_groups_end']:,}")
 
 

@@ -29,7 +29,8 @@ scheduler slots.
 A weight load never overtakes a request routed to its instance (C1). ``acquire_server`` counts a
 request in flight on its server the moment it routes it, before the request has crossed the Ray
 hop to the server; ``release_server`` (verl's client calls it in a ``finally`` once the server
-answered, also on an abort or an error) uncounts it. A ``LoadVersion`` the scheduler decides
+answered, also on an abort or an error) uncounts it, matched to its acquire by ``request_id``
+(a late release of an instance removed since, its address serving again, uncounts nothing). A ``LoadVersion`` the scheduler decides
 while its instance still counts requests in flight (a trajectory R5 moved off it, or whose end
 was reported before its release arrived) is *held*: not handed out (``take_work``, or the
 ``dora_cpu`` loaders) until the count reaches 0, then handed out from that ``release_server``.
@@ -100,6 +101,10 @@ class DoraCoordinator:
         self.versions: dict[int, int] = {}  # instance -> loaded scheduler version
         self.inflight: dict[str, int] = {sid: 0 for sid in self.server_ids}
         self.sticky: dict[str, str] = {}  # request_id -> server id (ungrouped requests)
+        # (server id, request id) -> instances it was acquired on, oldest first, until released: a
+        # release is matched to its acquire, so that a late release of an instance removed since
+        # (its address serving again as a new instance), or one never acquired, uncounts nothing.
+        self.acquired: dict[tuple[str, Any], list[int]] = {}
         self.route: dict[tuple, int] = {}  # (group, index) -> instance it runs on
         self.waiters: dict[tuple, list[asyncio.Future]] = {}
         self.pool: list[tuple[Any, Any]] = []  # offered (group id, meta), not yet admitted
@@ -128,7 +133,9 @@ class DoraCoordinator:
                        # ... or dropped, their instance removed (held = released + dropped + held now)
                        "held_loads_dropped": 0,
                        # ungrouped requests sent to an instance with a load pending (no other was loaded)
-                       "ungrouped_on_pending_load": 0}
+                       "ungrouped_on_pending_load": 0,
+                       # releases matching no acquire of the server's current instance: ignored
+                       "unmatched_releases": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
@@ -359,6 +366,15 @@ class DoraCoordinator:
         self.loads, self.aborts = [], []
         return work
 
+    def pending_load_versions(self) -> list[int]:
+        """Verl versions of the loads not done yet: held, waiting for ``take_work``, or handed out.
+        The trainer keeps their CPU copies past the last K + 1 (a held load waits for a request,
+        however long it runs)."""
+        pending = {v for vs in self.held.values() for v in vs}
+        pending.update(v for _, v in self.loads)
+        pending.update(self.loading.values())
+        return sorted(pending)
+
     def loaded(self, instances: list[int], verl_version: int) -> None:
         for iid in instances:
             if self.loading.get(iid) == verl_version:
@@ -468,7 +484,7 @@ class DoraCoordinator:
         return ["dora_group", "dora_index", "dora_validate"]
 
     def require_release_fields(self) -> list[str]:
-        return []
+        return ["request_id"]  # matches each release to its acquire (``release_server``)
 
     async def acquire_server(self, request_id: str, dora_group: Any = None, dora_index: int | None = None,
                              dora_validate: bool = False, **_: Any) -> tuple[str, Any]:
@@ -494,6 +510,7 @@ class DoraCoordinator:
             self._land(key, iid)
             sid = self.server_of[iid]
         self.inflight[sid] += 1
+        self.acquired.setdefault((sid, request_id), []).append(self.instance_of[sid])
         return sid, self.handles[sid]
 
     def _ungrouped(self, request_id: str) -> str:
@@ -507,12 +524,15 @@ class DoraCoordinator:
         if not loaded:
             raise RuntimeError("No available servers in load balancer")
         free = {i: v for i, v in loaded.items() if not self._load_pending(i)}
+        pool = free or loaded
         sid = self.sticky.get(request_id)
-        if sid is not None and sid in self.inflight and (not free or self.instance_of[sid] in free):
+        # (Its address may serve a new instance since, with nothing loaded yet: then not sticky.)
+        if sid is not None and sid in self.inflight and self.instance_of[sid] in pool:
+            if not free:
+                self.counts["ungrouped_on_pending_load"] += 1
             return sid
         if not free:
             self.counts["ungrouped_on_pending_load"] += 1
-        pool = free or loaded
         newest = max(pool.values())
         candidates = [self.server_of[i] for i, v in pool.items() if v == newest]
         sid = min(candidates, key=lambda s: self.inflight[s])
@@ -524,14 +544,42 @@ class DoraCoordinator:
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
         """verl's client releases each acquire once its request came back (``finally``: also after
         an abort or an error). The release that ends the last request in flight on an instance
-        hands out the loads held for it."""
-        if self.inflight.get(server_id, 0) > 0:
-            self.inflight[server_id] -= 1
-            if self.inflight[server_id] == 0:
-                iid = self.instance_of.get(server_id)
-                for version in self.held.pop(iid, []):
-                    self.counts["loads_released"] += 1
-                    self._hand_out(iid, version)
+        hands out the loads held for it.
+
+        A release uncounts only an acquire of the server's current instance that it matches (by
+        ``request_id``; verl's clients send it, ``require_release_fields``): a late release of an
+        instance removed since, whose address serves again as a new instance, must not end the new
+        instance's requests early (a held load would go out under a request in flight there), nor
+        may a release no acquire made. Such releases are counted (``unmatched_releases``)."""
+        iid = self.instance_of.get(server_id)
+        key = (server_id, request_id)
+        if request_id is None and key not in self.acquired:
+            # A caller that does not send request ids: any acquire of the current instance.
+            key = next((k for k, iids in self.acquired.items() if k[0] == server_id and iid in iids), key)
+        iids = self.acquired.get(key)
+        if not iids:
+            self._unmatched(server_id, request_id, "no acquire")
+            return
+        # Releases of one request id come in the order of its acquires (verl's client releases a
+        # request before it re-acquires): this one is for the oldest acquire not released yet.
+        if request_id is None and iid in iids:
+            iids.remove(iid)
+        elif iids.pop(0) != iid:
+            self._unmatched(server_id, request_id, "instance removed")
+            iid = None
+        if not iids:
+            del self.acquired[key]
+        if iid is None or self.inflight.get(server_id, 0) <= 0:
+            return
+        self.inflight[server_id] -= 1
+        if self.inflight[server_id] == 0:
+            for version in self.held.pop(iid, []):
+                self.counts["loads_released"] += 1
+                self._hand_out(iid, version)
+
+    def _unmatched(self, server_id: str, request_id: Any, why: str) -> None:
+        self.counts["unmatched_releases"] += 1
+        self._record(("unmatched_release", server_id, request_id, why))
 
     def add_servers(self, servers: dict[str, Any]) -> None:
         for sid, handle in servers.items():

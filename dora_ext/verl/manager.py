@@ -49,7 +49,7 @@ class DoraLLMServerClient(FullyAsyncLLMServerClient):
     def __init__(self, config: Any, load_balancer_handle: Any = None, **kwargs: Any) -> None:
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
         self._lb_require_acquire_fields = []
-        self._lb_require_release_fields = []
+        self._lb_require_release_fields = ["request_id"]  # the coordinator matches releases to acquires
 
     @property
     def coordinator(self) -> Any:

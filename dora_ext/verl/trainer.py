@@ -443,11 +443,23 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         return out
 
     def _keep_cpu_copy(self, version: int) -> None:
-        """Keep the last K + 1 versions restorable on the actor (CPU memory)."""
+        """Keep the last K + 1 versions restorable on the actor (CPU memory), and any older one a
+        load the coordinator has not done yet asks for: a load held while a request routed to its
+        replica is in flight waits for that request, which may outlast K + 1 steps when the load
+        is of an older version than the request's (R4 switching a drained replica to a version
+        whose work was re-queued). Such a copy is dropped at the first publish after its load."""
+        import ray
+
         self.actor_rollout_wg.save_model_to_cpu(f"dora_v{version}")
         self._cpu_versions.append(version)
-        while len(self._cpu_versions) > self.dora.max_staleness + 1:
-            self.actor_rollout_wg.clear_cpu_model(f"dora_v{self._cpu_versions.pop(0)}")
+        excess = len(self._cpu_versions) - (self.dora.max_staleness + 1)
+        if excess <= 0:
+            return
+        pending = set(ray.get(self.coordinator.pending_load_versions.remote()))
+        for old in self._cpu_versions[:excess]:
+            if old not in pending:
+                self.actor_rollout_wg.clear_cpu_model(f"dora_v{old}")
+                self._cpu_versions.remove(old)
 
     def _service(self) -> None:
         """Execute the coordinator's pending R5 aborts and (backends that cannot publish) loads.

@@ -203,3 +203,146 @@ def test_dora_cpu_loaders_run_a_held_load_at_the_release(order):
     m = asyncio.run(run())
     assert m["loads_held"] == (1 if order == "load_decided_first" else 0)
     assert m["loads_released"] == m["loads_held"] and m["loads_held_now"] == 0
+
+
+def _readded() -> DoraCoordinator:
+    """Instance 1 (address s1) runs g0/1 when verl removes s1 and adds it again: instance 2, which
+    loads version 0 and takes the trajectories instance 1 had (re-dispatched by the scheduler)."""
+    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    coord.offer([f"g{i}" for i in range(10)])
+    assert coord.route[("g0", 1)] == 1
+    assert _acquire(coord, "old", "g0", 1) == "s1"  # in flight on instance 1
+    coord.remove_servers(["s1"])
+    coord.add_servers({"s1": None})
+    assert coord.instance_of["s1"] == 2
+    assert coord.take_work()["load"] == [(2, 0)]
+    coord.loaded([2], 0)
+    assert coord.route[("g0", 1)] == 2
+    return coord
+
+
+@pytest.mark.parametrize("order", ["late_release_after_new_acquire", "late_release_before_new_acquire"])
+def test_a_late_release_of_a_removed_instance_ends_no_request_of_the_new_one(order):
+    """verl's client releases in a ``finally``, fire-and-forget: the release of a request acquired on
+    instance 1 can reach the coordinator after s1 serves again as instance 2 and a request was
+    routed there. Counted by address, that release ended the new request: instance 2 counted 0 in
+    flight, and a load decided for it then went out at once, ahead of the request on its way there
+    (C1). Each release is now matched to its acquire; the late one uncounts nothing."""
+    coord = _readded()
+    hand_outs = _watch_hand_outs(coord)
+    if order == "late_release_before_new_acquire":
+        coord.release_server("s1", "old")
+    assert _acquire(coord, "new", "g0", 1) == "s1"  # g0/1 re-dispatched onto instance 2
+    if order == "late_release_after_new_acquire":
+        coord.release_server("s1", "old")
+    assert coord.get_inflight_count("s1") == 1  # the request on instance 2 is still counted
+    m = coord.metrics()
+    assert m["unmatched_releases"] == 1 and ("unmatched_release", "s1", "old", "instance removed") in coord.get_log()
+    coord._issue_load(2, 1)  # a LoadVersion the scheduler decides for instance 2 now (forced)
+    assert coord.take_work()["load"] == [] and coord.metrics()["loads_held_now"] == 1
+    coord.release_server("s1", "new")
+    assert coord.take_work()["load"] == [(2, 1)]
+    assert hand_outs == [(2, 1, 0)] and coord.acquired == {}
+
+
+def test_a_release_no_acquire_made_does_not_free_a_held_load():
+    """A release matching no acquire (a request id never acquired on that server) must not bring
+    the count to 0 while the request routed there is in flight: the held load stays held."""
+    coord = _before_the_move()
+    assert _acquire(coord, "r", "g1", 1) == "s1"
+    coord.step_finished(1)
+    assert coord.metrics()["loads_held_now"] == 1
+    coord.release_server("s1", "never-acquired")
+    coord.release_server("s0", "r")  # the right request id, the wrong server
+    assert coord.get_inflight_count("s1") == 1 and coord.take_work()["load"] == []
+    assert coord.metrics()["unmatched_releases"] == 2
+    coord.release_server("s1", "r")
+    coord.release_server("s1", "r")  # released twice: the second matches nothing
+    assert coord.take_work()["load"] == [(1, 1)] and coord.metrics()["unmatched_releases"] == 3
+
+
+def test_a_validation_session_does_not_stick_to_a_readded_address_with_nothing_loaded():
+    """Every loaded instance has a load pending, so validation may go to one of them; its sticky
+    session was on s1, which now serves instance 2 with nothing loaded: not there."""
+    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+    asyncio.run(coord.start())
+    assert _acquire(coord, "val", validate=True) in ("s0", "s1")
+    coord.sticky["val"] = "s1"
+    coord.release_server("s1", "val")
+    coord.remove_servers(["s1"])
+    coord.add_servers({"s1": None})  # instance 2: its load of version 0 is not done
+    coord.loading[0] = 1  # instance 0 has a load pending too (forced)
+    assert _acquire(coord, "val", validate=True) == "s0"
+    assert coord.metrics()["ungrouped_on_pending_load"] == 1
+
+
+def test_verls_client_sends_the_request_id_its_release_is_matched_by():
+    """verl 0.9.1's ``LLMServerClient.generate`` releases with the fields the balancer names in
+    ``require_release_fields``; ``DoraLLMServerClient`` names them without the round trip. Real:
+    verl's client code and ours; stand-ins: the actor handles (in-process) and a server answering
+    at once."""
+    pytest.importorskip("verl")
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.replica import TokenOutput
+
+    from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
+
+    class Method:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *args, **kwargs):
+            out = self.fn(*args, **kwargs)
+            if asyncio.iscoroutine(out):
+                return out
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(out)
+            return fut
+
+    class Handle:
+        def __init__(self, obj):
+            self._obj = obj
+
+        def __getattr__(self, name):
+            return Method(getattr(self._obj, name))
+
+    class Server:
+        async def generate(self, request_id, prompt_ids, sampling_params, **_):
+            n = int(sampling_params["max_tokens"])
+            return TokenOutput(token_ids=[6] * n, log_probs=[0.0] * n, stop_reason="length", num_preempted=0,
+                               extra_fields={"global_steps": 0})
+
+    coord = _before_the_move()
+
+    async def run():
+        coord.handles = {"s0": Handle(Server()), "s1": Handle(Server())}
+        client = DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
+                                     load_balancer_handle=Handle(coord))
+        assert client._lb_require_release_fields == coord.require_release_fields()
+        token = current_route.set(Route("g1", 1))
+        try:
+            await client.generate(request_id="r", prompt_ids=[1, 2], sampling_params={"max_tokens": 3})
+        finally:
+            current_route.reset(token)
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert coord.get_inflight_count("s1") == 0 and coord.acquired == {}
+    assert coord.metrics()["unmatched_releases"] == 0
+
+
+def test_pending_load_versions_lists_held_queued_and_running_loads():
+    """What the trainer keeps CPU copies for (``DoraTrainer._keep_cpu_copy``): a held load is
+    pending until it is loaded, whether held, waiting for ``take_work`` or running."""
+    coord = _before_the_move()
+    assert coord.pending_load_versions() == []
+    assert _acquire(coord, "r", "g1", 1) == "s1"
+    coord.step_finished(1)
+    assert coord.metrics()["loads_held_now"] == 1 and coord.pending_load_versions() == [1]
+    coord.release_server("s1", "r")
+    assert coord.pending_load_versions() == [1]  # waiting for take_work
+    assert coord.take_work()["load"] == [(1, 1)]
+    assert coord.pending_load_versions() == [1]  # the trainer runs it
+    coord.loaded([1], 1)
+    assert coord.pending_load_versions() == []

@@ -60,6 +60,9 @@ def _trainer(ray, monkeypatch, work, actor_version, kept):
         def get_loads(self):
             return self.loads
 
+        def pending_load_versions(self):
+            return sorted({v for _, v in self.work["load"]})
+
     class _Sync:  # stands in for CheckpointEngineManager over a subset of replicas
         def __init__(self, config, actor_wg, replicas):
             self.actor_wg, self.replicas = actor_wg, replicas
@@ -145,3 +148,20 @@ def test_cpu_copies_keep_the_last_k_plus_one_versions(ray_tq, monkeypatch):
     t._keep_cpu_copy(4)
     assert t._cpu_versions == [3, 4]
     assert set(t.actor_rollout_wg.saved) == {"dora_v3", "dora_v4"}
+
+
+def test_a_cpu_copy_a_pending_load_asks_for_is_kept_past_k_plus_one(ray_tq, monkeypatch):
+    """A load of version 2 not done yet (held by the coordinator while a request routed to its
+    replica runs: ``pending_load_versions``) keeps version 2's copy past the last K + 1; the first
+    publish after the load drops it. Before, the copy was cleared and the load, once handed out,
+    failed with "no longer kept"."""
+    import ray
+
+    t, syncs = _trainer(ray, monkeypatch, {"load": [(1, 2)], "abort": []}, 4, [2, 3])
+    t._keep_cpu_copy(4)
+    assert t._cpu_versions == [2, 3, 4]
+    t._service()  # the load, handed out later: version 2 from its copy
+    assert ("update", ["rep1"], 2, "w2") in syncs
+    t._keep_cpu_copy(5)
+    assert t._cpu_versions == [4, 5]
+    assert set(t.actor_rollout_wg.saved) == {"dora_v4", "dora_v5"}

@@ -23,7 +23,7 @@ import pytest
 
 from dora_ext.verl.coordinator import DoraCoordinator, GroupFailedError
 
-ONE = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 2, "instances": 2, "capacity": 4}
+from .coordinator_helpers import ONE, all_but_the_last_two_done, before_the_move, started, waiting_then_offered
 TWO = {"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 5, "instances": 2, "capacity": 10}
 
 
@@ -74,15 +74,7 @@ def _one_move(cfg_extra: dict | None = None) -> DoraCoordinator:
     """Two instances of 4 slots, K=2, B=2, n=2. Version 0's last two trajectories run one on each
     instance when version 1 is published: R5 moves g1/1 from instance 1 onto instance 0, and
     instance 1 loads version 1 (its request there is aborted: ``take_work``)."""
-    coord = DoraCoordinator(dict(ONE, **(cfg_extra or {})), {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
-    coord.offer([f"g{i}" for i in range(10)])
-    for g in ("g2", "g3", "g4", "g5"):
-        for i in range(2):
-            coord.trajectory_done(g, i, 5, 1.0)
-    coord.trajectory_done("g0", 1, 5, 1.0)
-    coord.trajectory_done("g1", 0, 5, 1.0)
-    assert coord.step_batch(0) == ["g2", "g3"]
+    coord = before_the_move(dict(ONE, **(cfg_extra or {})))
     n = len(coord.get_log())
     coord.step_finished(1)
     assert _since(coord, n, "migrate") == [("migrate", "g1", 1, 1, 0)]
@@ -98,8 +90,7 @@ def _two_moves(land: bool) -> tuple[DoraCoordinator, int]:
     `land`. Once version 0 gates step 2 and instance 1 is idle, R5 spreads version 0's stragglers
     (g0/1, g0/3, both on instance 0) onto it: it may take only a trajectory whose move landed.
     Returns the coordinator and the length of its log before the spread."""
-    coord = DoraCoordinator(TWO, {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
+    coord = started(TWO)
     coord.offer([f"g{i}" for i in range(4)])
     for g in ("g1", "g2"):
         for i in range(5):
@@ -264,21 +255,12 @@ def test_moved_between_its_dispatch_and_the_waiting_acquire_resuming():
     trajectory before the waiting task runs again. The request goes where the trajectory runs now
     (the destination; it went to the source, whose abort could already have been executed), and
     that is the move's landing."""
-    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
+    coord = started(ONE)
 
     async def run():
-        task = asyncio.ensure_future(coord.acquire_server("r", dora_group="g1", dora_index=1))
-        await asyncio.sleep(0)
-        assert not task.done() and ("g1", 1) in coord.waiters
-        # Everything below runs before the task resumes: no await in between.
-        coord.offer([f"g{i}" for i in range(10)])
+        task = await waiting_then_offered(coord)  # no await from here until the task resumes
         assert coord.route[("g1", 1)] == 1  # dispatched to instance 1: the waiter is resolved
-        for g in ("g2", "g3", "g4", "g5"):
-            for i in range(2):
-                coord.trajectory_done(g, i, 5, 1.0)
-        coord.trajectory_done("g0", 1, 5, 1.0)
-        coord.trajectory_done("g1", 0, 5, 1.0)
+        all_but_the_last_two_done(coord)
         coord.step_finished(1)  # R5 moves g1/1 from instance 1 to instance 0
         assert coord.route[("g1", 1)] == 0 and not task.done()
         return await task
@@ -403,15 +385,10 @@ def test_a_waiting_acquire_rechecks_its_dispatch_when_it_resumes(event):
     scheduler holds queued was a ProtocolError: the trajectory was lost (its group never completes).
     `group_failed`: the request must get the group's failure, not run for a group already given up."""
     cfg = dict(ONE, max_retries=0) if event == "group_failed" else ONE
-    coord = DoraCoordinator(cfg, {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
+    coord = started(cfg)
 
     async def run():
-        task = asyncio.ensure_future(coord.acquire_server("r", dora_group="g1", dora_index=1))
-        await asyncio.sleep(0)
-        assert not task.done() and ("g1", 1) in coord.waiters
-        # Everything below runs before the task resumes: no await in between.
-        coord.offer([f"g{i}" for i in range(10)])
+        task = await waiting_then_offered(coord)  # no await from here until the task resumes
         assert coord.route[("g1", 1)] == 1 and ("g1", 1) not in coord.waiters  # resolved
         if event == "group_failed":
             assert coord.trajectory_failed("g1", 0, "replica error") == "failed"

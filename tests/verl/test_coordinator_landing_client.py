@@ -24,80 +24,14 @@ import pytest
 
 pytest.importorskip("verl")
 
-from dora_ext.verl.coordinator import DoraCoordinator  # noqa: E402
-
-ONE = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 2, "instances": 2, "capacity": 4}
-
-
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args, **kwargs):
-        out = self.fn(*args, **kwargs)
-        if asyncio.iscoroutine(out):
-            return out
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(out)
-        return fut
-
-
-class _Handle:
-    """An actor handle stand-in: ``handle.method.remote(...)`` runs ``obj.method`` in this loop."""
-
-    def __init__(self, obj):
-        self._obj = obj
-
-    def __getattr__(self, name):
-        return _Method(getattr(self._obj, name))
-
-
-class _Server:
-    """A scripted rollout server: one token id per step; a held request returns ``aborted`` with
-    `done` tokens when the test aborts it, else the request generates its whole budget."""
-
-    def __init__(self):
-        self.active = 0
-        self.prompts: list[int] = []  # prompt length of each request (a resume re-prefills more)
-        self.hold = False
-        self.arrived = asyncio.Event()
-        self.aborted = asyncio.Event()
-
-    async def generate(self, request_id, prompt_ids, sampling_params, **_):
-        from verl.workers.rollout.replica import TokenOutput
-
-        self.active += 1
-        self.prompts.append(len(prompt_ids))
-        self.arrived.set()
-        try:
-            if self.hold:
-                await self.aborted.wait()
-                self.aborted.clear()
-                tokens, reason = [5, 5, 5], "aborted"
-            else:
-                tokens, reason = [6] * int(sampling_params["max_tokens"]), "length"
-        finally:
-            self.active -= 1
-        return TokenOutput(token_ids=tokens, log_probs=[0.0] * len(tokens), stop_reason=reason, num_preempted=0,
-                           extra_fields={"global_steps": 0})
-
-    async def next_arrival(self):
-        await self.arrived.wait()
-        self.arrived.clear()
+from .coordinator_helpers import Handle, Method, Server, before_the_move, client_of  # noqa: E402
 
 
 def _before_the_move():
     """The state of ``test_coordinator_landing._one_move`` just before version 1 is published:
     g1/1 runs on instance 1, and the publish moves it onto instance 0 (R5)."""
-    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
-    coord.offer([f"g{i}" for i in range(10)])
-    for g in ("g2", "g3", "g4", "g5"):
-        for i in range(2):
-            coord.trajectory_done(g, i, 5, 1.0)
-    coord.trajectory_done("g0", 1, 5, 1.0)
-    coord.trajectory_done("g1", 0, 5, 1.0)
-    assert coord.step_batch(0) == ["g2", "g3"] and coord.route[("g1", 1)] == 1
+    coord = before_the_move()
+    assert coord.route[("g1", 1)] == 1
     return coord
 
 
@@ -109,10 +43,9 @@ def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch)
     must not move the trajectory again, and the landing comes after the move's own abort.
     `turn_ended_before_abort`: the turn ended on the source before the move's abort ran (the trainer
     was busy); the next turn's acquire is the landing, and the late abort finds nothing of it."""
-    from omegaconf import OmegaConf
     from verl.workers.rollout import llm_server
 
-    from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
+    from dora_ext.verl.manager import Route, current_route
 
     real_sleep = asyncio.sleep
     monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
@@ -130,10 +63,9 @@ def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch)
     coord._land = checked_land
 
     async def run():
-        servers.update({"s0": _Server(), "s1": _Server()})
-        coord.handles = {sid: _Handle(s) for sid, s in servers.items()}
-        client = DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
-                                     load_balancer_handle=_Handle(coord))
+        servers.update({"s0": Server(), "s1": Server()})
+        coord.handles = {sid: Handle(s) for sid, s in servers.items()}
+        client = client_of(coord)
 
         async def turn(max_tokens):
             token = current_route.set(Route("g1", 1))
@@ -169,7 +101,7 @@ def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch)
         assert s0.prompts == [2 + (6 if order == "reacquired_before_move" else 3)]  # re-prefilled there
         return out
 
-    servers: dict[str, _Server] = {}
+    servers: dict[str, Server] = {}
     out = asyncio.run(run())
     assert len(landings) == 1, landings
     key, iid, active = landings[0]
@@ -227,7 +159,7 @@ class _VersionedServer:
         await self.resume_generation()
 
 
-class _InTransit(_Handle):
+class _InTransit(Handle):
     """A server handle whose next ``generate`` call stays on its way (the Ray hop, the server's
     event loop) until the test lets it through."""
 
@@ -246,7 +178,7 @@ class _InTransit(_Handle):
                 await self.through.wait()
                 return await self._obj.generate(**kwargs)
 
-            return _Method(delayed)
+            return Method(delayed)
         return super().__getattr__(name)
 
 
@@ -263,10 +195,9 @@ def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
     under version 0 and the load goes out at its release, at the trainer's next poll.
     `arrives_before_the_abort`: the resume runs on instance 1 when the move is decided; the move's
     abort returns it, its release hands the load out, and the client resumes on instance 0."""
-    from omegaconf import OmegaConf
     from verl.workers.rollout import llm_server
 
-    from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
+    from dora_ext.verl.manager import Route, current_route
 
     real_sleep = asyncio.sleep
     monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
@@ -277,9 +208,8 @@ def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
         s0, s1 = _VersionedServer(), _VersionedServer()
         servers = {"s0": s0, "s1": s1}
         transit = _InTransit(s1)
-        coord.handles = {"s0": _Handle(s0), "s1": transit}
-        client = DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
-                                     load_balancer_handle=_Handle(coord))
+        coord.handles = {"s0": Handle(s0), "s1": transit}
+        client = client_of(coord)
         executed = []
 
         async def service():  # DoraTrainer._service: aborts (then resume), then loads

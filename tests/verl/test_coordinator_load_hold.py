@@ -24,21 +24,14 @@ import pytest
 
 from dora_ext.verl.coordinator import DoraCoordinator
 
-ONE = {"mode": "dora", "max_staleness": 2, "batch_size": 2, "group_size": 2, "instances": 2, "capacity": 4}
+from .coordinator_helpers import ONE, Handle, Server, all_but_the_last_two_done, before_the_move, client_of, started
 
 
 def _before_the_move() -> DoraCoordinator:
     """Two instances of 4 slots, K=2, B=2, n=2: g1/1 runs on instance 1, alone there, and
     publishing version 1 moves it onto instance 0 (R5); instance 1, drained, loads version 1."""
-    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
-    coord.offer([f"g{i}" for i in range(10)])
-    for g in ("g2", "g3", "g4", "g5"):
-        for i in range(2):
-            coord.trajectory_done(g, i, 5, 1.0)
-    coord.trajectory_done("g0", 1, 5, 1.0)
-    coord.trajectory_done("g1", 0, 5, 1.0)
-    assert coord.step_batch(0) == ["g2", "g3"] and coord.route[("g1", 1)] == 1
+    coord = before_the_move()
+    assert coord.route[("g1", 1)] == 1
     assert coord.sched.running_on(1) == [("g1", 1)]
     return coord
 
@@ -179,11 +172,7 @@ def test_dora_cpu_loaders_run_a_held_load_at_the_release(order):
         coord.set_loaders({0: [_Worker([])], 1: [_Worker(calls)]})
         await coord.start()
         coord.offer([f"g{i}" for i in range(10)])
-        for g in ("g2", "g3", "g4", "g5"):
-            for i in range(2):
-                coord.trajectory_done(g, i, 5, 1.0)
-        coord.trajectory_done("g0", 1, 5, 1.0)
-        coord.trajectory_done("g1", 0, 5, 1.0)
+        all_but_the_last_two_done(coord)
         sid, _ = await coord.acquire_server("r", dora_group="g1", dora_index=1)
         assert sid == "s1"
         if order == "released_first":
@@ -208,8 +197,7 @@ def test_dora_cpu_loaders_run_a_held_load_at_the_release(order):
 def _readded() -> DoraCoordinator:
     """Instance 1 (address s1) runs g0/1 when verl removes s1 and adds it again: instance 2, which
     loads version 0 and takes the trajectories instance 1 had (re-dispatched by the scheduler)."""
-    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
+    coord = started(ONE)
     coord.offer([f"g{i}" for i in range(10)])
     assert coord.route[("g0", 1)] == 1
     assert _acquire(coord, "old", "g0", 1) == "s1"  # in flight on instance 1
@@ -265,8 +253,7 @@ def test_a_release_no_acquire_made_does_not_free_a_held_load():
 def test_a_validation_session_does_not_stick_to_a_readded_address_with_nothing_loaded():
     """Every loaded instance has a load pending, so validation may go to one of them; its sticky
     session was on s1, which now serves instance 2 with nothing loaded: not there."""
-    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
-    asyncio.run(coord.start())
+    coord = started(ONE)
     assert _acquire(coord, "val", validate=True) in ("s0", "s1")
     coord.sticky["val"] = "s1"
     coord.release_server("s1", "val")
@@ -283,42 +270,13 @@ def test_verls_client_sends_the_request_id_its_release_is_matched_by():
     verl's client code and ours; stand-ins: the actor handles (in-process) and a server answering
     at once."""
     pytest.importorskip("verl")
-    from omegaconf import OmegaConf
-    from verl.workers.rollout.replica import TokenOutput
-
-    from dora_ext.verl.manager import DoraLLMServerClient, Route, current_route
-
-    class Method:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def remote(self, *args, **kwargs):
-            out = self.fn(*args, **kwargs)
-            if asyncio.iscoroutine(out):
-                return out
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(out)
-            return fut
-
-    class Handle:
-        def __init__(self, obj):
-            self._obj = obj
-
-        def __getattr__(self, name):
-            return Method(getattr(self._obj, name))
-
-    class Server:
-        async def generate(self, request_id, prompt_ids, sampling_params, **_):
-            n = int(sampling_params["max_tokens"])
-            return TokenOutput(token_ids=[6] * n, log_probs=[0.0] * n, stop_reason="length", num_preempted=0,
-                               extra_fields={"global_steps": 0})
+    from dora_ext.verl.manager import Route, current_route
 
     coord = _before_the_move()
 
     async def run():
         coord.handles = {"s0": Handle(Server()), "s1": Handle(Server())}
-        client = DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
-                                     load_balancer_handle=Handle(coord))
+        client = client_of(coord)
         assert client._lb_require_release_fields == coord.require_release_fields()
         token = current_route.set(Route("g1", 1))
         try:

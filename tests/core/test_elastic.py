@@ -227,7 +227,9 @@ def test_snapshot_restore_with_elastic_state(s, cut):
     assert d.sched.metrics() == ref.sched.metrics()
 
 
-def test_a_trajectory_moves_again_only_after_its_migration_landed():
+def _a_move_in_flight():
+    """A random dora run (3 instances, spread off) driven until R5 has a move in flight: the
+    driver, the moved trajectory's key and the trajectory."""
     cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
                                 "instances": 3, "capacity": 4, "max_steps": 50, "spread": False})
     d = RandomDriver(cfg, 3, long_tail=0.6)
@@ -236,6 +238,11 @@ def test_a_trajectory_moves_again_only_after_its_migration_landed():
         assert d.tick() and d.sched.step < 50
     key = next(iter(d.migrating))
     t = d.sched.trajectory(key[0], key[1])
+    return d, key, t
+
+
+def test_a_trajectory_moves_again_only_after_its_migration_landed():
+    d, key, t = _a_move_in_flight()
     assert t.moved  # until it lands it is never moved again (the driver asserts that too)
     d.sched.handle(E.MigrationLanded(key[0], key[1], t.attempt))
     assert not t.moved
@@ -248,14 +255,7 @@ def test_a_moved_trajectory_whose_instance_failed_is_a_new_attempt_that_may_move
     destination fails before the move lands: it is re-queued under a new attempt, of which no
     move exists, so it reads unmoved at once (the flag used to stay set while it waited, in
     `moved` and in snapshots) and after it is dispatched again, where R5 may move it."""
-    cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
-                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False})
-    d = RandomDriver(cfg, 3, long_tail=0.6)
-    d.start()
-    while not d.migrating:  # run until a move is in flight
-        assert d.tick() and d.sched.step < 50
-    key = next(iter(d.migrating))
-    t = d.sched.trajectory(key[0], key[1])
+    d, key, t = _a_move_in_flight()
     assert t.moved and t.status == "R"
     attempt = t.attempt
     d._crash(t.instance)  # its destination fails (the driver's crash: ghosts, a replacement)

@@ -50,7 +50,26 @@ def _scheduler(cfg, snap=None):
     return s, policy
 
 
-class ResumedTwin(RandomDriver):
+def _random_config(rng, modes, instances, max_steps):
+    """A random (mode, staleness) of `modes` and a config of 2-4 batch, 1-3 group, `instances`
+    (an inclusive range), 2-4 capacity; returns the mode and the config."""
+    mode, k = rng.choice(modes)
+    return mode, DoraConfig.from_dict({"mode": mode, "max_staleness": k, "batch_size": rng.randint(2, 4),
+                                       "group_size": rng.randint(1, 3), "instances": rng.randint(*instances),
+                                       "capacity": rng.randint(2, 4), "max_steps": max_steps})
+
+
+class _Twinned(RandomDriver):
+    """A driver that also starts a second scheduler, `self.twin` (set by the subclass), which
+    must answer the start with the same actions."""
+
+    def start(self):
+        out = self.sched.start()
+        assert self.twin.start() == out
+        self.execute(out)
+
+
+class ResumedTwin(_Twinned):
     """Drives an uninterrupted scheduler; a second one gets the same events and, at event
     `resume_at`, is replaced by a scheduler restored from its own snapshot's JSON round trip.
     Each answers every event with the same actions; their snapshots and metas stay equal."""
@@ -63,11 +82,6 @@ class ResumedTwin(RandomDriver):
         self.fed = 0
         self.resumed = False
         self.restored_active = set()
-
-    def start(self):
-        out = self.sched.start()
-        assert self.twin.start() == out
-        self.execute(out)
 
     def _feed(self, event):
         if isinstance(event, E.GroupAdmitted):  # meta with tuples, as a host may build it
@@ -95,10 +109,7 @@ def test_a_run_resumed_from_json_with_tuple_meta_acts_as_the_uninterrupted_one()
     resumed = restored_completions = 0
     for seed in range(40):
         rng = random.Random(stable_seed(f"meta-json/{seed}"))
-        mode, k = rng.choice([("dora", 2), ("dora", 3), ("partial", 3)])
-        cfg = DoraConfig.from_dict({"mode": mode, "max_staleness": k, "batch_size": rng.randint(2, 4),
-                                    "group_size": rng.randint(1, 3), "instances": rng.randint(2, 4),
-                                    "capacity": rng.randint(2, 4), "max_steps": 8})
+        mode, cfg = _random_config(rng, [("dora", 2), ("dora", 3), ("partial", 3)], (2, 4), max_steps=8)
         d = ResumedTwin(cfg, rng.randrange(2**31), resume_at=rng.randint(10, 60), long_tail=0.5, late_reward=0.3)
         d.start()
         d.run(8)
@@ -348,7 +359,7 @@ class MixedKinds:
         return (None if complete_seq % 2 else complete_seq, complete_seq)
 
 
-class _SnapshotTwin(RandomDriver):
+class _SnapshotTwin(_Twinned):
     """Also feeds every event to a second scheduler, restored at event `at` from a JSON round
     trip of its own snapshot; both must answer every event with the same actions."""
 
@@ -356,11 +367,6 @@ class _SnapshotTwin(RandomDriver):
         super().__init__(cfg, seed, plugins=_mixed_plugins(), **kw)
         self.twin = Scheduler(cfg, plugins=_mixed_plugins())
         self.at, self.fed, self.resumed = at, 0, False
-
-    def start(self):
-        out = self.sched.start()
-        assert self.twin.start() == out
-        self.execute(out)
 
     def _feed(self, event):
         if self.fed == self.at:
@@ -390,10 +396,7 @@ def test_keys_of_mixed_kinds_are_ordered_none_numbers_strs_and_survive_a_resume(
     resumed = 0
     for seed in range(30):
         rng = random.Random(stable_seed(f"mixed-keys/{seed}"))
-        mode, k = rng.choice([("dora", 2), ("partial", 2), ("pipeline", 0)])
-        cfg = DoraConfig.from_dict({"mode": mode, "max_staleness": k, "batch_size": rng.randint(2, 4),
-                                    "group_size": rng.randint(1, 3), "instances": rng.randint(1, 3),
-                                    "capacity": rng.randint(2, 4), "max_steps": 6})
+        mode, cfg = _random_config(rng, [("dora", 2), ("partial", 2), ("pipeline", 0)], (1, 3), max_steps=6)
         d = _SnapshotTwin(cfg, rng.randrange(2**31), at=rng.randint(5, 30), long_tail=0.5, late_reward=0.3)
         d.start()
         d.run(6)

@@ -816,6 +816,21 @@ def _moves_until_the_first_failure(rt) -> tuple[list, list]:
     return moves, holding
 
 
+def _run_source_killed_while_moving(rt):
+    """Run `rt`, whose instance 0 stalls and is killed while R5 moves its sequences onto instance
+    1, and check what both orders of the kill share: only moves 0 -> 1, only of sequences instance
+    0 stalled on, instance 0 killed once and restarted. Returns the moves and, for each
+    failure, what ran on the failed instance (`_moves_until_the_first_failure`), and the result."""
+    moves, holding = _moves_until_the_first_failure(rt)
+    result = rt.run()
+    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
+    # only sequences instance 0 stalled on moved
+    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
+    assert rt.failed_instances == {0: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(0, 2)]
+    return moves, holding, result
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("late", [None, "staller", "other"])
 def test_a_source_that_dies_right_after_exporting_loses_nothing(late):
@@ -838,13 +853,7 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing(late):
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
     rt = WaitsForTheExporter(recipe, prepared, keep_versions=True, instance_loops=loops)
-    moves, holding = _moves_until_the_first_failure(rt)
-    result = rt.run()
-    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
-    # only sequences instance 0 stalled on moved
-    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
-    assert rt.failed_instances == {0: -signal.SIGKILL}
-    assert result.ledger["instance_restarts"] == [(0, 2)]
+    moves, holding, result = _run_source_killed_while_moving(rt)
     lost = result.ledger["reports_lost"]
     assert len(lost) == 1 and lost[0][0] == "instance-0" and "Connection" in lost[0][1], lost
     # every sequence moving off the dead source was retried once; what still ran there was
@@ -893,12 +902,7 @@ def test_a_source_that_dies_once_its_export_was_read_redoes_only_what_it_lost():
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
     rt = KillsTheSourceOnceForwarded(recipe, prepared, keep_versions=True, instance_loops={0: faults.StallUntilMigrate})
-    moves, holding = _moves_until_the_first_failure(rt)
-    result = rt.run()
-    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
-    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
-    assert rt.failed_instances == {0: -signal.SIGKILL}
-    assert result.ledger["instance_restarts"] == [(0, 2)]
+    moves, holding, result = _run_source_killed_while_moving(rt)
     gid, idx, attempt = rt.forwarded
     moved = {(m.group_id, m.index) for m in moves}
     lost = moved - {(gid, idx)}

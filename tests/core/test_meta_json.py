@@ -222,19 +222,8 @@ def test_plugin_keys_must_be_tuples_of_json_scalars(hook, key):
 
 @pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
 def test_plugin_keys_of_json_scalars_are_taken_as_json_gives_them_back(hook, monkeypatch):
-    from dora_ext.core import scheduler as S
-
-    taken = []
-    real = S._json_key
-    monkeypatch.setattr(S, "_json_key", lambda key, name: taken.append((name, real(key, name))) or taken[-1][1])
     key = [Color.RED, "x", None, 1.5, True]
-    pm = get_plugin_manager(load_entrypoints=False)
-    pm.register(_key_plugin(hook, key))
-    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
-                                        "batch_size": 2}), pm)
-    s.start()
-    s.handle(E.InstanceLoaded(0, 0))
-    s.handle(E.GroupAdmitted("g"))
+    s, taken = _admitted_with_key(hook, key, monkeypatch)
     snap = s.snapshot()
     s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
     mine = [k for name, k in taken if name == hook]  # (the other hook is the default's)
@@ -242,6 +231,25 @@ def test_plugin_keys_of_json_scalars_are_taken_as_json_gives_them_back(hook, mon
     if hook == "dora_admission_key":
         assert snap["groups"][0][3] == [1, "x", None, 1.5, True]
     assert json.loads(json.dumps(snap)) == snap
+
+
+def _admitted_with_key(hook, key, monkeypatch):
+    """A scheduler (dora, 1 instance, group size 1) whose plugin's `hook` returns `key`, with
+    group "g" admitted and dispatched; and the list that gets (hook name, key taken) at each call
+    of the scheduler's `_json_key`."""
+    from dora_ext.core import scheduler as S
+
+    taken = []
+    real = S._json_key
+    monkeypatch.setattr(S, "_json_key", lambda key, name: taken.append((name, real(key, name))) or taken[-1][1])
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_key_plugin(hook, key))
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
+                                        "batch_size": 2}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    return s, taken
 
 
 def _key_plugin(hook, key):
@@ -295,19 +303,8 @@ def test_subclasses_of_str_int_float_are_kept_as_json_writes_them():
 
 @pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
 def test_plugin_key_subclass_elements_are_taken_as_json_writes_them(hook, monkeypatch):
-    from dora_ext.core import scheduler as S
-
-    taken = []
-    real = S._json_key
-    monkeypatch.setattr(S, "_json_key", lambda key, name: taken.append((name, real(key, name))) or taken[-1][1])
     key = (Level.HARD, Loud("q"), Seven(3), Half(2.25))
-    pm = get_plugin_manager(load_entrypoints=False)
-    pm.register(_key_plugin(hook, key))
-    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
-                                        "batch_size": 2}), pm)
-    s.start()
-    s.handle(E.InstanceLoaded(0, 0))
-    s.handle(E.GroupAdmitted("g"))
+    s, taken = _admitted_with_key(hook, key, monkeypatch)
     s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
     mine = [k for name, k in taken if name == hook]
     assert mine == [tuple(json.loads(json.dumps(key)))] == [("hard", "q", 3, 2.25)]

@@ -816,18 +816,19 @@ def _moves_until_the_first_failure(rt) -> tuple[list, list]:
     return moves, holding
 
 
-def _run_source_killed_while_moving(rt):
-    """Run `rt`, whose instance 0 stalls and is killed while R5 moves its sequences onto instance
-    1, and check what both orders of the kill share: only moves 0 -> 1, only of sequences instance
-    0 stalled on, instance 0 killed once and restarted. Returns the moves and, for each
+def _run_killed_while_moving(rt, killed):
+    """Run `rt`, whose instance 0 stalls while R5 moves its sequences onto instance 1 and
+    instance `killed` (the source 0 or the destination 1) is killed meanwhile, and check what
+    every such run shares: only moves 0 -> 1, only of sequences instance 0 stalled on, instance
+    `killed` killed once and restarted. Returns the moves and, for each
     failure, what ran on the failed instance (`_moves_until_the_first_failure`), and the result."""
     moves, holding = _moves_until_the_first_failure(rt)
     result = rt.run()
     assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
     # only sequences instance 0 stalled on moved
     assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
-    assert rt.failed_instances == {0: -signal.SIGKILL}
-    assert result.ledger["instance_restarts"] == [(0, 2)]
+    assert rt.failed_instances == {killed: -signal.SIGKILL}
+    assert result.ledger["instance_restarts"] == [(killed, 2)]
     return moves, holding, result
 
 
@@ -853,7 +854,7 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing(late):
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
     rt = WaitsForTheExporter(recipe, prepared, keep_versions=True, instance_loops=loops)
-    moves, holding, result = _run_source_killed_while_moving(rt)
+    moves, holding, result = _run_killed_while_moving(rt, killed=0)
     lost = result.ledger["reports_lost"]
     assert len(lost) == 1 and lost[0][0] == "instance-0" and "Connection" in lost[0][1], lost
     # every sequence moving off the dead source was retried once; what still ran there was
@@ -902,7 +903,7 @@ def test_a_source_that_dies_once_its_export_was_read_redoes_only_what_it_lost():
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
     rt = KillsTheSourceOnceForwarded(recipe, prepared, keep_versions=True, instance_loops={0: faults.StallUntilMigrate})
-    moves, holding, result = _run_source_killed_while_moving(rt)
+    moves, holding, result = _run_killed_while_moving(rt, killed=0)
     gid, idx, attempt = rt.forwarded
     moved = {(m.group_id, m.index) for m in moves}
     lost = moved - {(gid, idx)}
@@ -973,13 +974,7 @@ def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_
     prepared = prepare(recipe)
     rt = RecordsExports(recipe, prepared, keep_versions=True, instance_loops=loops)
     rt.exported = []
-    moves, holding = _moves_until_the_first_failure(rt)
-    result = rt.run()
-    assert moves and all((m.src, m.dst) == (0, 1) for m in moves), moves
-    # only sequences instance 0 stalled on moved
-    assert {(m.group_id, m.index, 0) for m in moves} <= set(rt.stalled), (moves, rt.stalled)
-    assert rt.failed_instances == {1: -signal.SIGKILL}
-    assert result.ledger["instance_restarts"] == [(1, 2)]
+    moves, holding, result = _run_killed_while_moving(rt, killed=1)
     (gid, idx, attempt), src, dst, forwarded = rt.exported[0]
     assert (attempt, src, dst, forwarded) == (0, 0, 1, True)
     # at its death the destination ran exactly what had been moved there (nothing else was left

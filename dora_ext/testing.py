@@ -44,6 +44,22 @@ def stable_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
+def feed_twinned(shadow: Any, feed: Any, event: Any) -> list:
+    """Feed `event` to a twin scheduler (`shadow.handle`) and to the driver (`feed`): both must
+    answer with the same actions, or raise the same error (re-raised). Returns the actions."""
+    try:
+        twin = shadow.handle(event)
+    except Exception as exc:  # noqa: BLE001 - compared below
+        twin = exc
+    try:
+        out = feed(event)
+    except Exception as exc:
+        assert type(twin) is type(exc) and str(twin) == str(exc), (event, twin, exc)
+        raise
+    assert twin == out, (event, twin, out)
+    return out
+
+
 @dataclass
 class DriverStats:
     events: int = 0

@@ -26,7 +26,7 @@ import pytest
 from dora_ext.config import MODES, DoraConfig
 from dora_ext.core import Scheduler
 from dora_ext.core import events as E
-from dora_ext.testing import RandomDriver, stable_seed
+from dora_ext.testing import RandomDriver, feed_twinned, stable_seed
 
 from .test_properties import STALENESS, check_run
 
@@ -55,16 +55,7 @@ class AdversarialDriver(RandomDriver):
         if self.shadow is None:
             return super()._feed(event)
         # A restored twin gets the same events: it must answer with the same actions (or raise alike).
-        try:
-            twin = self.shadow.handle(event)
-        except Exception as exc:  # noqa: BLE001 - compared below
-            twin = exc
-        try:
-            out = super()._feed(event)
-        except Exception as exc:
-            assert type(twin) is type(exc) and str(twin) == str(exc), (event, twin, exc)
-            raise
-        assert twin == out, (event, twin, out)
+        out = feed_twinned(self.shadow, super()._feed, event)
         self.twin_events += 1
         return out
 

@@ -21,7 +21,7 @@ from dora_ext.config import DoraConfig
 from dora_ext.core import Migrate, Scheduler
 from dora_ext.core.scheduler import ProtocolError
 from dora_ext.plugins import get_plugin_manager
-from dora_ext.testing import RandomDriver, stable_seed
+from dora_ext.testing import RandomDriver, feed_twinned, stable_seed
 
 
 class PerMoveView(Scheduler):
@@ -100,16 +100,7 @@ class TwinDriver(RandomDriver):
         self.execute(out)
 
     def _feed(self, event):
-        try:
-            twin = self.shadow.handle(event)
-        except Exception as exc:  # noqa: BLE001 - compared below
-            twin = exc
-        try:
-            out = super()._feed(event)
-        except Exception as exc:
-            assert type(twin) is type(exc) and str(twin) == str(exc), (event, twin, exc)
-            raise
-        assert twin == out, (event, twin, out)
+        out = feed_twinned(self.shadow, super()._feed, event)
         self.batches += 1
         self.multi += sum(1 for a in out if isinstance(a, Migrate)) >= 2
         return out

@@ -63,10 +63,12 @@ _CODES = {c: i for i, c in enumerate(_LETTERS)}
 _ACTIVE, _COMPLETE, _ASSIGNED, _TRAINED, _FAILED = 0, 1, 2, 3, 4
 _STATES = ("active", "complete", "assigned", "trained", "failed")
 _STATE_CODES = {c: i for i, c in enumerate(_STATES)}
-# One occupancy level's instances in arrival order (`Scheduler._lv`). An OrderedDict, not a dict:
-# dispatch takes the first one (`next(iter(...))`), which is O(1) in a linked list but O(deleted
-# entries) in a dict, whose deleted slots stay in front until it resizes (with 10k instances
-# moving through a level, the scan made every dispatch slower).
+# One occupancy level's instances in arrival order (`Scheduler._lv`): instance id -> its
+# `_Instance`. An OrderedDict, not a dict: dispatch takes the first one (`popitem(last=False)`),
+# which is O(1) in a linked list but O(deleted entries) in a dict, whose deleted slots stay in
+# front until it resizes (with 10k instances moving through a level, the scan made every dispatch
+# slower). The value is the instance itself, so that dispatch gets it with the id in one call,
+# without a lookup in `Scheduler.instances`.
 _Level = OrderedDict
 _ANY = -1  # the single queue/instance bucket of mode `partial`, where nothing is pinned
 _NAN = float("nan")  # `_tr`: no reward yet
@@ -1234,9 +1236,7 @@ class Scheduler:
             d = lv.get(new)
             if d is None:
                 lv[new] = d = _Level()
-                d[iid] = None
-            else:
-                d[iid] = None
+            d[iid] = self.instances[iid]
             if new < self._lo[b]:
                 self._lo[b] = new
             if new:
@@ -1277,7 +1277,6 @@ class Scheduler:
         if not heap or not lv:
             return
         gslot = self._gslot
-        instances = self.instances
         n = self.n
         ts, ti, tm, tv, ta = self._ts, self._ti, self._tm, self._tv, self._ta
         gretry, gnext, glive = self._gretry, self._gnext, self._glive
@@ -1291,6 +1290,8 @@ class Scheduler:
         heappop = heapq.heappop
         tp, pseq = self._tp, self._pseq
         fcap = limit = -1  # the capacity `limit` was computed for: min(capacity, fair share)
+        level = up = None  # lv[lo] (None: look it up) and lv[up_of + 1] (up_of -1: look it up)
+        up_of = -1
         sent = 0
         g = -1  # the head group's slot (-1: read the heap's head again)
         while True:
@@ -1309,17 +1310,24 @@ class Scheduler:
                 self._ginq[g] = 0
                 g = -1
                 continue
-            # `_pick`, inlined for the common case (equal capacities): the least loaded instance
-            while lo not in lv:
-                lo += 1
-            level = lv[lo]
-            iid = next(iter(level))
-            inst = instances[iid]
+            # `_pick`, inlined for the common case (equal capacities): the least loaded instance,
+            # the first to arrive at its level, taken out of its level at once (`popitem`: the id
+            # and the instance in one call) and put back in front if it takes nothing. `level` (the
+            # level `lo`) and `up` (the level `up_of + 1`) are kept across trajectories while no
+            # other code touches the levels: a group's trajectories go one by one from the lowest
+            # level to the one above, so the two dict lookups per trajectory are mostly saved.
+            if level is None:
+                while lo not in lv:
+                    lo += 1
+                level = lv[lo]
+            iid, inst = level.popitem(False)
             cap = inst.capacity
             if cap != fcap:
                 fcap = cap
                 limit = min(cap, -(-work * cap // share_of))
             if lo >= limit:
+                level[iid] = inst  # (back in front of its level: the levels are as they were)
+                level.move_to_end(iid, False)
                 if uniform:
                     break
                 lo_of[b] = lo
@@ -1328,9 +1336,17 @@ class Scheduler:
                     break
                 iid = inst.id
                 n_run = inst.nrun
-                level = lv[n_run]
+                d = lv[n_run]
+                del d[iid]
+                if not d:
+                    del lv[n_run]
+                level = None  # (either cached level may be the one just emptied)
+                up_of = -1
             else:
                 n_run = lo
+                if not level:
+                    del lv[lo]
+                    level = None
             if retry is not None:
                 idx = retry.pop()
                 if not retry:
@@ -1354,13 +1370,12 @@ class Scheduler:
             inst.nrun = n_run + 1
             pseq += 1
             # one level up (`_lv_set`, inlined)
-            del level[iid]
-            if not level:
-                del lv[n_run]
-            d = lv.get(n_run + 1)
-            if d is None:
-                lv[n_run + 1] = d = _Level()
-            d[iid] = None
+            if up_of != n_run:
+                up = lv.get(n_run + 1)
+                if up is None:
+                    lv[n_run + 1] = up = _Level()
+                up_of = n_run
+            up[iid] = inst
             if not n_run:
                 self._idle.pop(iid, None)
                 self._nhold[b] = self._nhold.get(b, 0) + 1
@@ -1402,9 +1417,7 @@ class Scheduler:
             d = lv.get(n_run)
             if d is None:
                 lv[n_run] = d = _Level()
-                d[iid] = None
-            else:
-                d[iid] = None
+            d[iid] = inst
             if n_run < self._lo[b]:
                 self._lo[b] = n_run
             if not n_run:
@@ -2154,7 +2167,8 @@ class Scheduler:
         self._cap_max = sc["cap_max"]
         # Insertion orders matter (round robin, R5's choice among equals): restored as saved.
         self._idle = dict.fromkeys(snap["idle"])
-        self._lv = {b: {n: _Level.fromkeys(d) for n, d in lv} for b, _, lv in snap["levels"]}
+        insts = self.instances
+        self._lv = {b: {n: _Level((i, insts[i]) for i in d) for n, d in lv} for b, _, lv in snap["levels"]}
         self._lo = {b: lo for b, lo, _ in snap["levels"]}
         self._nhold = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._lv.items()}
         self._nhold = {b: c for b, c in self._nhold.items() if c}

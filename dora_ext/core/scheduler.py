@@ -871,8 +871,16 @@ class Scheduler:
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
         self._n_active += 1
         self._form_dirty = True
-        self._enqueue(g, self.n)
-        self._dispatch(self._bucket(v))
+        # `_enqueue(g, n)` and `_bucket`, inlined (once per admitted group): a fresh group has all
+        # its trajectories pending, so it joins its version's queue
+        n = self.n
+        b = v if self._pinned else _ANY
+        self._queued[b] = self._queued.get(b, 0) + n
+        if self._pinned and not self._cap.get(b):
+            self._orphaned = True  # no instance holds or loads this version: see `_finish`
+        heapq.heappush(self._queue.setdefault(b, []), ((seq,) if key is None else self._qkey(g), seq, gid))
+        self._ginq[g] = 1
+        self._dispatch(b)
 
     def _on_groups_declined(self, ev: E.GroupsDeclined) -> None:
         if ev.count < 0 or ev.count > self._outstanding:
@@ -907,7 +915,36 @@ class Scheduler:
             self._set_tokens(h, ev.tokens)
         if ev.truncated_early:
             self.m["truncated"] += 1
-        self._release(h)
+        # `_release(h)`, inlined for its common case (a loaded instance: this runs on every
+        # finish; the same steps in the same order, `_release` does the others)
+        ti = self._ti
+        inst = self.instances.get(ti[h])
+        if inst is None or inst.loading is not None:
+            self._release(h)
+        else:
+            ti[h] = _NOI
+            self._tp[h] = _NOP  # its log entry is dead
+            n_run = inst.nrun - 1
+            inst.nrun = n_run
+            if not n_run:
+                del inst.log[:]
+            v = inst.version
+            b = v if self._pinned else _ANY
+            self._occupied[b] -= 1
+            lv = self._lv[b]
+            iid = inst.id
+            d = lv[n_run + 1]
+            del d[iid]
+            if not d:
+                del lv[n_run + 1]
+            d = lv.get(n_run)
+            if d is None:
+                lv[n_run] = d = _Level()
+            d[iid] = inst
+            if n_run < self._lo[b]:
+                self._lo[b] = n_run
+            if not n_run or self._queue.get(b) or (self._migrate and v < self.newest):
+                self._release_rest(inst, v, b, n_run)
         reward = ev.reward
         if self._gst[g] == _FAILED:
             if reward is not None:
@@ -1099,17 +1136,17 @@ class Scheduler:
         n = self.n
         if self._free:
             g = self._free.pop()
-            base = g * n
-            end = base + n
-            self._ts[base:end] = self._zero_b
-            self._ta[base:end] = self._zero_q
-            self._tn[base:end] = self._zero_q
-            self._tm[base:end] = self._zero_b
-            self._tr[base:end] = self._nan_d
-            self._ti[base:end] = self._noi
-            self._tp[base:end] = self._nop  # (a failed instance's handles kept their stamp)
-            self._tt[base:end] = self._zero_q
-            self._tv[base:end] = self._nov
+            sl = slice(g * n, g * n + n)  # (one slice object for the nine resets)
+            zb, zq = self._zero_b, self._zero_q
+            self._ts[sl] = zb
+            self._ta[sl] = zq
+            self._tn[sl] = zq
+            self._tm[sl] = zb
+            self._tr[sl] = self._nan_d
+            self._ti[sl] = self._noi
+            self._tp[sl] = self._nop  # (a failed instance's handles kept their stamp)
+            self._tt[sl] = zq
+            self._tv[sl] = self._nov
             self._gst[g] = _ACTIVE
             self._gstep[g] = -1
             self._gcseq[g] = -1
@@ -1433,33 +1470,40 @@ class Scheduler:
             d[iid] = inst
             if n_run < self._lo[b]:
                 self._lo[b] = n_run
-            if not n_run:
-                c = self._nhold[b] - 1
-                if c:
-                    self._nhold[b] = c
-                else:
-                    del self._nhold[b]
-                    self._r5_tried.pop(b, None)
-                    self._r5_stuck.pop(b, None)
-            if self._queue.get(b):
-                self._dispatch(b)
-                n_run = inst.nrun  # (the dispatch may have given the instance new work)
-            if not n_run:
-                self._idle[inst.id] = None
-                self._plan_instance(inst)
-            elif (self._migrate and v < (newest := self.newest) and v + self.K > self.step
-                  and self._queued.get(v, 0) <= 0 and self._nhold.get(v, 0) >= 2
-                  and self._occupied.get(v, 0) <= self.config.migrate_threshold * self._cap.get(v, 0)
-                  and ((newest + self.K + 1) * self.B > self._admitted + self._outstanding
-                       or self._queued.get(self._bucket(newest), 0) > 0)):
-                # (its first O(1) tests, inlined: this runs on every finish of an old version; the
-                # last one is `_maybe_consolidate`'s "the newest version could use the freed
-                # slots" without `max_steps`, a necessary condition of it. Each test only returns,
-                # so testing them here first changes nothing but the cost.)
-                self._maybe_consolidate(v)
+            if not n_run or self._queue.get(b) or (self._migrate and v < self.newest):
+                self._release_rest(inst, v, b, n_run)
         else:
             # partial: preempted while loading; it stops counting against the version it loads.
             self._occupied[self._bucket(inst.loading)] -= 1
+
+    def _release_rest(self, inst: _Instance, v: int, b: int, n_run: int) -> None:
+        """The rest of `_release` (and of its copy in `_on_finished`), once the levels are
+        updated: only when the instance emptied, or its version has queued work, or (R5) it
+        runs an old version; otherwise each step below would only test and return."""
+        if not n_run:
+            c = self._nhold[b] - 1
+            if c:
+                self._nhold[b] = c
+            else:
+                del self._nhold[b]
+                self._r5_tried.pop(b, None)
+                self._r5_stuck.pop(b, None)
+        if self._queue.get(b):
+            self._dispatch(b)
+            n_run = inst.nrun  # (the dispatch may have given the instance new work)
+        if not n_run:
+            self._idle[inst.id] = None
+            self._plan_instance(inst)
+        elif (self._migrate and v < (newest := self.newest) and v + self.K > self.step
+              and self._queued.get(v, 0) <= 0 and self._nhold.get(v, 0) >= 2
+              and self._occupied.get(v, 0) <= self.config.migrate_threshold * self._cap.get(v, 0)
+              and ((newest + self.K + 1) * self.B > self._admitted + self._outstanding
+                   or self._queued.get(self._bucket(newest), 0) > 0)):
+            # (its first O(1) tests, inlined: this runs on every finish of an old version; the
+            # last one is `_maybe_consolidate`'s "the newest version could use the freed
+            # slots" without `max_steps`, a necessary condition of it. Each test only returns,
+            # so testing them here first changes nothing but the cost.)
+            self._maybe_consolidate(v)
 
     def _retire(self, g: int, h: int) -> None:
         """A trajectory of a failed group stopped running (or got its late reward): once none of
@@ -2021,11 +2065,13 @@ class Scheduler:
             seen.add(gid)
             base = g * n
             tokens += sum(tt[base:base + n])
-            for vs in tv[base:base + n]:  # several only when a resume appended a different one
-                if vs == _MULTI:
-                    multi += 1
-                elif pinned and vs != v:
-                    c1 += 1
+            vs_g = tv[base:base + n]
+            if vs_g.count(v) != n:  # (all generated by the group's version: nothing to count)
+                for vs in vs_g:  # several only when a resume appended a different one
+                    if vs == _MULTI:
+                        multi += 1
+                    elif pinned and vs != v:
+                        c1 += 1
             trajs += n
         m["trajectories_trained"] += trajs
         m["tokens_trained"] += tokens

@@ -1342,7 +1342,13 @@ class Scheduler:
         level = up = None  # lv[lo] (None: look it up) and lv[up_of + 1] (up_of -1: look it up)
         up_of = -1
         sent = 0
-        g = -1  # the head group's slot (-1: read the heap's head again)
+        # The head group's slot (-1: read the heap's head again). While a group is the head, its
+        # re-queued stack, next fresh index and count of trajectories started here are kept in
+        # locals (`retry`, `nxt`, `added`) and written back when it leaves the head or the loop
+        # ends: nothing else reads them meanwhile.
+        g = -1
+        retry = None
+        nxt = added = 0
         while True:
             if g < 0:
                 if not heap:
@@ -1353,10 +1359,14 @@ class Scheduler:
                     heappop(heap)
                     g = -1
                     continue
-            retry = gretry.get(g)
-            if retry is None and gnext[g] >= n:
+                retry = gretry.get(g)
+                nxt = gnext[g]
+                added = 0
+            if retry is None and nxt >= n:
                 heappop(heap)  # nothing left to start in this group
                 self._ginq[g] = 0
+                gnext[g] = nxt
+                glive[g] += added
                 g = -1
                 continue
             # `_pick`, inlined for the common case (equal capacities): the least loaded instance,
@@ -1400,16 +1410,17 @@ class Scheduler:
                 idx = retry.pop()
                 if not retry:
                     del gretry[g]
+                    retry = None
             else:
-                idx = gnext[g]
-                gnext[g] = idx + 1
+                idx = nxt
+                nxt += 1
             h = g * n + idx
             ver = inst.version
             ts[h] = _RUNNING
             ti[h] = iid
             tm[h] = 0
             tv[h] = ver
-            glive[g] += 1
+            added += 1
             # `_place`, inlined: logged on the instance under a fresh stamp
             tp[h] = pseq
             log = inst.log
@@ -1432,13 +1443,16 @@ class Scheduler:
                 self._nhold[b] = self._nhold.get(b, 0) + 1
             sent += 1
             append(Dispatch(gid, idx, iid, ver, ta[h]))
+        if g >= 0:
+            gnext[g] = nxt
+            glive[g] += added
         lo_of[b] = lo
         self._pseq = pseq
         if sent:
             self._n_sent += sent
             self._occupied[b] += sent
             self._queued[b] -= sent
-        if not heap and self._queued.get(b) == 0 and b != self._bucket(self.newest):
+        if not heap and self._queued.get(b) == 0 and b != (self.newest if self._pinned else _ANY):
             del self._queue[b], self._queued[b]  # keep per-version dicts as short as the live set
 
     def _release(self, h: int) -> None:

@@ -1717,14 +1717,24 @@ class Scheduler:
         emptied = []
         dst = None
         dst_full = 0  # the running count at which `dst` reaches the threshold
+        lo_of = self._lo
         while True:
             lv = self._lv.get(v)
             if not lv or self._nhold.get(v, 0) <= -(-self._occupied.get(v, 0) // top):
                 break
-            low = min(lv)
+            # The lowest non-empty level above 0: walked up from the hint `_lo[v]` (at or below
+            # the lowest level) for a few steps, else a min over every level (with capacity 1,000
+            # a version has hundreds of levels, and this runs for every instance R5 empties).
+            low = lo_of[v]
             if not low:
+                low = 1
+            stop = low + 32
+            while low not in lv and low < stop:
+                low += 1
+            if low not in lv:
                 low = min(n for n in lv if n)
-            src = instances[next(iter(lv[low]))]
+            src = lv[low]
+            src = src[next(iter(src))]  # (a level maps id -> instance)
             stuck = (src.id, self._n_sent, self._n_landed)
             if self._r5_stuck.get(v) == stuck:
                 break  # it still runs only moved trajectories: nothing to move

@@ -2072,6 +2072,12 @@ class Scheduler:
         pools = self._pools
         fifo = self._pool_fifo
         dora = self.mode == "dora"
+        # The version just taken when its next group is known to pass `_feasible` without the
+        # test: it passed for a version `vg` that was the oldest unassigned one; taking one of its
+        # groups lowers both `cum` (at every version, all >= vg) and the bound `r - 1` by one, so
+        # the test passes again for `vg` while it stays unassigned (then still the oldest) and
+        # nothing else is taken (None: test).
+        sure = None
         while r > 0 and self._pool_n:
             # Each version's pool is ordered by the batch key, and feasibility depends only on
             # the version: the candidates are the heads of the live versions' pools.
@@ -2098,8 +2104,11 @@ class Scheduler:
                     v = next(iter(pools))  # (the only pooled version: nothing to compare)
                 else:
                     v = min(pools, key=lambda u: pools[u][0])
-                if self._feasible(v, r):
+                if v == sure and v in self._unassigned:
                     best = (pools[v][0], v)
+                elif self._feasible(v, r):
+                    best = (pools[v][0], v)
+                    sure = v if v == min(self._unassigned) else None
                 else:
                     waited = True
             if waited:
@@ -2107,6 +2116,8 @@ class Scheduler:
             if best is None:
                 break
             v = best[1]
+            if v != sure:
+                sure = None
             heap = pools[v]
             _, _, gid = heapq.heappop(heap)
             if not heap:

@@ -124,10 +124,11 @@ _JSON_VALUES = 1_000_000
 _JSON_CHARS = 100_000_000
 # An int of more than this many decimal digits is refused (in meta, a plugin key, a group id):
 # Python's default `sys.get_int_max_str_digits()`, past which `json.dumps` (writing the snapshot)
-# and `json.loads` (reading it back) raise ValueError. `-_INT_BOUND < x < _INT_BOUND` is cheap:
-# ints of different sizes are compared by their size first.
+# and `json.loads` (reading it back) raise ValueError. `_INT_LOW < x < _INT_BOUND` is cheap: ints
+# of different sizes are compared by their size first.
 _INT_DIGITS = 4300
 _INT_BOUND = 10**_INT_DIGITS
+_INT_LOW = -_INT_BOUND
 
 
 def _big_int(x: int, where: str) -> ProtocolError:
@@ -163,8 +164,22 @@ def _json_data(x: Any, where: str) -> Any:
     A group's `meta` is kept in this form from admission on, so policies see the same value in
     a run resumed from a JSON snapshot as in the uninterrupted run (`_on_group_admitted`)."""
     t = type(x)
-    if t is bool or x is None or (t is int and -_INT_BOUND < x < _INT_BOUND) or (t is str and len(x) <= _JSON_CHARS):
+    if t is bool or x is None or (t is int and _INT_LOW < x < _INT_BOUND) or (t is str and len(x) <= _JSON_CHARS):
         return x
+    if t is dict and len(x) < _JSON_VALUES:
+        # The common meta, a flat mapping of str keys to plain str, bool, None, int or finite
+        # float values: copied as is, without the walk.
+        chars = 0
+        for k, v in x.items():
+            tv = type(v)
+            if type(k) is not str or not (tv is str or tv is bool or v is None
+                                          or (tv is int and _INT_LOW < v < _INT_BOUND)
+                                          or (tv is float and v - v == 0.0)):
+                break
+            chars += len(k) + len(v) if tv is str else len(k)
+        else:
+            if chars <= _JSON_CHARS:
+                return dict(x)
     # [values left, characters left, the whole's name, {id: walked container's size}, deepest
     # level, "a container was met again"]
     budget = [_JSON_VALUES - 1, _JSON_CHARS, where, {}, 0, False]
@@ -213,7 +228,7 @@ def _json_walk(x: Any, path: Any, depth: int, budget: list) -> Any:
     if t is bool or x is None:
         return x
     if t is int:
-        if -_INT_BOUND < x < _INT_BOUND:
+        if _INT_LOW < x < _INT_BOUND:
             return x
         raise _big_int(x, _where(path))
     if t is float:
@@ -258,7 +273,7 @@ def _json_walk(x: Any, path: Any, depth: int, budget: list) -> Any:
                 # meta is a flat mapping)
                 if tv is str:
                     n_chars += len(v)
-                elif not (tv is bool or v is None or (tv is int and -_INT_BOUND < v < _INT_BOUND)):
+                elif not (tv is bool or v is None or (tv is int and _INT_LOW < v < _INT_BOUND)):
                     v = _json_walk(v, (path, k), depth + 1, budget)
                 out[k] = v
         else:
@@ -267,7 +282,7 @@ def _json_walk(x: Any, path: Any, depth: int, budget: list) -> Any:
                 tv = type(v)
                 if tv is str:
                     n_chars += len(v)
-                elif not (tv is bool or v is None or (tv is int and -_INT_BOUND < v < _INT_BOUND)):
+                elif not (tv is bool or v is None or (tv is int and _INT_LOW < v < _INT_BOUND)):
                     out[i] = _json_walk(v, (path, i), depth + 1, budget)
         budget[1] -= n_chars
         if budget[1] < 0:
@@ -304,13 +319,13 @@ def _json_key(key: Any, hook: str) -> tuple:
     out = None
     for i, x in enumerate(key):
         t = type(x)
-        if t is str or t is bool or x is None or (t is int and -_INT_BOUND < x < _INT_BOUND):
+        if t is str or t is bool or x is None or (t is int and _INT_LOW < x < _INT_BOUND):
             y = x
         elif isinstance(x, float) and (y := float.__float__(x)) - y == 0.0:
             pass
         elif isinstance(x, int) and t is not bool:
             y = int.__int__(x)  # (the value, as JSON writes it: `int()` may call an override)
-            if not -_INT_BOUND < y < _INT_BOUND:
+            if not _INT_LOW < y < _INT_BOUND:
                 raise _big_int(y, f"{hook} returned a key whose element {i}")
         elif isinstance(x, str):
             y = str.__str__(x)  # (the value: `str()` gives a `(str, Enum)` member's name)
@@ -954,7 +969,7 @@ class Scheduler:
                 f"GroupAdmitted.group_id {_brief(gid)} ({type(gid).__name__}): a group id must be an int "
                 f"or a str (a JSON scalar that survives the snapshot's JSON round trip), not a bool"
             )
-        if isinstance(gid, int) and not -_INT_BOUND < gid < _INT_BOUND:
+        if isinstance(gid, int) and not _INT_LOW < gid < _INT_BOUND:
             raise _big_int(gid, "GroupAdmitted.group_id")
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")

@@ -473,12 +473,19 @@ def test_a_meta_of_shared_sub_objects_past_the_limit_is_refused_without_walking_
         "counted")
 
 
-def test_a_meta_of_shared_strs_past_the_character_limit_is_refused():
-    """A 1,000,000-character str appearing 101 times: 101,000,000 characters written out."""
+@pytest.mark.parametrize("form", ["list", "flat"])
+def test_a_meta_of_shared_strs_past_the_character_limit_is_refused(form):
+    """A 1,000,000-character str appearing 101 times (in a list, or as the values of a flat
+    mapping): 101,000,000 characters written out."""
     s, before = _ready()
     text = "x" * 1_000_000
-    _refused_and_nothing_changed(s, before, E.GroupAdmitted("g", {"texts": [text] * 101}),
+    meta = {"texts": [text] * 101} if form == "list" else {f"t{i}": text for i in range(101)}
+    _refused_and_nothing_changed(s, before, E.GroupAdmitted("g", meta),
                                  "GroupAdmitted.meta: JSON data of more than 100,000,000 characters of str")
+    if form == "flat":  # (99 appearances and the keys: under the limit, admitted)
+        meta.popitem(), meta.popitem()
+        s.handle(E.GroupAdmitted("flat", meta))
+        assert s.groups["flat"].meta == meta
 
 
 def test_the_value_limit_is_exact_and_a_shared_meta_under_it_is_kept_as_a_tree():

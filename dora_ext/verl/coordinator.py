@@ -37,9 +37,13 @@ was reported before its release arrived) is *held*: not handed out (``take_work`
 Otherwise the request could reach the server behind the load (parked behind the load's abort,
 or queued behind it) and run under the new version: a resumed trajectory would span two
 versions. Ungrouped requests go to an instance with no load pending whenever one is loaded, so
-they do not keep a held load waiting. A request never released (its caller cancelled after this
-actor answered the acquire: verl 0.9.1's v1 agent loop cancels none) would keep its instance's
-load held; ``loads_held_now`` in the metrics shows such a load.
+they do not keep a held load waiting. verl's ``generate`` releases in a ``finally`` entered only
+once the acquire's answer reached it: a caller cancelled while it waits for that answer (the
+coordinator's acquire runs on, cancelling a wait on a Ray ``ObjectRef`` does not cancel the actor
+task) would never release, and its instance's load would stay held for good.
+``DoraLLMServerClient._acquire_server`` releases such an acquire once it answers. A request never
+released for another reason (a caller that is not dora's client) keeps its instance's load held;
+``loads_held_now`` in the metrics shows such a load.
 """
 
 from __future__ import annotations

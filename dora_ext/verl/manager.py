@@ -18,6 +18,7 @@ Everything else (agent loops, tokenisation, reward, TransferQueue writes) is ver
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 from dataclasses import dataclass
@@ -56,11 +57,34 @@ class DoraLLMServerClient(FullyAsyncLLMServerClient):
         return self._load_balancer
 
     async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
+        """The coordinator's answer: ``(server id, handle)``; the coordinator counts the request in
+        flight on that server until its release.
+
+        verl's ``generate`` releases in a ``finally`` that starts only once this returned. A caller
+        cancelled while this waits (for the Dispatch, or for the answer on its way back) never
+        reaches it, while the coordinator's acquire runs on (cancelling the wait on a Ray
+        ``ObjectRef`` does not cancel the actor task) and counts the request: nothing would release
+        it, and a load held for that server would stay held for good. The answer is therefore
+        awaited shielded, and when the caller is cancelled, the acquire is released as soon as it
+        answers (an acquire that fails counted nothing: nothing to release)."""
         route = current_route.get()
         fields: dict[str, Any] = {}
         if route is not None:
             fields = {"dora_group": route.group, "dora_index": route.index, "dora_validate": route.validate}
-        return await self._load_balancer.acquire_server.remote(request_id=request_id, **fields)
+        answer = asyncio.ensure_future(self._load_balancer.acquire_server.remote(request_id=request_id, **fields))
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            answer.add_done_callback(lambda done: self._release_abandoned(done, request_id))
+            raise
+
+    def _release_abandoned(self, answer: asyncio.Future, request_id: str) -> None:
+        """Release an acquire whose caller was cancelled before it got the answer."""
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        server_id = answer.result()[0]
+        logger.warning("dora: request %s was cancelled while acquiring; releasing its server %s", request_id, server_id)
+        self._release_server(server_id, request_id=request_id)
 
 
 class _DoraWorkerMixin:

@@ -112,11 +112,77 @@ class Server:
         self.arrived.clear()
 
 
-def client_of(coord: DoraCoordinator):
-    """Our ``DoraLLMServerClient`` (on verl's real client) balanced by `coord` through a handle."""
+def client_of(coord: DoraCoordinator, handle=None):
+    """Our ``DoraLLMServerClient`` (on verl's real client) balanced by `coord` through a handle
+    (`handle`, else an in-process ``Handle``)."""
     from omegaconf import OmegaConf
 
     from dora_ext.verl.manager import DoraLLMServerClient
 
     return DoraLLMServerClient(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}}),
-                               load_balancer_handle=Handle(coord))
+                               load_balancer_handle=handle if handle is not None else Handle(coord))
+
+
+class RayLikeHandle:
+    """An actor handle stand-in closer to Ray's for cancellation: ``handle.method.remote(...)`` runs
+    the method as its own task (an actor task) and returns a separate future for its answer (an
+    ``ObjectRef``); cancelling that future, or the task awaiting it, does not cancel the method
+    (Ray's ``ObjectRef.future()``: "the future cancellation will not cancel the corresponding
+    task"). ``hold(name)`` keeps the answers of `name` on their way back until ``deliver(name)``;
+    ``await finished(name, n)`` returns once `n` calls of `name` have run (answered or not)."""
+
+    def __init__(self, obj):
+        self._obj = obj
+        self._gates: dict[str, asyncio.Event] = {}
+        self.runs: dict[str, int] = {}
+        self._ran = asyncio.Condition()
+        self._tasks: set = set()
+
+    def hold(self, name: str) -> None:
+        self._gates[name] = asyncio.Event()
+
+    def deliver(self, name: str) -> None:
+        self._gates.pop(name).set()
+
+    async def finished(self, name: str, n: int) -> None:
+        async with self._ran:
+            await self._ran.wait_for(lambda: self.runs.get(name, 0) >= n)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _RayLikeMethod(self, name)
+
+
+class _RayLikeMethod:
+    def __init__(self, handle: RayLikeHandle, name: str):
+        self.handle, self.name = handle, name
+
+    def remote(self, *args, **kwargs):
+        handle, name = self.handle, self.name
+        answer = asyncio.get_running_loop().create_future()
+        gate = handle._gates.get(name)
+
+        async def run():
+            try:
+                out = getattr(handle._obj, name)(*args, **kwargs)
+                if asyncio.iscoroutine(out):
+                    out = await out
+                result = (out, None)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, as Ray does
+                result = (None, exc)
+            async with handle._ran:
+                handle.runs[name] = handle.runs.get(name, 0) + 1
+                handle._ran.notify_all()
+            if gate is not None:
+                await gate.wait()
+            if not answer.done():  # (the caller may have cancelled its future)
+                if result[1] is not None:
+                    answer.set_exception(result[1])
+                else:
+                    answer.set_result(result[0])
+
+        task = asyncio.ensure_future(run())
+        handle._tasks.add(task)
+        task.add_done_callback(handle._tasks.discard)
+        return answer

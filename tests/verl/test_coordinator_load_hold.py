@@ -24,7 +24,8 @@ import pytest
 
 from dora_ext.verl.coordinator import DoraCoordinator
 
-from .coordinator_helpers import ONE, Handle, Server, all_but_the_last_two_done, before_the_move, client_of, started
+from .coordinator_helpers import (ONE, Handle, RayLikeHandle, Server, all_but_the_last_two_done, before_the_move,
+                                  client_of, started)
 
 
 def _before_the_move() -> DoraCoordinator:
@@ -288,6 +289,88 @@ def test_verls_client_sends_the_request_id_its_release_is_matched_by():
     asyncio.run(run())
     assert coord.get_inflight_count("s1") == 0 and coord.acquired == {}
     assert coord.metrics()["unmatched_releases"] == 0
+
+
+@pytest.mark.parametrize("point", ["waiting_for_dispatch", "answer_on_its_way", "in_flight"])
+def test_a_caller_cancelled_after_acquiring_releases_and_the_held_load_goes_out(point):
+    """The caller of verl's ``generate`` (``DoraLLMServerClient`` on verl's real client code) is
+    cancelled between its acquire and the end of its request, at three points:
+
+    * `waiting_for_dispatch`: the coordinator's acquire waits for g1/1's Dispatch (before the
+      offer); it goes on after the caller is gone and counts the request on s1;
+    * `answer_on_its_way`: the coordinator answered (s1 counts the request) and the answer has not
+      reached the caller: nothing was sent to the server;
+    * `in_flight`: the request runs on s1 (verl's own ``finally`` releases it).
+
+    Then R5 moves g1/1 off instance 1, whose load of version 1 is held while s1 counts the request.
+    Before the fix the first two never released: s1 counted the request for good and the load
+    stayed held. Now the acquire is released once its answer comes back, and the held load goes
+    out from that release (``loads_released``). Stand-ins (``RayLikeHandle``): the actor handles,
+    with Ray's rule that cancelling the wait on an answer does not cancel the actor's task; the
+    scripted servers. Each order is forced by holding the acquire's answer until the test lets it
+    go and by waiting on the server's arrival; no sleeps."""
+    pytest.importorskip("verl")
+    from dora_ext.verl.manager import Route, current_route
+
+    coord = started(ONE) if point == "waiting_for_dispatch" else before_the_move()
+
+    async def run():
+        servers = {"s0": Server(), "s1": Server()}
+        servers["s1"].hold = True  # a request on s1 runs until the test aborts it
+        coord.handles = {sid: RayLikeHandle(server) for sid, server in servers.items()}
+        lb = RayLikeHandle(coord)
+        client = client_of(coord, lb)
+        if point != "in_flight":
+            lb.hold("acquire_server")  # its answer waits on its way back until deliver()
+        token = current_route.set(Route("g1", 1))
+        try:
+            caller = asyncio.ensure_future(
+                client.generate(request_id="r", prompt_ids=[1, 2], sampling_params={"max_tokens": 3}))
+        finally:
+            current_route.reset(token)
+        if point == "waiting_for_dispatch":
+            for _ in range(20):  # let the acquire reach its wait for the Dispatch
+                if ("g1", 1) in coord.waiters:
+                    break
+                await asyncio.sleep(0)
+            assert ("g1", 1) in coord.waiters and coord.get_total_inflight() == 0
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            coord.offer([f"g{i}" for i in range(10)])  # dispatches g1/1 onto instance 1
+            all_but_the_last_two_done(coord)
+            await lb.finished("acquire_server", 1)  # the acquire went on without its caller
+        elif point == "answer_on_its_way":
+            await lb.finished("acquire_server", 1)
+        else:
+            await servers["s1"].next_arrival()
+        assert coord.get_inflight_count("s1") == 1 and coord.route[("g1", 1)] == 1
+        coord.step_finished(1)  # R5 moves g1/1 onto instance 0; instance 1's load of version 1 is held
+        assert coord.metrics()["loads_held_now"] == 1 and coord.take_work() == {"load": [], "abort": [1]}
+        if point != "waiting_for_dispatch":
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+        if point != "in_flight":
+            assert coord.get_inflight_count("s1") == 1  # released only once the answer is back
+            lb.deliver("acquire_server")
+        try:  # (a bound on a failure, not a wait for timing: the release follows within a few loop turns)
+            await asyncio.wait_for(lb.finished("release_server", 1), 10)
+        except asyncio.TimeoutError:
+            pytest.fail(f"the cancelled request was never released: s1 counts {coord.get_inflight_count('s1')}, "
+                        f"loads held now {coord.metrics()['loads_held_now']}")
+        assert coord.get_inflight_count("s1") == 0 and coord.acquired == {}
+        assert coord.take_work() == {"load": [(1, 1)], "abort": []}  # the held load went out at the release
+        # Only the in-flight request reached the server (the client never got the others' answer).
+        assert servers["s1"].prompts == ([2] if point == "in_flight" else [])
+        servers["s1"].aborted.set()  # the cancelled request's server task ends (its answer is dropped)
+        return coord.metrics()
+
+    m = asyncio.run(run())
+    assert m["loads_held"] == 1 and m["loads_released"] == 1 and m["loads_held_now"] == 0
+    assert m["unmatched_releases"] == 0
+    coord.loaded([1], 1)
+    assert coord.versions[1] == 1
 
 
 def test_pending_load_versions_lists_held_queued_and_running_loads():

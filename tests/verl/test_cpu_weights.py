@@ -107,3 +107,105 @@ def test_store_load_waits_for_publication_in_both_orders_and_first_publication_w
         return version, digest, again[2], torch.equal(again[1]["x"], w["x"])
 
     assert asyncio.run(run()) == (5, "a", "a", True)
+
+
+def _store_with(versions, keep):
+    """A store (real ``WeightStore``) that published `versions`, each ``{"x": full(v)}``."""
+    from dora_ext.verl.cpu.weights import WeightStore
+
+    store = WeightStore(keep_versions=keep)
+
+    async def run():
+        for v in versions:
+            await store.publish(v, {"x": torch.full((2,), float(v))}, f"c{v}")
+
+    asyncio.run(run())
+    return store
+
+
+def test_a_load_of_a_version_the_store_does_not_hold_raises_naming_it_and_never_gets_other_weights():
+    """Tries every way a load could get weights other than the version it names: a version evicted
+    (older than the kept ones), a version never published below the newest, no version (None, which
+    before took the newest held while the sender published under -1), a non-integer version. Each
+    raises at once (no wait for a publication that cannot come), naming the version and what is
+    held; a kept version answers with its own weights."""
+    store = _store_with([0, 1, 2, 3, 4, 5], keep=3)
+    assert sorted(store.versions) == [3, 4, 5]
+
+    async def fetch(v):
+        return await asyncio.wait_for(store.fetch(v), 5)  # a bound on a failure (a hang), not timing
+
+    with pytest.raises(KeyError, match=r"version 1 is no longer kept \(held: \[3, 4, 5\]"):
+        asyncio.run(fetch(1))
+    gap = _store_with([0, 1, 4], keep=8)  # 2 and 3 never published (a gap below the newest)
+    with pytest.raises(KeyError, match=r"version 2 was never published and is older than the newest published, 4 "
+                                       r"\(held: \[0, 1, 4\]\)"):
+        asyncio.run(asyncio.wait_for(gap.fetch(2), 5))
+    for bad in (None, "4", 4.0, True):
+        with pytest.raises(ValueError, match=r"must name the version it loads .*held: \[3, 4, 5\]"):
+            asyncio.run(fetch(bad))
+    version, named, digest = asyncio.run(fetch(4))
+    assert (version, digest, named["x"].tolist()) == (4, "c4", [4.0, 4.0])
+
+
+def test_a_version_evicted_while_its_load_waits_raises():
+    """A load waiting for version 7 (not published yet) when 7 is published and, before the load
+    resumes, evicted by newer ones (keep 1): it raises, it does not take the newest weights."""
+    store = _store_with([5, 6], keep=1)
+
+    async def run():
+        load = asyncio.ensure_future(store.fetch(7))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not load.done()
+        # Published and evicted with no await in between: the load resumes after both.
+        await store.publish(7, {"x": torch.zeros(2)}, "c7")
+        await store.publish(8, {"x": torch.ones(2)}, "c8")
+        return await load
+
+    with pytest.raises(KeyError, match=r"version 7 is no longer kept \(held: \[8\]"):
+        asyncio.run(run())
+
+
+class _Answering:
+    """Stands in for the weight store's actor handle: ``fetch.remote(v)`` answers `answer` (a
+    version other than the one asked for: what the check after a fetch must refuse)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.asked = []
+        self.fetch = self
+
+    def remote(self, version):
+        self.asked.append(version)
+
+        async def out():
+            return self.answer, {"x": torch.zeros(2)}, "c"
+
+        return out()
+
+
+def test_receive_weights_checks_the_version_it_got_and_refuses_none():
+    """The checkpoint engine's receive (real ``DoraCpuCheckpointEngine``): the version the store
+    answered with must be the one asked for, else nothing is yielded; a receive or a send without a
+    version raises (before: the send published under -1, the receive took the newest held)."""
+    from dora_ext.verl.cpu.weights import DoraCpuCheckpointEngine
+
+    async def drain(engine, steps):
+        return [name async for name, _ in engine.receive_weights(global_steps=steps)]
+
+    engine = DoraCpuCheckpointEngine(is_master=True)
+    engine._store = _Answering(3)
+    with pytest.raises(RuntimeError, match="asked the weight store for version 4, it answered with version 3"):
+        asyncio.run(drain(engine, 4))
+    assert asyncio.run(drain(engine, 3)) == ["x"]
+    assert engine._store.asked == [4, 3]
+    with pytest.raises(ValueError, match="receive_weights needs the version it loads"):
+        asyncio.run(drain(engine, None))
+    assert engine._store.asked == [4, 3]  # the store was not asked
+
+    async def send(steps):
+        return await engine.send_weights(iter([("x", torch.ones(2))]), global_steps=steps)
+
+    with pytest.raises(ValueError, match="send_weights needs the version it publishes"):
+        asyncio.run(send(None))

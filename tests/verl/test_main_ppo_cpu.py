@@ -111,14 +111,16 @@ def _tail(log: str) -> str:
     return "\n".join(errs[-20:]) + "\n...\n" + text[-3000:]
 
 
-def _assert_run(res: dict, *, live_at_least: int | None = None) -> None:
+def _assert_run(res: dict, *, staleness_reaches: int | None = None) -> None:
     assert res["c1_ok"], res
     assert res["c2_ok"], res
     assert res["c3_ok"], res
     assert res["weights_checksum_ok"], res
     assert res["finite_loss"], res
-    if live_at_least is not None:
-        assert res["max_live_versions"] >= live_at_least, res
+    if staleness_reaches is not None:
+        # Two versions were live at once (a group of version v trained after v + 1 was published),
+        # and no more than K + 1 (c3_ok above, from verl's own staleness metric).
+        assert res["trained_staleness_max"] == staleness_reaches, res
 
 
 def _assert_moves(metrics: list[dict], reports: list[dict]) -> None:
@@ -163,7 +165,15 @@ def test_dora_k1_six_steps(assets, tmp_path):
     metrics, reports = load_run(work, "dora")
     res = analyze(metrics, reports, mode="dora", max_staleness=1)
     assert res["steps"] == 6, res
-    _assert_run(res, live_at_least=2)
+    # Old and new versions overlap by construction, not by timing: R2 lets version 0 admit K + 1 = 2
+    # batches and the trainer offers both at the start (one warm-up batch), so step 2 trains groups
+    # of version 0 after version 1 was published (staleness 1 = K). Whether an old version's request
+    # is still generating when a replica starts the new one (``max_live_versions`` >= 2) depends on
+    # timing (it failed once under load): printed, not asserted.
+    _assert_run(res, staleness_reaches=1)
+    staleness_2 = [r["staleness"] for r in reports if r["kind"] == "train" and r["global_steps"] == 2]
+    assert staleness_2 == [[1, 1, 1, 1]], staleness_2
+    print(f"max live versions generating at once: {res['max_live_versions']}")
     _assert_moves(metrics, reports)
     # Version 0 as published by the actor is the model on disk (a reference the publisher did not write).
     assert published_checksums(reports)[0] == reference_checksum(os.path.join(work, "model"))

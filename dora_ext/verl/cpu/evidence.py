@@ -6,6 +6,12 @@ trusts the scheduler's own bookkeeping:
 
 * ``max_live_versions``: the most weight versions generating at the same moment on the replicas
   (from each request's start and end and the version the replica reported for it);
+  (timing-dependent: two versions generate at once only while one replica still serves the old
+  version when another starts the new one);
+* ``trained_staleness_max``: the largest staleness of a trained group in the train reports (the
+  version the actor had when it trained the group minus the version the group was generated
+  under): K means a group of version v was trained after version v + 1 was published, i.e. two
+  versions were live in the run at once (v's trajectories and v + 1), whatever the timing;
 * ``c1_ok``: every trained trajectory spans one engine-reported version (verl's
   ``training/off_policy/trajectory_spans/max`` == 1, computed from the TransferQueue tags that
   carry the versions the servers returned) and, in mode ``dora``, the sampler's ``dora/c1_ok``;
@@ -160,6 +166,8 @@ def analyze(metrics: list[dict], reports: list[dict], *, mode: str, max_stalenes
         "steps_per_s": (len(timed) / step_s) if step_s > 0 else 0.0,
         "tokens_per_s": (tokens / step_s) if step_s > 0 else 0.0,
         "max_live_versions": max_live_versions(reports),
+        "trained_staleness_max": max((int(v) for r in reports if r.get("kind") == "train"
+                                      for v in r.get("staleness", ())), default=None),
         "c1_ok": c1,
         "c2_ok": c2,
         "c3_ok": c3,

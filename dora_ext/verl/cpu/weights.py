@@ -15,7 +15,11 @@ Unlike NCCL's broadcast, a send and a receive need not meet:
 * ``receive_weights(global_steps=v)`` on a rollout worker waits until ``v`` is published and
   yields that copy. A replica can thus load any kept version at any time, without the actor
   (``DoraTrainer`` loads drained replicas from the store straight from its coordinator, off the
-  trainer thread).
+  trainer thread). A load never gets other weights than the version it names: a version no
+  longer kept, or older than the newest published and never published, raises (naming it and
+  the versions held), and the version the store answered with is checked against the one asked
+  for. Both sides need ``global_steps`` (None raises: an unnamed sync cannot be matched to a
+  publication; before, it was published as -1 while the load took the newest version held).
 
 Cost per publish: one full copy of the weights to host memory and one transfer into the store;
 per load: one transfer out of the store. No process group is built (``prepare``,
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import operator
 import time
 from typing import Any, AsyncGenerator, Generator
 
@@ -79,17 +84,37 @@ class WeightStore:
         self._event(version).set()
         return True
 
-    async def fetch(self, version: int | None) -> tuple[int, dict, str]:
-        if version is None:
-            if not self.versions:
-                raise KeyError("dora_cpu weight store: nothing published yet")
-            version = max(self.versions)
-        version = int(version)
-        await self._event(version).wait()
+    async def fetch(self, version: int) -> tuple[int, dict, str]:
+        """The weights published as `version`: ``(version, named tensors, checksum)``.
+
+        Waits while `version` is newer than every version published (a load may start before its
+        publication). Never answers with other weights: a version not named (None), no longer
+        kept, or older than the newest published and never published raises, naming the version
+        and what is held."""
+        try:
+            if isinstance(version, bool):
+                raise TypeError
+            version = operator.index(version)
+        except TypeError:
+            raise ValueError(f"dora_cpu weight store: a load must name the version it loads (global_steps, an "
+                             f"integer), got {version!r}; held: {sorted(self.versions)}") from None
         if version not in self.versions:
-            raise KeyError(f"dora_cpu weight store: version {version} is no longer kept (kept: {sorted(self.versions)})")
+            self._missing(version)  # raises unless it may still be published
+        await self._event(version).wait()
+        if version not in self.versions:  # published, and already evicted by newer ones
+            self._missing(version)
         named, digest = self.versions[version]
         return version, named, digest
+
+    def _missing(self, version: int) -> None:
+        held = sorted(self.versions)
+        if version in self.checksums:
+            raise KeyError(f"dora_cpu weight store: version {version} is no longer kept (held: {held}; "
+                           f"engine_kwargs.dora_cpu.keep_versions={self.keep})")
+        newest = max(self.checksums, default=None)
+        if newest is not None and version < newest:
+            raise KeyError(f"dora_cpu weight store: version {version} was never published and is older than "
+                           f"the newest published, {newest} (held: {held})")
 
     def published(self) -> dict[int, str]:
         return dict(self.checksums)
@@ -146,13 +171,23 @@ def _register():
                     named[name] = tensor.detach().to("cpu").clone()
             if not self.is_master:
                 return {}
+            if global_steps is None:
+                raise ValueError("dora_cpu: send_weights needs the version it publishes (global_steps), got None: "
+                                 "a load names the version it loads, and an unnamed publication could not be "
+                                 "told apart from the others")
             digest = checksum(named)
-            version = -1 if global_steps is None else int(global_steps)
+            version = int(global_steps)
             fresh = await self._get_store().publish.remote(version, named, digest)
             return {"dora_cpu/publish_s": time.perf_counter() - start, "dora_cpu/published_new": float(fresh)}
 
         async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator:
-            _, named, _ = await self._get_store().fetch.remote(global_steps)
+            if global_steps is None:
+                raise ValueError("dora_cpu: receive_weights needs the version it loads (global_steps), got None: "
+                                 "the store would not know which published weights to hand out")
+            got, named, _ = await self._get_store().fetch.remote(int(global_steps))
+            if got != int(global_steps):
+                raise RuntimeError(f"dora_cpu: asked the weight store for version {global_steps}, "
+                                   f"it answered with version {got}: not loaded")
             for name, tensor in named.items():
                 yield name, tensor
 

@@ -1880,7 +1880,9 @@ class Scheduler:
             while low not in lv and low < stop:
                 low += 1
             if low not in lv:
-                low = min(n for n in lv if n)
+                low = min(lv)
+                if not low:
+                    low = min(n for n in lv if n)
             src = lv[low]
             src = src[next(iter(src))]  # (a level maps id -> instance)
             stuck = (src.id, self._n_sent, self._n_landed)

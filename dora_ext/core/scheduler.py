@@ -1899,22 +1899,33 @@ class Scheduler:
                     # The most loaded holder still below the threshold (the previous destination
                     # stays the best until it reaches it, so this search runs once per filled one).
                     dst = None
-                    # (the levels below `top`, highest first: counted down when that is the shorter
-                    # walk, else sorted; the same order either way)
-                    if top <= 2 * len(lv):
-                        levels = range(top - 1, 0, -1)
-                    else:
-                        levels = sorted([n for n in lv if 0 < n < top], reverse=True)
-                    for level in levels:
-                        if level not in lv:
-                            continue
-                        for iid in lv[level]:
-                            if iid != src.id and level < max(1, int(fill * instances[iid].capacity)):
-                                dst = instances[iid]
+                    # The levels below `top`, highest first. Mostly the highest level of all is
+                    # below `top` and holds an instance other than `src`: that one is tried first
+                    # (a max over the levels, no list built and sorted); else the levels are
+                    # walked in order, counted down when that is the shorter walk, else sorted
+                    # (the same order either way; the highest level, tried again, takes nothing).
+                    hi = max(lv)
+                    if 0 < hi < top:
+                        for iid, inst in lv[hi].items():  # (a level maps id -> instance)
+                            if iid != src.id and hi < max(1, int(fill * inst.capacity)):
+                                dst = inst
                                 dst_full = max(1, int(fill * dst.capacity))
                                 break
-                        if dst is not None:
-                            break
+                    if dst is None:
+                        if top <= 2 * len(lv):
+                            levels = range(top - 1, 0, -1)
+                        else:
+                            levels = sorted([n for n in lv if 0 < n < top], reverse=True)
+                        for level in levels:
+                            if level not in lv:
+                                continue
+                            for iid in lv[level]:
+                                if iid != src.id and level < max(1, int(fill * instances[iid].capacity)):
+                                    dst = instances[iid]
+                                    dst_full = max(1, int(fill * dst.capacity))
+                                    break
+                            if dst is not None:
+                                break
                     if dst is None:
                         break
                 self._move(v, h, src, dst)

@@ -253,13 +253,22 @@ def _json_walk(x: Any, path: Any, depth: int, budget: list) -> Any:
             raise ProtocolError(f"{_where(path)}: JSON data nested deeper than {_JSON_DEPTH} levels (or a cycle)")
         values, chars, deepest = budget[0], budget[1], budget[4]
         budget[4] = depth
-        budget[0] -= len(x)  # (all its items charged before any is walked)
+        # All its items charged before any is walked. An exact dict, list or tuple holds `len(x)`
+        # items; a subclass's `__len__` may say anything, and its `items()` or `__iter__` (what
+        # JSON and this walk read) may yield more than it holds: what it yields is counted, up to
+        # one item past the limit.
+        if is_dict:
+            items = x.items() if t is dict else list(itertools.islice(x.items(), budget[0] + 1))
+            budget[0] -= len(items)
+        else:
+            out = list(x) if t is list or t is tuple else list(itertools.islice(x, budget[0] + 1))
+            budget[0] -= len(out)
         if budget[0] < 0:
             raise _over(budget)
         n_chars = 0
         if is_dict:
             out = {}
-            for k, v in x.items():
+            for k, v in items:
                 if type(k) is not str:
                     if not isinstance(k, str):
                         raise ProtocolError(
@@ -277,7 +286,7 @@ def _json_walk(x: Any, path: Any, depth: int, budget: list) -> Any:
                     v = _json_walk(v, (path, k), depth + 1, budget)
                 out[k] = v
         else:
-            out = list(x)  # (a copy; items that are not a plain str, bool, int or None replaced below)
+            # (`out`, a copy: items that are not a plain str, bool, int or None replaced below)
             for i, v in enumerate(out):
                 tv = type(v)
                 if tv is str:

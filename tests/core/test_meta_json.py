@@ -654,3 +654,58 @@ def test_random_shared_metas_are_kept_or_refused_as_a_tree_walk_decides(limits, 
             _no_sharing(kept, set())
             seen["kept"] += 1
     assert seen["kept"] > 100 and len(seen) > 1, seen  # (both outcomes drawn)
+
+
+# --- Containers whose `len()` is not what they hold (review of the limits) -----------------
+
+
+class _LenZeroList(list):
+    def __len__(self):  # (a list subclass may say anything; `list()` and JSON iterate it)
+        return 0
+
+
+class _LenZeroDict(dict):
+    def __len__(self):
+        return 0
+
+
+class _ItemsDict(dict):
+    """Holds one item but its `items()` (what JSON and the walk read) yields `self.n`."""
+
+    def __init__(self, n):
+        super().__init__(a=0)
+        self.n = n
+
+    def items(self):
+        return ((f"k{i}", i) for i in range(self.n))
+
+
+class _IterList(list):
+    """Empty, but its `__iter__` (what JSON and the walk read) yields `self.n` items."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("make", [lambda n: _LenZeroList(range(n)), lambda n: _LenZeroDict((f"k{i}", i) for i in range(n)),
+                                  _ItemsDict, _IterList], ids=["len-list", "len-dict", "items-dict", "iter-list"])
+def test_a_container_whose_len_lies_is_charged_what_it_yields(make, monkeypatch):
+    """The walk charged a container `len(x)` values before walking it, and its items were not
+    charged again: a list or dict subclass whose `__len__` said 0 (or whose `items()` or
+    `__iter__` yields more than it holds) passed any number of values under the limit. It is
+    charged what it yields now (and reads at most one item past the limit)."""
+    from dora_ext.core import scheduler as S
+
+    monkeypatch.setattr(S, "_JSON_VALUES", 100)
+    for where in ("top", "nested"):
+        over = make(500)
+        with pytest.raises(ProtocolError, match=r"^m: JSON data of more than 100 values"):
+            S._json_data(over if where == "top" else {"x": [over]}, "m")
+        under = make(90)
+        meta = under if where == "top" else {"x": [under]}
+        kept = S._json_data(meta, "m")
+        assert kept == json.loads(json.dumps(meta)) and json.dumps(meta).count(",") == 89  # (90 items, as JSON writes them)

@@ -978,7 +978,8 @@ class Scheduler:
                 f"GroupAdmitted.group_id {_brief(gid)} ({type(gid).__name__}): a group id must be an int "
                 f"or a str (a JSON scalar that survives the snapshot's JSON round trip), not a bool"
             )
-        if isinstance(gid, int) and not _INT_LOW < gid < _INT_BOUND:
+        # (an int subclass's value compared: its own `<` and `>` are called first, and may say anything)
+        if isinstance(gid, int) and not _INT_LOW < (gid if type(gid) is int else int.__int__(gid)) < _INT_BOUND:
             raise _big_int(gid, "GroupAdmitted.group_id")
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")

@@ -709,3 +709,26 @@ def test_a_container_whose_len_lies_is_charged_what_it_yields(make, monkeypatch)
         meta = under if where == "top" else {"x": [under]}
         kept = S._json_data(meta, "m")
         assert kept == json.loads(json.dumps(meta)) and json.dumps(meta).count(",") == 89  # (90 items, as JSON writes them)
+
+
+class _AlwaysIn(int):
+    """An int whose comparisons say True: Python calls a subclass's reflected `>` first, so
+    `low < x < high` asked `x` itself."""
+
+    def __lt__(self, other):
+        return True
+
+    def __gt__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+def test_a_group_id_of_an_int_subclass_is_bounded_by_its_value():
+    """The group id's bound compared the id itself: an int subclass whose `<` and `>` say True
+    was admitted with 4,301 digits, and `json.dumps(snapshot)` raised ValueError later."""
+    s, before = _ready()
+    _refused_and_nothing_changed(s, before, E.GroupAdmitted(_AlwaysIn(_BIG)),
+                                 "GroupAdmitted.group_id is <_AlwaysIn of 14285 bits>: an int of more than 4,300")
+    s.handle(E.GroupAdmitted(_AlwaysIn(7)))
+    assert json.loads(json.dumps(s.snapshot()))["groups"][-1][0] == 7

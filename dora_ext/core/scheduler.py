@@ -325,6 +325,10 @@ def _json_key(key: Any, hook: str) -> tuple:
     hook."""
     if isinstance(key, (str, bytes)) or not isinstance(key, (tuple, list)):
         raise ProtocolError(f"{hook} returned {_brief(key)} ({type(key).__name__}): expected a tuple of JSON scalars")
+    if type(key) is not tuple:
+        # (read once, here: a tuple or list subclass's `__iter__` or `__getitem__` may give other
+        # elements each time, and what is kept must be what was checked)
+        key = tuple(key)
     out = None
     for i, x in enumerate(key):
         t = type(x)
@@ -350,7 +354,7 @@ def _json_key(key: Any, hook: str) -> tuple:
             out.append(y)
     if out is not None:
         return tuple(out)
-    return key if type(key) is tuple else tuple(key)
+    return key
 
 
 def _ordered(key: tuple) -> tuple:

@@ -732,3 +732,31 @@ def test_a_group_id_of_an_int_subclass_is_bounded_by_its_value():
                                  "GroupAdmitted.group_id is <_AlwaysIn of 14285 bits>: an int of more than 4,300")
     s.handle(E.GroupAdmitted(_AlwaysIn(7)))
     assert json.loads(json.dumps(s.snapshot()))["groups"][-1][0] == 7
+
+
+class _Flip(tuple):
+    """A key whose first iteration yields `(1, "a")` and every later one `(1, <4,301-digit int>)`."""
+
+    def __iter__(self):
+        self.n = getattr(self, "n", 0) + 1
+        return iter((1, "a") if self.n == 1 else (1, _BIG))
+
+
+@pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
+def test_a_key_is_read_once_and_what_was_checked_is_kept(hook):
+    """`_json_key` checked a key's elements by iterating it, then kept `tuple(key)`, which
+    iterates a tuple or list subclass again: what its second iteration yielded (here an int
+    JSON cannot write) was kept unchecked, and `json.dumps(snapshot)` raised later. The key is
+    read once now: what was checked is what is kept."""
+    from dora_ext.core.scheduler import _json_key
+
+    assert _json_key(_Flip(), hook) == (1, "a")
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_key_plugin(hook, _Flip()))
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
+                                        "batch_size": 2}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    assert json.loads(json.dumps(s.snapshot(), allow_nan=False))["groups"][0][0] == "g"

@@ -969,3 +969,28 @@ def test_the_flat_fast_path_decides_as_the_walk_on_random_flat_dicts():
                     assert fast[1] is not d and _same(fast[1], json.loads(json.dumps(d)))
                 seen[fast[0] if fast[0] == "kept" else fast[1]] += 1
     assert seen["kept"] > 1000 and len(seen) >= 6, seen
+
+
+def test_a_refused_batch_key_applies_the_finish_and_answers_its_dispatch_with_the_next_event():
+    """The finish whose batch key is refused frees its slot, and the scheduler dispatches queued
+    work into it before the key is computed: that `Dispatch` is not lost with the answer the
+    `ProtocolError` replaced, it comes in the answer to the next event (here the reward sent
+    again, which completes the group)."""
+    plugin = _BigFirst("dora_batch_key")
+    plugin.calls = -1  # (the first completion's key is the bad one: g0's)
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(plugin)
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 2,
+                                        "batch_size": 4}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g0"))  # both trajectories run
+    assert s.handle(E.TrajectoryFinished("g0", 0, 5, 1.0)) == [A.RequestGroups(1, 0)]
+    assert s.handle(E.GroupAdmitted("g1")) == [A.Dispatch("g1", 0, 0, 0, 0)]  # g1/1 waits for a slot
+    plugin.calls = 0
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned a key whose element 1"):
+        s.handle(E.TrajectoryFinished("g0", 1, 5, 1.0))
+    assert [t.status for t in s.trajectories("g0")] == ["D", "F"] and s.groups["g0"].state == "active"
+    assert [t.status for t in s.trajectories("g1")] == ["R", "R"]  # (g1/1 took the freed slot)
+    out = s.handle(E.RewardReady("g0", 1, 1.0))
+    assert out == [A.Dispatch("g1", 1, 0, 0, 0), A.DeliverGroup("g0", 0)]

@@ -994,3 +994,19 @@ def test_a_refused_batch_key_applies_the_finish_and_answers_its_dispatch_with_th
     assert [t.status for t in s.trajectories("g1")] == ["R", "R"]  # (g1/1 took the freed slot)
     out = s.handle(E.RewardReady("g0", 1, 1.0))
     assert out == [A.Dispatch("g1", 1, 0, 0, 0), A.DeliverGroup("g0", 0)]
+
+
+def test_an_id_freed_during_the_walk_is_not_taken_for_a_container_walked_before():
+    """The walk remembers containers by id. A list subclass yielding a fresh list at each read
+    (freed once copied) frees an id that the next fresh list, of the same size, usually gets:
+    were the remembered entry not keeping its container alive, the second fresh list would be
+    taken for the first and kept with its items (this meta was kept as [[[0]], [[1]], [[1]], ...])."""
+    meta = [_Fresh([[i]]) for i in range(5)]
+    for _ in range(20):
+        assert _json_data_of(meta) == [[[i]] for i in range(5)] == json.loads(json.dumps(meta))
+
+
+def _json_data_of(meta):
+    from dora_ext.core.scheduler import _json_data
+
+    return _json_data(meta, "m")

@@ -692,8 +692,9 @@ class _IterList(list):
         return iter(range(self.n))
 
 
-@pytest.mark.parametrize("make", [lambda n: _LenZeroList(range(n)), lambda n: _LenZeroDict((f"k{i}", i) for i in range(n)),
-                                  _ItemsDict, _IterList], ids=["len-list", "len-dict", "items-dict", "iter-list"])
+@pytest.mark.parametrize("make", [lambda n: _LenZeroList(range(n)),
+                                  lambda n: _LenZeroDict((f"k{i}", i) for i in range(n)), _ItemsDict, _IterList],
+                         ids=["len-list", "len-dict", "items-dict", "iter-list"])
 def test_a_container_whose_len_lies_is_charged_what_it_yields(make, monkeypatch):
     """The walk charged a container `len(x)` values before walking it, and its items were not
     charged again: a list or dict subclass whose `__len__` said 0 (or whose `items()` or
@@ -709,7 +710,8 @@ def test_a_container_whose_len_lies_is_charged_what_it_yields(make, monkeypatch)
         under = make(90)
         meta = under if where == "top" else {"x": [under]}
         kept = S._json_data(meta, "m")
-        assert kept == json.loads(json.dumps(meta)) and json.dumps(meta).count(",") == 89  # (90 items, as JSON writes them)
+        # (90 items, as JSON writes them)
+        assert kept == json.loads(json.dumps(meta)) and json.dumps(meta).count(",") == 89
 
 
 class _AlwaysIn(int):
@@ -885,7 +887,8 @@ def _random_meta(rng, p_bad):
         if kind in _DICTS:
             c = _DICTS[kind]()
             for i, y in enumerate(items):
-                c[rng.choice(_KEYS_BAD) if rng.random() < p_bad / 2 else rng.choice(["a", Loud("k"), Level.HARD]) + str(i)] = y
+                bad = rng.random() < p_bad / 2
+                c[rng.choice(_KEYS_BAD) if bad else rng.choice(["a", Loud("k"), Level.HARD]) + str(i)] = y
         else:
             c = Point(*items) if kind == "point" else _LISTS[kind[2:]](items)
         pool.append(c)
@@ -961,7 +964,8 @@ def test_the_flat_fast_path_decides_as_the_walk_on_random_flat_dicts():
                 mp.setattr(S, "_JSON_CHARS", limits[1])
                 d = {}
                 for _ in range(rng.randint(0, 6)):
-                    k = rng.choice(keys) if rng.random() < 0.15 else rng.choice(["a", "b", "key"]) + str(rng.randint(0, 9))
+                    k = (rng.choice(keys) if rng.random() < 0.15
+                         else rng.choice(["a", "b", "key"]) + str(rng.randint(0, 9)))
                     d[k] = rng.choice(values) if rng.random() < 0.3 else rng.choice(values[:14])
                 fast, full = outcome(lambda y: S._json_data(y, "m"), d), outcome(walk, d)
                 assert fast[0] == full[0] and (_same(fast[1], full[1]) if fast[0] == "kept" else fast[1] == full[1]), d

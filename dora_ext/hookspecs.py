@@ -31,9 +31,10 @@ def dora_admission_key(group_id: Any, version: int, seq: int, meta: Any, mode: s
     Called once when a group is admitted. Lower keys are dispatched first, group-major (all
     pending trajectories of the first group, then the next group). Queues are per version, so
     the key orders groups of the same version only; older versions are always served by their own
-    instances first (R1). Must return a tuple (or list) of JSON scalars (None, bools, ints, finite
-    floats, strings), because the key is part of the scheduler's snapshot: anything else (a tuple
-    inside, a numpy integer) is a ``ProtocolError`` naming the hook. Keys are compared position
+    instances first (R1). Must return a tuple (or list) of JSON scalars (None, bools, ints of at
+    most 4,300 decimal digits, finite floats, strings), because the key is part of the scheduler's
+    snapshot: anything else (a tuple inside, a numpy integer, NaN, a longer int, which Python's
+    JSON refuses by default) is a ``ProtocolError`` naming the hook. Keys are compared position
     by position, None before numbers before strings (so a key may hold None at a position where
     another holds an int).
 

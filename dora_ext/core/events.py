@@ -54,8 +54,11 @@ class GroupAdmitted:
     `meta` is optional JSON data, usually a mapping (e.g. prompt length), handed to admission
     hooks. The scheduler keeps it as its JSON round trip gives it back (a tuple becomes a list),
     so that a run resumed from a JSON snapshot sees the same meta; a value JSON cannot give back
-    unchanged (a non-str key, NaN, a set, a numpy integer) is a `ProtocolError` naming
-    `GroupAdmitted.meta`.
+    unchanged (a non-str key, NaN or infinity, a set, a numpy integer, an int of more than 4,300
+    decimal digits) is a `ProtocolError` naming `GroupAdmitted.meta`, and so is a meta of more
+    than 1,000,000 values or 100,000,000 characters of str as JSON writes it (each appearance of
+    a shared sub-object counted: JSON has no sharing). An int `group_id` has the same 4,300-digit
+    limit.
     """
 
     group_id: GroupId

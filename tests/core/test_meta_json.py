@@ -6,6 +6,13 @@ handed policies other values than the uninterrupted run. The scheduler now keeps
 JSON round trip gives it back from admission on (a tuple becomes a list) and refuses, naming
 `GroupAdmitted.meta` and the path, what JSON cannot give back (a non-str key, NaN, a set, ...).
 The admission and batch keys of plugins, also in the snapshot, must be tuples of JSON scalars.
+
+Two limits of what JSON can hold are checked at admission too, so that they fail there, naming
+the field, and not later when the snapshot is written: a meta whose shared sub-objects make a
+huge tree (JSON has no sharing: `a = [a, a]` forty times is 3 * 2**40 - 1 values written out) is refused
+past 1,000,000 values (or 100,000,000 characters of str) after walking at most that many, and
+an int of more than 4,300 decimal digits (Python's `json.dumps` and `json.loads` raise on it) is
+refused in meta, in a plugin's key and as a group id.
 """
 
 import collections
@@ -410,3 +417,240 @@ def test_keys_of_mixed_kinds_are_ordered_none_numbers_strs_and_survive_a_resume(
     # keys: g0 ("late", 0), g1 (1, 1), g2 (0, 2), g3 ("late", 3), g4 (0, 4)
     assert [a.group_id for a in out if isinstance(a, A.Dispatch)] == ["g2", "g4", "g1", "g0", "g3"]
     assert s.groups["g0"].key == ("late", 0)  # (the view: the key as the plugin gave it)
+
+
+# --- Limits checked at admission: a huge JSON tree, an int Python's JSON cannot write ---------
+
+_BIG = 10**4300  # 4,301 digits: `json.dumps` raises ValueError (Python's default int-to-str limit)
+
+
+class _ShortList(list):
+    def __repr__(self):  # (so that a failing test's report does not write out the tree)
+        return f"<list of {len(self)}>"
+
+
+class _ShortDict(dict):
+    def __repr__(self):
+        return f"<dict of {len(self)}>"
+
+
+def _shared_tree(kind, levels=40):
+    """A small object (`levels` + 1 containers in memory) whose JSON form is a tree of
+    3 * 2**levels - 1 values: each level holds the one below twice. Walked as a tree, 40 levels
+    are about 3.3e12 visits, days of Python. (The outermost one's repr is short.)"""
+    a = [0] if kind == "list" else {"leaf": 0}
+    for _ in range(levels - 1):
+        a = [a, a] if kind == "list" else {"l": a, "r": a}
+    return _ShortList([a, a]) if kind == "list" else _ShortDict(l=a, r=a)
+
+
+def _ready():
+    """A pipeline scheduler with one instance loaded and a request for groups outstanding; and its
+    snapshot as JSON text, to check that a refused admission changed nothing."""
+    s = Scheduler(DoraConfig.from_dict({"mode": "pipeline", "instances": 1, "capacity": 2}))
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    return s, json.dumps(s.snapshot(), allow_nan=False)
+
+
+def _refused_and_nothing_changed(s, before, event, words):
+    with pytest.raises(ProtocolError) as err:
+        s.handle(event)
+    assert str(err.value).startswith(words), err.value
+    assert json.dumps(s.snapshot(), allow_nan=False) == before  # not admitted; the request still stands
+    out = s.handle(E.GroupAdmitted("next", {"ok": [1]}))  # the next admission works
+    assert any(isinstance(a, A.Dispatch) and a.group_id == "next" for a in out), out
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_a_meta_of_shared_sub_objects_past_the_limit_is_refused_without_walking_the_tree(kind):
+    """Before the limit, admission walked the 3 * 2**40 - 1 values of this meta (a hang: the JSON
+    of the snapshot is that tree too). It is refused by name after at most the limit's values."""
+    s, before = _ready()
+    _refused_and_nothing_changed(
+        s, before, E.GroupAdmitted("g", _shared_tree(kind)),
+        "GroupAdmitted.meta: JSON data of more than 1,000,000 values, each appearance of a shared sub-object "
+        "counted")
+
+
+@pytest.mark.parametrize("form", ["list", "flat"])
+def test_a_meta_of_shared_strs_past_the_character_limit_is_refused(form):
+    """A 1,000,000-character str appearing 101 times (in a list, or as the values of a flat
+    mapping): 101,000,000 characters written out."""
+    s, before = _ready()
+    text = "x" * 1_000_000
+    meta = {"texts": [text] * 101} if form == "list" else {f"t{i}": text for i in range(101)}
+    _refused_and_nothing_changed(s, before, E.GroupAdmitted("g", meta),
+                                 "GroupAdmitted.meta: JSON data of more than 100,000,000 characters of str")
+    if form == "flat":  # (99 appearances and the keys: under the limit, admitted)
+        meta.popitem(), meta.popitem()
+        s.handle(E.GroupAdmitted("flat", meta))
+        assert s.groups["flat"].meta == meta
+
+
+def test_the_value_limit_is_exact_and_a_shared_meta_under_it_is_kept_as_a_tree():
+    s, before = _ready()
+    # A list of 999,999 ints is 1,000,000 values with the list itself: admitted.
+    s.handle(E.GroupAdmitted("at", list(range(999_999))))
+    assert s.groups["at"].meta == list(range(999_999))
+    s, before = _ready()
+    _refused_and_nothing_changed(s, before, E.GroupAdmitted("over", list(range(1_000_000))),
+                                 "GroupAdmitted.meta: JSON data of more than 1,000,000 values")
+    # Shared sub-objects under the limit: kept as JSON gives them back, a tree without sharing
+    # (mutating one branch of the kept meta does not change the other).
+    s, _ = _ready()
+    tree = _shared_tree("dict", levels=10)
+    s.handle(E.GroupAdmitted("g", tree))
+    kept = s.groups["g"].meta
+    assert kept == json.loads(json.dumps(tree)) and kept["l"] is not kept["r"]
+
+
+def test_metas_as_hosts_send_them_are_unaffected_by_the_limits():
+    """The adapters' metas (`{"length": n}`, `{"prompt_tokens": n}`) and a larger, verl-like one
+    (a chat of a few thousand values, token ids, floats near the ends of their range): kept as
+    their JSON round trip gives them back, and the snapshot is strict JSON (no NaN, no infinity)."""
+    chat = {"messages": [{"role": "user" if i % 2 else "assistant", "content": f"turn {i} " * 20}
+                         for i in range(1000)],
+            "prompt_ids": list(range(5000)), "data_source": "gsm8k", "reward_model": {"style": "rule"},
+            "extra_info": {"index": 7, "split": "train", "temperature": 0.7, "tiny": 5e-324, "huge": 1.7e308,
+                           "neg_zero": -0.0, "max_int": _BIG - 1, "min_int": 1 - _BIG}}
+    s, _ = _ready()
+    for gid, meta in [("a", {"length": 17}), ("b", {"prompt_tokens": 300}), ("c", chat)]:
+        s.handle(E.GroupAdmitted(gid, meta))
+        assert s.groups[gid].meta == json.loads(json.dumps(meta)) == meta
+    text = json.dumps(s.snapshot(), allow_nan=False)
+    assert json.loads(text) == s.snapshot()
+    assert Scheduler.restore(json.loads(text)).groups["c"].meta == chat
+
+
+@pytest.mark.parametrize(
+    "meta, words",
+    [
+        ({"n": _BIG}, "GroupAdmitted.meta['n'] is <int of 14285 bits>: an int of more than 4,300 decimal digits"),
+        ([1, {"n": -_BIG}], "GroupAdmitted.meta[1]['n'] is <int of 14285 bits>: an int of more than 4,300"),
+        ({"c": Color(1), "n": (Seven(_BIG),)}, "GroupAdmitted.meta['n'][0] is <int of 14285 bits>"),
+        (_BIG, "GroupAdmitted.meta is <int of 14285 bits>: an int of more than 4,300 decimal digits"),
+    ],
+    ids=["in-a-dict", "negative", "int-subclass-in-a-tuple", "the-meta"],
+)
+def test_an_int_json_cannot_write_is_refused_at_admission(meta, words):
+    """Admitted, it made `json.dumps(snapshot)` raise ValueError later, far from the cause."""
+    with pytest.raises(ValueError):
+        json.dumps(meta)  # (what the snapshot met)
+    s, before = _ready()
+    _refused_and_nothing_changed(s, before, E.GroupAdmitted("g", meta), words)
+
+
+def test_a_group_id_json_cannot_write_is_refused_at_admission():
+    s, before = _ready()
+    _refused_and_nothing_changed(s, before, E.GroupAdmitted(-_BIG),
+                                 "GroupAdmitted.group_id is <int of 14285 bits>: an int of more than 4,300")
+    s.handle(E.GroupAdmitted(_BIG - 1))  # (the longest int JSON writes is admitted)
+    assert json.loads(json.dumps(s.snapshot()))["groups"][-1][0] == _BIG - 1
+
+
+class _BigFirst:
+    """A plugin whose `hook` returns a key with an int JSON cannot write the first time, then
+    a good key."""
+
+    def __init__(self, hook):
+        self.calls = 0
+        if hook == "dora_admission_key":
+            self.dora_admission_key = hookimpl(lambda group_id, version, seq, meta, mode: self._key(seq))
+        else:
+            self.dora_batch_key = hookimpl(lambda group_id, version, complete_seq, mode: self._key(complete_seq))
+
+    def _key(self, n):
+        self.calls += 1
+        return ("x", Seven(_BIG)) if self.calls == 1 else ("x", _BIG - 1, n)
+
+
+def test_an_admission_key_json_cannot_write_is_refused_and_nothing_changes():
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_BigFirst("dora_admission_key"))
+    s = Scheduler(DoraConfig.from_dict({"mode": "pipeline", "instances": 1, "capacity": 2}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    before = json.dumps(s.snapshot(), allow_nan=False)
+    _refused_and_nothing_changed(
+        s, before, E.GroupAdmitted("g"),
+        "dora_admission_key returned a key whose element 1 is <int of 14285 bits>: an int of more than 4,300")
+    assert s.groups["next"].key == ("x", _BIG - 1, 0)
+    assert json.loads(json.dumps(s.snapshot()))["groups"][0][3] == ["x", _BIG - 1, 0]
+
+
+def test_a_batch_key_json_cannot_write_is_refused_and_loses_no_group():
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_BigFirst("dora_batch_key"))
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
+                                        "batch_size": 1}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned a key whose element 1 is <int of 14285 bits>"):
+        s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    assert s.groups["g"].state == "active" and [t.status for t in s.trajectories("g")] == ["F"]
+    out = s.handle(E.RewardReady("g", 0, 1.0))  # the reward again: the group completes, is trained
+    assert any(isinstance(a, A.StartStep) and a.group_ids == ("g",) for a in out), out
+    json.dumps(s.snapshot(), allow_nan=False)
+
+
+def _tree_reference(x, depth=0):
+    """(values inside `x`, characters of its strs, its deepest container's depth), walking
+    `x` as JSON writes it: each appearance of a shared sub-object again."""
+    if isinstance(x, (dict, list, tuple)):
+        values, chars, deepest = len(x), 0, depth
+        for k, y in (x.items() if isinstance(x, dict) else enumerate(x)):
+            chars += len(k) if isinstance(x, dict) else 0
+            v, c, d = _tree_reference(y, depth + 1)
+            values, chars, deepest = values + v, chars + c, max(deepest, d)
+        return values, chars, deepest
+    return 0, len(x) if isinstance(x, str) else 0, -1
+
+
+def _no_sharing(x, seen):
+    if isinstance(x, (dict, list)):
+        assert id(x) not in seen
+        seen.add(id(x))
+        for y in x.values() if isinstance(x, dict) else x:
+            _no_sharing(y, seen)
+
+
+@pytest.mark.parametrize("limits", [(60, 1000, 8), (150, 400, 6), (10**6, 10**8, 5)])
+def test_random_shared_metas_are_kept_or_refused_as_a_tree_walk_decides(limits, monkeypatch):
+    """The walk remembers each container's size, so a shared one is charged without a second
+    walk: on random objects with shared sub-objects (lists, tuples, dicts, at different depths)
+    and small limits, it keeps what a plain tree walk keeps (the JSON round trip, no sharing in
+    the copy) and refuses, with a limit that the tree walk finds exceeded, what it refuses."""
+    from dora_ext.core import scheduler as S
+
+    monkeypatch.setattr(S, "_JSON_VALUES", limits[0])
+    monkeypatch.setattr(S, "_JSON_CHARS", limits[1])
+    monkeypatch.setattr(S, "_JSON_DEPTH", limits[2])
+    rng = random.Random(stable_seed(f"shared-metas/{limits}"))
+    seen = collections.Counter()
+    for _ in range(3000):
+        pool = [0, "ab", "xyzw" * 3, 1.5, None, True]
+        for _ in range(rng.randint(1, 12)):
+            items = [rng.choice(pool[6:] if len(pool) > 6 and rng.random() < 0.6 else pool)
+                     for _ in range(rng.randint(0, 4))]
+            kind = rng.choice(["list", "tuple", "dict"])
+            pool.append(items if kind == "list" else tuple(items) if kind == "tuple"
+                        else {f"k{i}": y for i, y in enumerate(items)})
+        x = pool[-1]
+        values, chars, deepest = _tree_reference(x)
+        exceeded = {what for what, over in [("nested deeper", deepest >= limits[2]),
+                                            ("values", values + 1 > limits[0]),
+                                            ("characters", chars > limits[1])] if over}
+        try:
+            kept = S._json_data(x, "m")
+        except ProtocolError as e:
+            what = next(w for w in ["nested deeper", "characters", "values"] if w in str(e))
+            assert what in exceeded, (str(e), exceeded)
+            seen[what] += 1
+        else:
+            assert not exceeded, exceeded
+            assert kept == json.loads(json.dumps(x))
+            _no_sharing(kept, set())
+            seen["kept"] += 1
+    assert seen["kept"] > 100 and len(seen) > 1, seen  # (both outcomes drawn)

@@ -255,13 +255,22 @@ def _json_walk(x: Any, path: Any, depth: int, budget: list) -> Any:
             raise ProtocolError(f"{_where(path)}: JSON data nested deeper than {_JSON_DEPTH} levels (or a cycle)")
         values, chars, deepest = budget[0], budget[1], budget[4]
         budget[4] = depth
-        budget[0] -= len(x)  # (all its items charged before any is walked)
+        # All its items charged before any is walked. An exact dict, list or tuple holds `len(x)`
+        # items; a subclass's `__len__` may say anything, and its `items()` or `__iter__` (what
+        # JSON and this walk read) may yield more than it holds: what it yields is counted, up to
+        # one item past the limit.
+        if is_dict:
+            items = x.items() if t is dict else list(itertools.islice(x.items(), budget[0] + 1))
+            budget[0] -= len(items)
+        else:
+            out = list(x) if t is list or t is tuple else list(itertools.islice(x, budget[0] + 1))
+            budget[0] -= len(out)
         if budget[0] < 0:
             raise _over(budget)
         n_chars = 0
         if is_dict:
             out = {}
-            for k, v in x.items():
+            for k, v in items:
                 if type(k) is not str:
                     if not isinstance(k, str):
                         raise ProtocolError(
@@ -279,7 +288,7 @@ def _json_walk(x: Any, path: Any, depth: int, budget: list) -> Any:
                     v = _json_walk(v, (path, k), depth + 1, budget)
                 out[k] = v
         else:
-            out = list(x)  # (a copy; items that are not a plain str, bool, int or None replaced below)
+            # (`out`, a copy: items that are not a plain str, bool, int or None replaced below)
             for i, v in enumerate(out):
                 tv = type(v)
                 if tv is str:
@@ -318,6 +327,10 @@ def _json_key(key: Any, hook: str) -> tuple:
     hook."""
     if isinstance(key, (str, bytes)) or not isinstance(key, (tuple, list)):
         raise ProtocolError(f"{hook} returned {_brief(key)} ({type(key).__name__}): expected a tuple of JSON scalars")
+    if type(key) is not tuple:
+        # (read once, here: a tuple or list subclass's `__iter__` or `__getitem__` may give other
+        # elements each time, and what is kept must be what was checked)
+        key = tuple(key)
     out = None
     for i, x in enumerate(key):
         t = type(x)
@@ -343,7 +356,7 @@ def _json_key(key: Any, hook: str) -> tuple:
             out.append(y)
     if out is not None:
         return tuple(out)
-    return key if type(key) is tuple else tuple(key)
+    return key
 
 
 def _ordered(key: tuple) -> tuple:
@@ -983,7 +996,8 @@ class Scheduler:
                 f"GroupAdmitted.group_id {_brief(gid)} ({type(gid).__name__}): a group id must be an int "
                 f"or a str (a JSON scalar that survives the snapshot's JSON round trip), not a bool"
             )
-        if isinstance(gid, int) and not _INT_LOW < gid < _INT_BOUND:
+        # (an int subclass's value compared: its own `<` and `>` are called first, and may say anything)
+        if isinstance(gid, int) and not _INT_LOW < (gid if type(gid) is int else int.__int__(gid)) < _INT_BOUND:
             raise _big_int(gid, "GroupAdmitted.group_id")
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")

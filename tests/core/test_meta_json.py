@@ -18,6 +18,7 @@ refused in meta, in a plugin's key and as a group id.
 import collections
 import enum
 import json
+import math
 import random
 
 import pytest
@@ -654,3 +655,362 @@ def test_random_shared_metas_are_kept_or_refused_as_a_tree_walk_decides(limits, 
             _no_sharing(kept, set())
             seen["kept"] += 1
     assert seen["kept"] > 100 and len(seen) > 1, seen  # (both outcomes drawn)
+
+
+# --- Containers whose `len()` is not what they hold (review of the limits) -----------------
+
+
+class _LenZeroList(list):
+    def __len__(self):  # (a list subclass may say anything; `list()` and JSON iterate it)
+        return 0
+
+
+class _LenZeroDict(dict):
+    def __len__(self):
+        return 0
+
+
+class _ItemsDict(dict):
+    """Holds one item but its `items()` (what JSON and the walk read) yields `self.n`."""
+
+    def __init__(self, n):
+        super().__init__(a=0)
+        self.n = n
+
+    def items(self):
+        return ((f"k{i}", i) for i in range(self.n))
+
+
+class _IterList(list):
+    """Empty, but its `__iter__` (what JSON and the walk read) yields `self.n` items."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("make", [lambda n: _LenZeroList(range(n)),
+                                  lambda n: _LenZeroDict((f"k{i}", i) for i in range(n)), _ItemsDict, _IterList],
+                         ids=["len-list", "len-dict", "items-dict", "iter-list"])
+def test_a_container_whose_len_lies_is_charged_what_it_yields(make, monkeypatch):
+    """The walk charged a container `len(x)` values before walking it, and its items were not
+    charged again: a list or dict subclass whose `__len__` said 0 (or whose `items()` or
+    `__iter__` yields more than it holds) passed any number of values under the limit. It is
+    charged what it yields now (and reads at most one item past the limit)."""
+    from dora_ext.core import scheduler as S
+
+    monkeypatch.setattr(S, "_JSON_VALUES", 100)
+    for where in ("top", "nested"):
+        over = make(500)
+        with pytest.raises(ProtocolError, match=r"^m: JSON data of more than 100 values"):
+            S._json_data(over if where == "top" else {"x": [over]}, "m")
+        under = make(90)
+        meta = under if where == "top" else {"x": [under]}
+        kept = S._json_data(meta, "m")
+        # (90 items, as JSON writes them)
+        assert kept == json.loads(json.dumps(meta)) and json.dumps(meta).count(",") == 89
+
+
+class _AlwaysIn(int):
+    """An int whose comparisons say True: Python calls a subclass's reflected `>` first, so
+    `low < x < high` asked `x` itself."""
+
+    def __lt__(self, other):
+        return True
+
+    def __gt__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+def test_a_group_id_of_an_int_subclass_is_bounded_by_its_value():
+    """The group id's bound compared the id itself: an int subclass whose `<` and `>` say True
+    was admitted with 4,301 digits, and `json.dumps(snapshot)` raised ValueError later."""
+    s, before = _ready()
+    _refused_and_nothing_changed(s, before, E.GroupAdmitted(_AlwaysIn(_BIG)),
+                                 "GroupAdmitted.group_id is <_AlwaysIn of 14285 bits>: an int of more than 4,300")
+    s.handle(E.GroupAdmitted(_AlwaysIn(7)))
+    assert json.loads(json.dumps(s.snapshot()))["groups"][-1][0] == 7
+
+
+class _Flip(tuple):
+    """A key whose first iteration yields `(1, "a")` and every later one `(1, <4,301-digit int>)`."""
+
+    def __iter__(self):
+        self.n = getattr(self, "n", 0) + 1
+        return iter((1, "a") if self.n == 1 else (1, _BIG))
+
+
+@pytest.mark.parametrize("hook", ["dora_admission_key", "dora_batch_key"])
+def test_a_key_is_read_once_and_what_was_checked_is_kept(hook):
+    """`_json_key` checked a key's elements by iterating it, then kept `tuple(key)`, which
+    iterates a tuple or list subclass again: what its second iteration yielded (here an int
+    JSON cannot write) was kept unchecked, and `json.dumps(snapshot)` raised later. The key is
+    read once now: what was checked is what is kept."""
+    from dora_ext.core.scheduler import _json_key
+
+    assert _json_key(_Flip(), hook) == (1, "a")
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(_key_plugin(hook, _Flip()))
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 1,
+                                        "batch_size": 2}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g"))
+    s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
+    assert json.loads(json.dumps(s.snapshot(), allow_nan=False))["groups"][0][0] == "g"
+
+
+# --- Random metas with subclasses and sharing against a plain tree walk (review) ------------
+
+try:
+    import numpy as _np
+except ImportError:  # (numpy scalars are drawn only where numpy is installed)
+    _np = None
+
+
+class _DSub(dict):
+    pass
+
+
+class _LSub(list):
+    pass
+
+
+class _Fresh(list):
+    """Yields fresh copies of its list items at each iteration: new objects (new ids) each time."""
+
+    def __iter__(self):
+        return iter([list(y) if type(y) is list else y for y in list.__iter__(self)])
+
+
+class _FreshItems(dict):
+    def items(self):
+        return [(k, list(v) if type(v) is list else v) for k, v in dict.items(self)]
+
+
+_GOOD = [0, -5, True, False, None, 1.5, -0.0, "ab", "", Level.HARD, Loud("q"), Color.RED, Seven(3), Half(2.25),
+         _BIG - 1, 1 - _BIG, 5e-324, "xyzw" * 3] + ([] if _np is None else [_np.float64(2.5), _np.str_("s")])
+_BAD = [_BIG, -_BIG, Seven(_BIG), float("nan"), float("inf"), Half(float("nan")), b"x", {1, 2}] + (
+    [] if _np is None else [_np.int64(3), _np.bool_(True), _np.float64("nan")])
+_KEYS_BAD = [1, None, 1.5, True, (1,), Color.RED]
+_DICTS = {"dict": dict, "dsub": _DSub, "odict": collections.OrderedDict, "len0": _LenZeroDict, "fresh": _FreshItems}
+_LISTS = {"list": list, "lsub": _LSub, "len0": _LenZeroList, "fresh": _Fresh, "tuple": tuple}
+
+
+def _plain_walk(x, limits):
+    """What JSON writes of `x` (each appearance of a shared part again), as a straightforward
+    walk: (the JSON data, the set of reasons to refuse it: "values", "chars", "int", "nan",
+    "key", "depth", "type"); "values" alone when it stopped at the value limit."""
+    values, depth_limit = [0], limits[2]
+    chars = [0]
+    reasons = set()
+
+    class Stop(Exception):
+        pass
+
+    def walk(x, depth):
+        values[0] += 1
+        if values[0] > limits[0]:
+            reasons.add("values")
+            raise Stop
+        if x is None or x is True or x is False:
+            return x
+        if isinstance(x, str):
+            chars[0] += len(str.__str__(x))
+            return str.__str__(x)
+        if isinstance(x, int):
+            if abs(int.__int__(x)) >= _BIG:
+                reasons.add("int")
+            return int.__int__(x)
+        if isinstance(x, float):
+            if not math.isfinite(float.__float__(x)):
+                reasons.add("nan")
+            return float.__float__(x)
+        if isinstance(x, (dict, list, tuple)):
+            if depth >= depth_limit:
+                reasons.add("depth")
+                return None
+            if isinstance(x, dict):
+                out = {}
+                for k, v in x.items():
+                    if not isinstance(k, str):
+                        reasons.add("key")
+                    k = str.__str__(k) if isinstance(k, str) else repr(k)
+                    chars[0] += len(k)
+                    out[k] = walk(v, depth + 1)
+                return out
+            return [walk(v, depth + 1) for v in x]
+        reasons.add("type")
+        return None
+
+    try:
+        out = walk(x, 0)
+    except Stop:
+        return None, reasons
+    if chars[0] > limits[1]:
+        reasons.add("chars")
+    return out, reasons
+
+
+_REASONS = [("values", " values, each appearance"), ("chars", "characters of str"), ("int", "decimal digits"),
+            ("nan", "NaN or infinity"), ("key", "keys of a JSON object"), ("depth", "nested deeper"),
+            ("type", "expected JSON data")]
+
+
+def _same(a, b):
+    """Equal and of the same types throughout (1 == 1.0 == True, and -0.0 == 0.0, otherwise)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if type(a) is list:
+        return len(a) == len(b) and all(_same(p, q) for p, q in zip(a, b))
+    return a == b and (type(a) is not float or math.copysign(1, a) == math.copysign(1, b))
+
+
+def _random_meta(rng, p_bad):
+    """Random containers of random kinds (dict, list, tuple, their subclasses, ones whose `len()`
+    says 0, ones giving fresh objects at each read, a namedtuple), whose items are drawn from the
+    scalars or, more often, from the containers built before: shared sub-objects, at different
+    depths; now and then a cycle."""
+    pool = []
+    for _ in range(rng.randint(1, 14)):
+        kind = rng.choice(list(_DICTS) * 1 + [f"l:{k}" for k in _LISTS] + ["point"])
+        n = 2 if kind == "point" else rng.randint(0, 4)
+        items = [rng.choice(pool) if pool and rng.random() < 0.6
+                 else rng.choice(_BAD) if rng.random() < p_bad else rng.choice(_GOOD) for _ in range(n)]
+        if kind in _DICTS:
+            c = _DICTS[kind]()
+            for i, y in enumerate(items):
+                bad = rng.random() < p_bad / 2
+                c[rng.choice(_KEYS_BAD) if bad else rng.choice(["a", Loud("k"), Level.HARD]) + str(i)] = y
+        else:
+            c = Point(*items) if kind == "point" else _LISTS[kind[2:]](items)
+        pool.append(c)
+    if rng.random() < 0.03:
+        lists = [c for c in pool if type(c) in (list, _LSub)]
+        if lists:
+            list.append(rng.choice(lists), pool[-1])
+    return pool[-1] if rng.random() < 0.7 else {"m": pool[-1]}
+
+
+@pytest.mark.parametrize("limits", [(60, 1000, 8), (150, 400, 6), (25, 60, 4), (10**6, 10**8, 64)])
+def test_random_metas_with_subclasses_are_kept_or_refused_as_a_plain_walk_decides(limits, monkeypatch):
+    """Against a straightforward walk of what JSON writes (no memo, no fast path): the same
+    decision, keep or refuse, with a reason the plain walk finds (the first one met may differ);
+    what is kept is the plain walk's result, of the same types, without sharing, and equal to
+    `json.loads(json.dumps(meta))`. The memo is keyed by object id: containers giving fresh
+    objects at each read check that no id is reused within a walk."""
+    from dora_ext.core import scheduler as S
+
+    monkeypatch.setattr(S, "_JSON_VALUES", limits[0])
+    monkeypatch.setattr(S, "_JSON_CHARS", limits[1])
+    monkeypatch.setattr(S, "_JSON_DEPTH", limits[2])
+    rng = random.Random(stable_seed(f"subclass-metas/{limits}"))
+    seen = collections.Counter()
+    for _ in range(1000):
+        meta = _random_meta(rng, p_bad=rng.choice([0, 0, 0.02, 0.1]))
+        expected, reasons = _plain_walk(meta, limits)
+        try:
+            kept = S._json_data(meta, "m")
+        except ProtocolError as e:
+            reason = next(r for r, words in _REASONS if words in str(e))
+            assert reason in reasons or reasons == {"values"}, (str(e)[:200], reasons)
+            seen[reason] += 1
+            continue
+        assert not reasons, reasons
+        assert _same(kept, expected) and _same(kept, json.loads(json.dumps(meta)))
+        _no_sharing(kept, set())
+        seen["kept"] += 1
+    assert seen["kept"] > 300 and len(seen) >= 5, seen
+
+
+def test_the_flat_fast_path_decides_as_the_walk_on_random_flat_dicts():
+    """A flat dict of str keys and plain scalars is copied without the walk: on random flat
+    dicts (bool, int and float subclasses, numpy scalars, str subclasses, non-str keys, big ints,
+    NaN, infinity, -0.0, near the limits) it keeps what the walk keeps, of the same types, and
+    refuses for the same reason."""
+    from dora_ext.core import scheduler as S
+
+    def walk(x):
+        budget = [S._JSON_VALUES - 1, S._JSON_CHARS, "m", {}, 0, False]
+        out = S._json_walk(x, "m", 0, budget)
+        return S._tree_copy(out) if budget[5] else out
+
+    def outcome(f, x):
+        try:
+            return "kept", f(x)
+        except ProtocolError as e:
+            return "refused", next(r for r, words in _REASONS if words in str(e))
+
+    values = [0, 1, -1, True, False, None, 0.0, -0.0, 1.5, 5e-324, 1.7e308, "", "x", "é" * 3, float("nan"),
+              float("inf"), -float("inf"), Level.HARD, Loud("q"), Color.RED, Seven(3), Half(2.5), _BIG - 1, 1 - _BIG,
+              _BIG, -_BIG, b"b", [1], (1,), {"a": 1}]
+    keys = ["a", "b", "", Loud("k"), Level.HARD, 1, 0, True, None, 1.5, float("nan"), _BIG]
+    if _np is not None:
+        values += [_np.float64(2.5), _np.float64("nan"), _np.int64(3), _np.bool_(True), _np.str_("s")]
+        keys += [_np.str_("ns")]
+    rng = random.Random(stable_seed("flat-fast-path"))
+    seen = collections.Counter()
+    for limits in [(S._JSON_VALUES, S._JSON_CHARS), (5, 12)]:
+        for _ in range(4000):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(S, "_JSON_VALUES", limits[0])
+                mp.setattr(S, "_JSON_CHARS", limits[1])
+                d = {}
+                for _ in range(rng.randint(0, 6)):
+                    k = (rng.choice(keys) if rng.random() < 0.15
+                         else rng.choice(["a", "b", "key"]) + str(rng.randint(0, 9)))
+                    d[k] = rng.choice(values) if rng.random() < 0.3 else rng.choice(values[:14])
+                fast, full = outcome(lambda y: S._json_data(y, "m"), d), outcome(walk, d)
+                assert fast[0] == full[0] and (_same(fast[1], full[1]) if fast[0] == "kept" else fast[1] == full[1]), d
+                if fast[0] == "kept":
+                    assert fast[1] is not d and _same(fast[1], json.loads(json.dumps(d)))
+                seen[fast[0] if fast[0] == "kept" else fast[1]] += 1
+    assert seen["kept"] > 1000 and len(seen) >= 6, seen
+
+
+def test_a_refused_batch_key_applies_the_finish_and_answers_its_dispatch_with_the_next_event():
+    """The finish whose batch key is refused frees its slot, and the scheduler dispatches queued
+    work into it before the key is computed: that `Dispatch` is not lost with the answer the
+    `ProtocolError` replaced, it comes in the answer to the next event (here the reward sent
+    again, which completes the group)."""
+    plugin = _BigFirst("dora_batch_key")
+    plugin.calls = -1  # (the first completion's key is the bad one: g0's)
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(plugin)
+    s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 2,
+                                        "batch_size": 4}), pm)
+    s.start()
+    s.handle(E.InstanceLoaded(0, 0))
+    s.handle(E.GroupAdmitted("g0"))  # both trajectories run
+    assert s.handle(E.TrajectoryFinished("g0", 0, 5, 1.0)) == [A.RequestGroups(1, 0)]
+    assert s.handle(E.GroupAdmitted("g1")) == [A.Dispatch("g1", 0, 0, 0, 0)]  # g1/1 waits for a slot
+    plugin.calls = 0
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned a key whose element 1"):
+        s.handle(E.TrajectoryFinished("g0", 1, 5, 1.0))
+    assert [t.status for t in s.trajectories("g0")] == ["D", "F"] and s.groups["g0"].state == "active"
+    assert [t.status for t in s.trajectories("g1")] == ["R", "R"]  # (g1/1 took the freed slot)
+    out = s.handle(E.RewardReady("g0", 1, 1.0))
+    assert out == [A.Dispatch("g1", 1, 0, 0, 0), A.DeliverGroup("g0", 0)]
+
+
+def test_an_id_freed_during_the_walk_is_not_taken_for_a_container_walked_before():
+    """The walk remembers containers by id. A list subclass yielding a fresh list at each read
+    (freed once copied) frees an id that the next fresh list, of the same size, usually gets:
+    were the remembered entry not keeping its container alive, the second fresh list would be
+    taken for the first and kept with its items (this meta was kept as [[[0]], [[1]], [[1]], ...])."""
+    meta = [_Fresh([[i]]) for i in range(5)]
+    for _ in range(20):
+        assert _json_data_of(meta) == [[[i]] for i in range(5)] == json.loads(json.dumps(meta))
+
+
+def _json_data_of(meta):
+    from dora_ext.core.scheduler import _json_data
+
+    return _json_data(meta, "m")

@@ -19,7 +19,10 @@ Unlike NCCL's broadcast, a send and a receive need not meet:
   longer kept, or older than the newest published and never published, raises (naming it and
   the versions held), and the version the store answered with is checked against the one asked
   for. Both sides need ``global_steps`` (None raises: an unnamed sync cannot be matched to a
-  publication; before, it was published as -1 while the load took the newest version held).
+  publication; before, it was published as -1 while the load took the newest version held). verl
+  0.9.1 names it on every sync through this backend; its one unnamed ``update_weights()``
+  (``_validate`` with a colocated reward model) uses the trainer's ``checkpoint_manager``, which
+  verl builds with backend ``naive``, and never reaches this one.
 
 Cost per publish: one full copy of the weights to host memory and one transfer into the store;
 per load: one transfer out of the store. No process group is built (``prepare``,

@@ -87,7 +87,15 @@ class ProtocolError(RuntimeError):
 
     Like h11's ProtocolError it is raised, never swallowed: a runtime that keeps going on a broken
     protocol would lose or duplicate data silently.
+
+    The offending event is refused before it changes the scheduler (an unknown id, a meta, an
+    admission or batch key that is refused, ...). `actions` holds what was decided and not yet
+    answered: the actions of the events before it in a `handle_many` batch (for `handle`, none),
+    never returned with a later answer. A host that stops on the error executes them first (or
+    at least learns of them), so that a snapshot taken then holds nothing decided but never sent.
     """
+
+    actions: list = []  # (set on the raised instance by `handle`/`handle_many`)
 
 
 class FailureStorm(RuntimeError):
@@ -728,7 +736,11 @@ class Scheduler:
             method = self._handlers[type(event)]
         except KeyError:
             raise ProtocolError(f"unknown event {event!r}") from None
-        method(self, event)
+        try:
+            method(self, event)
+        except ProtocolError as exc:
+            exc.actions, self._out = self._out, []  # (empty: the event was refused before any change)
+            raise
         return self._finish()
 
     def handle_many(self, events: Iterable[Any]) -> list:
@@ -747,15 +759,27 @@ class Scheduler:
         whose finish the runtime has already reported (a `Migrate`, a `preempt` entry): the
         runtime ignores those, as it would when the engine finishes while the action is sent.
         A runtime draining an inbox of engine reports uses this; a `ProtocolError` leaves the
-        events before the offending one applied.
+        events before the offending one applied (and the offending one not), and carries their
+        actions (`ProtocolError.actions`: not returned with a later answer). The admission,
+        batch formation and planning that would run at the end of the batch run with the next
+        event.
         """
         if not self._started:
             raise ProtocolError("handle_many() before start()")
         if self._halted is not None:
             raise self._storm([])
+        half: dict[int, tuple] = {}  # id(Migrate) -> (it, its end that failed later in the batch)
+        try:
+            self._handle_each(events, half)
+        except ProtocolError as exc:
+            exc.actions, self._out = self._out, []
+            raise
+        return self._finish()
+
+    def _handle_each(self, events: Iterable[Any], half: dict) -> None:
+        """`handle_many`'s loop (see there)."""
         handlers = self._handlers
         failed = E.InstanceFailed
-        half: dict[int, tuple] = {}  # id(Migrate) -> (it, its end that failed later in the batch)
         for event in events:
             try:
                 method = handlers[type(event)]
@@ -785,7 +809,6 @@ class Scheduler:
                 self._out[:mark] = kept
                 continue
             method(self, event)
-        return self._finish()
 
     def _storm(self, actions: list) -> FailureStorm:
         return FailureStorm(self._halted or "", failed=self.m["failed_groups"],
@@ -1071,6 +1094,13 @@ class Scheduler:
             if h is None:
                 return
             g = h // n
+        key = None
+        if not self._builtin_keys and ev.reward is not None and self._gdone[g] + 1 == n and self._gst[g] != _FAILED:
+            # This finish completes the group (if its reward is valid): a plugin's batch key is
+            # computed (and checked) first, before anything changes, so that a key refused leaves
+            # the scheduler as it was before the event (the trajectory still runs; nothing was
+            # released nor dispatched into its slot), as a refused admission does.
+            key = self._completion_key(g, ev.reward)
         try:
             self._tt[h] = ev.tokens
         except (TypeError, OverflowError):
@@ -1126,7 +1156,7 @@ class Scheduler:
             self._gdone[g] += 1
         else:
             ts[h] = _AWAIT_REWARD
-            self._set_reward(g, h, reward)
+            self._set_reward(g, h, reward, key)
 
     def _on_reward(self, ev: E.RewardReady) -> None:
         g = self._group(ev.group_id, ev.attempt)
@@ -1691,14 +1721,30 @@ class Scheduler:
             del self._gslot[gid]
             self._release_slot(g)
 
-    def _set_reward(self, g: int, h: int, reward: Any) -> None:
+    @staticmethod
+    def _bad_reward(reward: Any) -> bool:
         # Any real number (numpy/torch scalars register as `numbers.Real`), finite.
         try:
-            bad = (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
-                   or not math.isfinite(reward))
+            return (reward is None or (type(reward) is not float and not isinstance(reward, numbers.Real))
+                    or not math.isfinite(reward))
         except OverflowError:  # an int (or Fraction) too large for a float
-            bad = True
-        if bad:
+            return True
+
+    def _completion_key(self, g: int, reward: Any) -> tuple | None:
+        """The batch key of group slot `g` if `reward` (valid) completes it now, computed by the
+        plugin and checked (None: an invalid reward, whose key is never asked for). Only with a
+        plugin's keys (`_on_finished`, before its changes)."""
+        if self._bad_reward(reward):
+            return None
+        key = _ordered(_json_key(self._batch_key(group_id=self._ggid[g], version=self._gver[g],
+                                                 complete_seq=self._complete_seq, mode=self.mode),
+                                 "dora_batch_key"))
+        return (self._complete_seq, key)
+
+    def _set_reward(self, g: int, h: int, reward: Any, pre: tuple | None = None) -> None:
+        """`pre`: (completion sequence number, batch key) computed by `_completion_key` before
+        the event changed anything (used if the group completes under that number)."""
+        if self._bad_reward(reward):
             self.m["invalid_rewards"] += 1
             idx = h - g * self.n
             gid = self._ggid[g]
@@ -1712,10 +1758,13 @@ class Scheduler:
             # so that a key refused (or a plugin that raises) leaves the trajectory awaiting its
             # reward and the group active, as they were (a later `RewardReady` completes it);
             # computed after, the group was complete but in no pool: never trained, not failed.
+            # (A finish carrying the reward computed it before its own changes: `pre`.)
             cseq = self._complete_seq
             gid, v = self._ggid[g], self._gver[g]
             if self._builtin_keys:  # `defaults.dora_batch_key`
                 key = (v, cseq) if self.mode == "dora" else (cseq,)
+            elif pre is not None and pre[0] == cseq:
+                key = pre[1]
             else:
                 key = _ordered(_json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq,
                                                          mode=self.mode), "dora_batch_key"))

@@ -321,8 +321,9 @@ def test_plugin_key_subclass_elements_are_taken_as_json_writes_them(hook, monkey
 def test_a_refused_batch_key_loses_no_group():
     """The batch key was computed after the group was recorded complete: a key refused (or a
     plugin that raised) left a complete group in no pool, never trained and never failed, and
-    the reward sent again was a stale report. The key now comes first: the trajectory still
-    awaits its reward, and the reward sent again completes the group, which is trained."""
+    the reward sent again was a stale report. The key now comes first, before the finish changes
+    anything: the trajectory still runs, and the finish sent again completes the group, which is
+    trained; a late reward refused likewise leaves the trajectory awaiting it."""
     calls = []
 
     class FirstBad:
@@ -339,15 +340,26 @@ def test_a_refused_batch_key_loses_no_group():
     s.handle(E.InstanceLoaded(0, 0))
     s.handle(E.GroupAdmitted("g"))
     s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
-    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned"):
+    before = s.snapshot()
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned") as err:
         s.handle(E.TrajectoryFinished("g", 1, 5, 1.0))
+    assert err.value.actions == [] and s.snapshot() == before
     g = s.groups["g"]
     assert (g.state, g.done, g.complete_seq, s.metrics()["groups_completed"]) == ("active", 1, None, 0)
-    assert [t.status for t in s.trajectories("g")] == ["D", "F"]  # (done; finished, awaiting its reward)
-    out = s.handle(E.RewardReady("g", 1, 1.0))  # the reward again: the group completes now
+    assert [t.status for t in s.trajectories("g")] == ["D", "R"]  # (done; still running)
+    out = s.handle(E.TrajectoryFinished("g", 1, 5, 1.0))  # the finish again: the group completes now
     assert calls == [0, 0]  # (the same completion sequence number the second time)
     assert any(isinstance(a, A.StartStep) and a.group_ids == ("g",) for a in out), out
     assert s.metrics()["stale_events"] == 0
+    # A reward sent late (`RewardReady`) whose key is refused: the trajectory still awaits it.
+    calls.clear()
+    s.handle(E.GroupAdmitted("h"))
+    s.handle(E.TrajectoryFinished("h", 0, 5, 1.0))
+    s.handle(E.TrajectoryFinished("h", 1, 5))
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned") as err:
+        calls.clear()  # (the next key is the bad one again)
+        s.handle(E.RewardReady("h", 1, 1.0))
+    assert err.value.actions == [] and [t.status for t in s.trajectories("h")] == ["D", "F"]
 
 
 class MixedKinds:
@@ -590,8 +602,8 @@ def test_a_batch_key_json_cannot_write_is_refused_and_loses_no_group():
     s.handle(E.GroupAdmitted("g"))
     with pytest.raises(ProtocolError, match=r"^dora_batch_key returned a key whose element 1 is <int of 14285 bits>"):
         s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))
-    assert s.groups["g"].state == "active" and [t.status for t in s.trajectories("g")] == ["F"]
-    out = s.handle(E.RewardReady("g", 0, 1.0))  # the reward again: the group completes, is trained
+    assert s.groups["g"].state == "active" and [t.status for t in s.trajectories("g")] == ["R"]
+    out = s.handle(E.TrajectoryFinished("g", 0, 5, 1.0))  # the finish again: the group completes, is trained
     assert any(isinstance(a, A.StartStep) and a.group_ids == ("g",) for a in out), out
     json.dumps(s.snapshot(), allow_nan=False)
 
@@ -975,13 +987,7 @@ def test_the_flat_fast_path_decides_as_the_walk_on_random_flat_dicts():
     assert seen["kept"] > 1000 and len(seen) >= 6, seen
 
 
-def test_a_refused_batch_key_applies_the_finish_and_answers_its_dispatch_with_the_next_event():
-    """The finish whose batch key is refused frees its slot, and the scheduler dispatches queued
-    work into it before the key is computed: that `Dispatch` is not lost with the answer the
-    `ProtocolError` replaced, it comes in the answer to the next event (here the reward sent
-    again, which completes the group)."""
-    plugin = _BigFirst("dora_batch_key")
-    plugin.calls = -1  # (the first completion's key is the bad one: g0's)
+def _two_groups_one_slot_waiting(plugin):
     pm = get_plugin_manager(load_entrypoints=False)
     pm.register(plugin)
     s = Scheduler(DoraConfig.from_dict({"mode": "dora", "instances": 1, "capacity": 2, "group_size": 2,
@@ -991,13 +997,47 @@ def test_a_refused_batch_key_applies_the_finish_and_answers_its_dispatch_with_th
     s.handle(E.GroupAdmitted("g0"))  # both trajectories run
     assert s.handle(E.TrajectoryFinished("g0", 0, 5, 1.0)) == [A.RequestGroups(1, 0)]
     assert s.handle(E.GroupAdmitted("g1")) == [A.Dispatch("g1", 0, 0, 0, 0)]  # g1/1 waits for a slot
+    return s
+
+
+def test_a_refused_batch_key_leaves_the_finish_unapplied_and_dispatches_nothing():
+    """A finish that completes its group frees a slot, into which queued work is dispatched. The
+    batch key was computed after that: refused, the `Dispatch` stayed behind and came back with
+    the answer to the next event, and a host that took a snapshot after the error (and restored
+    it) held a trajectory recorded as running that was never started. The key is now computed
+    before the finish changes anything: the scheduler is exactly as before the event (its
+    snapshot equal), the error carries no action, and the finish sent again is answered with the
+    dispatch into the freed slot and the group's delivery."""
+    plugin = _BigFirst("dora_batch_key")
+    plugin.calls = -1  # (the first completion's key is the bad one: g0's)
+    s = _two_groups_one_slot_waiting(plugin)
     plugin.calls = 0
-    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned a key whose element 1"):
+    before = json.dumps(s.snapshot())
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned a key whose element 1") as err:
         s.handle(E.TrajectoryFinished("g0", 1, 5, 1.0))
-    assert [t.status for t in s.trajectories("g0")] == ["D", "F"] and s.groups["g0"].state == "active"
-    assert [t.status for t in s.trajectories("g1")] == ["R", "R"]  # (g1/1 took the freed slot)
-    out = s.handle(E.RewardReady("g0", 1, 1.0))
+    assert err.value.actions == [] and json.dumps(s.snapshot()) == before
+    assert [t.status for t in s.trajectories("g0")] == ["D", "R"] and s.groups["g0"].state == "active"
+    assert [t.status for t in s.trajectories("g1")] == ["R", "Q"]  # (g1/1 still waits)
+    out = s.handle(E.TrajectoryFinished("g0", 1, 5, 1.0))
     assert out == [A.Dispatch("g1", 1, 0, 0, 0), A.DeliverGroup("g0", 0)]
+
+
+def test_handle_many_carries_the_actions_of_the_events_before_a_refused_one():
+    """`handle_many` applies the events before the offending one: their actions come on the
+    error (`ProtocolError.actions`), not with the answer to a later call, where a host that stops
+    on the error never sees them (and a snapshot then holds work decided but never sent)."""
+    plugin = _BigFirst("dora_batch_key")
+    plugin.calls = -1
+    s = _two_groups_one_slot_waiting(plugin)
+    plugin.calls = 0
+    with pytest.raises(ProtocolError, match=r"^dora_batch_key returned a key whose element 1") as err:
+        # g1/0 finishes (g1/1 is dispatched into its slot), then g0/1's key is refused
+        s.handle_many([E.TrajectoryFinished("g1", 0, 5, 1.0), E.TrajectoryFinished("g0", 1, 5, 1.0)])
+    assert err.value.actions == [A.Dispatch("g1", 1, 0, 0, 0)]
+    assert [t.status for t in s.trajectories("g1")] == ["D", "R"]
+    assert [t.status for t in s.trajectories("g0")] == ["D", "R"]  # (the refused finish: not applied)
+    out = s.handle(E.TrajectoryFinished("g0", 1, 5, 1.0))  # nothing left over from the batch
+    assert out == [A.RequestGroups(1, 0), A.DeliverGroup("g0", 0)]
 
 
 def test_an_id_freed_during_the_walk_is_not_taken_for_a_container_walked_before():

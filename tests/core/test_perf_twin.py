@@ -147,7 +147,7 @@ def _drive(ref, mode, seed, *, plugins=False, elastic=False, steps=10):
     out = d.sched.start()
     assert d.shadow.start() == out
     d.execute(out)
-    d.run(steps)
+    d.run(steps, max_events=2_000_000)  # (long tails over wide instances: many ticks per event)
     if hasattr(d, "flush"):
         while d.flush():
             pass
@@ -181,8 +181,11 @@ def _run_cases(mode, plugins, elastic, runs, monkeypatch, steps=10):
     new_calls, old_calls = _counting(monkeypatch, S.Scheduler), _counting(monkeypatch, ref.Scheduler)
     events = swaps = trained = 0
     for seed in range(runs):
-        d, sw = _drive(ref, mode, stable_seed(f"s19/{mode}/{plugins}/{elastic}/{seed}"), plugins=plugins,
-                       elastic=elastic, steps=steps)
+        try:
+            d, sw = _drive(ref, mode, stable_seed(f"s19/{mode}/{plugins}/{elastic}/{seed}"), plugins=plugins,
+                           elastic=elastic, steps=steps)
+        except Exception as exc:
+            raise AssertionError(f"run {seed}: {exc}") from exc
         events += d.twin_events
         swaps += sw
         trained += len(d.stats.steps)

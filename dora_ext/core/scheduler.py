@@ -88,11 +88,14 @@ class ProtocolError(RuntimeError):
     Like h11's ProtocolError it is raised, never swallowed: a runtime that keeps going on a broken
     protocol would lose or duplicate data silently.
 
-    The offending event is refused before it changes the scheduler (an unknown id, a meta, an
-    admission or batch key that is refused, ...). `actions` holds what was decided and not yet
-    answered: the actions of the events before it in a `handle_many` batch (for `handle`, none),
-    never returned with a later answer. A host that stops on the error executes them first (or
-    at least learns of them), so that a snapshot taken then holds nothing decided but never sent.
+    The offending event is mostly refused before it changes the scheduler (an unknown id, bad
+    tokens, a meta, an admission or batch key that is refused). The exception is a plugin's
+    migration plan (`dora_plan_migration`) found infeasible: it is checked move by move, so the
+    event and the moves before the bad one stay applied. `actions` holds what was decided and not
+    yet answered: the actions of the events before it in a `handle_many` batch, and of that
+    partly applied event; never returned with a later answer. A host that stops on the error
+    executes them first (or at least learns of them), so that a snapshot taken then holds nothing
+    decided but never sent.
     """
 
     actions: list = []  # (set on the raised instance by `handle`/`handle_many`)
@@ -738,10 +741,10 @@ class Scheduler:
             raise ProtocolError(f"unknown event {event!r}") from None
         try:
             method(self, event)
+            return self._finish()
         except ProtocolError as exc:
-            exc.actions, self._out = self._out, []  # (empty: the event was refused before any change)
+            exc.actions, self._out = self._out, []  # (mostly empty: see `ProtocolError`)
             raise
-        return self._finish()
 
     def handle_many(self, events: Iterable[Any]) -> list:
         """Feed events in order; returns the actions for all of them.
@@ -771,10 +774,10 @@ class Scheduler:
         half: dict[int, tuple] = {}  # id(Migrate) -> (it, its end that failed later in the batch)
         try:
             self._handle_each(events, half)
+            return self._finish()
         except ProtocolError as exc:
             exc.actions, self._out = self._out, []
             raise
-        return self._finish()
 
     def _handle_each(self, events: Iterable[Any], half: dict) -> None:
         """`handle_many`'s loop (see there)."""

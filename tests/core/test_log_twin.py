@@ -16,12 +16,8 @@
    is bounded by what ran at its last placement, not by what runs now). Runs without git.
 """
 
-import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -31,32 +27,17 @@ from dora_ext.core import scheduler as S
 from dora_ext.testing import stable_seed
 
 from .test_adversarial import AdversarialDriver, InboxDriver
+from .scheduler_at import scheduler_module_at
 from .test_properties import check_run
 
 #: The last commit of `dora_ext/core/scheduler.py` before the hot-path rework (instance logs,
 #: inlined keys, R5's lazy plans), which changed no decision.
 REF = "ec807bc"
 STEPS = 12
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _reference_scheduler():
-    try:
-        src = subprocess.run(["git", "show", f"{REF}:dora_ext/core/scheduler.py"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"git is not available to read the reference scheduler at {REF}: {exc}")
-    if src.returncode != 0:
-        pytest.skip(f"the reference scheduler at commit {REF} is not in this checkout: {src.stderr.strip()}")
-    name = "dora_ext.core._scheduler_at_ref"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "dora_ext.core"  # its relative imports: today's actions, events, config
-    sys.modules[name] = mod
-    try:
-        exec(compile(src.stdout, f"<git show {REF}:dora_ext/core/scheduler.py>", "exec"), mod.__dict__)
-    finally:
-        sys.modules.pop(name, None)
+    mod = scheduler_module_at(REF, "dora_ext.core._scheduler_at_ref")
     assert not hasattr(mod._Instance, "nrun")  # it is the dict version
     return mod.Scheduler
 

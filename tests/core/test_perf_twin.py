@@ -17,12 +17,8 @@ for the oldest unassigned version and that version still has an unassigned group
 groups is taken, the test passes again with one slot fewer.
 """
 
-import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -34,30 +30,15 @@ from dora_ext.plugins import get_plugin_manager
 from dora_ext.testing import stable_seed
 
 from .test_adversarial import AdversarialDriver, InboxDriver
+from .scheduler_at import scheduler_module_at
 from .test_properties import check_run
 
 #: The last commit of `dora_ext/core/scheduler.py` before the s19 rework.
 REF = "88ccf60"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _reference_scheduler():
-    try:
-        src = subprocess.run(["git", "show", f"{REF}:dora_ext/core/scheduler.py"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"git is not available to read the reference scheduler at {REF}: {exc}")
-    if src.returncode != 0:
-        pytest.skip(f"the reference scheduler at commit {REF} is not in this checkout: {src.stderr.strip()}")
-    name = "dora_ext.core._scheduler_before_s19"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "dora_ext.core"  # its relative imports: today's actions, events, config
-    sys.modules[name] = mod
-    try:
-        exec(compile(src.stdout, f"<git show {REF}:dora_ext/core/scheduler.py>", "exec"), mod.__dict__)
-    finally:
-        sys.modules.pop(name, None)
+    mod = scheduler_module_at(REF, "dora_ext.core._scheduler_before_s19")
     assert not hasattr(mod._Instance, "log")  # it is the two-array version
     return mod
 

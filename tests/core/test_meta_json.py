@@ -629,6 +629,15 @@ def _no_sharing(x, seen):
             _no_sharing(y, seen)
 
 
+def _set_limits(monkeypatch, limits):
+    """The meta walk's limits (values, str characters, depth) set to `limits` for one test."""
+    from dora_ext.core import scheduler as S
+
+    monkeypatch.setattr(S, "_JSON_VALUES", limits[0])
+    monkeypatch.setattr(S, "_JSON_CHARS", limits[1])
+    monkeypatch.setattr(S, "_JSON_DEPTH", limits[2])
+
+
 @pytest.mark.parametrize("limits", [(60, 1000, 8), (150, 400, 6), (10**6, 10**8, 5)])
 def test_random_shared_metas_are_kept_or_refused_as_a_tree_walk_decides(limits, monkeypatch):
     """The walk remembers each container's size, so a shared one is charged without a second
@@ -637,9 +646,7 @@ def test_random_shared_metas_are_kept_or_refused_as_a_tree_walk_decides(limits, 
     the copy) and refuses, with a limit that the tree walk finds exceeded, what it refuses."""
     from dora_ext.core import scheduler as S
 
-    monkeypatch.setattr(S, "_JSON_VALUES", limits[0])
-    monkeypatch.setattr(S, "_JSON_CHARS", limits[1])
-    monkeypatch.setattr(S, "_JSON_DEPTH", limits[2])
+    _set_limits(monkeypatch, limits)
     rng = random.Random(stable_seed(f"shared-metas/{limits}"))
     seen = collections.Counter()
     for _ in range(3000):
@@ -920,9 +927,7 @@ def test_random_metas_with_subclasses_are_kept_or_refused_as_a_plain_walk_decide
     objects at each read check that no id is reused within a walk."""
     from dora_ext.core import scheduler as S
 
-    monkeypatch.setattr(S, "_JSON_VALUES", limits[0])
-    monkeypatch.setattr(S, "_JSON_CHARS", limits[1])
-    monkeypatch.setattr(S, "_JSON_DEPTH", limits[2])
+    _set_limits(monkeypatch, limits)
     rng = random.Random(stable_seed(f"subclass-metas/{limits}"))
     seen = collections.Counter()
     for _ in range(1000):

@@ -669,7 +669,7 @@ class Scheduler:
         # the oldest pooled version cannot be taken, no newer one can (EDF). A plugin's batch key
         # may order a newer version first: waiting for that head, while the older group it waits
         # for sits in the pool behind it, was a deadlock.
-        self._pool_fifo = self.mode != "dora" or not self._builtin_keys
+        self._pool_fifo = self.mode != "dora" or not self._builtin_batch
         # Elastic colocation: instance id -> capacity of instances on the trainer side (switchable
         # to rollout), switching to the trainer, and switching to rollout.
         self._elastic = config.elastic
@@ -697,26 +697,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ plugins
     def _set_plugins(self, plugins: Any) -> None:
+        """The fast path is chosen per hook: a hook that only the built-ins implement
+        (`dora_ext.defaults`) is computed inline, so a plugin implementing another hook (say only
+        `dora_metrics`) changes no decision."""
         from .. import defaults
 
-        if plugins is None or [p for p in plugins.get_plugins() if p is not defaults] == []:
-            # Only the built-ins: call them directly, no dispatch overhead on the hot path.
-            self._admission_key = defaults.dora_admission_key
-            self._batch_key = defaults.dora_batch_key
-            self._plan_migration = defaults.dora_plan_migration
-            self._builtin_r5 = True
-            # The built-in keys are computed inline (`_on_group_admitted`, `_set_reward`): the
-            # same tuples, without a keyword call per group.
-            self._builtin_keys = True
-            self._qkey = self._key_of  # (the queue's key: the built-in keys are ints, they compare)
-        else:
-            hook = plugins.hook
-            self._admission_key = lambda **kw: hook.dora_admission_key(**kw)
-            self._batch_key = lambda **kw: hook.dora_batch_key(**kw)
-            self._plan_migration = lambda **kw: hook.dora_plan_migration(**kw)
-            self._builtin_r5 = False
-            self._builtin_keys = False
-            self._qkey = self._key_ordered
+        def own(name: str) -> bool:
+            return plugins is not None and any(
+                i.plugin is not defaults for i in getattr(plugins.hook, name).get_hookimpls())
+
+        hook = plugins.hook if plugins is not None else None
+        self._builtin_admission = not own("dora_admission_key")
+        self._builtin_batch = not own("dora_batch_key")
+        self._builtin_r5 = not own("dora_plan_migration")
+        self._admission_key = None if self._builtin_admission else hook.dora_admission_key
+        self._batch_key = None if self._builtin_batch else hook.dora_batch_key
+        self._plan_migration = None if self._builtin_r5 else hook.dora_plan_migration
+        # (the queue's key: the built-in keys are ints, they compare)
+        self._qkey = self._key_of if self._builtin_admission else self._key_ordered
         self._plugins = plugins
 
     # ------------------------------------------------------------------ public API
@@ -1036,7 +1034,7 @@ class Scheduler:
             meta = _json_data(meta, "GroupAdmitted.meta")
         v = self.newest
         seq = self._seq
-        if self._builtin_keys:
+        if self._builtin_admission:
             key = None  # `defaults.dora_admission_key`: `(seq,)`, the default, which is not stored
         else:
             # (before any state changes: a key refused leaves the group not admitted, and the
@@ -1098,7 +1096,7 @@ class Scheduler:
                 return
             g = h // n
         key = None
-        if not self._builtin_keys and ev.reward is not None and self._gdone[g] + 1 == n and self._gst[g] != _FAILED:
+        if not self._builtin_batch and ev.reward is not None and self._gdone[g] + 1 == n and self._gst[g] != _FAILED:
             # This finish completes the group (if its reward is valid): a plugin's batch key is
             # computed (and checked) first, before anything changes, so that a key refused leaves
             # the scheduler as it was before the event (the trajectory still runs; nothing was
@@ -1764,7 +1762,7 @@ class Scheduler:
             # (A finish carrying the reward computed it before its own changes: `pre`.)
             cseq = self._complete_seq
             gid, v = self._ggid[g], self._gver[g]
-            if self._builtin_keys:  # `defaults.dora_batch_key`
+            if self._builtin_batch:  # `defaults.dora_batch_key`
                 key = (v, cseq) if self.mode == "dora" else (cseq,)
             elif pre is not None and pre[0] == cseq:
                 key = pre[1]
@@ -1914,10 +1912,8 @@ class Scheduler:
         # Only worth it when the newest version could use the freed slots.
         if self._budget_left() <= 0 and self._queued.get(self._bucket(self.newest), 0) <= 0:
             return
-        if self._builtin_r5:
+        if self._builtin_r5 or not self._consolidate_plugin(v):
             self._consolidate_builtin(v)
-        else:
-            self._consolidate_plugin(v)
         if self._nhold.get(v, 0) == nh and self._occupied.get(v, 0) == occ:
             self._r5_tried[v] = (occ, nh)
 
@@ -2004,8 +2000,9 @@ class Scheduler:
         for i in emptied:
             self._plan_instance(i)
 
-    def _consolidate_plugin(self, v: int) -> None:
-        """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan.
+    def _consolidate_plugin(self, v: int) -> bool:
+        """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan
+        (False: every plugin declined, the built-in plan applies).
 
         O(view + moves): the view is built once, and each move is checked in O(1) against the
         state as the earlier moves of the plan left it (`_ti[h]` names the instance a trajectory
@@ -2021,8 +2018,10 @@ class Scheduler:
             newest_version=self.newest,
             fill=self.config.migrate_threshold,
         )
+        if plan is None:
+            return False
         n, ti, tm, gslot = self.n, self._ti, self._tm, self._gslot
-        for gid, idx, src, dst in plan or ():
+        for gid, idx, src, dst in plan:
             s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
@@ -2038,6 +2037,7 @@ class Scheduler:
         for i in holders:
             if not i.nrun:
                 self._plan_instance(i)
+        return True
 
     def _gating_crowd(self) -> tuple[int, int] | None:
         """(version, most running on one of its instances) of the crowded gating version: the
@@ -2447,9 +2447,8 @@ class Scheduler:
                  for i in self.instances.values()]
         live = self._gslot
 
-        plain = (lambda k: k) if self._builtin_keys else _plain  # (a plugin's keys: as it gave them)
-
-        def heap(h):
+        def heap(h, builtin):
+            plain = tuple if builtin else _plain  # (a plugin's keys: as it gave them)
             return [[list(plain(e[0])), e[1], e[2]] for e in h if e[2] in live]
 
         return {
@@ -2469,9 +2468,9 @@ class Scheduler:
             "groups": groups,
             "instances": insts,
             "unassigned": [[v, c] for v, c in self._unassigned.items()],
-            "queue": [[b, heap(h)] for b, h in self._queue.items()],
+            "queue": [[b, heap(h, self._builtin_admission)] for b, h in self._queue.items()],
             "queued": [[b, c] for b, c in self._queued.items()],
-            "pools": [[v, heap(h)] for v, h in self._pools.items()],
+            "pools": [[v, heap(h, self._builtin_batch)] for v, h in self._pools.items()],
             "r5_tried": [[v, list(x)] for v, x in self._r5_tried.items()],
             "elastic": [[[i, c] for i, c in d.items()]
                         for d in (self._trainer_side, self._to_trainer, self._to_rollout, self._spreading)],
@@ -2562,11 +2561,13 @@ class Scheduler:
         self._nhold = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._lv.items()}
         self._nhold = {b: c for b, c in self._nhold.items() if c}
         self._unassigned = {v: c for v, c in snap["unassigned"]}
-        keyed = tuple if self._builtin_keys else _ordered  # (as `_enqueue` and `_set_reward` push them)
+        # (as `_enqueue` and `_set_reward` push them)
+        keyed = tuple if self._builtin_admission else _ordered
         self._queue = {b: [(keyed(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
         for h in self._queue.values():
             heapq.heapify(h)
         self._queued = {b: c for b, c in snap["queued"]}
+        keyed = tuple if self._builtin_batch else _ordered
         self._pools = {v: [(keyed(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
         for h in self._pools.values():
             heapq.heapify(h)

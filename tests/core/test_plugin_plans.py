@@ -16,12 +16,14 @@ import random
 
 import pytest
 
-from dora_ext import defaults, hookimpl
+from dora_ext import hookimpl
 from dora_ext.config import DoraConfig
 from dora_ext.core import Migrate, Scheduler
 from dora_ext.core.scheduler import ProtocolError
 from dora_ext.plugins import get_plugin_manager
 from dora_ext.testing import RandomDriver, feed_twinned, stable_seed
+
+from .test_hooks import pack_plan
 
 
 class PerMoveView(Scheduler):
@@ -53,6 +55,7 @@ class PerMoveView(Scheduler):
         for i in holders:
             if not i.nrun:
                 self._plan_instance(i)
+        return True
 
 
 class MixedPlans:
@@ -64,8 +67,7 @@ class MixedPlans:
     @hookimpl
     def dora_plan_migration(self, version, instances, newest_version, fill):
         rng = random.Random(repr((version, instances, newest_version, fill)))
-        plan = list(defaults.dora_plan_migration(version=version, instances=instances,
-                                                 newest_version=newest_version, fill=fill))
+        plan = pack_plan(instances, fill)
         rng.shuffle(plan)
         r = rng.random()
         ids = [d["id"] for d in instances]

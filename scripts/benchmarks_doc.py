@@ -43,7 +43,7 @@ def cell(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{round(v, 4) + 0.0:.3g}"
     if isinstance(v, str):
         return "(path)" if v.startswith("/") else v.replace("|", "/")
     if isinstance(v, list) and all(not isinstance(x, (dict, list)) for x in v):

@@ -170,7 +170,8 @@ def decode_cost(d: dict) -> str:
 
 #: file-name stem (or prefix ending in "-") -> (title, command that writes the file, renderer)
 KNOWN: dict[str, tuple[str, str, Callable[[dict], str]]] = {
-    "sim_modes": ("Simulator: every preset and mode", "python benchmarks/sim_modes.py --json benchmarks/results/sim_modes.json", sim_modes),
+    "sim_modes": ("Simulator: presets and modes side by side", "python benchmarks/sim_modes.py --json benchmarks/results/sim_modes.json", sim_modes),
+    "sim_modes-": ("Simulator: presets and modes side by side ({stem})", "python benchmarks/sim_modes.py --json benchmarks/results/{stem}.json", sim_modes),
     "simulate-": ("`dora-ext simulate --preset {preset}`", "dora-ext simulate --preset {preset} --json > benchmarks/results/{stem}.json", simulate),
     "core_events": ("Scheduler events per CPU second", "python benchmarks/core_events.py --json > benchmarks/results/core_events.json", core_events),
     "decode_cost": ("CPU decode cost of the default recipe's model", "python benchmarks/decode_cost.py --json benchmarks/results/decode_cost.json", decode_cost),
@@ -188,9 +189,9 @@ def section(stem: str, data: Any) -> str:
         except (KeyError, TypeError, AttributeError, IndexError, ValueError):
             title, command = stem, None  # the shape changed: rendered generically below
     if body is None:
-        if isinstance(data, dict) and isinstance(data.get("command"), str):
-            command = data["command"]
         body = generic(data)
+    if isinstance(data, dict) and isinstance(data.get("command"), str):
+        command = data["command"]  # what the benchmark says it ran wins over the usual command
     made = f"From `benchmarks/results/{stem}.json`" + (f", written by `{command}`." if command else ".")
     return f"## {title}\n\n{made}\n\n{body}"
 

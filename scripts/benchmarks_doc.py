@@ -31,6 +31,17 @@ HEADER = """\
 Every number below comes from one run of the benchmark named in its section, saved as JSON in
 `benchmarks/results/`; ratios compare runs made side by side in that run. Regenerate this file
 with `python scripts/benchmarks_doc.py` after re-running a benchmark. No benchmark is a test.
+
+| benchmark | measures |
+|---|---|
+| `benchmarks/core_events.py` | scheduler events per CPU second, K = 1..3, 1k to 1M slots |
+| `benchmarks/sim_modes.py` | every simulator preset and mode: split and K as answers, C1-C3, goals |
+| `benchmarks/decode_cost.py` | CPU decode step time against running sequences |
+| `benchmarks/cpu_compare.py` | real engines on the CPU: sync against dora K=1, K=2; reward, time to reward, throughput |
+| `benchmarks/sao_vs_grpo.py` | SAO (n=1, value model) against GRPO at the same K |
+| `benchmarks/verl_cpu_compare.py` | verl's `main_ppo` on the CPU: dora, separate_async, sync |
+| `benchmarks/gpu_compare.sh` | embedded runtime on one GPU: dora against sync, a ~25M-parameter model |
+| `benchmarks/gpu_verl_smoke.sh` | verl's `main_ppo` on 2+ GPUs: dora and its separate_async twin, a few steps |
 """
 
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
-#: keys never shown: wall-clock times of the benchmark itself and machine-specific paths
-HIDDEN = {"wall_s", "work", "out", "command", "note", "splits_evaluated", "candidates"}
+#: keys never shown: wall-clock times, load averages, machine paths, the long lists a recommender considered
+HIDDEN = {"wall_s", "wall_s_per_run", "work", "out", "command", "load_average_before_after", "splits_evaluated", "candidates"}
 
 HEADER = """\
 # Benchmarks

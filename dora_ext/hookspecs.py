@@ -31,12 +31,9 @@ def dora_admission_key(group_id: Any, version: int, seq: int, meta: Any, mode: s
     Called once when a group is admitted. Lower keys are dispatched first, group-major (all
     pending trajectories of the first group, then the next group). Queues are per version, so
     the key orders groups of the same version only; older versions are always served by their own
-    instances first (R1). Must return a tuple (or list) of JSON scalars (None, bools, ints of at
-    most 4,300 decimal digits, finite floats, strings), because the key is part of the scheduler's
-    snapshot: anything else (a tuple inside, a numpy integer, NaN, a longer int, which Python's
-    JSON refuses by default) is a ``ProtocolError`` naming the hook. Keys are compared position
-    by position, None before numbers before strings (so a key may hold None at a position where
-    another holds an int).
+    instances first (R1). Must return a tuple (or list) that comes back unchanged from a JSON
+    round trip (the key is part of the scheduler's snapshot), else a ``ProtocolError`` naming the
+    hook halts the scheduler; keys must compare with each other (a plugin's own contract).
 
     Default: ``(seq,)``, the admission order, so the group admitted first (the one closest to
     completing the next batch) gets free capacity first.
@@ -44,8 +41,7 @@ def dora_admission_key(group_id: Any, version: int, seq: int, meta: Any, mode: s
     :param group_id: the runtime's id of the group.
     :param version: the policy version the group is pinned to.
     :param seq: admission counter (0, 1, 2, ...).
-    :param meta: the ``meta`` the runtime gave in ``GroupAdmitted`` (e.g. prompt length), as its
-        JSON round trip gives it back (a tuple is a list), or None.
+    :param meta: a copy of the ``meta`` the runtime gave in ``GroupAdmitted`` (e.g. prompt length), or None.
     :param mode: the scheduling mode.
     """
 
@@ -58,7 +54,7 @@ def dora_batch_key(group_id: Any, version: int, complete_seq: int, mode: str) ->
     scheduler only takes a group when the bounded-staleness deadlines of all remaining groups stay
     feasible (C3), and it waits for a running group rather than drop it (C2).
 
-    Must return a tuple (or list) of JSON scalars, as ``dora_admission_key``. A key may put a
+    Must return a tuple (or list), as ``dora_admission_key``. A key may put a
     newer version first: the scheduler then takes the smallest key it can take.
 
     Default: ``(version, complete_seq)`` in mode ``dora`` (oldest version first, then completion

@@ -36,16 +36,6 @@ class _Instance:
         the cold paths; the hot ones read `nrun`)."""
         return dict.fromkeys(self.live())
 
-    @property
-    def hs(self) -> array:
-        """The log's handles, in placement order (live and dead; a copy)."""
-        return self.log[0::2]
-
-    @property
-    def ps(self) -> array:
-        """The log's placement stamps, in placement order (a copy)."""
-        return self.log[1::2]
-
     def live(self) -> list[int]:
         """The handles running here, in placement order, as a list."""
         tp = self._traj_stamp
@@ -81,18 +71,10 @@ class _Fleet:
         self._cap_max = 1  # the largest instance capacity seen (R5's packing bound)
 
     def _stale_instance(self, iid: int) -> bool:
-        """A late event from an instance declared failed: counted and ignored.
-
-        Failed ids are not remembered one by one (that set grew by one per crash for the whole
-        run, and was in every snapshot). An id at or below the largest ever registered
-        (`_id_max`) that is neither registered now nor on the trainer's side (elastic) was
-        registered once and has failed since: every host gives a restarted engine a fresh id above
-        all earlier ones (the embedded runtime `next_instance_id`, verl's coordinator the largest
-        id + 1, slime's engine table a counter), so a late report of the dead engine is never
-        taken for its successor, however long after the crash it arrives. An id above every
-        registered one is a protocol error (`_instance`). What this gives up: an id below
-        `_id_max` that no instance ever had (a gap in a host's numbering) reads as stale too,
-        and is counted in `stale_events` rather than raised."""
+        """A late event from an instance declared failed: counted and ignored. An id at or below
+        the largest ever registered (`_id_max`) that is neither registered now nor on the
+        trainer's side has failed: every host gives a restarted engine a fresh, larger id, so
+        failed ids need not be remembered one by one."""
         if iid in self.instances or not isinstance(iid, numbers.Integral) or iid > self._id_max:
             return False
         if iid in self._trainer_side or iid in self._to_trainer or iid in self._to_rollout:

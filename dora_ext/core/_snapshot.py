@@ -7,15 +7,13 @@ from typing import Any
 
 from ..config import DoraConfig
 from ._fleet import _Instance
-from ._json import _json_data, _ordered, _plain
+from ._json import _json_data
 from ._state import _CODES, _LETTERS, _Level, _MULTI, _NAN, _NO_INSTANCE, _NO_VERSION, _STATE_CODES, _STATES
 from ._table import _vlist
 from .errors import ProtocolError
 
-#: `snapshot()` writes this format; `restore()` reads it and format 2 (which listed every
-#: instance that ever failed, `"dead"`, where format 3 keeps one number, `"id_max"`).
+#: The format `snapshot()` writes and `restore()` reads.
 SNAPSHOT_FORMAT = 3
-_READS_FORMATS = (2, 3)
 
 
 class _Snapshot:
@@ -29,6 +27,7 @@ class _Snapshot:
         so its size does not grow with the number of steps. `format` is `SNAPSHOT_FORMAT`.
         Runtimes store it in their own checkpoints and resume from it.
         """
+        self._check_broken()  # (a halted scheduler's state may be half changed)
         groups = []
         n = self.n
         ts, ti, ta, tt, tv, tr, tn, tm = self._traj_status, self._traj_instance, self._traj_attempt, self._traj_tokens, self._traj_version, self._traj_reward, self._traj_retries, self._traj_moved
@@ -54,9 +53,8 @@ class _Snapshot:
                  for i in self.instances.values()]
         live = self._slot_of
 
-        def heap(h, builtin):
-            plain = tuple if builtin else _plain  # (a plugin's keys: as it gave them)
-            return [[list(plain(e[0])), e[1], e[2]] for e in h if e[2] in live]
+        def heap(h):
+            return [[list(e[0]), e[1], e[2]] for e in h if e[2] in live]
 
         return {
             "format": SNAPSHOT_FORMAT,
@@ -75,9 +73,9 @@ class _Snapshot:
             "groups": groups,
             "instances": insts,
             "unassigned": [[v, c] for v, c in self._unassigned.items()],
-            "queue": [[b, heap(h, self._builtin_admission)] for b, h in self._queue.items()],
+            "queue": [[b, heap(h)] for b, h in self._queue.items()],
             "queued": [[b, c] for b, c in self._queued.items()],
-            "pools": [[v, heap(h, self._builtin_batch)] for v, h in self._pools.items()],
+            "pools": [[v, heap(h)] for v, h in self._pools.items()],
             "r5_tried": [[v, list(x)] for v, x in self._r5_tried.items()],
             "elastic": [[[i, c] for i, c in d.items()]
                         for d in (self._trainer_side, self._to_trainer, self._to_rollout, self._spreading)],
@@ -87,15 +85,11 @@ class _Snapshot:
 
     @classmethod
     def restore(cls, snap: dict[str, Any], plugins: Any = None) -> "Scheduler":
-        """Rebuild a scheduler from `snapshot()` output (possibly after a JSON round trip), of
-        format `SNAPSHOT_FORMAT` or 2."""
+        """Rebuild a scheduler from `snapshot()` output (possibly after a JSON round trip)."""
         fmt = snap.get("format") if isinstance(snap, dict) else None
-        if fmt not in _READS_FORMATS or type(fmt) is not int:
-            raise ProtocolError(
-                f"snapshot format {fmt!r} is not supported: this dora-ext reads formats "
-                f"{', '.join(map(str, _READS_FORMATS))} "
-                f"(a snapshot from another dora-ext version cannot be resumed)"
-            )
+        if fmt != SNAPSHOT_FORMAT or type(fmt) is not int:
+            raise ProtocolError(f"snapshot format {fmt!r} is not supported: this dora-ext reads format "
+                                f"{SNAPSHOT_FORMAT} (a snapshot from another dora-ext version cannot be resumed)")
         self = cls(DoraConfig.from_dict(snap["config"]), plugins=plugins)
         sc = snap["scalars"]
         self.newest, self.step, self._trainer_busy = sc["newest"], sc["step"], sc["trainer_busy"]
@@ -104,13 +98,7 @@ class _Snapshot:
         self._seq, self._complete_seq, self._n_active = sc["seq"], sc["complete_seq"], sc["n_active"]
         self._halted, self._orphaned = sc["halted"], sc["orphaned"]
         self._form_dirty, self._uniform = sc["form_dirty"], sc["uniform"]
-        if fmt == 2:
-            # Format 2 listed every failed id; every id it names (configured, live, failed) was
-            # registered, so the largest of them is the mark format 3 keeps.
-            ids = [s.id for s in self.config.instances] + [i[0] for i in snap["instances"]] + list(snap["dead"])
-            self._id_max = max(ids)
-        else:
-            self._id_max = sc["id_max"]
+        self._id_max = sc["id_max"]
         self._forming = list(snap["forming"])
         for (gid, dv, dseq, key, meta, state, dstep, dcseq, in_queue, pending, done, live, trajs) in snap["groups"]:
             version, seq = self.newest - dv, self._seq - dseq
@@ -168,22 +156,18 @@ class _Snapshot:
         self._holders = {b: sum(len(d) for n, d in lv.items() if n) for b, lv in self._levels.items()}
         self._holders = {b: c for b, c in self._holders.items() if c}
         self._unassigned = {v: c for v, c in snap["unassigned"]}
-        # (as `_enqueue` and `_set_reward` push them)
-        keyed = tuple if self._builtin_admission else _ordered
-        self._queue = {b: [(keyed(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
+        self._queue = {b: [(tuple(k), s, gid) for k, s, gid in h] for b, h in snap["queue"]}
         for h in self._queue.values():
             heapq.heapify(h)
         self._queued = {b: c for b, c in snap["queued"]}
-        keyed = tuple if self._builtin_batch else _ordered
-        self._pools = {v: [(keyed(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
+        self._pools = {v: [(tuple(k), s, gid) for k, s, gid in h] for v, h in snap["pools"]}
         for h in self._pools.values():
             heapq.heapify(h)
         self._pool_n = sum(len(h) for h in self._pools.values())
         self._r5_tried = {v: tuple(x) for v, x in snap["r5_tried"]}
-        if "elastic" in snap:
-            self._trainer_side, self._to_trainer, self._to_rollout, self._spreading = (
-                {i: c for i, c in d} for d in snap["elastic"])
-        self._trainer_idle = snap.get("trainer_idle", False)
+        self._trainer_side, self._to_trainer, self._to_rollout, self._spreading = (
+            {i: c for i, c in d} for d in snap["elastic"])
+        self._trainer_idle = snap["trainer_idle"]
         m = dict(snap["metrics"])
         m["staleness_hist"] = {int(k): v for k, v in m["staleness_hist"]}
         self.m = m

@@ -6,7 +6,6 @@ from array import array
 from typing import Any
 
 from ._state import (_ACTIVE, _LETTERS, _MULTI, _NAN, _NO_INSTANCE, _NO_STAMP, _NO_VERSION, _RUNNING)
-from ._json import _ordered
 from .errors import ProtocolError, _brief
 
 
@@ -108,11 +107,6 @@ class _Table:
         """Group slot `g`'s admission key."""
         key = self._group_key.get(g)
         return (self._group_seq[g],) if key is None else key
-
-    def _key_ordered(self, g: int) -> tuple:
-        """Group slot `g`'s admission key as the queue compares it with a plugin's keys (`_ordered`)."""
-        key = self._group_key.get(g)
-        return (1, self._group_seq[g]) if key is None else _ordered(key)
 
     def _pending(self, g: int) -> list[int]:
         """Group slot `g`'s pending trajectories' indices, in dispatch order."""

@@ -17,13 +17,13 @@ A runtime executes each action and reports back with events (see `events.py`):
 
 from __future__ import annotations
 
-from ._record import record
+from dataclasses import dataclass
 from typing import Union
 
 from .events import GroupId
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class RequestGroups:
     """Admit up to `count` new prompts; their groups get `version` (the newest published)."""
 
@@ -31,7 +31,7 @@ class RequestGroups:
     version: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Dispatch:
     """Generate trajectory `(group_id, index)` on `instance_id`, which holds `version`."""
 
@@ -42,7 +42,7 @@ class Dispatch:
     attempt: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class LoadVersion:
     """Load `version` on `instance_id`.
 
@@ -56,7 +56,7 @@ class LoadVersion:
     preempt: tuple[tuple[GroupId, int], ...] = ()
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class Migrate:
     """Move running trajectory `(group_id, index)` from `src` to `dst`; both hold `version` (R5)."""
 
@@ -67,7 +67,7 @@ class Migrate:
     version: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class DeliverGroup:
     """Group `group_id` is complete and belongs to trainer step `step` (streamed, R7)."""
 
@@ -75,7 +75,7 @@ class DeliverGroup:
     step: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class StartStep:
     """Run trainer step `step` over `group_ids` (groups not yet delivered are delivered now)."""
 
@@ -83,7 +83,7 @@ class StartStep:
     group_ids: tuple[GroupId, ...]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class SwitchToTrainer:
     """Elastic colocation: lend idle instance `instance_id`'s accelerators to the trainer.
 
@@ -96,7 +96,7 @@ class SwitchToTrainer:
     instance_id: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class SwitchToRollout:
     """Elastic colocation: give the trainer's accelerators of `instance_id` to the rollout.
 
@@ -109,7 +109,7 @@ class SwitchToRollout:
     capacity: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class ReportGroupFailed:
     """A group exhausted its retries: it is not trained, and the user must hear of it (C2)."""
 
@@ -117,7 +117,7 @@ class ReportGroupFailed:
     reason: str
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class ReportError:
     """A trajectory produced an invalid result (e.g. a NaN reward); it is being retried."""
 
@@ -138,3 +138,12 @@ Action = Union[
     ReportGroupFailed,
     ReportError,
 ]
+
+
+def without_failed(actions: list, failed: set) -> list:
+    """The actions of a `handle_many` batch that failed the instances `failed`, less those it
+    decided for them before they failed (void: their trajectories were re-queued): a `Dispatch`
+    or `LoadVersion` to one, a `Migrate` between two. (Hosts give a restarted engine a fresh id.)"""
+    return [a for a in actions
+            if not ((type(a) is Dispatch or type(a) is LoadVersion) and a.instance_id in failed)
+            and not (type(a) is Migrate and a.src in failed and a.dst in failed)]

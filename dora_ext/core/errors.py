@@ -6,22 +6,13 @@ from typing import Any
 
 
 class ProtocolError(RuntimeError):
-    """The runtime broke the event protocol (unknown id, event in the wrong state, ...).
+    """The runtime broke the event protocol (unknown id, event in the wrong state, ...), or a plugin
+    gave what the scheduler cannot keep (a key JSON does not give back, an infeasible plan).
 
-    Like h11's ProtocolError it is raised, never swallowed: a runtime that keeps going on a broken
-    protocol would lose or duplicate data silently.
-
-    The offending event is mostly refused before it changes the scheduler (an unknown id, bad
-    tokens, a meta, an admission or batch key that is refused). The exception is a plugin's
-    migration plan (`dora_plan_migration`) found infeasible: it is checked move by move, so the
-    event and the moves before the bad one stay applied. `actions` holds what was decided and not
-    yet answered: the actions of the events before it in a `handle_many` batch, and of that
-    partly applied event; never returned with a later answer. A host that stops on the error
-    executes them first (or at least learns of them), so that a snapshot taken then holds nothing
-    decided but never sent.
+    As h11's, it halts the scheduler: the event may be half applied, so every later `handle`,
+    `handle_many` or `snapshot` raises a `ProtocolError` saying why, and the host resumes from its
+    last snapshot. "Don't subclass these."
     """
-
-    actions: list = []  # (set on the raised instance by `handle`/`handle_many`)
 
 
 class FailureStorm(RuntimeError):
@@ -41,8 +32,7 @@ class FailureStorm(RuntimeError):
 
 
 def _brief(x: Any) -> str:
-    """`repr(x)` for an error message, at most 80 characters: a bad value a host sends may be a
-    huge integer, whose repr is that long (or raises ValueError past 4,300 digits)."""
+    """`repr(x)` for an error message, at most 80 characters."""
     try:
         r = repr(x)
     except ValueError:

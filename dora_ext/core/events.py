@@ -9,13 +9,13 @@ instance that was declared failed but still answers); leave it `None` when the r
 
 from __future__ import annotations
 
-from ._record import record
+from dataclasses import dataclass
 from typing import Any, Union
 
 GroupId = Union[int, str]
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class InstanceReady:
     """A rollout instance exists (or came back after a failure) with no version loaded."""
 
@@ -23,7 +23,7 @@ class InstanceReady:
     capacity: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class InstanceLoaded:
     """The instance finished loading `version` (answer to `LoadVersion`)."""
 
@@ -31,7 +31,7 @@ class InstanceLoaded:
     version: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class InstanceFailed:
     """The instance is gone; its running trajectories are re-dispatched to the same version."""
 
@@ -39,7 +39,7 @@ class InstanceFailed:
     reason: str = ""
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class SwitchedToTrainer:
     """Elastic colocation: the trainer now computes on `instance_id`'s accelerators (answer to
     `SwitchToTrainer`). Until then the scheduler does not move them back."""
@@ -47,37 +47,32 @@ class SwitchedToTrainer:
     instance_id: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class GroupAdmitted:
     """The runtime bound a prompt to a new group (answer to `RequestGroups`).
 
     `meta` is optional JSON data, usually a mapping (e.g. prompt length), handed to admission
-    hooks. The scheduler keeps it as its JSON round trip gives it back (a tuple becomes a list),
-    so that a run resumed from a JSON snapshot sees the same meta; a value JSON cannot give back
-    unchanged (a non-str key, NaN or infinity, a set, a numpy integer, an int of more than 4,300
-    decimal digits) is a `ProtocolError` naming `GroupAdmitted.meta`, and so is a meta of more
-    than 1,000,000 values or 100,000,000 characters of str as JSON writes it (each appearance of
-    a shared sub-object counted: JSON has no sharing). An int `group_id` has the same 4,300-digit
-    limit.
+    hooks; it must come back unchanged from a JSON round trip (the snapshot is JSON data: lists,
+    str keys, finite floats), else it is a `ProtocolError` naming `GroupAdmitted.meta`.
     """
 
     group_id: GroupId
     meta: Any = None
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class GroupsDeclined:
     """The runtime cannot admit `count` of the requested groups now (no prompts ready)."""
 
     count: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class DataExhausted:
     """No prompts will ever come again: train what is admitted (a last short batch if needed)."""
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class TrajectoryProgressed:
     """`tokens` response tokens generated so far (cumulative)."""
 
@@ -87,7 +82,7 @@ class TrajectoryProgressed:
     attempt: int | None = None
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class TrajectoryFinished:
     """Generation ended (stop token or max length). `reward` may come here or in `RewardReady`.
 
@@ -103,7 +98,7 @@ class TrajectoryFinished:
     truncated_early: bool = False
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class TrajectoryFailed:
     """Generation (or its reward) failed; retried up to `max_retries`, then the group fails."""
 
@@ -113,7 +108,7 @@ class TrajectoryFailed:
     attempt: int | None = None
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class RewardReady:
     """The reward of a finished trajectory. None or NaN is an error naming the trajectory."""
 
@@ -123,21 +118,21 @@ class RewardReady:
     attempt: int | None = None
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class TrainerStepStarted:
     """The trainer began the optimizer work of `step` (informational)."""
 
     step: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class TrainerStepFinished:
     """The optimizer step `step` is done; the trainer holds version `step + 1`."""
 
     step: int
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class MigrationLanded:
     """The migrated trajectory `(group_id, index)` runs on its destination (answer to `Migrate`).
 
@@ -150,7 +145,7 @@ class MigrationLanded:
     attempt: int | None = None
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class TrainerIdle:
     """The trainer has processed everything delivered to it and waits for groups.
 
@@ -160,7 +155,7 @@ class TrainerIdle:
     """
 
 
-@record
+@dataclass(frozen=True, slots=True)
 class VersionPublished:
     """Version `version` may now be loaded by instances (its weights are broadcast)."""
 

@@ -52,7 +52,7 @@ from . import actions as A
 from . import events as E
 from ._elastic import _Elastic
 from ._fleet import _Fleet
-from ._json import _INT_BOUND, _INT_LOW, _big_int, _json_data, _json_key, _ordered
+from ._json import _json_data, _json_key
 from ._migration import _Migration
 from ._snapshot import SNAPSHOT_FORMAT, _Snapshot
 from ._state import (_ACTIVE, _ANY, _ASSIGNED, _AWAIT_REWARD, _COMPLETE, _DEAD, _DONE, _FAILED, _LETTERS,
@@ -103,6 +103,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._id_max = _NO_INSTANCE
         self._orphaned = False  # work was queued for a version no instance holds
         self._halted: str | None = None  # the circuit breaker's message once it tripped
+        self._broken: str | None = None  # the error that halted the scheduler (`_run`)
         self._form_dirty = True  # an input of batch formation changed since it last ran
 
         self._init_table()
@@ -151,103 +152,67 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._admission_key = None if self._builtin_admission else hook.dora_admission_key
         self._batch_key = None if self._builtin_batch else hook.dora_batch_key
         self._plan_migration = None if self._builtin_r5 else hook.dora_plan_migration
-        # (the queue's key: the built-in keys are ints, they compare)
-        self._qkey = self._key_of if self._builtin_admission else self._key_ordered
         self._plugins = plugins
 
     # ------------------------------------------------------------------ public API
     def start(self) -> list:
         """Register the configured instances and emit the first actions."""
+        return self._run(self._start, None)
+
+    def _start(self, _: Any) -> None:
         if self._started:
             raise ProtocolError("start() called twice")
         self._started = True
         for spec in self.config.instances:
             self._add_instance(spec.id, spec.capacity)
-        return self._finish()
 
     def handle(self, event: Any) -> list:
         """Feed one event; returns the actions to execute, in order."""
-        if not self._started:
-            raise ProtocolError("handle() before start()")
-        if self._halted is not None:
-            raise self._storm([])
-        try:
-            method = self._handlers[type(event)]
-        except KeyError:
-            raise ProtocolError(f"unknown event {event!r}") from None
-        try:
-            method(self, event)
-            return self._finish()
-        except ProtocolError as exc:
-            exc.actions, self._out = self._out, []  # (mostly empty: see `ProtocolError`)
-            raise
+        return self._run(self._handle_each, (event,))
 
     def handle_many(self, events: Iterable[Any]) -> list:
         """Feed events in order; returns the actions for all of them.
 
         Equivalent to calling `handle` on each event, except that admission, batch formation
         and idle-instance planning run once at the end instead of after every event (so, e.g.,
-        one `RequestGroups` may ask for what several calls would have asked for one by one), and
-        that a `Dispatch` or `LoadVersion` for an instance that fails later in the same batch is
-        not returned (its trajectories were re-queued), nor a `Migrate` whose source and
-        destination both fail later in the batch (the destination's failure re-queued the
-        trajectory; nothing of its attempt is left on either engine). A `Migrate` with only one
-        end failing later is returned: from a live source the move must still free it, and out
-        of a dead source the runtime learns that the trajectory was in transit (it reports it
-        failed, as for any migration whose source dies). Actions may still name a trajectory
-        whose finish the runtime has already reported (a `Migrate`, a `preempt` entry): the
-        runtime ignores those, as it would when the engine finishes while the action is sent.
-        A runtime draining an inbox of engine reports uses this; a `ProtocolError` leaves the
-        events before the offending one applied (and the offending one not), and carries their
-        actions (`ProtocolError.actions`: not returned with a later answer). The admission,
-        batch formation and planning that would run at the end of the batch run with the next
-        event.
+        one `RequestGroups` may ask for what several calls would have asked for one by one). A
+        batch that fails instances may return actions for them decided before their failure
+        (void: their trajectories were re-queued); hosts drop those with `actions.without_failed`.
         """
-        if not self._started:
-            raise ProtocolError("handle_many() before start()")
-        if self._halted is not None:
-            raise self._storm([])
-        half: dict[int, tuple] = {}  # id(Migrate) -> (it, its end that failed later in the batch)
-        try:
-            self._handle_each(events, half)
-            return self._finish()
-        except ProtocolError as exc:
-            exc.actions, self._out = self._out, []
-            raise
+        return self._run(self._handle_each, events)
 
-    def _handle_each(self, events: Iterable[Any], half: dict) -> None:
-        """`handle_many`'s loop (see there)."""
+    def _handle_each(self, events: Iterable[Any]) -> None:
+        if not self._started:
+            raise ProtocolError("an event before start()")
         handlers = self._handlers
-        failed = E.InstanceFailed
         for event in events:
             try:
                 method = handlers[type(event)]
             except KeyError:
                 raise ProtocolError(f"unknown event {event!r}") from None
-            if type(event) is failed and event.instance_id in self.instances:
-                # Dispatches and loads this batch sent to the instance before it failed are void
-                # (their trajectories are re-queued): drop them, else a runtime would execute
-                # them, possibly on an engine re-registered under the same id in this batch. So is
-                # a move decided before both of its ends failed (see the docstring).
-                mark = len(self._out)
-                method(self, event)
-                iid = event.instance_id
-                kept = []
-                for a in self._out[:mark]:
-                    ta = type(a)
-                    if ta is A.Migrate and iid in (a.src, a.dst):
-                        other = a.dst if iid == a.src else a.src
-                        seen = half.get(id(a))
-                        if seen is not None and seen[0] is a and seen[1] == other:
-                            self.m["migrations"] -= 1  # counted when emitted: this one is not
-                            continue  # both ends failed after it was decided: void
-                        half[id(a)] = (a, iid)
-                    elif (ta is A.Dispatch or ta is A.LoadVersion) and a.instance_id == iid:
-                        continue
-                    kept.append(a)
-                self._out[:mark] = kept
-                continue
             method(self, event)
+
+    def _run(self, work: Callable, arg: Any) -> list:
+        """`work(arg)`, then the end-of-call pump. An error halts the scheduler, as h11's
+        ProtocolError does: its state may be half changed, so every later call raises and the host
+        resumes from its last snapshot. (`FailureStorm`, the circuit breaker, leaves it consistent.)"""
+        self._check_broken()
+        if self._halted is not None:
+            raise self._storm([])
+        try:
+            work(arg)
+            return self._finish()
+        except FailureStorm:
+            raise
+        except Exception as exc:
+            self._broken = str(exc) if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"
+            self._out = []
+            raise
+
+    def _check_broken(self) -> None:
+        if self._broken is not None:
+            raise ProtocolError(f"the scheduler halted after a protocol error: {self._broken}; "
+                                f"resume from the last snapshot taken before it")
 
     def _storm(self, actions: list) -> FailureStorm:
         return FailureStorm(self._halted or "", failed=self.m["failed_groups"],
@@ -438,16 +403,11 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                 f"GroupAdmitted.group_id {_brief(gid)} ({type(gid).__name__}): a group id must be an int "
                 f"or a str (a JSON scalar that survives the snapshot's JSON round trip), not a bool"
             )
-        # (an int subclass's value compared: its own `<` and `>` are called first, and may say anything)
-        if isinstance(gid, int) and not _INT_LOW < (gid if type(gid) is int else int.__int__(gid)) < _INT_BOUND:
-            raise _big_int(gid, "GroupAdmitted.group_id")
         if self._outstanding <= 0:
             raise ProtocolError(f"group {ev.group_id!r} admitted without a RequestGroups outstanding")
         if ev.group_id in self._slot_of:
             raise ProtocolError(f"group id {ev.group_id!r} admitted twice")
-        # Kept (and handed to the admission key) as its JSON round trip gives it back, so that a run
-        # resumed from a JSON snapshot sees the same meta as the uninterrupted one (`_json_data`).
-        meta = ev.meta
+        meta = ev.meta  # (a copy, if JSON gives it back: a resumed run sees the same meta)
         if meta is not None:
             meta = _json_data(meta, "GroupAdmitted.meta")
         v = self.newest
@@ -455,8 +415,6 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         if self._builtin_admission:
             key = None  # `defaults.dora_admission_key`: `(seq,)`, the default, which is not stored
         else:
-            # (before any state changes: a key refused leaves the group not admitted, and the
-            # scheduler as it was)
             key = _json_key(self._admission_key(group_id=ev.group_id, version=v, seq=seq, meta=meta, mode=self.mode),
                             "dora_admission_key")
         self._outstanding -= 1
@@ -482,7 +440,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._queued[b] = self._queued.get(b, 0) + n
         if self._pinned and not self._cap.get(b):
             self._orphaned = True  # no instance holds or loads this version: see `_finish`
-        heapq.heappush(self._queue.setdefault(b, []), ((seq,) if key is None else self._qkey(g), seq, gid))
+        heapq.heappush(self._queue.setdefault(b, []), ((seq,) if key is None else self._key_of(g), seq, gid))
         self._group_in_queue[g] = 1
         self._dispatch(b)
 
@@ -513,13 +471,6 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             if h is None:
                 return
             g = h // n
-        key = None
-        if not self._builtin_batch and ev.reward is not None and self._group_done[g] + 1 == n and self._group_state[g] != _FAILED:
-            # This finish completes the group (if its reward is valid): a plugin's batch key is
-            # computed (and checked) first, before anything changes, so that a key refused leaves
-            # the scheduler as it was before the event (the trajectory still runs; nothing was
-            # released nor dispatched into its slot), as a refused admission does.
-            key = self._completion_key(g, ev.reward)
         try:
             self._traj_tokens[h] = ev.tokens
         except (TypeError, OverflowError):
@@ -546,7 +497,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             self._group_done[g] += 1
         else:
             ts[h] = _AWAIT_REWARD
-            self._set_reward(g, h, reward, key)
+            self._set_reward(g, h, reward)
 
     def _on_reward(self, ev: E.RewardReady) -> None:
         g = self._group(ev.group_id, ev.attempt)
@@ -674,7 +625,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         if self._pinned and not self._cap.get(b):
             self._orphaned = True  # no instance holds or loads this version: see `_finish`
         if not self._group_in_queue[g] and (g in self._group_retry or self._group_next[g] < self.n):
-            heapq.heappush(self._queue.setdefault(b, []), (self._qkey(g), self._group_seq[g], self._gid_of[g]))
+            heapq.heappush(self._queue.setdefault(b, []), (self._key_of(g), self._group_seq[g], self._gid_of[g]))
             self._group_in_queue[g] = 1
 
     def _retire(self, g: int, h: int) -> None:
@@ -696,20 +647,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         except OverflowError:  # an int (or Fraction) too large for a float
             return True
 
-    def _completion_key(self, g: int, reward: Any) -> tuple | None:
-        """The batch key of group slot `g` if `reward` (valid) completes it now, computed by the
-        plugin and checked (None: an invalid reward, whose key is never asked for). Only with a
-        plugin's keys (`_on_finished`, before its changes)."""
-        if self._bad_reward(reward):
-            return None
-        key = _ordered(_json_key(self._batch_key(group_id=self._gid_of[g], version=self._group_version[g],
-                                                 complete_seq=self._complete_seq, mode=self.mode),
-                                 "dora_batch_key"))
-        return (self._complete_seq, key)
-
-    def _set_reward(self, g: int, h: int, reward: Any, pre: tuple | None = None) -> None:
-        """`pre`: (completion sequence number, batch key) computed by `_completion_key` before
-        the event changed anything (used if the group completes under that number)."""
+    def _set_reward(self, g: int, h: int, reward: Any) -> None:
         if self._bad_reward(reward):
             self.m["invalid_rewards"] += 1
             idx = h - g * self.n
@@ -720,20 +658,13 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             return
         completes = self._group_done[g] + 1 == self.n
         if completes:
-            # The group completes with this reward: its batch key first, before any state changes,
-            # so that a key refused (or a plugin that raises) leaves the trajectory awaiting its
-            # reward and the group active, as they were (a later `RewardReady` completes it);
-            # computed after, the group was complete but in no pool: never trained, not failed.
-            # (A finish carrying the reward computed it before its own changes: `pre`.)
             cseq = self._complete_seq
             gid, v = self._gid_of[g], self._group_version[g]
             if self._builtin_batch:  # `defaults.dora_batch_key`
                 key = (v, cseq) if self.mode == "dora" else (cseq,)
-            elif pre is not None and pre[0] == cseq:
-                key = pre[1]
             else:
-                key = _ordered(_json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq,
-                                                         mode=self.mode), "dora_batch_key"))
+                key = _json_key(self._batch_key(group_id=gid, version=v, complete_seq=cseq, mode=self.mode),
+                                "dora_batch_key")
         self._traj_reward[h] = float(reward)
         self._traj_status[h] = _DONE
         self._group_live[g] -= 1

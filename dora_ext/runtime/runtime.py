@@ -749,17 +749,18 @@ class Runtime:
         trajectories go back to the queue of their pinned version, with a new attempt) and
         registered again; a step that had started is handed to the trainer again in full.
 
-        All in one `handle_many` batch: failed one by one, the first failure re-dispatches its
-        trajectories onto an instance that the snapshot still lists but that fails next, and
-        that `Dispatch` (and any `LoadVersion`) would reach the fresh process registered again
-        under the same id: it would run a void attempt and refuse a later load while holding its
-        KV ("cannot load version 3 while 1 sequences hold KV of version 4"). `handle_many` drops
-        the actions for an instance that fails later in the batch."""
-        events: list = [E.InstanceFailed(iid, "resumed from a checkpoint") for iid in self.sched.instances]
+        The failures first, in one batch: the first re-dispatches its trajectories onto an
+        instance that the snapshot still lists but that fails next, and that `Dispatch` (or a
+        `LoadVersion`) would reach the fresh process registered again under the same id (a void
+        attempt, and a later load refused while it holds KV). Every instance is failed then, so
+        the batch's actions for instances are all void and dropped."""
+        failed = set(self.sched.instances)
+        out = self.sched.handle_many([E.InstanceFailed(iid, "resumed from a checkpoint") for iid in failed])
         # Every configured instance has a fresh process now, also one that had failed before the
         # checkpoint (the snapshot no longer lists it): all of them are registered again.
-        events += [E.InstanceReady(spec.id, spec.capacity) for spec in self.config.instances]
-        self._execute(self.sched.handle_many(events))
+        out = A.without_failed(out, failed) + self.sched.handle_many(
+            [E.InstanceReady(spec.id, spec.capacity) for spec in self.config.instances])
+        self._execute(out)
         busy = self.sched.trainer_busy
         if busy is not None:
             gids = self.step_groups[busy]

@@ -49,6 +49,7 @@ from ..core import (
     ReportError, ReportGroupFailed, RequestGroups, RewardReady, Scheduler, StartStep,
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
+from ..core.actions import without_failed
 from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines
 from .settings import SlimeSettings, check_launch, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
@@ -769,7 +770,7 @@ class RolloutSession:
             logger.warning("dora: could not re-read slime's router", exc_info=True)
             return
         # One batch: a trajectory re-dispatched from one gone engine onto another engine that is
-        # also gone in this refresh is then not sent there (handle_many drops it).
+        # also gone in this refresh is then not sent there (`without_failed` drops it).
         events: list = []
         reasons = getattr(self.engines, "reasons", {})
         for iid in gone:
@@ -783,7 +784,8 @@ class RolloutSession:
             events.append(InstanceReady(iid, cap))
             self._probe("engine_joined", iid)
         if events:
-            self._pending.extend(self.sched.handle_many(events))
+            failed = {ev.instance_id for ev in events if isinstance(ev, InstanceFailed)}
+            self._pending.extend(without_failed(self.sched.handle_many(events), failed))
             self._drain()
 
     async def _watch_engines(self) -> None:

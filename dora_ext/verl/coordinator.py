@@ -595,7 +595,7 @@ class DoraCoordinator:
 
     def remove_servers(self, server_ids: list[str]) -> None:
         # One batch: a trajectory re-dispatched from one removed server onto another removed in
-        # the same call is not routed there (handle_many drops actions for instances failing later).
+        # the same call is not routed there (`without_failed` drops actions for the removed ones).
         events = []
         for sid in server_ids:
             iid = self.instance_of.pop(sid, None)
@@ -615,7 +615,9 @@ class DoraCoordinator:
                 del self.route[key]
             for key in [k for k, (dst, _) in self.moving.items() if dst in gone]:
                 self._drop_move(key, "removed")  # re-queued by the scheduler: its next Dispatch is a new attempt
-            self._apply(self.sched.handle_many(events))
+            from dora_ext.core.actions import without_failed
+
+            self._apply(without_failed(self.sched.handle_many(events), gone))
 
     def get_all_servers(self) -> list[str]:
         return list(self.inflight)

@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable
 from ..config import DoraConfig
 from . import actions as A
 from . import events as E
+from .admission import Admission
 
 # Trajectory states, kept as small ints in a byte array (`_ts`); the letters name them in
 # snapshots and error messages.
@@ -569,6 +570,7 @@ class Scheduler:
         self._cgp = self.mode in ("pipeline", "dora")
         self._admission = {"sync": "batch", "pipeline": "batch", "one_step_off": "fleet",
                            "partial": "fill", "dora": "fill"}[self.mode]
+        self._adm = Admission(config.admission_policy, self.B, self.K)  # how far `fill` runs ahead
         self._migrate = self.mode == "dora" and config.migrate
         self._spread = self._migrate and config.spread
         self._set_plugins(plugins)
@@ -1211,6 +1213,7 @@ class Scheduler:
         self._trainer_busy = None
         self.step += 1
         self._form_dirty = True
+        self._adm.step_finished()
 
     def _on_published(self, ev: E.VersionPublished) -> None:
         if not isinstance(ev.version, numbers.Integral):
@@ -2230,7 +2233,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
-        left = (self.newest + self.K + 1) * self.B - self._admitted - self._outstanding
+        left = self._adm.limit(self.newest) - self._admitted - self._outstanding
         if self.config.max_steps is not None:
             left = min(left, self.config.max_steps * self.B - self._admitted - self._outstanding)
         return left
@@ -2462,6 +2465,7 @@ class Scheduler:
                 "complete_seq": self._complete_seq, "n_active": self._n_active,
                 "halted": self._halted, "orphaned": self._orphaned, "form_dirty": self._form_dirty,
                 "cap_max": self._cap_max, "uniform": self._uniform, "id_max": self._id_max,
+                **self._adm.snapshot(),
             },
             "idle": list(self._idle),
             "levels": [[b, self._lo[b], [[n, list(d)] for n, d in lv.items()]] for b, lv in self._lv.items()],
@@ -2490,7 +2494,8 @@ class Scheduler:
                 f"{', '.join(map(str, _READS_FORMATS))} "
                 f"(a snapshot from another dora-ext version cannot be resumed)"
             )
-        self = cls(DoraConfig.from_dict(snap["config"]), plugins=plugins)
+        # (a snapshot from before `admission` existed ran `fill`)
+        self = cls(DoraConfig.from_dict({"admission": "fill", **snap["config"]}), plugins=plugins)
         sc = snap["scalars"]
         self.newest, self.step, self._trainer_busy = sc["newest"], sc["step"], sc["trainer_busy"]
         self._started, self._exhausted = sc["started"], sc["exhausted"]
@@ -2498,6 +2503,7 @@ class Scheduler:
         self._seq, self._complete_seq, self._n_active = sc["seq"], sc["complete_seq"], sc["n_active"]
         self._halted, self._orphaned = sc["halted"], sc["orphaned"]
         self._form_dirty, self._uniform = sc["form_dirty"], sc["uniform"]
+        self._adm.restore(sc)
         if fmt == 2:
             # Format 2 listed every failed id; every id it names (configured, live, failed) was
             # registered, so the largest of them is the mark format 3 keeps.
@@ -2588,6 +2594,8 @@ class Scheduler:
             self._plan_idle()
         self._admit()
         self._form()
+        if self._adm.watch:
+            self._adm.step_formed(self._trainer_busy is not None, len(self._forming), self._pool_n)
         if self._trainer_side:
             self._maybe_switch_to_rollout()
         out, self._out = self._out, []

@@ -93,7 +93,8 @@ def _config(mode, rng, elastic):
     d = {"mode": mode, "max_staleness": rng.choice([1, 2, 3]) if mode == "dora" else (0 if mode in ("sync", "pipeline") else 1),
          "batch_size": rng.randint(1, 8 if wide else 4), "group_size": rng.randint(1, 4),
          "instances": [{"capacity": c} for c in caps], "max_retries": rng.choice([0, 1, 2]), "max_steps": STEPS,
-         "max_failed_group_share": 1.0}
+         "max_failed_group_share": 1.0,
+         "admission": "fill"}  # (the reference scheduler knows only `fill`)
     if mode == "partial":
         d["max_staleness"] = 1
     if elastic:

@@ -87,7 +87,8 @@ def _config(mode, rng, elastic, steps):
         caps = [rng.choice([1, 2, 5, 8, 16] if wide else [1, 2, 3]) for _ in range(rng.randint(2, 5))]
     d = {"mode": mode, "max_staleness": rng.choice(MODES[mode]), "batch_size": rng.randint(1, 8 if wide else 5),
          "group_size": rng.randint(1, 4), "instances": [{"capacity": c} for c in caps],
-         "max_retries": rng.choice([0, 1, 2]), "max_steps": steps, "max_failed_group_share": 1.0}
+         "max_retries": rng.choice([0, 1, 2]), "max_steps": steps, "max_failed_group_share": 1.0,
+         "admission": "fill"}  # (the reference scheduler knows only `fill`)
     if mode == "dora" and rng.random() < 0.5:
         d["migrate_threshold"] = rng.choice([0.3, 0.6, 0.9])
     if elastic:

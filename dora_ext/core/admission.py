@@ -9,11 +9,12 @@ newest version, a step that just finished asks for the next batch only once its 
 published, not one version earlier.
 
 - `ahead`: `look = B`, one batch beyond the step being formed.
-- `adaptive`: starts at R2's `K * B` (it never admits less than `fill` before it has seen a
+- `adaptive`: starts at R2's `K * B` (it admits no less than `fill` before it has seen a
   surplus); each time a step finishes and batch formation has run, it grows `look` by the groups
-  missing from the next step if that one cannot start (the trainer waits for them), or shrinks
-  it by half the surplus if it started (completed groups left in the pool wait a step), within
-  [B, K * B]. A surplus of newer groups while the step waits for an older one is no surplus.
+  missing from the next step if that one cannot start (the trainer waits for them), or, if it
+  started and the step before it had started at once too, shrinks it by half the surplus (the
+  completed groups left in the pool wait a step), within [B, K * B]. Newer groups that completed
+  while the trainer waited for an older straggler are no surplus: the rollout is the bottleneck.
 
 Sans-I/O like the scheduler: the scheduler feeds it its counters (`limit`, `step_finished`,
 `step_formed`).
@@ -25,7 +26,7 @@ from __future__ import annotations
 class Admission:
     """The admission policy's state: the look-ahead `look` (groups beyond the newest version's step)."""
 
-    __slots__ = ("policy", "B", "lo", "hi", "look", "watch")
+    __slots__ = ("policy", "B", "lo", "hi", "look", "short", "watch")
 
     def __init__(self, policy: str, batch_size: int, max_staleness: int) -> None:
         self.policy = policy
@@ -33,6 +34,7 @@ class Admission:
         self.hi = max_staleness * batch_size  # R2: `(v + K + 1) * B`
         self.lo = min(batch_size, self.hi)
         self.look = self.lo if policy == "ahead" else self.hi
+        self.short = False  # the last step observed could not start when its predecessor finished
         self.watch = False  # a step finished: `step_formed` reads how the next one starts
 
     def limit(self, newest: int) -> int:
@@ -47,14 +49,15 @@ class Admission:
         completed groups wait for a later one: the surplus) or has `forming` of its B groups (the
         trainer waits for the rest)."""
         self.watch = False
-        if started:
-            self.look = max(self.lo, self.look - pooled // 2)
-        else:
+        if not started:
             self.look = min(self.hi, self.look + self.B - forming)
+        elif not self.short:
+            self.look = max(self.lo, self.look - pooled // 2)
+        self.short = not started
 
     def snapshot(self) -> dict:
         """Its state for `Scheduler.snapshot` (only `adaptive` has one); `restore` reads it back."""
-        return {"look": self.look} if self.policy == "adaptive" else {}
+        return {"look": self.look, "short": self.short} if self.policy == "adaptive" else {}
 
     def restore(self, scalars: dict) -> None:
-        self.look = scalars.get("look", self.look)
+        self.look, self.short = scalars.get("look", self.look), scalars.get("short", self.short)

@@ -91,16 +91,14 @@ TRAINER_BOUND = dict(step_ticks=60, max_staleness=3, batch_size=4, group_size=4,
 
 
 def test_adaptive_never_starves_the_trainer_when_the_rollout_is_the_bottleneck():
-    """Generation is slow (a step lasts one tick, a trajectory ~14 and up to ~150): over five
-    seeds `adaptive` keeps the trainer waiting no longer than `fill` (each seed within 1.5%: a
-    surplus at one step's start shrinks the look-ahead a little), and `ahead` (a fixed look-ahead
-    of one batch) waits longer on every seed: the driver tells a starving policy apart."""
+    """Generation is slow (a step lasts one tick, a trajectory ~14 and up to ~150): on each of
+    five seeds `adaptive` keeps the trainer waiting no longer than `fill`, and `ahead` (a fixed
+    look-ahead of one batch) waits longer: the driver tells a starving policy apart."""
     waits = {p: [] for p in ("fill", "ahead", "adaptive")}
     for seed in range(5):
         for p, w in waits.items():
             w.append(TickDriver(seed=seed, admission=p, **ROLLOUT_BOUND).run(40).waited)
-    assert sum(waits["adaptive"]) <= sum(waits["fill"]), waits
-    assert all(a <= f * 1.015 for a, f in zip(waits["adaptive"], waits["fill"])), waits
+    assert all(a <= f for a, f in zip(waits["adaptive"], waits["fill"])), waits
     assert all(a > f * 1.05 for a, f in zip(waits["ahead"], waits["fill"])), waits
 
 
@@ -119,7 +117,7 @@ def test_adaptive_look_ahead_moves_within_its_bounds_and_survives_a_snapshot():
     B, K = ROLLOUT_BOUND["batch_size"], ROLLOUT_BOUND["max_staleness"]
     assert all(B <= x <= K * B for x in d.look) and len(set(d.look)) > 1  # it adapted
     snap = json.loads(json.dumps(d.sched.snapshot()))
-    assert snap["scalars"]["look"] == d.sched._adm.look
+    assert (snap["scalars"]["look"], snap["scalars"]["short"]) == (d.sched._adm.look, d.sched._adm.short)
     again = Scheduler.restore(snap)
     assert again._adm.look == d.sched._adm.look and again.snapshot() == d.sched.snapshot()
 

@@ -1,6 +1,6 @@
 """CPU decode cost of the default recipe's model against the number of running sequences.
 
-    python benchmarks/decode_cost.py [--batches 1,8,32,64,128] [--repeats 3]
+    python benchmarks/decode_cost.py [--batches 1,8,32,64,128] [--repeats 3] [--json OUT]
 
 One TorchEngine on one thread, the long-tail recipe's tiny model, every sequence decoding: the
 time of one decode step (best of `repeats`), per step and per running sequence. On a GPU a decode
@@ -11,6 +11,7 @@ batch, which is what decides how much a long tail wastes (see recipes/cpu/long-t
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32,64,128")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--json", metavar="OUT", help="also write the table to this file")
     args = p.parse_args(argv)
 
     import torch
@@ -51,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         print(f"{b:4d} sequences: {best[b] * 1e3:6.2f} ms/step, {best[b] / b * 1e3:6.3f} ms per sequence, "
               f"{best[b] / base:4.1f}x the {batches[0]}-sequence step")
+    if args.json:
+        rows = [{"sequences": b, "ms_per_step": round(best[b] * 1e3, 3), "ms_per_sequence": round(best[b] / b * 1e3, 4),
+                 "vs_smallest": round(best[b] / base, 2)} for b in batches]
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"steps": args.steps, "repeats": args.repeats, "rows": rows}, fh, indent=2)
     return 0
 
 

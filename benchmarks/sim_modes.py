@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in names if n not in BENCHES]
     if bad:
         ap.error(f"--presets: unknown {', '.join(bad)}; accepted: {', '.join(BENCHES)}")
-    report: dict = {"seed": args.seed, "presets": {}}
+    words = sys.argv[1:] if argv is None else argv
+    report: dict = {"command": " ".join(["python benchmarks/sim_modes.py", *words]), "seed": args.seed, "presets": {}}
     for name in names:
         t0 = time.perf_counter()
         report["presets"][name] = BENCHES[name](args.seed, args.quick)

@@ -80,16 +80,16 @@ def dora_plan_migration(
     was already moved once in its attempt is skipped (its first move may still be in flight).
 
     Return a list of ``(group_id, index, src_instance, dst_instance)`` moves (each destination must
-    hold `version` and have room), or an empty list for no migration. Instances emptied by the
-    moves switch to `newest_version` (R4).
+    hold `version` and have room), an empty list for no migration, or None to leave the plan to
+    the built-in one. Instances emptied by the moves switch to `newest_version` (R4).
 
-    `fill` is the configured ``migrate_threshold``: the default plan packs the kept instances to at
-    most that share of their capacity, so that consolidation never makes the stragglers of the
+    `fill` is the configured ``migrate_threshold``: the built-in plan packs the kept instances to
+    at most that share of their capacity, so that consolidation never makes the stragglers of the
     version the trainer waits for decode much slower.
 
-    Default: keep the fewest instances that can hold the work within `fill` (those already
-    running the most), move everything else onto them. (Without plugins the scheduler applies
-    this policy incrementally, emptying the least loaded holders first, instead of calling it.)
+    Default: None, the scheduler's built-in plan, applied incrementally on its occupancy levels:
+    empty the least loaded holders into the most loaded ones still below `fill` (fewest moves,
+    as few instances as can hold the work). It is the same whatever other plugins are registered.
     """
 
 

@@ -12,7 +12,7 @@ import pytest
 from dora_ext.config import MODES
 from dora_ext.core import Scheduler
 from dora_ext.core import events as E
-from dora_ext.core import scheduler as S
+from dora_ext.core import _state as S
 
 from .test_adversarial import RUNS, AdversarialDriver, _config, _ks
 from .test_properties import check_run
@@ -20,27 +20,27 @@ from .test_properties import check_run
 
 class GeneralPathScheduler(Scheduler):
     """The scheduler with `_on_finished` as it was before the fast path: any finish carrying an
-    attempt goes through `_running_traj` (on the group slots and trajectory handles of `_gslot`, `_ts`, `_tt`, ...)."""
+    attempt goes through `_running_traj` (on the group slots and trajectory handles of `_slot_of`, `_traj_status`, `_traj_tokens`, ...)."""
 
     def _on_finished_general(self, ev):
-        g = self._gslot.get(ev.group_id)
+        g = self._slot_of.get(ev.group_id)
         idx = ev.index
-        if g is None or ev.attempt is not None or not 0 <= idx < self.n or self._ts[g * self.n + idx] != S._RUNNING:
+        if g is None or ev.attempt is not None or not 0 <= idx < self.n or self._traj_status[g * self.n + idx] != S._RUNNING:
             h = self._running_traj(ev.group_id, idx, ev.attempt)
             if h is None:
                 return
-            g = self._gslot[ev.group_id]
+            g = self._slot_of[ev.group_id]
         else:
             h = g * self.n + idx
-        self._tt[h] = ev.tokens
+        self._traj_tokens[h] = ev.tokens
         if ev.truncated_early:
             self.m["truncated"] += 1
         self._release(h)
-        if self._gst[g] == S._FAILED and ev.reward is not None:
+        if self._group_state[g] == S._FAILED and ev.reward is not None:
             self._retire(g, h)
             return
-        self._ts[h] = S._AWAIT_REWARD
-        if self._gst[g] == S._FAILED:
+        self._traj_status[h] = S._AWAIT_REWARD
+        if self._group_state[g] == S._FAILED:
             return
         if ev.reward is not None:
             self._set_reward(g, h, ev.reward)

@@ -41,6 +41,27 @@ PROGRAM = textwrap.dedent(
 ) % (CFG,)
 
 
+def pack_plan(instances, fill):
+    """A plugin's plan: keep the fewest instances that hold the work within `fill` (those running the
+    most), move everything else onto them."""
+    order = sorted(instances, key=lambda d: (-len(d["running"]), d["id"]))
+    total = sum(len(d["running"]) for d in order)
+    kept, room = [], 0
+    for d in order:
+        if room >= total:
+            break
+        kept.append(d)
+        room += max(len(d["running"]), int(fill * d["capacity"]), 1)
+    free = [[max(len(d["running"]), int(fill * d["capacity"]), 1) - len(d["running"]), d["id"]] for d in kept]
+    moves = []
+    for d in order[len(kept):]:
+        for gid, idx in d["running"]:
+            slot = next(f for f in free if f[0] > 0)
+            slot[0] -= 1
+            moves.append((gid, idx, d["id"], slot[1]))
+    return moves
+
+
 def test_every_hook_has_a_documented_spec_and_a_default():
     pm = get_plugin_manager(load_entrypoints=False)
     for name in ("dora_admission_key", "dora_batch_key", "dora_plan_migration", "dora_metrics"):
@@ -120,11 +141,8 @@ def test_a_migration_plugin_is_called_and_its_plan_applied():
     class Recorder:
         @hookimpl
         def dora_plan_migration(self, version, instances, newest_version, fill):
-            from dora_ext.defaults import dora_plan_migration
-
             calls.append((version, sorted(len(d["running"]) for d in instances)))
-            return dora_plan_migration(version=version, instances=instances, newest_version=newest_version,
-                                       fill=fill)
+            return pack_plan(instances, fill)
 
     pm = get_plugin_manager(load_entrypoints=False)
     pm.register(Recorder())
@@ -253,8 +271,7 @@ def test_a_plugin_keeping_the_default_keys_counts_the_same_waits_as_the_built_in
     waits = 0
     for seed in range(60):
         rng = random.Random(seed)
-        # (migrate off: R5 through the plugin hook plans its own moves, not the built-in ones)
-        cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]), "migrate": False,
+        cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]),
                                     "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
                                     "instances": rng.randint(1, 4), "capacity": rng.randint(1, 4), "max_steps": 8})
         d = Twin(cfg, seed, long_tail=0.5, late_reward=0.3)
@@ -263,3 +280,49 @@ def test_a_plugin_keeping_the_default_keys_counts_the_same_waits_as_the_built_in
         assert d.twin.metrics()["trainer_waits_for_older"] == d.sched.metrics()["trainer_waits_for_older"], seed
         waits += d.sched.metrics()["trainer_waits_for_older"]
     assert waits  # (the runs waited: the counts compared are not all zero)
+
+
+class MetricsOnly:
+    @hookimpl
+    def dora_metrics(self, step, metrics):
+        pass
+
+
+@pytest.mark.parametrize("plugin", ["metrics", "declining"])
+def test_a_plugin_that_decides_nothing_changes_no_decision(plugin):
+    """A plugin implementing only `dora_metrics` (or policy hooks that all decline with None) changes
+    no action: one R5 algorithm and one R3 order whatever is registered. verl and slime load
+    entry points, so installing a metrics sink once changed migrations in most dora runs."""
+    import random
+
+    from dora_ext.core import Migrate, Scheduler
+    from dora_ext.testing import feed_twinned
+
+    class Declining(MetricsOnly):
+        @hookimpl
+        def dora_plan_migration(self, version, instances, newest_version, fill):
+            return None
+
+    class Twin(RandomDriver):
+        def start(self):
+            self.plain = Scheduler(self.config)
+            out = self.sched.start()
+            assert self.plain.start() == out
+            self.execute(out)
+
+        def _feed(self, event):
+            return feed_twinned(self.plain, super()._feed, event)
+
+    moves = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]),
+                                    "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
+                                    "instances": rng.randint(2, 5), "capacity": rng.randint(1, 4), "max_steps": 8})
+        pm = get_plugin_manager(load_entrypoints=False)
+        pm.register(MetricsOnly() if plugin == "metrics" else Declining())
+        d = Twin(cfg, seed, plugins=pm, long_tail=0.5, late_reward=0.3, landed_prob=0.5)
+        d.start()
+        d.run(8)
+        moves += d.stats.migrations
+    assert moves  # migration was on and moved trajectories: the compared runs include R5

@@ -631,7 +631,7 @@ def _no_sharing(x, seen):
 
 def _set_limits(monkeypatch, limits):
     """The meta walk's limits (values, str characters, depth) set to `limits` for one test."""
-    from dora_ext.core import scheduler as S
+    from dora_ext.core import _json as S
 
     monkeypatch.setattr(S, "_JSON_VALUES", limits[0])
     monkeypatch.setattr(S, "_JSON_CHARS", limits[1])
@@ -644,7 +644,7 @@ def test_random_shared_metas_are_kept_or_refused_as_a_tree_walk_decides(limits, 
     walk: on random objects with shared sub-objects (lists, tuples, dicts, at different depths)
     and small limits, it keeps what a plain tree walk keeps (the JSON round trip, no sharing in
     the copy) and refuses, with a limit that the tree walk finds exceeded, what it refuses."""
-    from dora_ext.core import scheduler as S
+    from dora_ext.core import _json as S
 
     _set_limits(monkeypatch, limits)
     rng = random.Random(stable_seed(f"shared-metas/{limits}"))
@@ -719,7 +719,7 @@ def test_a_container_whose_len_lies_is_charged_what_it_yields(make, monkeypatch)
     charged again: a list or dict subclass whose `__len__` said 0 (or whose `items()` or
     `__iter__` yields more than it holds) passed any number of values under the limit. It is
     charged what it yields now (and reads at most one item past the limit)."""
-    from dora_ext.core import scheduler as S
+    from dora_ext.core import _json as S
 
     monkeypatch.setattr(S, "_JSON_VALUES", 100)
     for where in ("top", "nested"):
@@ -770,7 +770,7 @@ def test_a_key_is_read_once_and_what_was_checked_is_kept(hook):
     iterates a tuple or list subclass again: what its second iteration yielded (here an int
     JSON cannot write) was kept unchecked, and `json.dumps(snapshot)` raised later. The key is
     read once now: what was checked is what is kept."""
-    from dora_ext.core.scheduler import _json_key
+    from dora_ext.core._json import _json_key
 
     assert _json_key(_Flip(), hook) == (1, "a")
     pm = get_plugin_manager(load_entrypoints=False)
@@ -925,7 +925,7 @@ def test_random_metas_with_subclasses_are_kept_or_refused_as_a_plain_walk_decide
     what is kept is the plain walk's result, of the same types, without sharing, and equal to
     `json.loads(json.dumps(meta))`. The memo is keyed by object id: containers giving fresh
     objects at each read check that no id is reused within a walk."""
-    from dora_ext.core import scheduler as S
+    from dora_ext.core import _json as S
 
     _set_limits(monkeypatch, limits)
     rng = random.Random(stable_seed(f"subclass-metas/{limits}"))
@@ -952,7 +952,7 @@ def test_the_flat_fast_path_decides_as_the_walk_on_random_flat_dicts():
     dicts (bool, int and float subclasses, numpy scalars, str subclasses, non-str keys, big ints,
     NaN, infinity, -0.0, near the limits) it keeps what the walk keeps, of the same types, and
     refuses for the same reason."""
-    from dora_ext.core import scheduler as S
+    from dora_ext.core import _json as S
 
     def walk(x):
         budget = [S._JSON_VALUES - 1, S._JSON_CHARS, "m", {}, 0, False]
@@ -1056,6 +1056,6 @@ def test_an_id_freed_during_the_walk_is_not_taken_for_a_container_walked_before(
 
 
 def _json_data_of(meta):
-    from dora_ext.core.scheduler import _json_data
+    from dora_ext.core._json import _json_data
 
     return _json_data(meta, "m")

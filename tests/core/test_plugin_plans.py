@@ -16,12 +16,14 @@ import random
 
 import pytest
 
-from dora_ext import defaults, hookimpl
+from dora_ext import hookimpl
 from dora_ext.config import DoraConfig
 from dora_ext.core import Migrate, Scheduler
 from dora_ext.core.scheduler import ProtocolError
 from dora_ext.plugins import get_plugin_manager
 from dora_ext.testing import RandomDriver, feed_twinned, stable_seed
+
+from .test_hooks import pack_plan
 
 
 class PerMoveView(Scheduler):
@@ -29,7 +31,7 @@ class PerMoveView(Scheduler):
 
     def _consolidate_plugin(self, v):
         instances = self.instances
-        holders = [instances[i] for n, level in self._lv.get(v, {}).items() if n for i in level]
+        holders = [instances[i] for n, level in self._levels.get(v, {}).items() if n for i in level]
         holders.sort(key=lambda i: i.id)
         plan = self._plan_migration(
             version=v,
@@ -42,17 +44,18 @@ class PerMoveView(Scheduler):
             s, d = instances.get(src), instances.get(dst)
             if s is None or d is None or s.version != v or d.version != v or d.loading is not None:
                 raise ProtocolError(f"migration plan moves {gid!r}/{idx} between instances not holding version {v}")
-            g = self._gslot.get(gid)
+            g = self._slot_of.get(gid)
             ok = g is not None and isinstance(idx, numbers.Integral) and 0 <= idx < self.n
             h = g * self.n + int(idx) if ok else None
             if s is d or h not in s.running or d.nrun >= d.capacity:
                 raise ProtocolError(f"migration plan for {gid!r}/{idx} from {src} to {dst} is not feasible")
-            if self._tm[h]:
+            if self._traj_moved[h]:
                 continue
             self._move(v, h, s, d)
         for i in holders:
             if not i.nrun:
                 self._plan_instance(i)
+        return True
 
 
 class MixedPlans:
@@ -64,8 +67,7 @@ class MixedPlans:
     @hookimpl
     def dora_plan_migration(self, version, instances, newest_version, fill):
         rng = random.Random(repr((version, instances, newest_version, fill)))
-        plan = list(defaults.dora_plan_migration(version=version, instances=instances,
-                                                 newest_version=newest_version, fill=fill))
+        plan = pack_plan(instances, fill)
         rng.shuffle(plan)
         r = rng.random()
         ids = [d["id"] for d in instances]

@@ -26,6 +26,12 @@ ELASTIC_MODES = ("pipeline", "dora")
 #: The staleness bound each mode takes when `max_staleness` is not given.
 DEFAULT_STALENESS = {"sync": 0, "one_step_off": 1, "partial": 2, "pipeline": 0, "dora": 2}
 
+#: `admission` policies (`dora_ext.core.admission`), the modes they apply in (the others admit a
+#: batch at a time), and each mode's default there.
+ADMISSIONS = ("fill", "ahead", "adaptive")
+ADMISSION_MODES = ("partial", "dora")
+DEFAULT_ADMISSION = {"partial": "fill", "dora": "adaptive"}
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the field and the accepted values."""
@@ -78,6 +84,10 @@ class DoraConfig:
         capacity of the first instance).
       elastic_max_lent: with `elastic`, the largest share of the configured instances lent to the
         trainer at once.
+      admission: how far admission runs ahead of the trainer within R2 (modes `dora`, `partial`;
+        the others admit a batch at a time): `fill` (every free slot), `ahead` (one batch beyond
+        the step being formed) or `adaptive` (a look-ahead in [B, K * B] that grows when the
+        trainer starts a step short); None: the mode's default (`DEFAULT_ADMISSION`).
       max_failed_group_share: the circuit breaker. Once at least `max(batch_size, 4)` groups have
         failed and failed groups exceed this share of all groups that ended (completed or failed),
         the scheduler stops with `FailureStorm` instead of replacing failed groups forever.
@@ -100,6 +110,7 @@ class DoraConfig:
     elastic_spare: int = 0
     elastic_max_lent: float = 0.5
     max_failed_group_share: float = 0.5
+    admission: str | None = None
 
     def __post_init__(self) -> None:
         # Built directly (`DoraConfig(mode="dora", ...)`), through `dataclasses.replace` or by
@@ -189,6 +200,7 @@ class DoraConfig:
             "elastic_spare": self.elastic_spare,
             "elastic_max_lent": self.elastic_max_lent,
             "max_failed_group_share": self.max_failed_group_share,
+            "admission": self.admission,
         }
 
     def with_overrides(self, overrides: Sequence[str] | Mapping[str, Any]) -> "DoraConfig":
@@ -217,6 +229,14 @@ class DoraConfig:
         return DoraConfig.from_dict(data)
 
     # ------------------------------------------------------------------ derived
+    @property
+    def admission_policy(self) -> str:
+        """The admission policy the scheduler runs: `admission`, or the mode's default; `fill`
+        (R2 alone) in the modes that admit a batch at a time."""
+        if self.mode not in ADMISSION_MODES:
+            return "fill"
+        return self.admission or DEFAULT_ADMISSION[self.mode]
+
     @property
     def total_capacity(self) -> int:
         return sum(s.capacity for s in self.instances)
@@ -327,3 +347,9 @@ def _check(cfg: DoraConfig) -> None:
     put(cfg, "elastic_max_lent", _share(cfg.elastic_max_lent, "elastic_max_lent", low_open=False, high_open=True))
     put(cfg, "max_failed_group_share",
         _share(cfg.max_failed_group_share, "max_failed_group_share", low_open=False, high_open=False))
+    adm = cfg.admission
+    if adm is not None:
+        if not isinstance(adm, str) or str.__str__(adm) not in ADMISSIONS:
+            raise ConfigError("admission", f"unknown policy {adm!r}; accepted: {', '.join(ADMISSIONS)} "
+                              f"(or leave it unset for the mode's default)")
+        put(cfg, "admission", str.__str__(adm))

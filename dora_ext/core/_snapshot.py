@@ -66,6 +66,7 @@ class _Snapshot:
                 "complete_seq": self._complete_seq, "n_active": self._n_active,
                 "halted": self._halted, "orphaned": self._orphaned, "form_dirty": self._form_dirty,
                 "cap_max": self._cap_max, "uniform": self._uniform, "id_max": self._id_max,
+                **self._adm.snapshot(),
             },
             "idle": list(self._idle),
             "levels": [[b, self._low_level[b], [[n, list(d)] for n, d in lv.items()]] for b, lv in self._levels.items()],
@@ -98,6 +99,7 @@ class _Snapshot:
         self._seq, self._complete_seq, self._n_active = sc["seq"], sc["complete_seq"], sc["n_active"]
         self._halted, self._orphaned = sc["halted"], sc["orphaned"]
         self._form_dirty, self._uniform = sc["form_dirty"], sc["uniform"]
+        self._adm.restore(sc)
         self._id_max = sc["id_max"]
         self._forming = list(snap["forming"])
         for (gid, dv, dseq, key, meta, state, dstep, dcseq, in_queue, pending, done, live, trajs) in snap["groups"]:

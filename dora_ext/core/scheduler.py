@@ -51,6 +51,7 @@ from ..config import DoraConfig
 from . import actions as A
 from . import events as E
 from ._elastic import _Elastic
+from .admission import Admission
 from ._fleet import _Fleet
 from ._json import _json_data, _json_key
 from ._migration import _Migration
@@ -81,6 +82,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._cgp = self.mode in ("pipeline", "dora")
         self._admission = {"sync": "batch", "pipeline": "batch", "one_step_off": "fleet",
                            "partial": "fill", "dora": "fill"}[self.mode]
+        self._adm = Admission(config.admission_policy, self.B, self.K)  # how far `fill` runs ahead
         self._migrate = self.mode == "dora" and config.migrate
         self._spread = self._migrate and config.spread
         self._set_plugins(plugins)
@@ -549,6 +551,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._trainer_busy = None
         self.step += 1
         self._form_dirty = True
+        self._adm.step_finished()
 
     def _on_published(self, ev: E.VersionPublished) -> None:
         if not isinstance(ev.version, numbers.Integral):
@@ -728,7 +731,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
     # ------------------------------------------------------------------ instance planning (R4, R5)
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
-        left = (self.newest + self.K + 1) * self.B - self._admitted - self._outstanding
+        left = self._adm.limit(self.newest) - self._admitted - self._outstanding
         if self.config.max_steps is not None:
             left = min(left, self.config.max_steps * self.B - self._admitted - self._outstanding)
         return left
@@ -747,7 +750,8 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
 
     def _groups_wanted(self, left: int) -> int:
         """How many groups to request now, `left` (> 0) being what the staleness budget allows:
-        the one place R2's request count is computed (an admission policy goes here)."""
+        the one place R2's request count is computed (`admission`'s look-ahead already lowered
+        `left`, in `_budget_left`: `dora_ext.core.admission`)."""
         if self._admission == "batch":
             return left
         if self._admission == "fleet":
@@ -921,6 +925,8 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             self._plan_idle()
         self._admit()
         self._form()
+        if self._adm.watch:
+            self._adm.step_formed(self._trainer_busy is not None, len(self._forming), self._pool_n)
         if self._trainer_side:
             self._maybe_switch_to_rollout()
         out, self._out = self._out, []

@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 from .runtime import RunResult
 
-#: per-mode keys of `compare --json`, exactly as issue 4 specifies them
+#: per-mode keys of `compare --json`: issue 4's, and the mean trained staleness (issue 25)
 JSON_KEYS = ("throughput_tokens_per_s", "speedup_vs_sync", "final_reward_mean", "final_reward_std",
-             "staleness_max", "c1_ok", "c2_ok", "c3_ok")
+             "staleness_max", "staleness_mean", "c1_ok", "c2_ok", "c3_ok")
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -29,6 +29,14 @@ def _std(xs: Sequence[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
+def _sum_hists(hists: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for h in hists:
+        for k, c in h.items():
+            out[int(k)] = out.get(int(k), 0) + c
+    return dict(sorted(out.items()))
+
+
 def aggregate(results: dict[str, list[RunResult]]) -> dict[str, dict[str, Any]]:
     """Per mode over its seeds. `speedup_vs_sync` is the mean over seeds of the per-seed ratio to
     `sync` on the same seed (the runs of one seed share their start weights and prompts), None
@@ -39,12 +47,16 @@ def aggregate(results: dict[str, list[RunResult]]) -> dict[str, dict[str, Any]]:
         thr = [r.metrics["throughput_tokens_per_s"] for r in runs]
         ratios = [r.metrics["throughput_tokens_per_s"] / sync[r.seed] for r in runs if sync.get(r.seed)]
         final = [r.metrics["final_reward"] for r in runs]
+        hist = _sum_hists(r.metrics["staleness_hist"] for r in runs)
         out[mode] = {
             "throughput_tokens_per_s": _mean(thr),
             "speedup_vs_sync": _mean(ratios) if ratios else None,
             "final_reward_mean": _mean(final),
             "final_reward_std": _std(final),
             "staleness_max": max(r.metrics["staleness_max"] for r in runs),
+            # trained staleness over every seed's groups (`k - version` of each group trained in step k)
+            "staleness_mean": sum(k * c for k, c in hist.items()) / max(1, sum(hist.values())),
+            "staleness_hist": hist,
             "c1_ok": all(r.metrics["c1_ok"] for r in runs),
             "c2_ok": all(r.metrics["c2_ok"] for r in runs),
             "c3_ok": all(r.metrics["c3_ok"] for r in runs),
@@ -85,6 +97,8 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
         ("reward: final (mean)", lambda a: f"{a['final_reward_mean']:.3f}"),
         ("reward: final (std)", lambda a: f"{a['final_reward_std']:.3f}"),
         ("staleness max", lambda a: str(a["staleness_max"])),
+        ("staleness mean", lambda a: f"{a['staleness_mean']:.2f}"),
+        ("staleness: groups per value", lambda a: " ".join(f"{k}:{c}" for k, c in a["staleness_hist"].items())),
         ("multi-version trajectories", lambda a: f"{a['multi_version_trajectory_share']:.1%}"),
         ("live versions (max)", lambda a: str(a["live_versions_max"])),
         ("migrations (landed)", lambda a: f"{a['migrations']} ({a.get('migrations_landed', 0)})"),

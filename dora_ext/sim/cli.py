@@ -20,7 +20,7 @@ import json
 import sys
 from typing import Any
 
-from ..config import MODES, ConfigError
+from ..config import ADMISSIONS, MODES, ConfigError
 
 #: per-mode keys of `--json`, in issue 3's order
 JSON_KEYS = (
@@ -29,8 +29,9 @@ JSON_KEYS = (
     "multi_version_trajectory_share", "dropped", "truncated", "duplicated", "c1_ok", "c2_ok",
     "c3_ok", "migrations", "weight_loads",
 )
-#: extra keys that say what was run (the ideal it is measured against, K, the split)
-JSON_EXTRA = ("ideal_throughput", "max_staleness", "split")
+#: extra keys that say what was run (the ideal it is measured against, K, the split) and the
+#: trained staleness's distribution (groups per `k - version`)
+JSON_EXTRA = ("ideal_throughput", "max_staleness", "split", "staleness_hist")
 
 
 def register(subparsers: Any) -> None:
@@ -55,6 +56,8 @@ def register(subparsers: Any) -> None:
                    help="recommend mode, K (up to --max-staleness, default 2) and split for these lengths")
     p.add_argument("--elastic", action="store_true",
                    help="elastic colocation: lend accelerators between rollout and trainer (dora, pipeline)")
+    p.add_argument("--admission", choices=ADMISSIONS, default=None,
+                   help="admission policy of dora and partial (default: the mode's; docs/design.md, R2)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--checkpoint", metavar="FILE", help="with --stop-after-events: write a checkpoint there (one mode)")
     p.add_argument("--stop-after-events", type=int, default=None, metavar="N",
@@ -93,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         records = load_lengths(args.lengths) if args.lengths else None
         if args.recommend:
             return _recommend(args, preset, modes, records)
-        config = {"elastic": True} if args.elastic else None
+        config = {"elastic": True} if args.elastic else {}
+        if args.admission:
+            config["admission"] = args.admission
         if args.elastic:
             from .optimize import ELASTIC_MODES
 

@@ -16,7 +16,9 @@ blindly: `SplitSearch.unimodal` says whether the evaluated points rise then fall
 
 `recommend` answers "which mode, K and split": for each candidate (mode, K) up to a staleness
 budget it optimises the split, keeps the runs that hold C1-C3, and ranks them by efficiency
-(throughput over the preset's physical limit). Modes that break C1 (`partial`) are evaluated and
+(throughput over the preset's physical limit), weighing staleness: among the candidates within
+`EFFICIENCY_TIE` (1%) of the best it picks the lowest mean trained staleness (so a larger K whose
+admission keeps the staleness low may win, and a smaller K that costs under 1% too). Modes that break C1 (`partial`) are evaluated and
 shown with what they cost (multi-version share, re-prefilled tokens) but never picked, also on a
 replay where they happened to hold C1 (`UNPICKED_MODES`: they do not keep it by construction).
 """
@@ -35,6 +37,8 @@ _GOLD = 0.3819660112501051  # 2 - golden ratio
 
 #: Modes evaluated and shown but never recommended: they do not keep C1 by construction.
 UNPICKED_MODES = ("partial",)
+#: `recommend`: candidates this close to the best efficiency are ranked by mean staleness.
+EFFICIENCY_TIE = 0.01
 
 
 @dataclass
@@ -355,7 +359,8 @@ def recommend(
     start: dict[tuple[str, bool], int] | None = None,
     exhaustive: int = 8,
 ) -> Recommendation:
-    """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`.
+    """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`;
+    within `EFFICIENCY_TIE` of it, the one with the lowest mean trained staleness.
 
     Every candidate's split is optimised (`optimise_split`) on full-length runs; a candidate's
     search starts from the best split of the previous K of the same mode. With `elastic`, the
@@ -389,6 +394,8 @@ def recommend(
     ranked = sorted((c for c in cands if c.eligible), key=lambda c: -c.metrics["efficiency"])
     if not ranked:
         raise WorkloadError("recommend: no candidate kept C1-C3 (see the candidates)")
+    near = [c for c in ranked if c.metrics["efficiency"] >= ranked[0].metrics["efficiency"] * (1 - EFFICIENCY_TIE)]
+    ranked = sorted(near, key=lambda c: (c.metrics["staleness_mean"], -c.metrics["efficiency"])) + ranked[len(near):]
     return Recommendation(ranked[0], ranked[1] if len(ranked) > 1 else None, cands)
 
 
@@ -413,7 +420,7 @@ def format_recommendation(rec: Recommendation, preset: str, max_staleness: int) 
            f"  pick:      {line(rec.pick)}"]
     if rec.runner_up:
         gap = 1 - rec.runner_up.metrics["efficiency"] / rec.pick.metrics["efficiency"]
-        out.append(f"  runner-up: {line(rec.runner_up)} ({gap:.1%} below the pick)")
+        out.append(f"  runner-up: {line(rec.runner_up)} ({abs(gap):.1%} {'below' if gap >= 0 else 'above'} the pick)")
     out.append("  all candidates (best split each):")
     for c in sorted(rec.candidates, key=lambda c: -c.metrics["efficiency"]):
         m = c.metrics
@@ -424,5 +431,6 @@ def format_recommendation(rec: Recommendation, preset: str, max_staleness: int) 
         else:
             flag = ""
         out.append(f"    {c.label:<22} split {m['split']:>9}  efficiency {m['efficiency']:.3f}  "
+                   f"staleness mean {m['staleness_mean']:.2f}  "
                    f"({c.search.runs} split runs{'' if c.search.unimodal else ', NOT unimodal'}){flag}")
     return "\n".join(out)

@@ -508,6 +508,8 @@ class RolloutSession:
         stale = [step - v for v in versions]
         out["dora/batch_staleness_mean"] = sum(stale) / len(stale) if stale else 0.0
         out["dora/batch_staleness_max"] = max(stale) if stale else 0
+        for k in sorted(set(stale)):  # the batch's distribution: groups per staleness, as verl's
+            out[f"dora/batch_staleness_hist/{k}"] = stale.count(k)
         out["dora/delivered_groups"] = self._delivered
         out["dora/engine_refresh_passes"] = self.refresh_passes
         out["dora/batch_wait_s"] = waited

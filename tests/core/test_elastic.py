@@ -231,7 +231,8 @@ def _a_move_in_flight():
     """A random dora run (3 instances, spread off) driven until R5 has a move in flight: the
     driver, the moved trajectory's key and the trajectory."""
     cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 1, "group_size": 4,
-                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False})
+                                "instances": 3, "capacity": 4, "max_steps": 50, "spread": False,
+                                "admission": "fill"})
     d = RandomDriver(cfg, 3, long_tail=0.6)
     d.start()
     while not d.migrating:  # run until a move is in flight

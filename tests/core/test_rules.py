@@ -118,7 +118,7 @@ def test_r3_mandatory_old_group_is_waited_for_not_dropped():
 
 
 def test_r3_takes_the_oldest_completed_groups_first():
-    h = Harness(mode="dora", max_staleness=2, batch_size=2, group_size=1, instances=4, capacity=2)
+    h = Harness(mode="dora", max_staleness=2, batch_size=2, group_size=1, instances=4, capacity=2, admission="fill")
     # 6 groups at v0 (budget 3*2) on 4 instances. Step 0: groups 2, 3 finish first.
     h.finish(2, 0)
     h.finish(3, 0)

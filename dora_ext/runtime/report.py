@@ -45,6 +45,7 @@ def aggregate(results: dict[str, list[RunResult]]) -> dict[str, dict[str, Any]]:
             "final_reward_mean": _mean(final),
             "final_reward_std": _std(final),
             "staleness_max": max(r.metrics["staleness_max"] for r in runs),
+            "staleness_mean": _mean([r.metrics["staleness_mean"] for r in runs]),  # of the trained groups
             "c1_ok": all(r.metrics["c1_ok"] for r in runs),
             "c2_ok": all(r.metrics["c2_ok"] for r in runs),
             "c3_ok": all(r.metrics["c3_ok"] for r in runs),
@@ -83,7 +84,9 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
         ("rollout bubble ratio", lambda a: f"{a['rollout_bubble_ratio']:.2f}"),
         ("reward: initial", lambda a: f"{a['initial_reward_mean']:.3f}"),
         ("reward: final (mean)", lambda a: f"{a['final_reward_mean']:.3f}"),
-        ("reward: final (std)", lambda a: f"{a['final_reward_std']:.3f}"),
+        ("reward: final (std)",
+         lambda a: f"{a['final_reward_std']:.3f}" if len(a["final_rewards"]) > 1 else "n/a (1 seed)"),
+        ("staleness mean (trained)", lambda a: f"{a['staleness_mean']:.2f}"),
         ("staleness max", lambda a: str(a["staleness_max"])),
         ("multi-version trajectories", lambda a: f"{a['multi_version_trajectory_share']:.1%}"),
         ("live versions (max)", lambda a: str(a["live_versions_max"])),

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from dora_ext.runtime.report import smoothed, time_to_reward
 
 
@@ -43,8 +45,6 @@ def test_convergence_statistics_on_synthetic_runs():
     import math
     import statistics
 
-    import pytest
-
     conv = _bench("convergence")
     assert conv.t975(1) == 12.706 and conv.t975(4) == 2.776 and conv.t975(200) == 1.96
     xs = [0.80, 0.82, 0.78, 0.84, 0.81]
@@ -79,3 +79,16 @@ def test_compare_table_shows_mean_staleness_and_no_std_of_one_seed():
     agg = aggregate({"dora": [result(0, 1.0, 0.8), result(1, 2.0, 0.9)]})
     rows = {line.split("  ")[0]: line for line in table(agg).splitlines()}
     assert rows["reward: final (std)"].endswith("0.071") and rows["staleness mean (trained)"].endswith("1.50")
+
+
+def test_sao_study_collapse_is_read_from_the_rewards():
+    sao = _bench("sao_vs_grpo")
+    assert sao.max_drop([0.2, 0.6, 0.45, 0.7, 0.4, 0.9]) == pytest.approx(0.3)
+    steps = lambda rs: [{"reward_mean": r, "entropy": 1.0, "time_s": i} for i, r in enumerate(rs)]  # noqa: E731
+    runs = [SimpleNamespace(seed=0, steps=steps([0.5, 0.6, 0.7, 0.7]), metrics=_metrics(0.72, 1.0, 2.0)),
+            SimpleNamespace(seed=1, steps=steps([0.5, 0.8, 0.4, 0.4]), metrics=_metrics(0.52, 1.0, 2.0)),
+            SimpleNamespace(seed=2, steps=steps([0.5, 0.5, 0.5, 0.5]), metrics=_metrics(0.40, 1.0, 2.0))]
+    c = sao.cell(runs, 2)
+    # seed 1: the 2-step mean falls from 0.65 to 0.4 (>= 0.15); seed 2 ends 0.1 below its start
+    assert c["collapsed"] == [False, True, True] and c["any_collapsed"]
+    assert c["max_drop"][:2] == [0.0, pytest.approx(0.25)] and c["final_entropy"] == [1.0] * 3

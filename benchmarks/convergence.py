@@ -190,9 +190,32 @@ def main(argv: list[str] | None = None) -> int:
     bar = Progress(not args.no_progress)
     t_start = time.perf_counter()
     load_before = os.getloadavg()
+
+    def summary() -> dict[str, Any]:
+        target = statistics.mean(final_train_reward(r, args.window) for r in results["sync"])
+        modes = {m: summarise(results[m], results["sync"], target, args.window) for m in labels}
+        for name, other in same.items():
+            modes[name] = modes[other]
+        if "dora_fill" in modes:
+            modes["dora"]["tokens_per_s_ratio_to_fill"] = [
+                a / b for a, b in zip(modes["dora"]["tokens_per_s_per_seed"],
+                                      modes["dora_fill"]["tokens_per_s_per_seed"])]
+        return {
+            "default_k": default_k,
+            "modes": {m: modes[m] for m in variants},
+            "target_train_reward": target,
+            "eval_noise_sd": statistics.stdev(noise) if len(noise) > 1 else None,
+            "eval_repeats": noise,
+            "eval": {"prompts": base.eval.prompts, "samples": base.eval.samples},
+            "recipe": base.name, "steps": base.steps, "seeds": seeds[:len(orders)], "window": args.window,
+            "overrides": args.set, "admission": args.admission,
+            "order_per_seed": orders, "notes": notes,
+            "load_average_before_after": [load_before, os.getloadavg()],
+            "wall_s": time.perf_counter() - t_start,
+        }
+
     for i, seed in enumerate(seeds):
         order = labels if i % 2 == 0 else labels[::-1]
-        orders.append(order)
         prepared = prepare(base.with_seed(seed))
         for label in order:
             r = variants[label].with_seed(seed)
@@ -205,34 +228,15 @@ def main(argv: list[str] | None = None) -> int:
                 noise = eval_noise(r, prepared, res.versions[max(res.versions)], args.eval_repeats)
                 res.versions = None
             results[label].append(res)
-    load_after = os.getloadavg()
-
-    target = statistics.mean(final_train_reward(r, args.window) for r in results["sync"])
-    modes = {m: summarise(results[m], results["sync"], target, args.window) for m in labels}
-    for name, other in same.items():
-        modes[name] = modes[other]
-    if "dora_fill" in modes:
-        modes["dora"]["tokens_per_s_ratio_to_fill"] = [
-            a / b for a, b in zip(modes["dora"]["tokens_per_s_per_seed"], modes["dora_fill"]["tokens_per_s_per_seed"])]
-    ev = base.eval
-    out = {
-        "default_k": default_k,
-        "modes": {m: modes[m] for m in variants},
-        "target_train_reward": target,
-        "eval_noise_sd": statistics.stdev(noise) if len(noise) > 1 else None,
-        "eval_repeats": noise,
-        "eval": {"prompts": ev.prompts, "samples": ev.samples},
-        "recipe": base.name, "steps": base.steps, "seeds": seeds, "window": args.window,
-        "overrides": args.set, "admission": args.admission,
-        "order_per_seed": orders, "notes": notes,
-        "load_average_before_after": [load_before, load_after],
-        "wall_s": time.perf_counter() - t_start,
-    }
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "convergence.json"), "w", encoding="utf-8") as fh:
-            json.dump(jsonable(out), fh, indent=2)
-            fh.write("\n")
+        orders.append(order)
+        if args.out:  # after every seed, so that a run cut short keeps its complete seeds
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "convergence.json"), "w", encoding="utf-8") as fh:
+                json.dump(jsonable(summary()), fh, indent=2)
+                fh.write("\n")
+    out = summary()
+    target = out["target_train_reward"]
+    modes = out["modes"]
     if args.plot:
         from dora_ext.runtime.report import plot_reward_vs_time
 

@@ -9,7 +9,8 @@ Methods: `grpo` is recipes/cpu/long-tail.yaml (n=16, decoupled PPO); `grpo_sao_m
 `sao` is recipes/cpu/sao-n1.yaml (n=1, a value model, GAE, the mask). Same task, model, warm start
 and trajectories per step (128). Equal tuning budget: every method gets the same sweep of
 `trainer.lr` (`--lrs`, seed 0, K = `--sweep-k`); its best lr (highest final held-out reward) is
-then run on `--seeds` seeds at every K (the sweep's run is reused as seed 0 at `--sweep-k`).
+then run on `--seeds` seeds at every K (the sweep's run is reused as seed 0 at `--sweep-k`). The
+sweep runs the largest lr first, every method (the setting where SAO was seen to collapse).
 
 Per method and K: per seed, the final held-out reward, the largest drop of the smoothed training
 reward (`--window` steps) from its running best, the final entropy (mean of the last `--window`
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": first.steps, "ks": ks, "lrs": lrs, "sweep": {"k": args.sweep_k, "seed": 0},
         "seeds": args.seeds, "window": args.window, "overrides": args.set,
         "eval": {"prompts": first.eval.prompts, "samples": first.eval.samples},
-        "sweep_final_reward": {m: {} for m in methods}, "best_lr": {}, "results": {m: {} for m in methods},
+        "sweep_final_reward": {m: {} for m in methods}, "sweep_runs": {m: {} for m in methods},
+        "best_lr": {}, "results": {m: {} for m in methods},
         "not_run": []}
     done: dict = {}
 
@@ -130,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         out["wall_s"] = time.perf_counter() - t0
         dump_json(os.path.join(args.out, "sao_vs_grpo.json"), out)
 
-    for m in methods:  # the sweep: same lrs, seed 0, K = sweep_k
-        for lr in lrs:
+    for lr in sorted(lrs, reverse=True):  # the sweep: same lrs, seed 0, K = sweep_k; the largest lr first
+        for m in methods:
             out["sweep_final_reward"][m][f"{lr:g}"] = go(m, args.sweep_k, lr, 0).metrics["final_reward"]
+            out["sweep_runs"][m][f"{lr:g}"] = cell([done[(m, args.sweep_k, lr, 0)]], args.window)
             save()
+    for m in methods:
         out["best_lr"][m] = max(lrs, key=lambda lr: out["sweep_final_reward"][m][f"{lr:g}"])
     for seed in range(args.seeds):  # seed-major: a partial run has every cell's first seeds
         for k in ks:

@@ -234,14 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(args.out, "convergence.json"), "w", encoding="utf-8") as fh:
                 json.dump(jsonable(summary()), fh, indent=2)
                 fh.write("\n")
+        if args.plot:
+            from dora_ext.runtime.report import plot_reward_vs_time
+
+            plot_reward_vs_time(results, args.plot, window=args.window,
+                                title=f"{base.name}: {len(orders)} seeds, {base.steps} steps, every seed")
     out = summary()
     target = out["target_train_reward"]
     modes = out["modes"]
-    if args.plot:
-        from dora_ext.runtime.report import plot_reward_vs_time
-
-        plot_reward_vs_time(results, args.plot, window=args.window,
-                            title=f"{base.name}: {len(seeds)} seeds, {base.steps} steps, every seed")
     if args.json:
         print(json.dumps(jsonable(out)))
     else:

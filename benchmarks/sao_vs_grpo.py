@@ -1,75 +1,166 @@
-"""SAO (n=1 with a value model, recipes/cpu/sao-n1.yaml) against GRPO (recipes/cpu/long-tail.yaml)
-at the same staleness K, in one reward-vs-wall-time plot.
+"""SAO's stability claim, tested: GRPO, GRPO with SAO's mask, and SAO (n=1 + value model) under
+dora at K = 1, 2, 4, each at its own best learning rate from the same sweep.
 
-    python benchmarks/sao_vs_grpo.py [--k 2] [--seeds 2] [--steps N] [--out DIR]
+    python benchmarks/sao_vs_grpo.py [--json] [--ks 1,2,4] [--seeds 3] [--lrs 2e-4,5e-4,1e-3]
+                                     [--sweep-k 2] [--steps N] [--out DIR] [--set section.key=value ...]
 
-Both recipes use the same task, model and warm start; each runs in mode dora with
-`max_staleness = K`. Stability is reported from evidence: the spread of the final held-out reward
-over seeds, the largest drop of the smoothed training reward from its running best, and the
-entropy at the end. Nothing is asserted.
+Methods: `grpo` is recipes/cpu/long-tail.yaml (n=16, decoupled PPO); `grpo_sao_mask` the same with
+`trainer.correction: sao` (SAO's double-side mask on pi_theta / pi_rollout instead of the clip);
+`sao` is recipes/cpu/sao-n1.yaml (n=1, a value model, GAE, the mask). Same task, model, warm start
+and trajectories per step (128). Equal tuning budget: every method gets the same sweep of
+`trainer.lr` (`--lrs`, seed 0, K = `--sweep-k`); its best lr (highest final held-out reward) is
+then run on `--seeds` seeds at every K (the sweep's run is reused as seed 0 at `--sweep-k`). The
+sweep runs the largest lr first, every method (the setting where SAO was seen to collapse).
+
+Per method and K: per seed, the final held-out reward, the largest drop of the smoothed training
+reward (`--window` steps) from its running best, the final entropy (mean of the last `--window`
+steps) and `collapsed` (defined in the JSON: from the rewards the run measured). The JSON is
+rewritten after every run (`--out`/sao_vs_grpo.json), so a run cut short keeps what it measured;
+`not_run` lists the cells left. Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import time
+
+COLLAPSE_BELOW_INITIAL = 0.05
+COLLAPSE_DROP = 0.15
+DEFINITION = (f"collapsed: the final held-out reward is more than {COLLAPSE_BELOW_INITIAL} below the initial "
+              f"policy's, or the smoothed training reward fell {COLLAPSE_DROP} or more below its running best")
+
+
+def max_drop(ys: list[float]) -> float:
+    """The largest fall of `ys` below its running maximum."""
+    best, drop = float("-inf"), 0.0
+    for y in ys:
+        best = max(best, y)
+        drop = max(drop, best - y)
+    return drop
+
+
+def cell(runs: list, window: int) -> dict:
+    from dora_ext.runtime.report import smoothed
+
+    out: dict = {k: [] for k in ("seeds", "initial_reward", "final_reward", "max_drop", "final_entropy",
+                                 "collapsed", "staleness_mean", "masked_frac", "wall_s")}
+    for r in runs:
+        ys = smoothed([s["reward_mean"] for s in r.steps], window)[min(window, len(r.steps)) - 1:]
+        ent = [s["entropy"] for s in r.steps[-window:]]
+        masked = [s["masked_frac"] for s in r.steps[-window:] if "masked_frac" in s]
+        drop, init, final = max_drop(ys), r.metrics["initial_reward"], r.metrics["final_reward"]
+        for k, v in (("seeds", r.seed), ("initial_reward", init), ("final_reward", final), ("max_drop", drop),
+                     ("final_entropy", sum(ent) / len(ent)), ("staleness_mean", r.metrics["staleness_mean"]),
+                     ("collapsed", final < init - COLLAPSE_BELOW_INITIAL or drop >= COLLAPSE_DROP),
+                     ("masked_frac", sum(masked) / len(masked) if masked else None),
+                     ("wall_s", r.metrics["wall_s"])):
+            out[k].append(v)
+    out["final_reward_mean"] = statistics.mean(out["final_reward"])
+    out["final_reward_sd"] = statistics.stdev(out["final_reward"]) if len(runs) > 1 else None
+    out["any_collapsed"] = any(out["collapsed"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
+    cpu = os.path.join(here, "..", "recipes", "cpu")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--ks", default="1,2,4")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--lrs", default="2e-4,5e-4,1e-3", help="the learning rates every method is swept over")
+    p.add_argument("--sweep-k", type=int, default=2)
+    p.add_argument("--methods", default="grpo,grpo_sao_mask,sao")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default: the recipes')")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value for every run (repeatable)")
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--out", default=os.path.join("runs", "sao_vs_grpo"))
+    p.add_argument("--json", action="store_true", help="print the JSON object at the end")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
     from dora_ext.runtime import load_recipe, prepare, run
     from dora_ext.runtime.compare import Progress, dump_json
-    from dora_ext.runtime.report import plot_reward_vs_time, smoothed
 
-    recipes = {f"GRPO (n=16) K={args.k}": os.path.join(here, "..", "recipes", "cpu", "long-tail.yaml"),
-               f"SAO (n=1) K={args.k}": os.path.join(here, "..", "recipes", "cpu", "sao-n1.yaml")}
+    recipes = {"grpo": (os.path.join(cpu, "long-tail.yaml"), []),
+               "grpo_sao_mask": (os.path.join(cpu, "long-tail.yaml"), ["trainer.correction=sao"]),
+               "sao": (os.path.join(cpu, "sao-n1.yaml"), [])}
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        if m not in recipes:
+            p.error(f"--methods: unknown method {m!r}; accepted: {', '.join(recipes)}")
+    ks = [int(k) for k in args.ks.split(",")]
+    lrs = [float(x) for x in args.lrs.split(",")]
+
+    def recipe(method: str, k: int, lr: float, seed: int):
+        path, extra = recipes[method]
+        r = load_recipe(path, [*args.set, *extra, f"dora.max_staleness={k}", f"trainer.lr={lr}"]).with_mode("dora")
+        return (r.with_steps(args.steps) if args.steps else r).with_seed(seed)
+
     os.makedirs(args.out, exist_ok=True)
-    results: dict[str, list] = {k: [] for k in recipes}
     bar = Progress(not args.no_progress)
-    for label, path in recipes.items():
-        recipe = load_recipe(path, [f"dora.max_staleness={args.k}"]).with_mode("dora")
-        if args.steps:
-            recipe = recipe.with_steps(args.steps)
-        for seed in range(recipe.seed, recipe.seed + args.seeds):
-            r = recipe.with_seed(seed)
+    t0 = time.perf_counter()
+    first = recipe(methods[0], args.sweep_k, lrs[0], 0)
+    out: dict = {"definition": DEFINITION, "methods": {m: recipes[m][0].rsplit(os.sep, 1)[-1] + (
+        f" + {' '.join(recipes[m][1])}" if recipes[m][1] else "") for m in methods},
+        "steps": first.steps, "ks": ks, "lrs": lrs, "sweep": {"k": args.sweep_k, "seed": 0},
+        "seeds": args.seeds, "window": args.window, "overrides": args.set,
+        "eval": {"prompts": first.eval.prompts, "samples": first.eval.samples},
+        "sweep_final_reward": {m: {} for m in methods}, "sweep_runs": {m: {} for m in methods},
+        "best_lr": {}, "results": {m: {} for m in methods},
+        "not_run": []}
+    done: dict = {}
+
+    def go(method: str, k: int, lr: float, seed: int):
+        key = (method, k, lr, seed)
+        if key not in done:
+            r = recipe(method, k, lr, seed)
             try:
-                results[label].append(run(r, prepare(r), on_step=bar.start(f"{label} seed {seed}", r.steps)))
+                done[key] = run(r, prepare(r), on_step=bar.start(f"{method} K={k} lr={lr:g} seed {seed}", r.steps))
             finally:
                 bar.close()
-    summary = {}
-    for label, runs in results.items():
-        drops, ents = [], []
-        for res in runs:
-            ys = smoothed([s["reward_mean"] for s in res.steps], args.window)
-            best, drop = -1.0, 0.0
-            for y in ys:
-                best = max(best, y)
-                drop = max(drop, best - y)
-            drops.append(drop)
-            ents.append(res.steps[-1]["entropy"])
-        final = [res.metrics["final_reward"] for res in runs]
-        summary[label] = {"initial": [res.metrics["initial_reward"] for res in runs], "final": final,
-                          "final_std": statistics.stdev(final) if len(final) > 1 else 0.0,
-                          "max_drop_from_best": drops, "final_entropy": ents,
-                          "wall_s": [res.metrics["wall_s"] for res in runs]}
-        print(f"{label}: held-out {', '.join(f'{a:.3f}->{b:.3f}' for a, b in zip(summary[label]['initial'], final))}; "
-              f"largest drop of the smoothed training reward from its best {', '.join(f'{d:.3f}' for d in drops)}; "
-              f"final entropy {', '.join(f'{e:.2f}' for e in ents)}")
-    dump_json(os.path.join(args.out, "sao_vs_grpo.json"), summary)
-    plot_reward_vs_time(results, os.path.join(args.out, "reward_vs_time.png"), window=args.window,
-                        title=f"SAO (n=1, value model) vs GRPO (n=16), dora K={args.k}")
-    print(f"files: {args.out}/sao_vs_grpo.json, reward_vs_time.png")
+        return done[key]
+
+    def save() -> None:
+        planned = [f"{m} K={k} seed {s}" for m in methods for k in ks for s in range(args.seeds)]
+        got = {f"{m} K={k} seed {s}" for (m, k, lr, s) in done if out["best_lr"].get(m) == lr}
+        out["not_run"] = [c for c in planned if c not in got]
+        out["wall_s"] = time.perf_counter() - t0
+        dump_json(os.path.join(args.out, "sao_vs_grpo.json"), out)
+
+    for lr in sorted(lrs, reverse=True):  # the sweep: same lrs, seed 0, K = sweep_k; the largest lr first
+        for m in methods:
+            out["sweep_final_reward"][m][f"{lr:g}"] = go(m, args.sweep_k, lr, 0).metrics["final_reward"]
+            out["sweep_runs"][m][f"{lr:g}"] = cell([done[(m, args.sweep_k, lr, 0)]], args.window)
+            save()
+    for m in methods:
+        out["best_lr"][m] = max(lrs, key=lambda lr: out["sweep_final_reward"][m][f"{lr:g}"])
+    for seed in range(args.seeds):  # seed-major: a partial run has every cell's first seeds
+        for k in ks:
+            for m in methods:
+                go(m, k, out["best_lr"][m], seed)
+                lr = out["best_lr"][m]
+                runs = [done[(m, k, lr, s)] for s in range(args.seeds) if (m, k, lr, s) in done]
+                out["results"][m][f"K={k}"] = {"lr": lr, **cell(runs, args.window)}
+                save()
+    from dora_ext.runtime.report import plot_reward_vs_time
+
+    for k in ks:
+        res = {m: [done[(m, k, out["best_lr"][m], s)] for s in range(args.seeds)] for m in methods}
+        plot_reward_vs_time(res, os.path.join(args.out, f"reward_vs_time_k{k}.png"), window=args.window,
+                            title=f"GRPO, GRPO + SAO mask, SAO (n=1): dora K={k}, each at its best lr")
+    for m in methods:
+        for k in ks:
+            c = out["results"][m][f"K={k}"]
+            print(f"{m:>13} K={k} lr {c['lr']:g}: final {', '.join(f'{x:.3f}' for x in c['final_reward'])}; "
+                  f"drop {', '.join(f'{x:.3f}' for x in c['max_drop'])}; entropy "
+                  f"{', '.join(f'{x:.2f}' for x in c['final_entropy'])}; collapsed {c['collapsed']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(out))
     return 0
 
 

@@ -65,6 +65,7 @@ from dora_ext.algo.losses import (
     LOSS_AGG_MODES,
     agg_loss,
     decoupled_ppo_loss,
+    double_side_mask,
     entropy_from_logits,
     kl_penalty,
     ppo_policy_loss,
@@ -119,7 +120,8 @@ class TrainerConfig:
       unchanged), so that the fresh critic's advantages are not noise when the policy starts moving.
     sao_eps_low, sao_eps_high: SAO's band [1 - eps_low, 1 + eps_high] on pi_theta / pi_rollout.
     gamma, lam: GAE. value_coef: weight of the value loss. value_clip: value clip range (None = off).
-    entropy_coef: entropy bonus (0 = only reported). temperature: the engine's sampling temperature.
+    entropy_coef: entropy bonus (0 = only reported); under SAO's mask only on the tokens it keeps.
+    temperature: the engine's sampling temperature.
     pad_id: the token used to pad batches (any valid id; padded positions are masked).
     micro_tokens: forward in length-sorted micro-batches of at most this many padded tokens
       (rows x longest row; a longer row goes alone), so that a long-tailed batch does not pad every
@@ -780,6 +782,7 @@ class Trainer:
         kw = dict(loss_agg_mode=c.loss_agg_mode, denom=denom)
         metrics: dict[str, float] = {}
         values_old = None
+        ent_keep = mask  # the tokens the entropy bonus acts on (SAO: those its mask keeps)
 
         if c.algorithm == "grpo":
             assert seq_adv is not None
@@ -796,6 +799,7 @@ class Trainer:
             else:  # "sao": the double-side mask on pi_theta / pi_behav, no clip
                 pg, m = sao_policy_loss(logp, batch.rollout_logp, seq_adv, mask,
                                         eps_low=c.sao_eps_low, eps_high=c.sao_eps_high, **kw)
+                ent_keep = self._sao_keep(logp, batch)
             total = pg
             metrics.update(m)
         else:
@@ -813,6 +817,7 @@ class Trainer:
             adv, returns = gae(token_rewards(batch.rewards, mask), values_old, mask, c.gamma, c.lam)
             pg, m = sao_policy_loss(logp, batch.rollout_logp, adv, mask,
                                     eps_low=c.sao_eps_low, eps_high=c.sao_eps_high, **kw)
+            ent_keep = self._sao_keep(logp, batch)
             # Old values: the pre-update pass's, so the clip bounds the whole step's move.
             vf, vm = value_loss(values, values_old, returns, mask, c.value_clip, **kw)
             warming = self.version < c.critic_warmup
@@ -837,11 +842,20 @@ class Trainer:
 
         ent_tok = entropy_from_logits(resp_logits if c.entropy_coef > 0 else resp_logits.detach())
         if c.entropy_coef > 0 and policy_moves:
-            ent = agg_loss(ent_tok, mask, c.loss_agg_mode, denom)
+            ent = agg_loss(ent_tok * ent_keep, mask, c.loss_agg_mode, denom)
             total = total - c.entropy_coef * ent
         metrics["entropy"] = float((ent_tok.detach() * mask).sum() / mask.sum().clamp(min=1.0))
         metrics["total_loss"] = float(total.detach())
         return total, metrics, {"logp": logp.detach(), "values": values_old, "ref": ref}
+
+    def _sao_keep(self, logp: Tensor, batch: _Batch) -> Tensor:
+        """SAO's keep-mask of this forward's tokens (pi_theta / pi_rollout inside the band). The
+        entropy bonus acts on these tokens only: on a token the mask drops it would be the only
+        force, pushing the policy towards uniform where nothing pulls it back (the collapse of SAO
+        at lr 1e-3, where a stale batch's tokens leave the band)."""
+        c = self.config
+        ratio = torch.exp((logp.detach() - batch.rollout_logp).clamp(max=20.0))
+        return double_side_mask(ratio, batch.mask, c.sao_eps_low, c.sao_eps_high)
 
     def _response_logp(self, logits: Tensor, batch: _Batch) -> tuple[Tensor, Tensor]:
         """(temperature-scaled response logits [N, T, V], log-probs of the response tokens [N, T])."""

@@ -163,8 +163,9 @@ def _take(it: Iterable, n: int) -> Iterable:
 
 
 def evaluate_policy(task: Any, model_config: Any, weights: dict, prompts: list, recipe: Recipe,
-                    device: torch.device) -> float:
-    """Mean reward of `weights` on `prompts`, `recipe.eval.samples` sampled answers each, fixed seeds."""
+                    device: torch.device, seed_offset: int = 0) -> float:
+    """Mean reward of `weights` on `prompts`, `recipe.eval.samples` sampled answers each, fixed seeds
+    (`seed_offset` draws other ones: repeated evaluations of one policy measure the noise)."""
     from ..engines import SamplingParams, TorchEngine
 
     if not prompts:
@@ -174,7 +175,7 @@ def evaluate_policy(task: Any, model_config: Any, weights: dict, prompts: list, 
     sampling = SamplingParams(recipe.engine.temperature, recipe.engine.top_p)
     for p in prompts:
         for s in range(recipe.eval.samples):
-            engine.submit((p.id, s), p.ids, task.max_new_tokens, sampling, seed=p.id * 131 + s)
+            engine.submit((p.id, s), p.ids, task.max_new_tokens, sampling, seed=p.id * 131 + s + seed_offset)
     total = 0.0
     by_id = {p.id: p for p in prompts}
     for f in engine.run_until_done():

@@ -533,6 +533,47 @@ def test_sao_mask_in_the_trainer_is_on_pi_theta_over_pi_rollout_of_stale_tokens(
     assert any(not torch.equal(before[k], p) for k, p in tr.policy.named_parameters())
 
 
+@pytest.mark.parametrize("algorithm, extra", [("grpo", dict(correction="sao")), ("sao", dict()),
+                                              ("sao", dict(loss_agg_mode="seq-mean-token-mean"))])
+def test_sao_entropy_bonus_acts_only_on_the_tokens_its_mask_keeps(algorithm, extra):
+    """A token outside SAO's band gets no gradient at all: with the entropy bonus on it, it would
+    be the only force on that token and push the policy towards uniform (the collapse at lr 1e-3).
+    The ratios pi_theta / pi_rollout are 1.0, 1.3, 0.7, 1.1 (tokens 0 and 3 kept): the bonus's
+    gradient (coef 0.1 minus coef 0) is that of -0.1 * the entropy of the kept tokens over the
+    step's divisor; with every token outside the band the policy's gradient is zero."""
+    from dora_ext.algo.losses import agg_loss, entropy_from_logits
+
+    policy, value = make(12, value=algorithm == "sao")
+    prompts = [[1, 2], [3, 4, 5]]
+
+    def group(ratios):
+        rows = []
+        for i, (p, reward) in enumerate(zip(prompts, (1.0, 0.0))):
+            r = [4 + i, 6, 7, 3]
+            lp = torch.tensor(seq_logprobs(policy, p, r)) - torch.tensor(ratios).log()
+            rows.append(Trajectory(p, r, lp.tolist(), reward, 0))
+        return rows
+
+    def grads(rows, coef):
+        tr = Trainer(copy.deepcopy(policy), TrainerConfig(algorithm=algorithm, entropy_coef=coef, **extra),
+                     value_head=copy.deepcopy(value), version=2)
+        tr.add_group(rows)
+        return {k: g for k, g in tr.batch_gradients().items() if k.startswith("policy.")}
+
+    rows = group([1.0, 1.3, 0.7, 1.1])
+    with_bonus, without = grads(rows, 0.1), grads(rows, 0.0)
+    ref = copy.deepcopy(policy)
+    keep = torch.tensor([[1.0, 0.0, 0.0, 1.0]] * 2)
+    ids = torch.tensor([[1, 2, 4, 6, 7, 3, 0], [3, 4, 5, 5, 6, 7, 3]])
+    logits = torch.stack([ref(ids[0:1])[0, 1:5], ref(ids[1:2])[0, 2:6]])
+    (-0.1 * agg_loss(entropy_from_logits(logits) * keep, torch.ones(2, 4),
+                       extra.get("loss_agg_mode", "token-mean"))).backward()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(with_bonus[f"policy.{k}"] - without[f"policy.{k}"], p.grad, rtol=1e-4, atol=1e-7)
+    outside = grads(group([1.5, 1.3, 0.7, 0.5]), 0.1)
+    assert all(float(g.abs().max()) == 0.0 for g in outside.values())
+
+
 def test_without_micro_tokens_every_update_forward_is_one_group():
     """micro_tokens = 0 is documented as one forward per group; the inner loop (PPO minibatches)
     must not pad a whole chunk of groups into one forward (on a GPU, a chunk of a large batch)."""

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from dora_ext.runtime.report import smoothed, time_to_reward
 
 
@@ -20,3 +22,73 @@ def test_time_to_reward_counts_full_windows_only():
     assert time_to_reward(run, 0.5, 3) == 60.0  # (0.4 + 0.6 + 0.8) / 3 = 0.6 at step 6
     assert time_to_reward(run, 0.7, 3) is None
     assert time_to_reward(run, 0.5, 1) == 10.0
+
+
+def _bench(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _metrics(final, tps, stale, **kw):
+    return {"final_reward": final, "throughput_tokens_per_s": tps, "staleness_mean": stale, "staleness_max": 2,
+            "staleness_hist": {0: 1, 2: 3}, "initial_reward": 0.5, "wall_s": 60.0, "trainer_wait_ratio": 0.1,
+            "c1_ok": True, "c2_ok": True, "c3_ok": True, **kw}
+
+
+def test_convergence_statistics_on_synthetic_runs():
+    import math
+    import statistics
+
+    conv = _bench("convergence")
+    assert conv.t975(1) == 12.706 and conv.t975(4) == 2.776 and conv.t975(200) == 1.96
+    xs = [0.80, 0.82, 0.78, 0.84, 0.81]
+    lo, hi = conv.ci95(xs)
+    half = 2.776 * statistics.stdev(xs) / math.sqrt(5)
+    assert (lo, hi) == pytest.approx((0.81 - half, 0.81 + half)) and conv.ci95([0.8]) is None
+    sync = [SimpleNamespace(seed=s, max_staleness=0, steps=_run([0.5, 0.6, 0.7, 0.8]).steps,
+                            metrics=_metrics(0.8, 100.0, 0.0)) for s in (0, 1)]
+    dora = [SimpleNamespace(seed=s, max_staleness=2, steps=_run(rs).steps, metrics=_metrics(f, t, 1.5))
+            for s, rs, f, t in ((0, [0.9, 0.7, 0.8, 0.8], 0.82, 120.0), (1, [0.1, 0.2, 0.3, 0.4], 0.78, 90.0))]
+    target = statistics.mean(conv.final_train_reward(r, 2) for r in sync)
+    assert target == pytest.approx(0.75)
+    a = conv.summarise(dora, sync, target, 2)
+    # full windows only: (0.9 + 0.7) / 2 = 0.8 at step 2 (20 s); the second seed never gets there
+    assert a["time_to_target_s"] == [20.0, None] and a["time_to_target_median_s"] == 20.0
+    assert a["tokens_per_s_ratio_to_sync"] == pytest.approx([1.2, 0.9])
+    assert a["final_reward_mean"] == pytest.approx(0.80) and a["staleness_mean"] == 1.5
+    assert a["staleness_hist"] == {"0": 2, "2": 6} and a["c1_ok"] and a["c3_ok"]
+
+
+def test_compare_table_shows_mean_staleness_and_no_std_of_one_seed():
+    from dora_ext.runtime.report import aggregate, table
+
+    def result(seed, stale, final):
+        m = _metrics(final, 100.0, stale, rollout_bubble_ratio=0.2, multi_version_trajectory_share=0.0,
+                     live_versions_max=2, migrations=0, weight_loads=3)
+        return SimpleNamespace(seed=seed, metrics=m, max_staleness=2, split="1:1")
+
+    rows = {line.split("  ")[0]: line for line in table(aggregate({"dora": [result(0, 1.25, 0.8)]})).splitlines()}
+    assert rows["reward: final (std)"].endswith("n/a (1 seed)")
+    assert rows["staleness mean (trained)"].endswith("1.25")
+    agg = aggregate({"dora": [result(0, 1.0, 0.8), result(1, 2.0, 0.9)]})
+    rows = {line.split("  ")[0]: line for line in table(agg).splitlines()}
+    assert rows["reward: final (std)"].endswith("0.071") and rows["staleness mean (trained)"].endswith("1.50")
+
+
+def test_sao_study_collapse_is_read_from_the_rewards():
+    sao = _bench("sao_vs_grpo")
+    assert sao.max_drop([0.2, 0.6, 0.45, 0.7, 0.4, 0.9]) == pytest.approx(0.3)
+    steps = lambda rs: [{"reward_mean": r, "entropy": 1.0, "time_s": i} for i, r in enumerate(rs)]  # noqa: E731
+    runs = [SimpleNamespace(seed=0, steps=steps([0.5, 0.6, 0.7, 0.7]), metrics=_metrics(0.72, 1.0, 2.0)),
+            SimpleNamespace(seed=1, steps=steps([0.5, 0.8, 0.4, 0.4]), metrics=_metrics(0.52, 1.0, 2.0)),
+            SimpleNamespace(seed=2, steps=steps([0.5, 0.5, 0.5, 0.5]), metrics=_metrics(0.40, 1.0, 2.0))]
+    c = sao.cell(runs, 2)
+    # seed 1: the 2-step mean falls from 0.65 to 0.4 (>= 0.15); seed 2 ends 0.1 below its start
+    assert c["collapsed"] == [False, True, True] and c["any_collapsed"]
+    assert c["max_drop"][:2] == [0.0, pytest.approx(0.25)] and c["final_entropy"] == [1.0] * 3

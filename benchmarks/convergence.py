@@ -1,0 +1,259 @@
+"""Does dora train as well as sync? sync and dora (its default K, and K=1, K=2) over several seeds,
+with statistics.
+
+    python benchmarks/convergence.py [--seeds 5] [--steps N] [--json] [--plot PATH] [--out DIR]
+                                     [--admission POLICY] [--eval-repeats 4] [--set section.key=value ...]
+
+For each seed every mode starts from the same warm-started version 0 on the same prompt stream;
+only `dora.mode` and `dora.max_staleness` differ (and `dora.admission` with `--admission`). The
+order is ABBA-interleaved: even seeds run the modes in order, odd seeds in reverse, so that a load
+drifting on a shared machine weighs on every mode alike. A mode whose config equals another's
+(dora at its default K = dora_k2 when that K is 2) is run once and reported under both names.
+
+Reported per mode (`--json` prints it, `--out` also writes it):
+- `final_reward`: held-out reward of the final policy per seed (the same prompts for every run);
+  `final_reward_mean` and `final_reward_ci95`, the t-distribution's 95% interval of the mean;
+- `time_to_target_s`: per seed, the wall time at which the run's training-batch reward (moving
+  average over `--window` steps, full windows only) first reaches sync's mean final training
+  reward (None = never);
+- `staleness_mean`: the mean over seeds of each run's mean trained staleness, counted from the
+  versions of the groups the trainer trained (the runtime's ledger, not the config);
+- `tokens_per_s` (mean over seeds), per seed, and `tokens_per_s_ratio_to_sync`: the paired
+  per-seed ratios to sync (side by side on one seed, ABBA), and their median;
+- `c1_ok`, `c2_ok`, `c3_ok`: the runtime's own checks, over every run.
+`eval_noise_sd`: the standard deviation of `--eval-repeats` evaluations of one final policy (seed
+0's sync run) with different sampling seeds: the part of a final reward that is measurement.
+`dora_fill`: when the dora config has an `admission` key, dora at its default K with
+`admission: fill` runs too, and `dora` gets `tokens_per_s_ratio_to_fill`.
+Throughput on a machine shared with other jobs is noisy: only ratios of runs side by side mean
+anything. Nothing is asserted; the plot (`--plot`) is reward against wall time, every seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1..30); beyond: the normal's.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (df >= 1)."""
+    if df < 1:
+        raise ValueError(f"df: expected >= 1, got {df}")
+    return _T975[df - 1] if df <= len(_T975) else 1.960
+
+
+def ci95(xs: Sequence[float]) -> list[float] | None:
+    """[low, high]: mean -/+ t(0.975, n-1) * sd / sqrt(n); None for fewer than 2 values."""
+    if len(xs) < 2:
+        return None
+    m, half = statistics.mean(xs), t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return [m - half, m + half]
+
+
+def median_or_none(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def final_train_reward(run: Any, window: int) -> float:
+    """The mean training-batch reward of the run's last `window` steps (where it ends)."""
+    from dora_ext.runtime.report import smoothed
+
+    return smoothed([s["reward_mean"] for s in run.steps], window)[-1]
+
+
+def summarise(runs: list[Any], sync_runs: list[Any], target: float, window: int) -> dict[str, Any]:
+    """One mode's entry of the JSON from its runs (one per seed, in seed order, paired with
+    `sync_runs` by position)."""
+    from dora_ext.runtime.report import time_to_reward
+
+    final = [r.metrics["final_reward"] for r in runs]
+    tps = [r.metrics["throughput_tokens_per_s"] for r in runs]
+    ratio = [a / b for a, b in zip(tps, (s.metrics["throughput_tokens_per_s"] for s in sync_runs))]
+    reach = [time_to_reward(r, target, window) for r in runs]
+    return {
+        "max_staleness": runs[0].max_staleness,
+        "seeds": [r.seed for r in runs],
+        "final_reward": final,
+        "final_reward_mean": statistics.mean(final),
+        "final_reward_sd": statistics.stdev(final) if len(final) > 1 else None,
+        "final_reward_ci95": ci95(final),
+        "initial_reward": [r.metrics["initial_reward"] for r in runs],
+        "final_train_reward": [final_train_reward(r, window) for r in runs],
+        "time_to_target_s": reach,
+        "time_to_target_median_s": median_or_none(reach),
+        "wall_s": [r.metrics["wall_s"] for r in runs],
+        "staleness_mean": statistics.mean(r.metrics["staleness_mean"] for r in runs),
+        "staleness_mean_per_seed": [r.metrics["staleness_mean"] for r in runs],
+        "staleness_hist": _sum_hists(r.metrics["staleness_hist"] for r in runs),
+        "tokens_per_s": statistics.mean(tps),
+        "tokens_per_s_per_seed": tps,
+        "tokens_per_s_ratio_to_sync": ratio,
+        "tokens_per_s_ratio_to_sync_median": statistics.median(ratio),
+        "trainer_wait_ratio": statistics.mean(r.metrics["trainer_wait_ratio"] for r in runs),
+        "c1_ok": all(r.metrics["c1_ok"] for r in runs),
+        "c2_ok": all(r.metrics["c2_ok"] for r in runs),
+        "c3_ok": all(r.metrics["c3_ok"] for r in runs),
+    }
+
+
+def _sum_hists(hists: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            out[str(k)] = out.get(str(k), 0) + v
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def eval_noise(recipe: Any, prepared: Any, weights: dict, repeats: int) -> list[float]:
+    """`repeats` held-out evaluations of `weights`, each with other sampling seeds."""
+    from dora_ext.engines import default_device
+    from dora_ext.runtime.runtime import evaluate_policy, torch_threads
+
+    dev = default_device(recipe.engine.device)
+    with torch_threads(recipe.runtime.threads(recipe.runtime.cores)):
+        return [evaluate_policy(prepared.task, prepared.model_config, weights, prepared.eval_prompts, recipe, dev,
+                                seed_offset=1_000_003 * (i + 1)) for i in range(repeats)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default=os.path.join(here, "..", "recipes", "cpu", "long-tail.yaml"))
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default: the recipe's)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a recipe value for every mode (repeatable)")
+    p.add_argument("--admission", default=None,
+                   help="dora.admission of the dora modes (needs a dora config with that key)")
+    p.add_argument("--window", type=int, default=20, help="moving-average window of the training reward (steps)")
+    p.add_argument("--eval-repeats", type=int, default=4, help="evaluations of one policy for eval_noise_sd")
+    p.add_argument("--json", action="store_true", help="print the JSON object (else a short table)")
+    p.add_argument("--out", default=None, help="also write convergence.json there")
+    p.add_argument("--plot", default=None, help="reward-vs-wall-time PNG (every seed)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    from dora_ext.config import DEFAULT_STALENESS, DoraConfig
+    from dora_ext.runtime import load_recipe, prepare, run
+    from dora_ext.runtime.compare import Progress, jsonable
+
+    has_admission = "admission" in {f.name for f in dataclasses.fields(DoraConfig)}
+    if args.admission and not has_admission:
+        p.error("--admission: this dora config has no `admission` key (DoraConfig); run without it")
+    base = load_recipe(args.recipe, args.set)
+    if args.steps:
+        base = base.with_steps(args.steps)
+    default_k = DEFAULT_STALENESS["dora"]
+
+    def dora(k: int, admission: str | None) -> Any:
+        extra = [f"dora.max_staleness={k}"] + ([f"dora.admission={admission}"] if admission else [])
+        r = load_recipe(args.recipe, [*args.set, *extra])
+        return (r.with_steps(args.steps) if args.steps else r).with_mode("dora")
+
+    variants = {"sync": base.with_mode("sync"), "dora": dora(default_k, args.admission),
+                "dora_k1": dora(1, args.admission), "dora_k2": dora(2, args.admission)}
+    notes = []
+    if has_admission:
+        variants["dora_fill"] = dora(default_k, "fill")
+    else:
+        notes.append("dora_fill not run: this dora config has no `admission` key")
+    # a variant whose config equals an earlier one's is run once and reported under both names
+    same: dict[str, str] = {}
+    for name, r in variants.items():
+        for other in variants:
+            if other == name:
+                break
+            if other not in same and variants[other].to_dict() == r.to_dict():
+                same[name] = other
+                break
+    labels = [m for m in variants if m not in same]
+    for name, other in same.items():
+        notes.append(f"{name} is the same config as {other}: the same runs")
+
+    seeds = list(range(base.seed, base.seed + args.seeds))
+    results: dict[str, list] = {m: [] for m in labels}
+    orders = []
+    noise: list[float] = []
+    bar = Progress(not args.no_progress)
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
+
+    def summary() -> dict[str, Any]:
+        target = statistics.mean(final_train_reward(r, args.window) for r in results["sync"])
+        modes = {m: summarise(results[m], results["sync"], target, args.window) for m in labels}
+        for name, other in same.items():
+            modes[name] = modes[other]
+        if "dora_fill" in modes:
+            modes["dora"]["tokens_per_s_ratio_to_fill"] = [
+                a / b for a, b in zip(modes["dora"]["tokens_per_s_per_seed"],
+                                      modes["dora_fill"]["tokens_per_s_per_seed"])]
+        return {
+            "default_k": default_k,
+            "modes": {m: modes[m] for m in variants},
+            "target_train_reward": target,
+            "eval_noise_sd": statistics.stdev(noise) if len(noise) > 1 else None,
+            "eval_repeats": noise,
+            "eval": {"prompts": base.eval.prompts, "samples": base.eval.samples},
+            "recipe": base.name, "steps": base.steps, "seeds": seeds[:len(orders)], "window": args.window,
+            "overrides": args.set, "admission": args.admission,
+            "order_per_seed": orders, "notes": notes,
+            "load_average_before_after": [load_before, os.getloadavg()],
+            "wall_s": time.perf_counter() - t_start,
+        }
+
+    for i, seed in enumerate(seeds):
+        order = labels if i % 2 == 0 else labels[::-1]
+        prepared = prepare(base.with_seed(seed))
+        for label in order:
+            r = variants[label].with_seed(seed)
+            keep = i == 0 and label == "sync" and args.eval_repeats > 1
+            try:
+                res = run(r, prepared, keep_versions=keep, on_step=bar.start(f"{label:>9} seed {seed}", r.steps))
+            finally:
+                bar.close()
+            if keep:
+                noise = eval_noise(r, prepared, res.versions[max(res.versions)], args.eval_repeats)
+                res.versions = None
+            results[label].append(res)
+        orders.append(order)
+        if args.out:  # after every seed, so that a run cut short keeps its complete seeds
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "convergence.json"), "w", encoding="utf-8") as fh:
+                json.dump(jsonable(summary()), fh, indent=2)
+                fh.write("\n")
+        if args.plot:
+            from dora_ext.runtime.report import plot_reward_vs_time
+
+            plot_reward_vs_time(results, args.plot, window=args.window,
+                                title=f"{base.name}: {len(orders)} seeds, {base.steps} steps, every seed")
+    out = summary()
+    target = out["target_train_reward"]
+    modes = out["modes"]
+    if args.json:
+        print(json.dumps(jsonable(out)))
+    else:
+        for m in variants:
+            a = modes[m]
+            lo, hi = a["final_reward_ci95"] or (float("nan"), float("nan"))
+            print(f"{m:>9}: final {a['final_reward_mean']:.3f} [{lo:.3f}, {hi:.3f}], time to {target:.3f} "
+                  f"median {a['time_to_target_median_s']}, staleness {a['staleness_mean']:.2f}, "
+                  f"x{a['tokens_per_s_ratio_to_sync_median']:.2f} sync, C1-C3 {a['c1_ok']}/{a['c2_ok']}/{a['c3_ok']}")
+        print(f"eval noise sd {out['eval_noise_sd']}; " + "; ".join(notes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

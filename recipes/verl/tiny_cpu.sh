@@ -12,7 +12,7 @@
 # What makes it run on a CPU (all dora-ext code behind verl's plug points, see
 # dora_ext/verl/cpu/__init__.py): VERL_PLATFORM=cpu (platform, gloo process groups, FSDP2 engine),
 # rollout.name=dora_cpu (a replica serving the HF model the actor trains),
-# checkpoint_engine.backend=dora_cpu (weight versions published to a Ray store), sdpa attention,
+# checkpoint_engine.backend=dora_store (dora's one weight path: per-node weight stores), sdpa attention,
 # logical Ray GPUs (+ray_kwargs.ray_init.num_gpus, one per trainer rank).
 # Knobs: MODE, K, STEPS, WORK (assets and logs; default a temporary folder), NREPLICAS (rollout
 # replicas, default 2), NTRAIN (trainer ranks, default 1), SYNC_STEP (parameter_sync_step).
@@ -97,8 +97,8 @@ separate=(
     actor_rollout_ref.hybrid_engine=False
     actor_rollout_ref.rollout.nnodes=1
     actor_rollout_ref.rollout.n_gpus_per_node=${NREPLICAS}
-    actor_rollout_ref.rollout.checkpoint_engine.backend=dora_cpu
-    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.cpu.weights
+    actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.weights
     trainer.v1.separate_async.parameter_sync_step=${SYNC_STEP}
 )
 

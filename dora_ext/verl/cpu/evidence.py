@@ -21,7 +21,11 @@ trusts the scheduler's own bookkeeping:
 * ``c3_ok``: verl's ``training/off_policy/trajectory_staleness_worst/max`` <= K on every step
   (and ``dora/c3_ok`` in mode ``dora``);
 * ``weights_checksum_ok``: every load a replica reported holds the checksum published for that
-  version, and at least one version after the first was loaded.
+  version, and at least one version after the first was loaded;
+* ``engine_checksum_ok``: every load the coordinator checked (``load_checked``: the engine's own
+  checksum after the load) equals the publication's; ``subset_loads``: those checked loads made
+  while some replicas had no load running (they kept serving; ``loading`` < ``replicas``);
+  ``old_version_loads``: those of a version older than the newest published then.
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ def published_checksums(reports: list[dict]) -> dict[Any, str]:
 
 
 def reference_checksum(path: str) -> str:
-    """:func:`dora_ext.verl.cpu.weights.checksum` of weights written to disk by someone else than the
+    """:func:`dora_ext.verl.weights.checksum` of weights written to disk by someone else than the
     publisher: a Hugging Face model folder (``*.safetensors``) or verl's FSDP actor checkpoint
     folder (``model_world_size_1_rank_0.pt``; one trainer rank only, whose DTensors hold whole
     tensors). A reference the published checksums can be compared with: the publisher's own
@@ -109,7 +113,7 @@ def reference_checksum(path: str) -> str:
 
     import torch
 
-    from .weights import checksum
+    from ..weights import checksum
 
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if shards:
@@ -175,6 +179,18 @@ def analyze(metrics: list[dict], reports: list[dict], *, mode: str, max_stalenes
         "checksum_problems": problems[:10],
         "finite_loss": bool(losses) and all(math.isfinite(float(v)) for v in losses),
         "loads": sum(1 for r in reports if r.get("kind") == "load"),
+        **load_checks(reports),
+    }
+
+
+def load_checks(reports: list[dict]) -> dict[str, Any]:
+    checked = [r for r in reports if r.get("kind") == "load_checked"]
+    return {
+        "checked_loads": len(checked),
+        "engine_checksum_ok": bool(checked) and all(r["checksum"] == r["published"] for r in checked),
+        "subset_loads": sum(1 for r in checked if len(r["loading"]) < int(r["replicas"])),
+        "old_version_loads": sum(1 for r in checked if int(r["version"]) < int(r["newest"])),
+        "migrations_landed": sum(1 for r in reports if r.get("kind") == "landed"),
     }
 
 

@@ -15,14 +15,14 @@
 # checkpoint_engine.backend=dora_store (dora's one weight path: per-node weight stores), sdpa attention,
 # logical Ray GPUs (+ray_kwargs.ray_init.num_gpus, one per trainer rank).
 # Knobs: MODE, K, STEPS, WORK (assets and logs; default a temporary folder), NREPLICAS (rollout
-# replicas, default 2), NTRAIN (trainer ranks, default 1), SYNC_STEP (parameter_sync_step).
+# replicas, default 3), NTRAIN (trainer ranks, default 1), SYNC_STEP (parameter_sync_step).
 # Extra Hydra overrides can be appended.
 set -euo pipefail
 
 MODE=${MODE:-dora}
 K=${K:-1}
 STEPS=${STEPS:-6}
-NREPLICAS=${NREPLICAS:-2}
+NREPLICAS=${NREPLICAS:-3}
 NTRAIN=${NTRAIN:-1}
 SYNC_STEP=${SYNC_STEP:-1}
 PY=${PYTHON:-python3}

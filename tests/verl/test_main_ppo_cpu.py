@@ -3,9 +3,11 @@
 Real: verl 0.9.1 (unpatched) and its V1 trainers, FSDP2 over gloo, TransferQueue, Ray, the reward
 loop, a tiny Llama-architecture model and a parquet dataset made here (nothing downloaded), and
 dora-ext's CPU pieces behind verl's plug points (``dora_ext.verl.cpu``: platform, ``dora_cpu``
-rollout replica serving the HF model the actor trains, ``dora_cpu`` weight-store backend).
-Injected on purpose: a per-token decode delay (``DORA_CPU_TOKEN_DELAY_S``: generation slow next
-to training, as with long responses on GPUs, so replicas drain at different times), reward
+rollout replica serving the HF model the actor trains, batching like vLLM) and the weight path a
+GPU recipe resolves to (``dora_store``: the same classes; only Ray's transport to a device
+differs). Three replicas. Injected on purpose: the GPU decode shape (``DORA_CPU_STEP_S``: a
+decode step of the whole batch costs at least 0.05 s, generation slow next to training, as with
+long responses on GPUs, so replicas drain at different times), reward
 failures for chosen prompts (``dora_ext.verl.cpu.tiny.compute_score``), and a SIGKILL of verl's
 TaskRunner after the step-3 checkpoint.
 
@@ -64,7 +66,7 @@ def _run(work: str, mode: str, *, env: dict | None = None, args: tuple = (), tag
         "PYTHON": sys.executable, "WORK": work, "MODE": mode, "OMP_NUM_THREADS": "1",
         "VERL_FILE_LOGGER_PATH": os.path.join(work, f"metrics_{tag}.jsonl"),
         "DORA_CPU_REPORT_DIR": os.path.join(work, f"reports_{tag}"),
-        "DORA_CPU_TOKEN_DELAY_S": "0.02", "DORA_TINY_FAIL_DIR": work,
+        "DORA_CPU_STEP_S": "0.05", "NREPLICAS": "3", "DORA_TINY_FAIL_DIR": work,
     })
     full.pop("VERL_USE_EXTERNAL_PLUGINS", None)
     full.update(env or {})
@@ -117,6 +119,10 @@ def _assert_run(res: dict, *, staleness_reaches: int | None = None) -> None:
     assert res["c3_ok"], res
     assert res["weights_checksum_ok"], res
     assert res["finite_loss"], res
+    if res["mode"] in ("dora", "pipeline"):
+        # Every load after the first sync was checked by the coordinator against the engine's own
+        # checksum of what it then held; replicas loaded while others kept serving (subsets).
+        assert res["engine_checksum_ok"] and res["subset_loads"] >= 2, res
     if staleness_reaches is not None:
         # Two versions were live at once (a group of version v trained after v + 1 was published),
         # and no more than K + 1 (c3_ok above, from verl's own staleness metric).

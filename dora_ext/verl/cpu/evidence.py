@@ -24,7 +24,7 @@ trusts the scheduler's own bookkeeping:
   version, and at least one version after the first was loaded;
 * ``engine_checksum_ok``: every load the coordinator checked (``load_checked``: the engine's own
   checksum after the load) equals the publication's; ``subset_loads``: those checked loads made
-  while some replicas had no load running (they kept serving; ``loading`` < ``replicas``);
+  while a replica with no load running kept serving another version (a partial subset);
   ``old_version_loads``: those of a version older than the newest published then.
 """
 
@@ -185,10 +185,23 @@ def analyze(metrics: list[dict], reports: list[dict], *, mode: str, max_stalenes
 
 def load_checks(reports: list[dict]) -> dict[str, Any]:
     checked = [r for r in reports if r.get("kind") == "load_checked"]
+    base = min((r["version"] for r in reports if r.get("kind") == "publish"), default=None)
+    held: dict[Any, Any] = {}
+    at_once = subset = 0
+    for r in checked:  # in report order: the versions the replicas hold after each checked load
+        if not held:  # before it, every replica holds the base version verl's first sync loaded
+            held = {i: base for i in range(int(r["replicas"]))}
+        # A partial-subset load: some replica not loading then keeps serving another version.
+        subset += any(i not in r["loading"] and v != r["version"] for i, v in held.items())
+        held[r["instance"]] = r["version"]
+        at_once = max(at_once, len(set(held.values())))
     return {
+        "subset_loads": subset,
+        "versions_loaded_at_once": at_once,
+        "requests_aborted_alone": sum(1 for r in reports if r.get("kind") == "abort_request"
+                                      and r.get("aborted") and "instance" in r),
         "checked_loads": len(checked),
         "engine_checksum_ok": bool(checked) and all(r["checksum"] == r["published"] for r in checked),
-        "subset_loads": sum(1 for r in checked if len(r["loading"]) < int(r["replicas"])),
         "old_version_loads": sum(1 for r in checked if int(r["version"]) < int(r["newest"])),
         "migrations_landed": sum(1 for r in reports if r.get("kind") == "landed"),
     }

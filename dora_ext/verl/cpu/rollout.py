@@ -25,6 +25,8 @@ rollout side uses with vLLM/SGLang:
   the whole batch costs at least this many seconds, whatever the batch size, as memory-bound
   decode does on a GPU (the step sleeps the remainder). The requests of a step are computed one
   after the other (each keeps its own KV cache): on CPU a step's compute grows with the batch.
+  ``DORA_CPU_SLOW_REPLICAS="<rank>:<factor>,..."`` makes chosen replicas' steps cost `factor`
+  times that (injected stragglers).
 * Every weight load records the checksum of the weights now in the model
   (:func:`dora_ext.verl.weights.checksum`), and every finished request its version; with
   ``DORA_CPU_REPORT_DIR`` set both go to JSON lines there (one file per process), which the tests
@@ -86,6 +88,12 @@ class ServerCore:
         self.loads: list[dict] = []
         self.served = 0
         self.step_s = float(os.environ.get("DORA_CPU_STEP_S", "0") or 0)
+        # Injected stragglers (DORA_CPU_SLOW_REPLICAS="<rank>:<factor>,..."): that replica's steps
+        # cost `factor` times DORA_CPU_STEP_S, as a replica full of long contexts decodes slower.
+        for item in filter(None, os.environ.get("DORA_CPU_SLOW_REPLICAS", "").split(",")):
+            rank, factor = item.split(":")
+            if int(rank) == self.replica_rank:
+                self.step_s *= float(factor)
 
     # ------------------------------------------------------------------ weights
     async def load_named_weights(self, named: dict, version: int | None) -> str:

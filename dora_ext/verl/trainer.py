@@ -20,8 +20,9 @@ and update code untouched and changes four things:
    the publication's (a mismatch stops the run, naming the replica and the version).
 3. **R3 sampling** (``sampler.DoraReplayBuffer``) and **version-pinned, frontier-first routing**
    (``coordinator`` + ``manager``) are wired in by setting verl's own config keys
-   ``trainer.v1.sampler.custom_sampler`` and ``actor_rollout_ref.rollout.agent.
-   agent_loop_manager_class`` (a user's explicit values win).
+   ``trainer.v1.sampler.custom_sampler``, ``actor_rollout_ref.rollout.agent.
+   agent_loop_manager_class`` (a user's explicit values win) and ``actor_rollout_ref.rollout.
+   router_config_path`` (verl starts the coordinator as the pool's router: ``router``).
 4. **Admission follows R2.** The trainer's prompt feed (K warm-up batches, then one batch per
    step) is the supply; the scheduler admits from it when it has budget and free slots.
 
@@ -150,7 +151,17 @@ def configure(config: Any) -> Any:
             kwargs.setdefault("step_batch_size", dcfg.batch_size)
             kwargs.setdefault("group_size", dcfg.group_size)
             sampler.sampler_kwargs = kwargs
-        agent = config.actor_rollout_ref.rollout.agent
+        from .router import CONFIG_PATH
+
+        rollout = config.actor_rollout_ref.rollout
+        if rollout.get("router_config_path") not in (None, "", CONFIG_PATH):
+            from dora_ext.config import ConfigError
+
+            raise ConfigError("actor_rollout_ref.rollout.router_config_path",
+                              f"is {rollout.router_config_path!r}; trainer_mode=dora routes requests through its "
+                              "coordinator, verl's router plug-in: remove the key")
+        rollout.router_config_path = CONFIG_PATH
+        agent = rollout.agent
         if agent.get("agent_loop_manager_class"):
             _check_manager(str(agent.agent_loop_manager_class))
             logger.info("dora: keeping the user's agent_loop_manager_class %s", agent.agent_loop_manager_class)
@@ -286,18 +297,18 @@ class DoraTrainer(PPOTrainerSeparateAsync):
             super()._setup()
         import ray
 
-        from .coordinator import create_coordinator
         from .weights import ensure_stores
 
         manager = self.standalone_server_manager
         servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
-        old = manager.global_load_balancer
         if len(servers) != len(self.dora.instances):
             self.dora = dora_config(self.config, instances=len(servers))
         if self.dora.max_steps is not None and self.global_steps:
             # Resumed from a checkpoint: the scheduler counts the steps still to run.
             self.dora = replace(self.dora, max_steps=max(1, self.dora.max_steps - int(self.global_steps)))
-        self.coordinator = create_coordinator(self.dora, servers)
+        # verl started the coordinator as the pool's router (router_config_path, set by configure).
+        self.coordinator = manager.global_load_balancer
+        ray.get(self.coordinator.setup.remote(self.dora.to_dict()))
         # One weight store per rollout node, before the first publication (on_init_end); loads of
         # published versions run in the coordinator, off the trainer thread, each checked against
         # the engine's own checksum of what it then holds.
@@ -311,11 +322,6 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         # R5 moves abort just the moved request (``abort_request``), not every request of its replica.
         ray.get(self.coordinator.set_loaders.remote(loaders, checks, self.config.actor_rollout_ref.rollout.name,
                                                     abort_requests=True))
-        manager.global_load_balancer = self.coordinator
-        try:
-            ray.kill(old)
-        except Exception:  # the default balancer holds no state we need
-            pass
         self.replay_buffer.step_source = self._scheduler_batch
         self.replay_buffer.on_wait = self._service
         if self.global_steps:

@@ -301,7 +301,7 @@ def _register():
             named = {}
             async for name, tensor in ensure_async_iterator(weights):
                 if self.is_master:
-                    named[name] = tensor.detach().to("cpu").clone()
+                    named[name] = tensor.detach().to("cpu", copy=True)  # on GPU: the one device-to-host copy
             if not self.is_master:
                 return {}
             if global_steps is None:

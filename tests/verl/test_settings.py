@@ -314,3 +314,20 @@ def test_partial_rollout_off_is_refused_while_r5_moves_by_aborting(migrate):
     else:
         assert configure(cfg).migrate is False
     configure(_compose(*_trainer_overrides(*extra), "+async_training.partial_rollout=true"))
+
+
+def test_the_coordinator_is_verls_router_plug_in():
+    """``configure`` points verl's ``rollout.router_config_path`` at dora's router file (verl then
+    starts the coordinator as the pool's router itself); another router is refused, naming the key."""
+    from verl.workers.rollout.router import _load_router_yaml, _resolve_router_class
+
+    from dora_ext.verl.router import CONFIG_PATH, DoraRouter
+    from dora_ext.verl.trainer import configure
+
+    cfg = _bare(*_POOL)
+    configure(cfg)
+    assert cfg.actor_rollout_ref.rollout.router_config_path == CONFIG_PATH
+    assert _resolve_router_class(_load_router_yaml(CONFIG_PATH)["router_class"]) is DoraRouter
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*_POOL, "actor_rollout_ref.rollout.router_config_path=/elsewhere.yaml"))
+    assert err.value.field == "actor_rollout_ref.rollout.router_config_path"

@@ -25,7 +25,10 @@ trusts the scheduler's own bookkeeping:
 * ``engine_checksum_ok``: every load the coordinator checked (``load_checked``: the engine's own
   checksum after the load) equals the publication's; ``subset_loads``: those checked loads made
   while a replica with no load running kept serving another version (a partial subset);
-  ``old_version_loads``: those of a version older than the newest published then.
+  ``old_version_loads``: those of a version older than the newest published then;
+  ``requests_aborted_alone``: R5 aborts of one request (``abort_request``); ``aborted_unasked``:
+  requests that came back aborted though no per-request abort named them (0: co-resident
+  requests of a migration's source were not aborted).
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ def analyze(metrics: list[dict], reports: list[dict], *, mode: str, max_stalenes
 
 def load_checks(reports: list[dict]) -> dict[str, Any]:
     checked = [r for r in reports if r.get("kind") == "load_checked"]
+    asked = {r["request_id"] for r in reports if r.get("kind") == "abort_request" and "replica" in r}
     base = min((r["version"] for r in reports if r.get("kind") == "publish"), default=None)
     held: dict[Any, Any] = {}
     at_once = subset = 0
@@ -200,6 +204,9 @@ def load_checks(reports: list[dict]) -> dict[str, Any]:
         "versions_loaded_at_once": at_once,
         "requests_aborted_alone": sum(1 for r in reports if r.get("kind") == "abort_request"
                                       and r.get("aborted") and "instance" in r),
+        # Requests that came back aborted though no per-request abort named them (an abort-all).
+        "aborted_unasked": sum(1 for r in reports if r.get("kind") == "generate" and r.get("stop") == "aborted"
+                               and r["request_id"] not in asked),
         "checked_loads": len(checked),
         "engine_checksum_ok": bool(checked) and all(r["checksum"] == r["published"] for r in checked),
         "old_version_loads": sum(1 for r in checked if int(r["version"]) < int(r["newest"])),

@@ -15,7 +15,8 @@
 # checkpoint_engine.backend=dora_store (dora's one weight path: per-node weight stores), sdpa attention,
 # logical Ray GPUs (+ray_kwargs.ray_init.num_gpus, one per trainer rank).
 # Knobs: MODE, K, STEPS, WORK (assets and logs; default a temporary folder), NREPLICAS (rollout
-# replicas, default 3), NTRAIN (trainer ranks, default 1), SYNC_STEP (parameter_sync_step).
+# replicas, default 3), NTRAIN (trainer ranks, default 1), SYNC_STEP (parameter_sync_step),
+# MAX_SEQS (requests a replica runs at once, default 4).
 # Extra Hydra overrides can be appended.
 set -euo pipefail
 
@@ -70,7 +71,7 @@ common=(
     actor_rollout_ref.rollout.mode=async
     actor_rollout_ref.rollout.tensor_model_parallel_size=1
     actor_rollout_ref.rollout.n=2
-    actor_rollout_ref.rollout.max_num_seqs=4
+    actor_rollout_ref.rollout.max_num_seqs=${MAX_SEQS:-4}
     actor_rollout_ref.rollout.calculate_log_probs=True
     actor_rollout_ref.rollout.agent.num_workers=1
     reward.num_workers=1

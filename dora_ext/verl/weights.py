@@ -37,15 +37,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 import operator
 import os
 import time
 from typing import Any, AsyncGenerator, Generator
 
 import torch
-
-logger = logging.getLogger("dora_ext.verl")
 
 BACKEND = "dora_store"
 MODULE = "dora_ext.verl.weights"
@@ -142,9 +139,6 @@ class WeightStore:
         if newest is not None and version < newest:
             raise KeyError(f"dora weight store: version {version} was never published and is older than "
                            f"the newest published, {newest} (held: {held})")
-
-    def published(self) -> dict[int, str]:
-        return dict(self.checksums)
 
     def evidence(self, version: int) -> tuple[str, list[str]]:
         """The checksum published for `version` and the tensor names it covers."""

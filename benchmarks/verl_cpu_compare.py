@@ -7,9 +7,18 @@ prints steps/s and tokens/s (mean over steps 2..N of verl's ``timing_s/step`` an
 ``perf/total_num_tokens``) with the constraint checks. On 2 CPU cores no speedup is expected: the
 trainer and the replicas share the cores.
 
-    .venv/bin/python benchmarks/verl_cpu_compare.py [--steps 6] [--k 1] [--token-delay 0.02] [--json]
+Two decode shapes, each run for every mode: ``gpu-shaped`` (``DORA_CPU_STEP_S``: a decode step of
+a replica's whole batch costs at least ``--step-s`` seconds, as memory-bound decode on a GPU) and
+``cpu`` (no floor: a step costs its CPU compute, which grows with the batch).
 
-``--json`` prints ``{"modes": {"dora": {...}, "separate_async": {...}, "sync": {...}}}``.
+    .venv/bin/python benchmarks/verl_cpu_compare.py [--steps 6] [--k 1] [--replicas 3] [--step-s 0.05]
+        [--shapes gpu-shaped,cpu] [--json]
+
+``--json`` prints ``{"modes": {"dora": {...}, "separate_async": {...}, "sync": {...},
+"dora@cpu": {...}, ...}}``: the first shape under the plain mode names, the others as
+``<mode>@<shape>``. Each entry has ``replicas``, ``weight_backend``, ``subset_loads``,
+``old_version_loads``, ``migrations_landed``, ``trainer_weight_sync_s_per_step`` (verl's
+``timing_s/update_weights``: the trainer's time on weights per step) and ``decode_shape``.
 """
 
 from __future__ import annotations
@@ -26,20 +35,30 @@ RECIPE = os.path.join(ROOT, "recipes", "verl", "tiny_cpu.sh")
 MODES = ("dora", "separate_async", "sync")
 
 
-def run_mode(work: str, mode: str, args: argparse.Namespace) -> dict:
-    from dora_ext.verl.cpu.evidence import analyze, load_run
+def run_mode(work: str, mode: str, shape: str, args: argparse.Namespace) -> dict:
+    from dora_ext.verl.cpu.evidence import analyze, read_metrics
+    from dora_ext.verl.cpu.report import read_reports
 
+    tag = f"{mode}_{shape}"
+    metrics_path, reports_dir = os.path.join(work, f"metrics_{tag}.jsonl"), os.path.join(work, f"reports_{tag}")
     env = dict(os.environ)
     env.update({"PYTHON": sys.executable, "WORK": work, "MODE": mode, "K": str(args.k), "STEPS": str(args.steps),
-                "OMP_NUM_THREADS": "1", "DORA_CPU_TOKEN_DELAY_S": str(args.token_delay)})
-    log = os.path.join(work, f"{mode}.log")
+                "NREPLICAS": str(args.replicas), "OMP_NUM_THREADS": "1",
+                "DORA_CPU_STEP_S": str(args.step_s if shape == "gpu-shaped" else 0),
+                "VERL_FILE_LOGGER_PATH": metrics_path, "DORA_CPU_REPORT_DIR": reports_dir})
+    log = os.path.join(work, f"{tag}.log")
     with open(log, "w") as f:
         rc = subprocess.run(["bash", RECIPE], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=work,
                             timeout=args.timeout).returncode
-    metrics, reports = load_run(work, mode)
-    res = analyze(metrics, reports, mode=mode, max_staleness=0 if mode == "sync" else args.k)
-    res["exit_code"] = rc
-    res["log"] = log
+    metrics = read_metrics(metrics_path)
+    res = analyze(metrics, read_reports(reports_dir), mode=mode, max_staleness=0 if mode == "sync" else args.k)
+    sync_s = [float(m["timing_s/update_weights"]) for m in metrics if "timing_s/update_weights" in m]
+    res.update({
+        "replicas": 1 if mode == "sync" else args.replicas,  # sync: colocated, one replica per trainer rank
+        "weight_backend": "naive" if mode == "sync" else "dora_store",
+        "trainer_weight_sync_s_per_step": sum(sync_s) / len(sync_s) if sync_s else 0.0,
+        "decode_shape": shape, "exit_code": rc, "log": log,
+    })
     return res
 
 
@@ -47,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--k", type=int, default=1, help="max staleness of dora and separate_async")
-    ap.add_argument("--token-delay", type=float, default=0.02, help="seconds per decoded token on the replicas")
+    ap.add_argument("--replicas", type=int, default=3, help="rollout replicas of dora and separate_async")
+    ap.add_argument("--step-s", type=float, default=0.05, help="gpu-shaped: least seconds of one decode step")
+    ap.add_argument("--shapes", default="gpu-shaped,cpu", help="decode shapes to run, comma-separated")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--work", default=None, help="folder for assets and logs (default: a temporary one)")
     ap.add_argument("--json", action="store_true")
@@ -58,20 +79,32 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(os.path.join(work, "model", "config.json")):
         build_model(os.path.join(work, "model"))
         build_dataset(work)
-    results = {mode: run_mode(work, mode, args) for mode in MODES}
+    shapes = [x for x in args.shapes.split(",") if x]
+    bad = [x for x in shapes if x not in ("gpu-shaped", "cpu")]
+    if bad:
+        ap.error(f"--shapes: {bad} not accepted; use gpu-shaped and/or cpu")
+    results = {}
+    for n, shape in enumerate(shapes):
+        for mode in MODES:
+            results[mode if n == 0 else f"{mode}@{shape}"] = run_mode(work, mode, shape, args)
+    ok = all(r["exit_code"] == 0 for r in results.values())
     if args.json:
-        print(json.dumps({"modes": results, "work": work, "steps": args.steps, "k": args.k}, indent=2))
-        return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
-    base = results["sync"]
-    print(f"verl 0.9.1 main_ppo on CPU, {args.steps} steps, K={args.k}, token delay {args.token_delay}s (work: {work})")
-    print(f"{'mode':<15}{'steps':>6}{'steps/s':>9}{'tokens/s':>10}{'vs sync':>9}{'live':>6}"
-          f"{'C1':>5}{'C2':>5}{'C3':>5}{'weights':>9}{'rc':>4}")
-    for mode, r in results.items():
+        print(json.dumps({"modes": results, "work": work, "steps": args.steps, "k": args.k,
+                          "replicas": args.replicas, "step_s": args.step_s}, indent=2))
+        return 0 if ok else 1
+    print(f"verl 0.9.1 main_ppo on CPU, {args.steps} steps, K={args.k}, {args.replicas} replicas, "
+          f"gpu-shaped step {args.step_s}s (work: {work})")
+    print(f"{'mode':<26}{'steps/s':>9}{'tokens/s':>10}{'vs sync':>9}{'live':>6}{'subset':>7}{'old':>5}"
+          f"{'moved':>6}{'sync_s':>8}{'C1':>4}{'C2':>4}{'C3':>4}{'wts':>5}{'rc':>4}")
+    for key, r in results.items():
+        base = results["sync" if "@" not in key else "sync@" + key.split("@")[1]]
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else float("nan")
-        print(f"{mode:<15}{r['steps']:>6}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}{ratio:>8.2f}x"
-              f"{r['max_live_versions']:>6}{'ok' if r['c1_ok'] else 'NO':>5}{'ok' if r['c2_ok'] else 'NO':>5}"
-              f"{'ok' if r['c3_ok'] else 'NO':>5}{'ok' if r['weights_checksum_ok'] else 'NO':>9}{r['exit_code']:>4}")
-    return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
+        yes = {True: "ok", False: "NO"}
+        print(f"{key + ' (' + r['decode_shape'] + ')':<26}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}"
+              f"{ratio:>8.2f}x{r['max_live_versions']:>6}{r['subset_loads']:>7}{r['old_version_loads']:>5}"
+              f"{r['migrations_landed']:>6}{r['trainer_weight_sync_s_per_step']:>8.3f}{yes[r['c1_ok']]:>4}"
+              f"{yes[r['c2_ok']]:>4}{yes[r['c3_ok']]:>4}{yes[r['weights_checksum_ok']]:>5}{r['exit_code']:>4}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ Modules (only `plugin` is imported on ``import verl``; the rest load when verl's
 * ``losses``   -- ``dora_sao`` and ``dora_decoupled`` in verl's policy-loss registry.
 * ``engine_server`` -- verl's rollout-server contract over ``dora_ext.engines.TorchEngine``
                   (stands in for vLLM in the coordinator and agent-loop tests).
+* ``weights``  -- ``dora_store``, dora's one weight path on every machine: per-node weight
+                  stores behind verl's ``CheckpointEngineWithCache``, engine-side checksums.
 * ``cpu``      -- verl on a CPU-only machine (``VERL_PLATFORM=cpu``): platform, gloo process
-                  groups, the ``dora_cpu`` rollout replica (the HF model the actor trains) and the
-                  ``dora_cpu`` weight-store backend, tiny local assets, run evidence.
+                  groups, the ``dora_cpu`` rollout replica (the HF model the actor trains),
+                  tiny local assets, run evidence.
 
 Imports run one way: ``plugin`` -> ``trainer`` -> ``coordinator`` -> ``dora_ext.core``
 (``cpu`` is a leaf that only verl's registries and the reports use).
@@ -37,13 +39,11 @@ changes one of them must be re-checked here first):
   ``standalone_server_manager`` (``LLMServerManager``: ``rollout_replicas``, ``server_handles``,
   ``server_addresses``, ``global_load_balancer``, ``get_client(client_cls)``),
   ``standalone_checkpoint_manager`` (``CheckpointEngineManager``), ``_enable_hybrid_replicas``,
-  ``hybrid_rollout_config``; the actor role is ``DetachActorWorker`` with
-  ``save_model_to_cpu(key)``, ``restore_model_from_cpu(key)``, ``clear_cpu_model(key)``.
+  ``hybrid_rollout_config``; the actor role is ``DetachActorWorker`` (``update_weights(global_steps,
+  mode)`` sends through the checkpoint-engine backend: a publication here).
 * ``verl.checkpoint_engine.base.CheckpointEngineManager(config, actor_wg, replicas)``:
-  ``update_weights(global_steps)`` syncs exactly ``self.replicas`` (it first calls
-  ``abort_replicas`` on them, so it is only ever given drained replicas here),
-  ``add_replicas(list)``, ``remove_replicas(list)``, ``abort_replicas()``,
-  ``resume_generation_replicas()``.
+  ``abort_replicas()``, ``resume_generation_replicas()`` (R5 aborts; weights never go through it).
+  ``CheckpointEngineWithCache`` (declared, no implementation in verl): ``weights`` implements it.
 * ``verl.trainer.ppo.v1.replay_buffer``: a custom sampler is built as
   ``cls(trainer_mode=, trainer_config=, max_off_policy_threshold=, max_off_policy_strategy=,
   sampler_kwargs=, refill_fn=)`` and called as ``sample(global_steps, partition_id, batch_size)

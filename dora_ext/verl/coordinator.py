@@ -33,7 +33,7 @@ answered, also on an abort or an error) uncounts it, matched to its acquire by `
 (a late release of an instance removed since, its address serving again, uncounts nothing). A ``LoadVersion`` the scheduler decides
 while its instance still counts requests in flight (a trajectory R5 moved off it, or whose end
 was reported before its release arrived) is *held*: not handed out (``take_work``, or the
-``dora_cpu`` loaders) until the count reaches 0, then handed out from that ``release_server``.
+loaders) until the count reaches 0, then handed out from that ``release_server``.
 Otherwise the request could reach the server behind the load (parked behind the load's abort,
 or queued behind it) and run under the new version: a resumed trajectory would span two
 versions. Ungrouped requests go to an instance with no load pending whenever one is loaded, so
@@ -120,7 +120,11 @@ class DoraCoordinator:
         # by the release that brings the instance's in-flight count to 0 (see the module docstring).
         self.held: dict[int, list[int]] = {}  # instance -> verl versions
         self.loading: dict[int, int] = {}  # instance -> verl version handed out, not loaded yet
-        self.aborts: list[int] = []
+        self.aborts: list[int] = []  # instances whose requests all abort (no per-request abort)
+        # (group, index) -> (server id, request id) of its request in flight (per-request aborts)
+        self.request_of: dict[tuple, tuple[str, str]] = {}
+        self.key_of_request: dict[tuple[str, str], tuple] = {}
+        self.abort_requests = False
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
         # (group, index) -> (destination instance, scheduler attempt): moved by R5, not landed yet.
         # At most one entry per running trajectory (cleared on landing, re-dispatch, failure,
@@ -142,7 +146,9 @@ class DoraCoordinator:
                        "unmatched_releases": 0}
         self.load_error_text = ""
         self.admitted: dict[Any, int] = {}  # group id -> verl version at admission, until trained
-        self.loaders: dict[int, list] = {}  # instance -> rollout worker handles (publishing backends)
+        self.loaders: dict[int, list] = {}  # instance -> rollout worker handles
+        self.checks: dict[int, dict] = {}  # instance -> {"server", "address", "store"}: engine checksums
+        self.rollout = ""
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ scheduler plumbing
@@ -179,7 +185,13 @@ class DoraCoordinator:
                     # it: the scheduler re-queued the trajectory, its request waits for the new
                     # Dispatch (routed to the removed server, it failed on its in-flight count).
                     self.route.pop(key, None)
-                if act.src not in self.aborts:
+                if self.abort_requests and self._loop is not None:
+                    # Abort only the moved trajectory's request on its source (the others there run on);
+                    # between two turns nothing is in flight and its next acquire lands.
+                    req = self.request_of.get(key)
+                    if req is not None and req[0] == self.server_of.get(act.src):
+                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, *req), self._loop)
+                elif act.src not in self.aborts:
                     self.aborts.append(act.src)
             elif isinstance(act, A.StartStep):
                 self.steps[act.step] = act.group_ids
@@ -306,23 +318,62 @@ class DoraCoordinator:
             del self.log[: len(self.log) // 2]
 
     # ------------------------------------------------------------------ trainer side
-    def set_loaders(self, loaders: dict[int, list]) -> None:
-        """Rollout workers per instance: loads of published versions are then run here, each
-        ``update_weights(global_steps=v)`` on the instance's workers (a publishing backend such as
-        ``dora_cpu`` fetches ``v`` from its store), without the trainer or the actor."""
+    def set_loaders(self, loaders: dict[int, list], checks: dict[int, dict] | None = None, rollout: str = "",
+                    abort_requests: bool = False) -> None:
+        """Rollout workers per instance: loads are then run here, each ``update_weights(global_steps=v)``
+        on the instance's workers (``dora_store`` fetches ``v`` from the node's store), without the
+        trainer. With `checks` (instance -> its server handle, address and node store) each load is
+        then verified: the engine's checksum of what it holds must be the one published for ``v``
+        (``weights.engine_checksum``), else the load is refused and the run stops. With
+        `abort_requests` an R5 move aborts only the moved trajectory's request on its source
+        (``abort_request``, verl's client passes the request id through: ``DoraLLMServerClient``),
+        not every request there."""
+        self.abort_requests = bool(abort_requests)
         self.loaders = {int(k): list(v) for k, v in loaders.items()}
+        self.checks = {int(k): dict(v) for k, v in (checks or {}).items()}
+        self.rollout = str(rollout)
 
     async def _load(self, instance: int, verl_version: int) -> None:
         try:
             await asyncio.gather(*[w.update_weights.remote(global_steps=verl_version) for w in self.loaders[instance]])
-        except Exception as exc:  # surfaced to the trainer by metrics(); the instance stays unloaded
+            if instance in self.checks:
+                await self._check_load(instance, verl_version)
+        except Exception as exc:  # surfaced to the trainer by take_work(); the instance stays unloaded
             self.counts["load_errors"] += 1
-            self.load_error_text = f"instance {instance} version {verl_version}: {exc!r}"[:500]
+            self.load_error_text = f"instance {instance} version {verl_version}: {exc}"[:1500]
             logger.error("dora: load failed: %s", self.load_error_text)
             if self.loading.get(instance) == verl_version:
                 del self.loading[instance]
             return
         self.loaded([instance], verl_version)
+
+    async def _abort_request(self, instance: int, sid: str, request_id: str) -> None:
+        from .weights import abort_request
+
+        try:
+            out = await abort_request(self.rollout, self.handles[sid], sid, request_id)
+        except Exception as exc:  # the request then runs to its end on the source: the move does not land
+            out = {"aborted": False, "error": repr(exc)[:300]}
+        self._record(("abort_request", instance, request_id, bool(out.get("aborted"))))
+        _report("abort_request", instance=instance, request_id=request_id, aborted=bool(out.get("aborted")))
+
+    async def _check_load(self, instance: int, verl_version: int) -> None:
+        from .weights import WeightsMismatch, engine_checksum
+
+        c = self.checks[instance]
+        published, names = await c["store"].evidence.remote(verl_version)
+        got = await engine_checksum(self.rollout, c["server"], c["address"], names, c["store"],
+                                    f"{instance}_{verl_version}")
+        newest = self.sched.newest_version + self.base
+        _report("load_checked", instance=instance, version=verl_version, checksum=got, published=published,
+                newest=newest, replicas=len(self.server_ids), loading=sorted(self.loading), tensors=len(names))
+        if got != published:
+            raise WeightsMismatch(
+                f"the engine of instance {instance} holds weights with checksum {got} after loading version "
+                f"{verl_version}, published with {published} (over {len(names)} sampled tensors): refused, the "
+                "replica is not marked loaded. The engine did not apply the weights it was sent: keep "
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store and check that the rollout "
+                "(actor_rollout_ref.rollout.name) serves actor_rollout_ref.model.path")
 
     async def start(self, base_version: int = 0, preloaded: bool = True) -> None:
         """Start the scheduler. `preloaded`: verl already loaded `base_version` on every replica."""
@@ -367,17 +418,10 @@ class DoraCoordinator:
     def take_work(self) -> dict[str, list]:
         """Weight loads ``[(instance, verl version)]`` and instances to abort (R5) to execute now."""
         work = {"load": self.loads, "abort": self.aborts}
+        if self.load_error_text:
+            work["error"] = self.load_error_text  # a failed or refused load: the trainer stops
         self.loads, self.aborts = [], []
         return work
-
-    def pending_load_versions(self) -> list[int]:
-        """Verl versions of the loads not done yet: held, waiting for ``take_work``, or handed out.
-        The trainer keeps their CPU copies past the last K + 1 (a held load waits for a request,
-        however long it runs)."""
-        pending = {v for vs in self.held.values() for v in vs}
-        pending.update(v for _, v in self.loads)
-        pending.update(self.loading.values())
-        return sorted(pending)
 
     def loaded(self, instances: list[int], verl_version: int) -> None:
         for iid in instances:
@@ -513,6 +557,8 @@ class DoraCoordinator:
                 iid = self.route.get(key)
             self._land(key, iid)
             sid = self.server_of[iid]
+            self.request_of[key] = (sid, request_id)
+            self.key_of_request[(sid, request_id)] = key
         self.inflight[sid] += 1
         self.acquired.setdefault((sid, request_id), []).append(self.instance_of[sid])
         return sid, self.handles[sid]
@@ -557,6 +603,9 @@ class DoraCoordinator:
         may a release no acquire made. Such releases are counted (``unmatched_releases``)."""
         iid = self.instance_of.get(server_id)
         key = (server_id, request_id)
+        traj = self.key_of_request.pop(key, None)
+        if traj is not None and self.request_of.get(traj) == key:
+            del self.request_of[traj]
         if request_id is None and key not in self.acquired:
             # A caller that does not send request ids: any acquire of the current instance.
             key = next((k for k, iids in self.acquired.items() if k[0] == server_id and iid in iids), key)

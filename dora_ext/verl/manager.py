@@ -52,6 +52,11 @@ class DoraLLMServerClient(FullyAsyncLLMServerClient):
         self._lb_require_acquire_fields = []
         self._lb_require_release_fields = ["request_id"]  # the coordinator matches releases to acquires
 
+    def _vllm_request_id(self, request_id: str) -> str:
+        # The engine sees the id the coordinator was given at acquire, so that an R5 move aborts
+        # just that request (``abort_request``); verl passes it through under full_determinism too.
+        return request_id
+
     @property
     def coordinator(self) -> Any:
         return self._load_balancer

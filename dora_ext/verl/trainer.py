@@ -6,23 +6,23 @@ and update code untouched and changes four things:
 
 1. **No abort to sync weights.** verl's separate-async trainer calls ``update_weights`` on every
    standalone replica after each step, which aborts in-flight requests and resumes them under
-   the new weights (a trajectory then spans versions). Here a step only *publishes* its version
-   to the coordinator (``dora_ext.core.Scheduler`` in a Ray actor); the scheduler answers with
-   ``LoadVersion`` for replicas that have drained (R4), and the trainer syncs exactly those
-   replicas with a ``CheckpointEngineManager`` over that subset. The other replicas keep
-   generating their trajectories to the end under their old version (C1).
+   the new weights (a trajectory then spans versions). Here a step *publishes* its version once
+   into the weight store of every rollout node (``weights``: backend ``dora_store``, the only one
+   accepted) and tells the coordinator (``dora_ext.core.Scheduler`` in a Ray actor); the
+   scheduler answers with ``LoadVersion`` for replicas that have drained (R4), and the
+   coordinator loads each of those from its node's store, without the trainer. The other
+   replicas keep generating their trajectories to the end under their old version (C1).
 2. **Old versions stay loadable, always as published.** A version may be needed after the actor
    moved on (its groups are queued but no replica holds it yet), and with
-   ``parameter_sync_step`` > 1 loads happen between mini-batches, after optimizer steps. With a
-   publishing backend (``dora_cpu``: each version copied once into a weight store at publish
-   time) replicas load any kept version from the store, from the coordinator, without the actor.
-   With NCCL-style backends the actor keeps a CPU copy of each of the last K + 1 versions
-   (``DetachActorWorker.save_model_to_cpu``) and a load uses the live parameters only while they
-   still are that version, else restores the copy for the duration of the sync.
+   ``parameter_sync_step`` > 1 loads happen between mini-batches, after optimizer steps: the
+   stores keep the last versions as they were published, so a load never reads the actor's
+   live parameters. After each load the engine's own checksum of what it holds is compared with
+   the publication's (a mismatch stops the run, naming the replica and the version).
 3. **R3 sampling** (``sampler.DoraReplayBuffer``) and **version-pinned, frontier-first routing**
    (``coordinator`` + ``manager``) are wired in by setting verl's own config keys
-   ``trainer.v1.sampler.custom_sampler`` and ``actor_rollout_ref.rollout.agent.
-   agent_loop_manager_class`` (a user's explicit values win).
+   ``trainer.v1.sampler.custom_sampler``, ``actor_rollout_ref.rollout.agent.
+   agent_loop_manager_class`` (a user's explicit values win) and ``actor_rollout_ref.rollout.
+   router_config_path`` (verl starts the coordinator as the pool's router: ``router``).
 4. **Admission follows R2.** The trainer's prompt feed (K warm-up batches, then one batch per
    step) is the supply; the scheduler admits from it when it has budget and free slots.
 
@@ -62,15 +62,16 @@ def _check_split(config: Any) -> None:
 
     * ``actor_rollout_ref.rollout.nnodes`` / ``n_gpus_per_node`` (the rollout pool): required,
       there is nothing sensible to derive them from;
-    * ``actor_rollout_ref.rollout.checkpoint_engine.backend``: ``naive`` only works colocated; on the
-      CPU platform (``VERL_PLATFORM=cpu``) it becomes ``dora_cpu`` (with its module), elsewhere
-      the user must name a transport;
+    * ``actor_rollout_ref.rollout.checkpoint_engine.backend``: dora has one weight path on every
+      machine, ``dora_store`` (``weights``); unset or ``naive`` becomes it (with its module), any
+      other backend is refused: ``nccl`` keeps the process group of its first sync and fails at the
+      first load of a subset of replicas, the delta backends diff against the last weights sent
+      (wrong after a subset or old-version load), and the others were never run on subsets;
     * ``data.train_batch_size == parameter_sync_step * actor.ppo_mini_batch_size``.
     """
     from dora_ext.config import ConfigError
 
-    from .cpu import BACKEND as CPU_BACKEND
-    from .cpu import BACKEND_MODULE, cpu_platform_selected
+    from .weights import BACKEND, MODULE
 
     rollout = config.actor_rollout_ref.rollout
     missing = [k for k in ("nnodes", "n_gpus_per_node") if int(rollout.get(k) or 0) <= 0]
@@ -82,19 +83,26 @@ def _check_split(config: Any) -> None:
             "for the trainer's GPUs)",
         )
     ce = rollout.checkpoint_engine
-    if ce.get("backend") in (None, "", "naive"):
-        if cpu_platform_selected():
-            ce.backend = CPU_BACKEND
-            if not ce.get("custom_backend_module"):
-                ce.custom_backend_module = BACKEND_MODULE
-            logger.info("dora: checkpoint_engine.backend=naive -> %s on the CPU platform", CPU_BACKEND)
-        else:
-            raise ConfigError(
-                "actor_rollout_ref.rollout.checkpoint_engine.backend",
-                f"is {ce.get('backend')!r}; trainer_mode=dora syncs weights to a separate rollout pool: add "
-                "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or nixl, mooncake, hccl; "
-                f"{CPU_BACKEND} with VERL_PLATFORM=cpu)",
-            )
+    backend = ce.get("backend")
+    if backend not in (None, "", "naive", BACKEND):
+        why = ("diffs against the last weights sent, so a replica loaded out of turn (a subset, an old "
+               "version) would apply it to another base" if "delta" in str(backend) else
+               "syncs all replicas through one process group of fixed membership (nccl fails its "
+               "world-size assert at the first load of a subset)")
+        raise ConfigError(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend",
+            f"is {backend!r}, which {why}; trainer_mode=dora loads drained replicas one by one from a "
+            f"per-node weight store: set actor_rollout_ref.rollout.checkpoint_engine.backend={BACKEND} "
+            "(or remove the key)",
+        )
+    if backend != BACKEND:
+        ce.backend = BACKEND
+    if ce.get("custom_backend_module") not in (None, "", MODULE):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module",
+            f"is {ce.custom_backend_module!r}; backend={BACKEND} is registered by {MODULE}: set it or remove the key",
+        )
+    ce.custom_backend_module = MODULE
     sync_step = int(config.trainer.v1[TRAINER_NAME].parameter_sync_step)
     mini = int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
     batch = int(config.data.train_batch_size)
@@ -118,6 +126,16 @@ def configure(config: Any) -> Any:
         v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
         _check_split(config)
     dcfg = dora_config(config)
+    if len(dcfg.instances) < 2:
+        from dora_ext.config import ConfigError
+
+        raise ConfigError(
+            "actor_rollout_ref.rollout.n_gpus_per_node",
+            f"gives {len(dcfg.instances)} rollout replica (rollout.nnodes x n_gpus_per_node / tensor parallel "
+            "size); trainer_mode=dora with one replica is sync plus staleness (every load drains the whole "
+            "pool, nothing is multi-version): give the rollout pool >= 2 replicas (>= 4 to gain), or use "
+            "trainer_mode=sync / separate_async",
+        )
     _check_resume(config, dcfg.migrate)
     with open_dict(config):
         _check_weight_store(config, dcfg.max_staleness)
@@ -133,7 +151,17 @@ def configure(config: Any) -> Any:
             kwargs.setdefault("step_batch_size", dcfg.batch_size)
             kwargs.setdefault("group_size", dcfg.group_size)
             sampler.sampler_kwargs = kwargs
-        agent = config.actor_rollout_ref.rollout.agent
+        from .router import CONFIG_PATH
+
+        rollout = config.actor_rollout_ref.rollout
+        if rollout.get("router_config_path") not in (None, "", CONFIG_PATH):
+            from dora_ext.config import ConfigError
+
+            raise ConfigError("actor_rollout_ref.rollout.router_config_path",
+                              f"is {rollout.router_config_path!r}; trainer_mode=dora routes requests through its "
+                              "coordinator, verl's router plug-in: remove the key")
+        rollout.router_config_path = CONFIG_PATH
+        agent = rollout.agent
         if agent.get("agent_loop_manager_class"):
             _check_manager(str(agent.agent_loop_manager_class))
             logger.info("dora: keeping the user's agent_loop_manager_class %s", agent.agent_loop_manager_class)
@@ -165,15 +193,13 @@ def _check_resume(config: Any, migrate: bool) -> None:
 
 
 def _check_weight_store(config: Any, max_staleness: int) -> None:
-    """The ``dora_cpu`` store must keep every version a load can ask for: the newest K + 1 and the
+    """The weight stores must keep every version a load can ask for: the newest K + 1 and the
     one being published (K + 2). Unset: ``max(8, K + 2)``; a smaller user value fails here."""
     from dora_ext.config import ConfigError
 
-    from .cpu import BACKEND as CPU_BACKEND
+    from .weights import BACKEND as CPU_BACKEND
 
     ce = config.actor_rollout_ref.rollout.checkpoint_engine
-    if ce.get("backend") != CPU_BACKEND:
-        return
     need = int(max_staleness) + 2
     if ce.get("engine_kwargs") is None:
         ce.engine_kwargs = {}
@@ -262,11 +288,6 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         self.coordinator = None
         self._base_version = 0
         self._actor_version = 0
-        # The version the actor's live parameters are exactly (None once an optimizer step ran
-        # since the last publish: mini-batches 2..N of a step with parameter_sync_step > 1).
-        self._live_version: int | None = None
-        self._cpu_versions: list[int] = []
-        self._publishes = False
         self._resume_info: dict[str, Any] = {}
         self._plugins = plugin_manager()
 
@@ -275,30 +296,32 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         with _quiet_info("verl.trainer.ppo.v1.trainer_separate_async"):
             super()._setup()
         import ray
-        from verl.checkpoint_engine import CheckpointEngineRegistry
 
-        from .coordinator import create_coordinator
+        from .weights import ensure_stores
 
-        backend_cls = CheckpointEngineRegistry.get(self.config.actor_rollout_ref.rollout.checkpoint_engine.backend)
-        self._publishes = bool(getattr(backend_cls, "publishes_versions", False))
         manager = self.standalone_server_manager
         servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
-        old = manager.global_load_balancer
         if len(servers) != len(self.dora.instances):
             self.dora = dora_config(self.config, instances=len(servers))
         if self.dora.max_steps is not None and self.global_steps:
             # Resumed from a checkpoint: the scheduler counts the steps still to run.
             self.dora = replace(self.dora, max_steps=max(1, self.dora.max_steps - int(self.global_steps)))
-        self.coordinator = create_coordinator(self.dora, servers)
-        if self._publishes:
-            # Loads of published versions run in the coordinator, off the trainer thread.
-            loaders = {i: list(r.workers) for i, r in enumerate(manager.rollout_replicas)}
-            ray.get(self.coordinator.set_loaders.remote(loaders))
-        manager.global_load_balancer = self.coordinator
-        try:
-            ray.kill(old)
-        except Exception:  # the default balancer holds no state we need
-            pass
+        # verl started the coordinator as the pool's router (router_config_path, set by configure).
+        self.coordinator = manager.global_load_balancer
+        ray.get(self.coordinator.setup.remote(self.dora.to_dict()))
+        # One weight store per rollout node, before the first publication (on_init_end); loads of
+        # published versions run in the coordinator, off the trainer thread, each checked against
+        # the engine's own checksum of what it then holds.
+        replicas = manager.rollout_replicas
+        nodes = [ray.get(r.workers[0].execute_checkpoint_engine.remote("prepare"))["node_id"] for r in replicas]
+        ce = self.config.actor_rollout_ref.rollout.checkpoint_engine
+        stores = ensure_stores(nodes, int(ce.engine_kwargs[ce.backend]["keep_versions"]))
+        checks = {i: {"server": h, "address": a, "store": stores[nodes[i]]}
+                  for i, (a, h) in enumerate(zip(manager.server_addresses, manager.server_handles, strict=True))}
+        loaders = {i: list(r.workers) for i, r in enumerate(replicas)}
+        # R5 moves abort just the moved request (``abort_request``), not every request of its replica.
+        ray.get(self.coordinator.set_loaders.remote(loaders, checks, self.config.actor_rollout_ref.rollout.name,
+                                                    abort_requests=True))
         self.replay_buffer.step_source = self._scheduler_batch
         self.replay_buffer.on_wait = self._service
         if self.global_steps:
@@ -354,9 +377,6 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         # verl loads the checkpoint's weights on every replica once; that is version 0 to the scheduler.
         super().on_init_end()
         self._base_version = self._actor_version = int(self.global_steps)
-        self._live_version = self._actor_version
-        if not self._publishes:
-            self._keep_cpu_copy(self._base_version)
         ray.get(self.coordinator.start.remote(self._base_version))
         self._service()
 
@@ -375,10 +395,6 @@ class DoraTrainer(PPOTrainerSeparateAsync):
 
         self._service()
         return ray.get(self.coordinator.step_batch.remote(step))
-
-    def _update_actor(self, batch: Any, metrics: dict) -> Any:
-        self._live_version = None  # the live parameters are no published version any more
-        return super()._update_actor(batch, metrics)
 
     def _save_checkpoint(self) -> None:
         """verl's checkpoint plus ``dora_state.json`` (admitted groups not trained yet, the
@@ -405,13 +421,8 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         if self.prev_step_profile:
             self._stop_rollout_profiling()
         self._actor_version = int(self.global_steps)
-        self._live_version = self._actor_version
-        sync_metrics: dict[str, float] = {}
         with marked_timer("update_weights", self.timing_raw, color="red"):
-            if self._publishes:
-                sync_metrics.update(self._publish(self._actor_version))
-            else:
-                self._keep_cpu_copy(self._actor_version)
+            sync_metrics = self._publish(self._actor_version)
             ray.get(self.coordinator.step_finished.remote(self._actor_version))
             self._service()
         metrics = ray.get(self.coordinator.metrics.remote())
@@ -431,7 +442,7 @@ class DoraTrainer(PPOTrainerSeparateAsync):
 
     # ------------------------------------------------------------------ weights
     def _publish(self, version: int) -> dict:
-        """Publish the actor's weights as `version` through a publishing backend (``dora_cpu``)."""
+        """Publish the actor's weights as `version` into every rollout node's weight store, once."""
         import ray
 
         backend = self.config.actor_rollout_ref.rollout.checkpoint_engine.backend
@@ -442,69 +453,29 @@ class DoraTrainer(PPOTrainerSeparateAsync):
                 out.update({k: float(v) for k, v in r.items() if isinstance(v, (int, float))})
         return out
 
-    def _keep_cpu_copy(self, version: int) -> None:
-        """Keep the last K + 1 versions restorable on the actor (CPU memory), and any older one a
-        load the coordinator has not done yet asks for: a load held while a request routed to its
-        replica is in flight waits for that request, which may outlast K + 1 steps when the load
-        is of an older version than the request's (R4 switching a drained replica to a version
-        whose work was re-queued). Such a copy is dropped at the first publish after its load."""
-        import ray
-
-        self.actor_rollout_wg.save_model_to_cpu(f"dora_v{version}")
-        self._cpu_versions.append(version)
-        excess = len(self._cpu_versions) - (self.dora.max_staleness + 1)
-        if excess <= 0:
-            return
-        pending = set(ray.get(self.coordinator.pending_load_versions.remote()))
-        for old in self._cpu_versions[:excess]:
-            if old not in pending:
-                self.actor_rollout_wg.clear_cpu_model(f"dora_v{old}")
-                self._cpu_versions.remove(old)
-
     def _service(self) -> None:
-        """Execute the coordinator's pending R5 aborts and (backends that cannot publish) loads.
+        """Execute the coordinator's pending R5 aborts; stop on a failed or refused weight load.
 
-        Loads are always of the weights taken when the version was published: straight from the
-        live parameters only while they still are that version (``_live_version``), otherwise from
-        the CPU copy kept at publish time (defect 1: with ``parameter_sync_step`` > 1 this runs
-        between mini-batches, after an optimizer step).
-
-        A load the coordinator holds (requests routed to the replica still in flight) is not in
-        this ``take_work``; it is in the first one after the last of those requests is released
-        (the sampler calls this on every poll while it waits for a batch).
-        """
+        Loads never run here: the coordinator loads each drained replica from its node's store."""
         import ray
 
         from verl.checkpoint_engine import CheckpointEngineManager
         from verl.utils.config import omega_conf_to_dataclass
 
         work = ray.get(self.coordinator.take_work.remote())
-        replicas = self.standalone_server_manager.rollout_replicas
-        cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine)
+        if work.get("error"):
+            raise RuntimeError(f"dora: a weight load failed or was refused: {work['error']}")
+        if work["load"]:
+            raise RuntimeError(f"dora: loads {work['load']} were handed to the trainer; the coordinator has no loaders")
         if work["abort"]:
-            # R5 migration: the requests running on these replicas are aborted; the client re-acquires
-            # and the coordinator sends each to its new same-version instance (re-prefill, C1 kept).
+            # R5 without per-request aborts (not used by DoraTrainer, which sets abort_requests): the
+            # requests on these replicas are aborted; the client re-acquires and the coordinator sends
+            # the moved one to its new same-version instance (re-prefill, C1 kept).
+            replicas = self.standalone_server_manager.rollout_replicas
+            cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine)
             moved = CheckpointEngineManager(cfg, self.actor_rollout_wg, [replicas[i] for i in work["abort"]])
             moved.abort_replicas()
             moved.resume_generation_replicas()
-        by_version: dict[int, list[int]] = {}
-        for instance, version in work["load"]:
-            by_version.setdefault(version, []).append(instance)
-        if not by_version:
-            return
-        for version, instances in sorted(by_version.items()):
-            manager = CheckpointEngineManager(cfg, self.actor_rollout_wg, [replicas[i] for i in instances])
-            if version == self._live_version:
-                manager.update_weights(version)
-            elif version in self._cpu_versions:
-                self.actor_rollout_wg.save_model_to_cpu("dora_current")
-                self.actor_rollout_wg.restore_model_from_cpu(f"dora_v{version}")
-                manager.update_weights(version)
-                self.actor_rollout_wg.restore_model_from_cpu("dora_current")
-                self.actor_rollout_wg.clear_cpu_model("dora_current")
-            else:
-                raise RuntimeError(f"dora: version {version} requested for replicas {instances} is no longer kept")
-            ray.get(self.coordinator.loaded.remote(instances, version))
 
 
 def register() -> None:

@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
         from dora_ext.verl.trainer import configure
 
         d = configure(cfg)
-        summary += f" K={d.max_staleness} instances={len(d.instances)} mode={d.mode}"
+        ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
+        summary += f" K={d.max_staleness} instances={len(d.instances)} mode={d.mode} weights={ce.backend}"
     print(f"OK {mode} {summary}")
     return 0
 

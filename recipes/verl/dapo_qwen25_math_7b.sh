@@ -120,7 +120,6 @@ separate=(
     actor_rollout_ref.hybrid_engine=False
     actor_rollout_ref.rollout.nnodes=${NNODES_ROLLOUT}
     actor_rollout_ref.rollout.n_gpus_per_node=${NGPUS_PER_NODE}
-    actor_rollout_ref.rollout.checkpoint_engine.backend=nccl
     actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1024
     trainer.v1.separate_async.parameter_sync_step=${parameter_sync_step}
     trainer.nnodes=${NNODES_TRAIN}
@@ -130,12 +129,21 @@ if [ "${LOSS_MODE}" = dora_decoupled ]; then
     common+=(algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2.0)
 fi
 
+# Weights: dora's one path is backend dora_store (each version published once into one weight
+# store per rollout node, drained replicas load from their node's store; nccl is refused for
+# dora: its fixed group breaks at the first load of a subset). verl's own twin keeps nccl.
+dora_weights=(
+    actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.weights
+)
+
 case "${MODE}" in
     dora)
-        mode_args=("${separate[@]}" trainer.v1.trainer_mode=dora +dora.max_staleness=${K}) ;;
+        mode_args=("${separate[@]}" "${dora_weights[@]}" trainer.v1.trainer_mode=dora +dora.max_staleness=${K}) ;;
     separate_async)
         # verl's own async baseline: staleness bound (in versions spanned) K + 1, stale groups dropped.
-        mode_args=("${separate[@]}" trainer.v1.trainer_mode=separate_async
+        mode_args=("${separate[@]}" actor_rollout_ref.rollout.checkpoint_engine.backend=nccl
+                   trainer.v1.trainer_mode=separate_async
                    trainer.v1.separate_async.num_warmup_batches=${K}
                    trainer.v1.sampler.max_off_policy_threshold=$((K + 1))
                    trainer.v1.sampler.max_off_policy_strategy=drop) ;;

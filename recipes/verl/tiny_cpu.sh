@@ -12,17 +12,18 @@
 # What makes it run on a CPU (all dora-ext code behind verl's plug points, see
 # dora_ext/verl/cpu/__init__.py): VERL_PLATFORM=cpu (platform, gloo process groups, FSDP2 engine),
 # rollout.name=dora_cpu (a replica serving the HF model the actor trains),
-# checkpoint_engine.backend=dora_cpu (weight versions published to a Ray store), sdpa attention,
+# checkpoint_engine.backend=dora_store (dora's one weight path: per-node weight stores), sdpa attention,
 # logical Ray GPUs (+ray_kwargs.ray_init.num_gpus, one per trainer rank).
 # Knobs: MODE, K, STEPS, WORK (assets and logs; default a temporary folder), NREPLICAS (rollout
-# replicas, default 2), NTRAIN (trainer ranks, default 1), SYNC_STEP (parameter_sync_step).
+# replicas, default 3), NTRAIN (trainer ranks, default 1), SYNC_STEP (parameter_sync_step),
+# MAX_SEQS (requests a replica runs at once, default 4).
 # Extra Hydra overrides can be appended.
 set -euo pipefail
 
 MODE=${MODE:-dora}
 K=${K:-1}
 STEPS=${STEPS:-6}
-NREPLICAS=${NREPLICAS:-2}
+NREPLICAS=${NREPLICAS:-3}
 NTRAIN=${NTRAIN:-1}
 SYNC_STEP=${SYNC_STEP:-1}
 PY=${PYTHON:-python3}
@@ -70,7 +71,7 @@ common=(
     actor_rollout_ref.rollout.mode=async
     actor_rollout_ref.rollout.tensor_model_parallel_size=1
     actor_rollout_ref.rollout.n=2
-    actor_rollout_ref.rollout.max_num_seqs=4
+    actor_rollout_ref.rollout.max_num_seqs=${MAX_SEQS:-4}
     actor_rollout_ref.rollout.calculate_log_probs=True
     actor_rollout_ref.rollout.agent.num_workers=1
     reward.num_workers=1
@@ -97,8 +98,8 @@ separate=(
     actor_rollout_ref.hybrid_engine=False
     actor_rollout_ref.rollout.nnodes=1
     actor_rollout_ref.rollout.n_gpus_per_node=${NREPLICAS}
-    actor_rollout_ref.rollout.checkpoint_engine.backend=dora_cpu
-    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.cpu.weights
+    actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.weights
     trainer.v1.separate_async.parameter_sync_step=${SYNC_STEP}
 )
 

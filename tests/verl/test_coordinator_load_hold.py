@@ -4,14 +4,14 @@
 the request has crossed the Ray hop to X, R5 moves the trajectory off X (or its end is reported
 before the release arrives), X counts as drained and the scheduler decides ``LoadVersion(X,
 newer)``. Handed out at once, the load could run before the request reaches X: the request then
-runs under the newer version (parked behind the load's abort on verl's NCCL path, queued behind
-the load on ``dora_cpu``), and a resumed trajectory spans two versions. The coordinator holds such
+runs under the newer version (queued behind the load), and a resumed trajectory spans two
+versions. The coordinator holds such
 a load until X's in-flight count is back to 0 (verl's client releases in a ``finally``), and hands
 it out from that release.
 
 No stand-in for the coordinator (the plain class ``create_coordinator`` wraps as a Ray actor) or
 its scheduler; no server is called here (``acquire_server`` returns the server's handle, ``None``).
-The ``dora_cpu`` loaders are stand-ins for the rollout workers' actor handles: their
+The loaders are stand-ins for the rollout workers' actor handles: their
 ``update_weights.remote`` records the call (the real one fetches the version from the weight
 store, ``tests/verl/test_cpu_weights.py``). Each order is forced by the order of the calls.
 """
@@ -195,6 +195,51 @@ def test_dora_cpu_loaders_run_a_held_load_at_the_release(order):
     assert m["loads_released"] == m["loads_held"] and m["loads_held_now"] == 0
 
 
+class _Remote:
+    """``.remote(*args)`` answering `value` (an actor method's stand-in), recording the calls."""
+
+    def __init__(self, value):
+        self.value, self.calls = value, []
+
+    def remote(self, *args, **kwargs):
+        self.calls.append(args)
+
+        async def out():
+            return self.value
+
+        return out()
+
+
+@pytest.mark.parametrize("engine_checksum", ["c1", "other"])
+def test_a_load_whose_engine_checksum_differs_from_the_publication_is_refused(engine_checksum):
+    """After each load the coordinator asks the engine (here the ``dora_cpu`` server's
+    ``weights_checksum``) for the checksum of what it holds, over the tensors the store's
+    publication covers: equal, the instance is loaded; different, it is not, and the trainer's
+    next ``take_work`` carries the message naming what to change."""
+    async def run():
+        coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+        store = type("Store", (), {"evidence": _Remote(("c1", ["model.norm.weight"]))})()
+        server = type("Server", (), {"weights_checksum": _Remote(engine_checksum)})()
+        checks = {i: {"server": server, "address": f"s{i}", "store": store} for i in (0, 1)}
+        coord.set_loaders({0: [_Worker([])], 1: [_Worker([])]}, checks, "dora_cpu")
+        await coord.start()
+        coord.offer([f"g{i}" for i in range(10)])
+        all_but_the_last_two_done(coord)
+        coord.step_finished(1)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert store.evidence.calls == [(1,)] and server.weights_checksum.calls == [(["model.norm.weight"],)]
+        return coord.versions[1], coord.take_work(), coord.metrics()
+
+    version, work, m = asyncio.run(run())
+    if engine_checksum == "c1":
+        assert version == 1 and "error" not in work and m["load_errors"] == 0
+    else:
+        assert version == 0 and m["load_errors"] == 1
+        assert "checksum other after loading version 1, published with c1" in work["error"]
+        assert "checkpoint_engine.backend=dora_store" in work["error"]
+
+
 def _readded() -> DoraCoordinator:
     """Instance 1 (address s1) runs g0/1 when verl removes s1 and adds it again: instance 2, which
     loads version 0 and takes the trajectories instance 1 had (re-dispatched by the scheduler)."""
@@ -371,19 +416,3 @@ def test_a_caller_cancelled_after_acquiring_releases_and_the_held_load_goes_out(
     assert m["unmatched_releases"] == 0
     coord.loaded([1], 1)
     assert coord.versions[1] == 1
-
-
-def test_pending_load_versions_lists_held_queued_and_running_loads():
-    """What the trainer keeps CPU copies for (``DoraTrainer._keep_cpu_copy``): a held load is
-    pending until it is loaded, whether held, waiting for ``take_work`` or running."""
-    coord = _before_the_move()
-    assert coord.pending_load_versions() == []
-    assert _acquire(coord, "r", "g1", 1) == "s1"
-    coord.step_finished(1)
-    assert coord.metrics()["loads_held_now"] == 1 and coord.pending_load_versions() == [1]
-    coord.release_server("s1", "r")
-    assert coord.pending_load_versions() == [1]  # waiting for take_work
-    assert coord.take_work()["load"] == [(1, 1)]
-    assert coord.pending_load_versions() == [1]  # the trainer runs it
-    coord.loaded([1], 1)
-    assert coord.pending_load_versions() == []

@@ -1,9 +1,10 @@
-"""The ``dora_cpu`` weight path without Ray: the weight store's ordering, the replica's checksum of
-what it really holds after a load, and the evidence check that compares it with the publisher's.
+"""The ``dora_store`` weight path without Ray: the weight store's ordering, the replica's checksum
+of what it really holds after a load, and the evidence check that compares it with the publisher's.
 
 Real: the ``dora_cpu`` replica's ``ServerCore`` with a tiny Llama model built here (transformers'
-own model code), ``WeightStore``, ``evidence.checksum_check`` and ``reference_checksum``. Injected
-on purpose: a load that silently skips one tensor (``torch.Tensor.copy_`` patched for that tensor).
+own model code), ``WeightStore``, ``DoraStoreCheckpointEngine``, ``evidence.checksum_check`` and
+``reference_checksum``. Injected on purpose: a load that silently skips one sampled tensor
+(``torch.Tensor.copy_`` patched for that tensor).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _shifted(core, delta):
 
 def test_replica_checksum_is_read_back_and_catches_a_corrupted_load(server, monkeypatch):
     from dora_ext.verl.cpu.evidence import checksum_check
-    from dora_ext.verl.cpu.weights import checksum
+    from dora_ext.verl.weights import checksum
 
     core, _ = server
     v1 = _shifted(core, 0.01)
@@ -46,7 +47,7 @@ def test_replica_checksum_is_read_back_and_catches_a_corrupted_load(server, monk
     assert got1 == checksum(v1) and core.version == 1
 
     v2 = _shifted(core, 0.02)
-    skip = core.model.get_parameter("model.layers.1.mlp.up_proj.weight")
+    skip = core.model.get_parameter("model.layers.1.post_attention_layernorm.weight")  # sampled
     real_copy = torch.Tensor.copy_
 
     def lossy_copy(self, src, *args, **kwargs):  # the injected fault: this tensor is not written
@@ -57,6 +58,10 @@ def test_replica_checksum_is_read_back_and_catches_a_corrupted_load(server, monk
     monkeypatch.setattr(torch.Tensor, "copy_", lossy_copy)
     got2 = asyncio.run(core.load_named_weights(v2, 2))
     monkeypatch.undo()
+    # The engine-side checksum (what the coordinator compares after a load) reads the model back.
+    from dora_ext.verl.weights import sample_names
+
+    assert asyncio.run(core.weights_checksum(sample_names(v2))) == got2 != checksum(v2)
     reports = [
         {"kind": "publish", "version": 1, "checksum": checksum(v1)},
         {"kind": "publish", "version": 2, "checksum": checksum(v2)},
@@ -73,7 +78,7 @@ def test_replica_checksum_is_read_back_and_catches_a_corrupted_load(server, monk
 
 def test_reference_checksum_of_the_model_on_disk(server):
     from dora_ext.verl.cpu.evidence import reference_checksum
-    from dora_ext.verl.cpu.weights import checksum
+    from dora_ext.verl.weights import checksum
     from transformers import AutoModelForCausalLM
 
     _, path = server
@@ -85,39 +90,39 @@ def test_reference_checksum_of_the_model_on_disk(server):
 
 @pytest.mark.parametrize("publish_first", [True, False])
 def test_store_load_waits_for_publication_in_both_orders_and_first_publication_wins(publish_first):
-    from dora_ext.verl.cpu.weights import WeightStore
+    from dora_ext.verl.weights import WeightStore
 
     store = WeightStore(keep_versions=3)
     w = {"x": torch.ones(2)}
 
     async def run():
         if publish_first:
-            assert await store.publish(5, w, "a")
+            assert await store.publish(5, [w], "a")
             fetch = asyncio.create_task(store.fetch(5))
         else:
             fetch = asyncio.create_task(store.fetch(5))
             for _ in range(5):  # let the fetch reach its wait: it must not complete unpublished
                 await asyncio.sleep(0)
             assert not fetch.done()
-            assert await store.publish(5, w, "a")
+            assert await store.publish(5, [w], "a")
         version, named, digest = await fetch
         # A later send labelled 5 (other weights) cannot change what version 5 is.
-        assert not await store.publish(5, {"x": torch.zeros(2)}, "b")
+        assert not await store.publish(5, [{"x": torch.zeros(2)}], "b")
         again = await store.fetch(5)
-        return version, digest, again[2], torch.equal(again[1]["x"], w["x"])
+        return version, digest, again[2], torch.equal(again[1][0]["x"], w["x"])
 
     assert asyncio.run(run()) == (5, "a", "a", True)
 
 
 def _store_with(versions, keep):
     """A store (real ``WeightStore``) that published `versions`, each ``{"x": full(v)}``."""
-    from dora_ext.verl.cpu.weights import WeightStore
+    from dora_ext.verl.weights import WeightStore
 
     store = WeightStore(keep_versions=keep)
 
     async def run():
         for v in versions:
-            await store.publish(v, {"x": torch.full((2,), float(v))}, f"c{v}")
+            await store.publish(v, [{"x": torch.full((2,), float(v))}], f"c{v}")
 
     asyncio.run(run())
     return store
@@ -145,7 +150,7 @@ def test_a_load_of_a_version_the_store_does_not_hold_raises_naming_it_and_never_
         with pytest.raises(ValueError, match=r"must name the version it loads .*held: \[3, 4, 5\]"):
             asyncio.run(fetch(bad))
     version, named, digest = asyncio.run(fetch(4))
-    assert (version, digest, named["x"].tolist()) == (4, "c4", [4.0, 4.0])
+    assert (version, digest, named[0]["x"].tolist()) == (4, "c4", [4.0, 4.0])
 
 
 def test_a_version_evicted_while_its_load_waits_raises():
@@ -159,8 +164,8 @@ def test_a_version_evicted_while_its_load_waits_raises():
             await asyncio.sleep(0)
         assert not load.done()
         # Published and evicted with no await in between: the load resumes after both.
-        await store.publish(7, {"x": torch.zeros(2)}, "c7")
-        await store.publish(8, {"x": torch.ones(2)}, "c8")
+        await store.publish(7, [{"x": torch.zeros(2)}], "c7")
+        await store.publish(8, [{"x": torch.ones(2)}], "c8")
         return await load
 
     with pytest.raises(KeyError, match=r"version 7 is no longer kept \(held: \[8\]"):
@@ -180,21 +185,21 @@ class _Answering:
         self.asked.append(version)
 
         async def out():
-            return self.answer, {"x": torch.zeros(2)}, "c"
+            return self.answer, [{"x": torch.zeros(2)}], "c"
 
         return out()
 
 
 def test_receive_weights_checks_the_version_it_got_and_refuses_none():
-    """The checkpoint engine's receive (real ``DoraCpuCheckpointEngine``): the version the store
+    """The checkpoint engine's receive (real ``DoraStoreCheckpointEngine``): the version the store
     answered with must be the one asked for, else nothing is yielded; a receive or a send without a
     version raises (before: the send published under -1, the receive took the newest held)."""
-    from dora_ext.verl.cpu.weights import DoraCpuCheckpointEngine
+    from dora_ext.verl.weights import DoraStoreCheckpointEngine
 
     async def drain(engine, steps):
         return [name async for name, _ in engine.receive_weights(global_steps=steps)]
 
-    engine = DoraCpuCheckpointEngine(is_master=True)
+    engine = DoraStoreCheckpointEngine(is_master=True)
     engine._store = _Answering(3)
     with pytest.raises(RuntimeError, match="asked the weight store for version 4, it answered with version 3"):
         asyncio.run(drain(engine, 4))
@@ -209,3 +214,33 @@ def test_receive_weights_checks_the_version_it_got_and_refuses_none():
 
     with pytest.raises(ValueError, match="send_weights needs the version it publishes"):
         asyncio.run(send(None))
+
+
+def test_replica_batches_concurrent_requests_aborts_one_and_reads_the_version_at_completion(server):
+    """The ``dora_cpu`` replica shaped like vLLM: two requests run in the same decode steps (both
+    admitted before either finished), ``abort_request`` ends one with its partial tokens while the
+    other runs to its length, and each reports the version held when it *completed*. The order is
+    forced by awaiting the loop's own state, not by time."""
+    core, _ = server
+    core.eos_ids = set()  # random tiny weights: no early stop
+    core.version = 3
+
+    async def run():
+        params = {"max_tokens": 6, "temperature": 0}
+        a = asyncio.ensure_future(core.generate("a", [1, 2, 3], params))
+        b = asyncio.ensure_future(core.generate("b", [4, 5], params))
+        while len(core._running) < 2 or not core._running[0].tokens:
+            await asyncio.sleep(0)
+        assert {r.id for r in core._running} == {"a", "b"}  # one batch
+        assert (await core.abort_request("a"))["aborted"]
+        assert not (await core.abort_request("nope"))["aborted"]
+        out_a = await a
+        core.version = 4  # a load between steps (the coordinator never does so under a request)
+        out_b = await b
+        return out_a, out_b
+
+    out_a, out_b = asyncio.run(run())
+    assert out_a.stop_reason == "aborted" and 0 < len(out_a.token_ids) < 6
+    assert out_a.extra_fields["global_steps"] == 3
+    assert out_b.stop_reason == "length" and len(out_b.token_ids) == 6
+    assert out_b.extra_fields["global_steps"] == 4  # read at completion

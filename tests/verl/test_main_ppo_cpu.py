@@ -3,9 +3,12 @@
 Real: verl 0.9.1 (unpatched) and its V1 trainers, FSDP2 over gloo, TransferQueue, Ray, the reward
 loop, a tiny Llama-architecture model and a parquet dataset made here (nothing downloaded), and
 dora-ext's CPU pieces behind verl's plug points (``dora_ext.verl.cpu``: platform, ``dora_cpu``
-rollout replica serving the HF model the actor trains, ``dora_cpu`` weight-store backend).
-Injected on purpose: a per-token decode delay (``DORA_CPU_TOKEN_DELAY_S``: generation slow next
-to training, as with long responses on GPUs, so replicas drain at different times), reward
+rollout replica serving the HF model the actor trains, batching like vLLM) and the weight path a
+GPU recipe resolves to (``dora_store``: the same classes; only Ray's transport to a device
+differs). Three replicas. Injected on purpose: the GPU decode shape (``DORA_CPU_STEP_S``: a
+decode step of the whole batch costs at least 0.05 s, generation slow next to training, as with
+long responses on GPUs), a straggler replica (``DORA_CPU_SLOW_REPLICAS``: replica 0's steps cost
+10 times that, so replicas drain at different times), reward
 failures for chosen prompts (``dora_ext.verl.cpu.tiny.compute_score``), and a SIGKILL of verl's
 TaskRunner after the step-3 checkpoint.
 
@@ -64,7 +67,7 @@ def _run(work: str, mode: str, *, env: dict | None = None, args: tuple = (), tag
         "PYTHON": sys.executable, "WORK": work, "MODE": mode, "OMP_NUM_THREADS": "1",
         "VERL_FILE_LOGGER_PATH": os.path.join(work, f"metrics_{tag}.jsonl"),
         "DORA_CPU_REPORT_DIR": os.path.join(work, f"reports_{tag}"),
-        "DORA_CPU_TOKEN_DELAY_S": "0.02", "DORA_TINY_FAIL_DIR": work,
+        "DORA_CPU_STEP_S": "0.05", "DORA_CPU_SLOW_REPLICAS": "0:10", "NREPLICAS": "3", "DORA_TINY_FAIL_DIR": work,
     })
     full.pop("VERL_USE_EXTERNAL_PLUGINS", None)
     full.update(env or {})
@@ -123,6 +126,27 @@ def _assert_run(res: dict, *, staleness_reaches: int | None = None) -> None:
         assert res["trained_staleness_max"] == staleness_reaches, res
 
 
+def _assert_weight_path(reports: list[dict], *, moves: bool = True) -> None:
+    """dora's one weight path (``dora_store``, the backend a GPU recipe resolves to), from the
+    coordinator's and the replicas' reports: every load after verl's first sync was checked against
+    the engine's own checksum of what it then held (equal to the publication's); >= 2 loads went to
+    a partial subset (another replica kept serving another version); >= 1 loaded a version older
+    than the newest published (from the node's store, not the actor); >= 1 R5 move landed after
+    aborting just its request, and no other request came back aborted (co-residents ran on). With
+    `moves` False (K=2 here: with a staleness budget of 3 batches on 12 slots work stays queued, so
+    R5 rarely spreads stragglers) the old-version loads and moves are printed, not required."""
+    from dora_ext.verl.cpu.evidence import load_checks
+
+    w = load_checks(reports)
+    print(f"weight path: {w}")
+    assert w["checked_loads"] > 0 and w["engine_checksum_ok"], w
+    assert w["subset_loads"] >= 2 and w["versions_loaded_at_once"] >= 2, w
+    assert w["aborted_unasked"] == 0, w
+    if moves:
+        assert w["old_version_loads"] >= 1, w
+        assert w["migrations_landed"] >= 1 and w["requests_aborted_alone"] >= 1, w
+
+
 def _assert_moves(metrics: list[dict], reports: list[dict]) -> None:
     """R5 moves against the coordinator's evidence: at every logged step the scheduler's moves
     (``migrations``) are the coordinator's landed, dropped and pending ones; in the coordinator's
@@ -175,6 +199,7 @@ def test_dora_k1_six_steps(assets, tmp_path):
     assert staleness_2 == [[1, 1, 1, 1]], staleness_2
     print(f"max live versions generating at once: {res['max_live_versions']}")
     _assert_moves(metrics, reports)
+    _assert_weight_path(reports)
     # Version 0 as published by the actor is the model on disk (a reference the publisher did not write).
     assert published_checksums(reports)[0] == reference_checksum(os.path.join(work, "model"))
     # The scheduler admitted exactly what was trained (no failures injected here).
@@ -237,6 +262,7 @@ def test_dora_k2_sync_step_4_failures_kill_and_resume(assets, tmp_path):
     res2 = analyze(m2, r2, mode="dora", max_staleness=2)
     _assert_run(res2)
     _assert_moves(m2, r2)
+    _assert_weight_path(r1 + r2, moves=False)
     resume = [r for r in r2 if r["kind"] == "resume"]
     assert resume and resume[0]["global_steps"] == 3 and not resume[0]["lost"], resume
     # The resumed actor publishes its base version from verl's checkpoint of step 3.

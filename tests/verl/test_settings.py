@@ -89,7 +89,7 @@ def test_configure_wires_verl_plug_points_and_verl_builds_the_sampler():
     from dora_ext.verl.sampler import DoraReplayBuffer
     from dora_ext.verl.trainer import MANAGER_CLASS, configure
 
-    cfg = _compose("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+    cfg = _compose("actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "+dora.max_staleness=2")
     d = configure(cfg)
     assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == MANAGER_CLASS
@@ -127,7 +127,7 @@ def test_foreign_agent_loop_manager_is_refused():
 
 
 def _trainer_overrides(*extra):
-    return ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+    return ("actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.separate_async.parameter_sync_step=4",
             "+dora.max_staleness=1", *extra)
 
@@ -174,28 +174,55 @@ def test_flag_alone_fails_first_naming_the_rollout_pool_keys():
     assert "actor_rollout_ref.rollout.n_gpus_per_node" in str(err.value)
 
 
-def test_naive_backend_names_the_key_or_becomes_dora_cpu_on_the_cpu_platform(monkeypatch):
+_POOL = ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "data.train_batch_size=4",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=1")
+
+
+@pytest.mark.parametrize("platform", ["", "cpu"])
+def test_unset_or_naive_backend_becomes_the_one_weight_path_on_every_platform(monkeypatch, platform):
     from dora_ext.verl.trainer import configure
 
-    pool = ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "data.train_batch_size=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=1")
-    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setenv("VERL_PLATFORM", platform)
+    for extra in ((), ("actor_rollout_ref.rollout.checkpoint_engine.backend=naive",)):
+        cfg = _bare(*_POOL, *extra)
+        configure(cfg)
+        ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
+        assert ce.backend == "dora_store" and ce.custom_backend_module == "dora_ext.verl.weights"
+
+
+@pytest.mark.parametrize("backend, why", [("nccl", "fixed membership"), ("delta_sharded", "diffs against the last"),
+                                          ("nixl", "fixed membership")])
+def test_other_backends_are_refused_naming_the_key_and_the_fix(backend, why):
+    """nccl fails its world-size assert at the first subset load; a delta backend would apply a diff
+    to another base after a subset or old-version load: refused at launch, naming what to set."""
+    from dora_ext.verl.trainer import configure
+
     with pytest.raises(ConfigError) as err:
-        configure(_bare(*pool))
+        configure(_bare(*_POOL, f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}"))
     assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.backend"
-    monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    cfg = _bare(*pool)
-    configure(cfg)
-    ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
-    assert ce.backend == "dora_cpu" and ce.custom_backend_module == "dora_ext.verl.cpu.weights"
+    assert why in str(err.value) and "checkpoint_engine.backend=dora_store" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*_POOL, "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=my.mod"))
+    assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module"
+
+
+def test_dora_with_one_replica_is_refused_at_launch():
+    from dora_ext.verl.trainer import configure
+
+    one = tuple(o.replace("n_gpus_per_node=2", "n_gpus_per_node=1") for o in _POOL)
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*one))
+    assert err.value.field == "actor_rollout_ref.rollout.n_gpus_per_node"
+    assert "sync plus staleness" in str(err.value)
+    configure(_bare(*_POOL))  # two replicas: accepted
 
 
 def test_batch_split_mismatch_names_the_keys():
     from dora_ext.verl.trainer import configure
 
     cfg = _bare("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
-                "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "data.train_batch_size=8",
+                "data.train_batch_size=8",
                 "actor_rollout_ref.actor.ppo_mini_batch_size=1")
     with pytest.raises(ConfigError) as err:
         configure(cfg)
@@ -207,21 +234,21 @@ def _cpu_pool(*extra):
     return ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "data.train_batch_size=4",
             "actor_rollout_ref.actor.ppo_mini_batch_size=1",
-            "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_cpu",
-            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.cpu.weights", *extra)
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store",
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.weights", *extra)
 
 
-def test_dora_cpu_store_keeps_every_version_the_staleness_bound_can_ask_for():
-    """The ``dora_cpu`` store keeps ``keep_versions`` (default 8) versions; the scheduler may load any
+def test_weight_store_keeps_every_version_the_staleness_bound_can_ask_for():
+    """The weight store keeps ``keep_versions`` (default 8) versions; the scheduler may load any
     of the newest K + 1. With K >= 8 and the default, a load of version newest-8 raised KeyError in
     the middle of training (``dora: weight loads failed``). The default now covers K + 1 (plus the
     version being published), and a user's smaller value fails first, naming the key."""
-    from dora_ext.verl.cpu.weights import WeightStore
+    from dora_ext.verl.weights import WeightStore
     from dora_ext.verl.trainer import configure
 
     cfg = _bare(*_cpu_pool("+dora.max_staleness=9"))
     configure(cfg)
-    keep = int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions)
+    keep = int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.keep_versions)
     assert keep >= 9 + 1
     # The store with that setting still holds version newest-K after newest is published.
     import asyncio
@@ -230,20 +257,20 @@ def test_dora_cpu_store_keeps_every_version_the_staleness_bound_can_ask_for():
 
     async def run():
         for v in range(12):
-            await store.publish(v, {}, f"c{v}")
+            await store.publish(v, [{}], f"c{v}")
         return await store.fetch(11 - 9)
 
     assert asyncio.run(run())[0] == 2
 
     cfg = _bare(*_cpu_pool("+dora.max_staleness=9",
-                           "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions=4"))
+                           "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.keep_versions=4"))
     with pytest.raises(ConfigError) as err:
         configure(cfg)
-    assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions"
+    assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.keep_versions"
     # Small K keeps the default.
     cfg = _bare(*_cpu_pool("+dora.max_staleness=1"))
     configure(cfg)
-    assert int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_cpu.keep_versions) == 8
+    assert int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.keep_versions) == 8
 
 
 def test_resume_reads_dora_state_from_the_folder_verl_resumed_from(tmp_path, monkeypatch):
@@ -287,3 +314,20 @@ def test_partial_rollout_off_is_refused_while_r5_moves_by_aborting(migrate):
     else:
         assert configure(cfg).migrate is False
     configure(_compose(*_trainer_overrides(*extra), "+async_training.partial_rollout=true"))
+
+
+def test_the_coordinator_is_verls_router_plug_in():
+    """``configure`` points verl's ``rollout.router_config_path`` at dora's router file (verl then
+    starts the coordinator as the pool's router itself); another router is refused, naming the key."""
+    from verl.workers.rollout.router import _load_router_yaml, _resolve_router_class
+
+    from dora_ext.verl.router import CONFIG_PATH, DoraRouter
+    from dora_ext.verl.trainer import configure
+
+    cfg = _bare(*_POOL)
+    configure(cfg)
+    assert cfg.actor_rollout_ref.rollout.router_config_path == CONFIG_PATH
+    assert _resolve_router_class(_load_router_yaml(CONFIG_PATH)["router_class"]) is DoraRouter
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*_POOL, "actor_rollout_ref.rollout.router_config_path=/elsewhere.yaml"))
+    assert err.value.field == "actor_rollout_ref.rollout.router_config_path"

@@ -18,8 +18,9 @@ Always (whatever the platform), and only when verl imports the module that holds
   register function): ``("dora_cpu", "async")`` -> ``rollout.CpuServerAdapter``, used by verl's
   colocated ``sync`` trainer inside the actor workers.
 
-The weight-sync backend ``dora_cpu`` (``weights.py``) is registered by verl itself when
-``checkpoint_engine.custom_backend_module=dora_ext.verl.cpu.weights``.
+The weight-sync backend is dora's one weight path on every machine, ``dora_store``
+(``dora_ext.verl.weights``), registered by verl itself when
+``checkpoint_engine.custom_backend_module=dora_ext.verl.weights``.
 
 What a run needs besides (``recipes/verl/tiny_cpu.sh`` has all of it):
 ``actor_rollout_ref.actor.strategy=fsdp2``, ``+actor_rollout_ref.model.override_config.
@@ -32,8 +33,6 @@ import os
 
 PLATFORM_ENV = "VERL_PLATFORM"
 ROLLOUT_NAME = "dora_cpu"
-BACKEND = "dora_cpu"
-BACKEND_MODULE = "dora_ext.verl.cpu.weights"
 ADAPTER_FQN = "dora_ext.verl.cpu.rollout.CpuServerAdapter"
 
 

@@ -21,7 +21,14 @@ trusts the scheduler's own bookkeeping:
 * ``c3_ok``: verl's ``training/off_policy/trajectory_staleness_worst/max`` <= K on every step
   (and ``dora/c3_ok`` in mode ``dora``);
 * ``weights_checksum_ok``: every load a replica reported holds the checksum published for that
-  version, and at least one version after the first was loaded.
+  version, and at least one version after the first was loaded;
+* ``engine_checksum_ok``: every load the coordinator checked (``load_checked``: the engine's own
+  checksum after the load) equals the publication's; ``subset_loads``: those checked loads made
+  while a replica with no load running kept serving another version (a partial subset);
+  ``old_version_loads``: those of a version older than the newest published then;
+  ``requests_aborted_alone``: R5 aborts of one request (``abort_request``); ``aborted_unasked``:
+  requests that came back aborted though no per-request abort named them (0: co-resident
+  requests of a migration's source were not aborted).
 """
 
 from __future__ import annotations
@@ -100,7 +107,7 @@ def published_checksums(reports: list[dict]) -> dict[Any, str]:
 
 
 def reference_checksum(path: str) -> str:
-    """:func:`dora_ext.verl.cpu.weights.checksum` of weights written to disk by someone else than the
+    """:func:`dora_ext.verl.weights.checksum` of weights written to disk by someone else than the
     publisher: a Hugging Face model folder (``*.safetensors``) or verl's FSDP actor checkpoint
     folder (``model_world_size_1_rank_0.pt``; one trainer rank only, whose DTensors hold whole
     tensors). A reference the published checksums can be compared with: the publisher's own
@@ -109,7 +116,7 @@ def reference_checksum(path: str) -> str:
 
     import torch
 
-    from .weights import checksum
+    from ..weights import checksum
 
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if shards:
@@ -175,6 +182,35 @@ def analyze(metrics: list[dict], reports: list[dict], *, mode: str, max_stalenes
         "checksum_problems": problems[:10],
         "finite_loss": bool(losses) and all(math.isfinite(float(v)) for v in losses),
         "loads": sum(1 for r in reports if r.get("kind") == "load"),
+        **load_checks(reports),
+    }
+
+
+def load_checks(reports: list[dict]) -> dict[str, Any]:
+    checked = [r for r in reports if r.get("kind") == "load_checked"]
+    asked = {r["request_id"] for r in reports if r.get("kind") == "abort_request" and "replica" in r}
+    base = min((r["version"] for r in reports if r.get("kind") == "publish"), default=None)
+    held: dict[Any, Any] = {}
+    at_once = subset = 0
+    for r in checked:  # in report order: the versions the replicas hold after each checked load
+        if not held:  # before it, every replica holds the base version verl's first sync loaded
+            held = {i: base for i in range(int(r["replicas"]))}
+        # A partial-subset load: some replica not loading then keeps serving another version.
+        subset += any(i not in r["loading"] and v != r["version"] for i, v in held.items())
+        held[r["instance"]] = r["version"]
+        at_once = max(at_once, len(set(held.values())))
+    return {
+        "subset_loads": subset,
+        "versions_loaded_at_once": at_once,
+        "requests_aborted_alone": sum(1 for r in reports if r.get("kind") == "abort_request"
+                                      and r.get("aborted") and "instance" in r),
+        # Requests that came back aborted though no per-request abort named them (an abort-all).
+        "aborted_unasked": sum(1 for r in reports if r.get("kind") == "generate" and r.get("stop") == "aborted"
+                               and r["request_id"] not in asked),
+        "checked_loads": len(checked),
+        "engine_checksum_ok": bool(checked) and all(r["checksum"] == r["published"] for r in checked),
+        "old_version_loads": sum(1 for r in checked if int(r["version"]) < int(r["newest"])),
+        "migrations_landed": sum(1 for r in reports if r.get("kind") == "landed"),
     }
 
 

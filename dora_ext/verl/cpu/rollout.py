@@ -12,16 +12,25 @@ rollout side uses with vLLM/SGLang:
   profiling no-ops). ``init_hybrid`` (verl's colocated ``sync`` trainer) starts a
   ``CpuLLMServer`` actor and the actor workers push weights into it through
   ``CpuServerAdapter`` (verl's ``BaseRollout``, found through the rollout registry).
+* Shaped like vLLM: concurrent requests with continuous batching (each decode step advances every
+  running request by one token; up to ``rollout.max_num_seqs`` run, the others queue; a request
+  joins and leaves at step boundaries), the version read when a request *completes*, per-request
+  ``abort_request``, and ``abort_all_requests`` / ``resume_generation`` as verl calls them (the
+  gate closes, running requests return ``aborted`` with their partial tokens, new ones wait).
+  Weight loads run between decode steps.
 * ``generate`` returns verl's ``TokenOutput`` whose ``extra_fields`` carry the weight version the
   tokens were sampled with (``global_steps``, ``min_global_steps``, ``max_global_steps``): these
   are the engine-reported versions verl writes to TransferQueue and the dora sampler checks (C1).
-* ``DORA_CPU_TOKEN_DELAY_S`` adds a delay per decoded token (generation slow next to training).
+* ``DORA_CPU_STEP_S`` (default 0: shape ``cpu``): the GPU shape (``gpu-shaped``): a decode step of
+  the whole batch costs at least this many seconds, whatever the batch size, as memory-bound
+  decode does on a GPU (the step sleeps the remainder). The requests of a step are computed one
+  after the other (each keeps its own KV cache): on CPU a step's compute grows with the batch.
+  ``DORA_CPU_SLOW_REPLICAS="<rank>:<factor>,..."`` makes chosen replicas' steps cost `factor`
+  times that (injected stragglers).
 * Every weight load records the checksum of the weights now in the model
-  (:func:`dora_ext.verl.cpu.weights.checksum`), and every finished request its version; with
+  (:func:`dora_ext.verl.weights.checksum`), and every finished request its version; with
   ``DORA_CPU_REPORT_DIR`` set both go to JSON lines there (one file per process), which the tests
   and ``benchmarks/verl_cpu_compare.py`` read.
-
-One request decodes at a time per replica (no batching): tiny models on a laptop, not speed.
 """
 
 from __future__ import annotations
@@ -69,15 +78,22 @@ class ServerCore:
             eos = self.model.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         self.default_max_tokens = int(getattr(rollout_config, "response_length", 0) or 16) if rollout_config else 16
-        self._lock = asyncio.Lock()
-        self._gate = asyncio.Event()
+        self.max_running = max(1, int(getattr(rollout_config, "max_num_seqs", 0) or 8) if rollout_config else 8)
+        self._lock = asyncio.Lock()  # the model: one decode step or one weight load at a time
+        self._gate = asyncio.Event()  # closed by abort_all_requests until resume_generation
         self._gate.set()
-        self._abort = False
+        self._queue: list[_Request] = []
+        self._running: list[_Request] = []
+        self._loop_task: asyncio.Task | None = None
         self.loads: list[dict] = []
         self.served = 0
-        # Seconds added per decoded token (DORA_CPU_TOKEN_DELAY_S): makes generation slow next to
-        # training, as on real hardware with long responses, so that replicas drain at different times.
-        self.token_delay = float(os.environ.get("DORA_CPU_TOKEN_DELAY_S", "0") or 0)
+        self.step_s = float(os.environ.get("DORA_CPU_STEP_S", "0") or 0)
+        # Injected stragglers (DORA_CPU_SLOW_REPLICAS="<rank>:<factor>,..."): that replica's steps
+        # cost `factor` times DORA_CPU_STEP_S, as a replica full of long contexts decodes slower.
+        for item in filter(None, os.environ.get("DORA_CPU_SLOW_REPLICAS", "").split(",")):
+            rank, factor = item.split(":")
+            if int(rank) == self.replica_rank:
+                self.step_s *= float(factor)
 
     # ------------------------------------------------------------------ weights
     async def load_named_weights(self, named: dict, version: int | None) -> str:
@@ -85,7 +101,7 @@ class ServerCore:
         checksum of the weights now in the model (over the same names, read back)."""
         import torch
 
-        from .weights import checksum
+        from ..weights import checksum
 
         async with self._lock:
             params = dict(self.model.named_parameters())
@@ -108,6 +124,19 @@ class ServerCore:
             report("load", **rec)
             return self.checksum_value
 
+    async def weights_checksum(self, names: list[str]) -> str:
+        """:func:`dora_ext.verl.weights.checksum` over `names` of the tensors the model holds now
+        (the engine-side evidence the coordinator compares with the publication after a load)."""
+        from ..weights import checksum
+
+        async with self._lock:
+            held = dict(self.model.named_parameters())
+            held.update(self.model.named_buffers())
+            missing = [n for n in names if n not in held]
+            if missing:
+                raise KeyError(f"dora_cpu rollout: weights {missing[:5]} are not in the served model")
+            return checksum(held, list(names))
+
     def get_load_reports(self) -> list[dict]:
         return list(self.loads)
 
@@ -119,82 +148,54 @@ class ServerCore:
                        image_data: Any = None, video_data: Any = None, **_: Any):
         from verl.workers.rollout.replica import TokenOutput
 
-        await self._gate.wait()
-        async with self._lock:
-            if not self._gate.is_set():  # aborted while queued: resumed later by the client
-                return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted", num_preempted=0,
-                                   extra_fields={"global_steps": self.version, "min_global_steps": self.version,
-                                                 "max_global_steps": self.version})
-            version = self.version
-            started = time.time()
-            tokens, logprobs, reason = await self._decode(list(prompt_ids), dict(sampling_params or {}))
-            self.served += 1
-            report("generate", replica=self.replica_rank, request_id=str(request_id), version=version,
-                   tokens=len(tokens), stop=reason, start=started)
-            return TokenOutput(
-                token_ids=tokens, log_probs=logprobs, stop_reason=reason, num_preempted=0,
-                extra_fields={"global_steps": version, "min_global_steps": version, "max_global_steps": version},
-            )
+        await self._gate.wait()  # vLLM's admission gate: closed while paused
+        req = _Request(str(request_id), list(prompt_ids), dict(sampling_params or {}), self)
+        self._queue.append(req)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.ensure_future(self._serve())
+        tokens, logprobs, reason = await req.done
+        version = self.version  # read at completion, as vLLM and SGLang do
+        self.served += 1
+        report("generate", replica=self.replica_rank, request_id=req.id, version=version,
+               tokens=len(tokens), stop=reason, start=req.started)
+        return TokenOutput(
+            token_ids=tokens, log_probs=logprobs, stop_reason=reason, num_preempted=0,
+            extra_fields={"global_steps": version, "min_global_steps": version, "max_global_steps": version},
+        )
 
-    async def _decode(self, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], list[float], str]:
-        import torch
+    async def _serve(self) -> None:
+        """The decode loop: admit queued requests into free slots, one step for all running, finish."""
+        while self._queue or self._running:
+            start = time.perf_counter()
+            async with self._lock:
+                while self._queue and len(self._running) < self.max_running:
+                    self._running.append(self._queue.pop(0))
+                for req in list(self._running):
+                    reason = "aborted" if req.aborted else req.step()
+                    if reason is not None:
+                        self._running.remove(req)
+                        req.done.set_result((req.tokens, req.logprobs, reason))
+            await asyncio.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
 
-        max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or self.default_max_tokens)
-        limit = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        max_tokens = max(0, min(max_tokens, limit - len(prompt)))
-        temperature = float(params.get("temperature", 1.0) or 0.0)
-        top_p = float(params.get("top_p", 1.0) or 1.0)
-        top_k = int(params.get("top_k", -1) or -1)
-        seed = params.get("seed")
-        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        out: list[int] = []
-        lps: list[float] = []
-        past = None
-        ids = torch.tensor([prompt], dtype=torch.long)
-        reason = "length"
-        with torch.no_grad():
-            for i in range(max_tokens):
-                if self._abort:
-                    return out, lps, "aborted"
-                res = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
-                logits = res.logits[0, -1].float()
-                if temperature <= 0:
-                    logp = torch.log_softmax(logits, -1)
-                    tok = int(torch.argmax(logits))
-                else:
-                    scaled = logits / temperature
-                    if top_k > 0:
-                        kth = torch.topk(scaled, min(top_k, scaled.numel())).values[-1]
-                        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-                    if top_p < 1.0:
-                        sorted_logits, order = torch.sort(scaled, descending=True)
-                        cum = torch.cumsum(torch.softmax(sorted_logits, -1), -1)
-                        cut = cum - torch.softmax(sorted_logits, -1) > top_p
-                        scaled[order[cut]] = float("-inf")
-                    logp = torch.log_softmax(scaled, -1)
-                    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-                out.append(tok)
-                lps.append(float(logp[tok]))
-                if tok in self.eos_ids:
-                    reason = "completed"
-                    break
-                ids = torch.tensor([[tok]], dtype=torch.long)
-                if self.token_delay > 0:
-                    await asyncio.sleep(self.token_delay)
-                elif i % 4 == 3:
-                    await asyncio.sleep(0)  # let control calls (abort, reports) in between tokens
-        return out, lps, reason
+    async def abort_request(self, request_id: str, **_: Any) -> dict[str, Any]:
+        """Abort one request (verl's ``vLLMHttpServer.abort_request``): it returns ``aborted`` with
+        its tokens so far at the next step; the other requests run on."""
+        for req in self._queue + self._running:
+            if req.id == str(request_id) and not req.done.done():
+                req.aborted = True
+                report("abort_request", replica=self.replica_rank, request_id=req.id, tokens=len(req.tokens))
+                return {"aborted": True, "request_id": req.id}
+        return {"aborted": False, "request_id": str(request_id), "error": "not found"}
 
     # ------------------------------------------------------------------ control (verl's server API)
     async def abort_all_requests(self, reject_request: bool = False) -> None:
         self._gate.clear()
-        self._abort = True
-        async with self._lock:  # the running request has returned "aborted"
-            self._abort = False
+        for req in self._queue + self._running:
+            req.aborted = True
+        while self._queue or self._running:  # each returns "aborted" at the next step
+            await asyncio.sleep(0.005)
 
     async def resume_generation(self) -> None:
-        self._abort = False
         self._gate.set()
 
     async def wake_up(self) -> None:
@@ -225,6 +226,61 @@ class CpuLLMServer(ServerCore):
 
     def __init__(self, model_config: Any, replica_rank: int, rollout_config: Any = None) -> None:
         self._init_server(model_config, replica_rank, rollout_config)
+
+
+class _Request:
+    """One request of the decode loop: its own KV cache, sampler and partial output."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: dict[str, Any], core: ServerCore) -> None:
+        import torch
+
+        self.id, self.core, self.started = request_id, core, time.time()
+        limit = int(getattr(core.model.config, "max_position_embeddings", 1 << 30))
+        max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or core.default_max_tokens)
+        self.max_tokens = max(0, min(max_tokens, limit - len(prompt)))
+        self.temperature = float(params.get("temperature", 1.0) or 0.0)
+        self.top_p = float(params.get("top_p", 1.0) or 1.0)
+        self.top_k = int(params.get("top_k", -1) or -1)
+        seed = params.get("seed")
+        self.gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        self.next_ids = torch.tensor([prompt], dtype=torch.long)
+        self.past = None
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.aborted = False
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def step(self) -> str | None:
+        """Decode one token (the first call prefills the prompt); the stop reason once finished."""
+        import torch
+
+        if len(self.tokens) >= self.max_tokens:
+            return "length"
+        with torch.no_grad():
+            res = self.core.model(input_ids=self.next_ids, past_key_values=self.past, use_cache=True)
+        self.past = res.past_key_values
+        logits = res.logits[0, -1].float()
+        if self.temperature <= 0:
+            logp = torch.log_softmax(logits, -1)
+            tok = int(torch.argmax(logits))
+        else:
+            scaled = logits / self.temperature
+            if self.top_k > 0:
+                kth = torch.topk(scaled, min(self.top_k, scaled.numel())).values[-1]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            if self.top_p < 1.0:
+                sorted_logits, order = torch.sort(scaled, descending=True)
+                cum = torch.cumsum(torch.softmax(sorted_logits, -1), -1)
+                cut = cum - torch.softmax(sorted_logits, -1) > self.top_p
+                scaled[order[cut]] = float("-inf")
+            logp = torch.log_softmax(scaled, -1)
+            tok = int(torch.multinomial(logp.exp(), 1, generator=self.gen))
+        self.tokens.append(tok)
+        self.logprobs.append(float(logp[tok]))
+        self.next_ids = torch.tensor([[tok]], dtype=torch.long)
+        if tok in self.core.eos_ids:
+            return "completed"
+        return "length" if len(self.tokens) >= self.max_tokens else None
 
 
 def _server_name(replica_rank: int) -> str:
@@ -280,7 +336,7 @@ class CpuServerAdapter(_adapter_base()):
         if self._local is not None:
             await self._local.load_named_weights(named, global_steps)
             return
-        from .weights import checksum
+        from ..weights import checksum
 
         # Colocated (verl's sync trainer, naive sync): what the actor hands over is the published
         # version; the server reports the checksum of what it then holds.

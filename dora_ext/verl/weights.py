@@ -1,0 +1,341 @@
+"""``dora_store``: dora's one weight path, a verl ``CheckpointEngineWithCache`` backend.
+
+``trainer_mode=dora`` always uses it (``DoraTrainer`` sets it; any other backend is refused at
+launch): a replica loads a subset-independent copy, never through a process group that spans the
+trainer and a varying set of replicas (verl's ``nccl`` backend keeps its first group and fails
+``assert self.world_size == world_size`` at the first load of a subset; the delta backends diff
+against the last weights *sent*, wrong after a subset or old-version load).
+
+* **Publish once per version.** ``send_weights(weights, global_steps=v)`` on the actor's rank 0
+  copies the full tensors to host memory once, puts them into Ray's shared-memory object store
+  once (``ray.put``) and hands that one object to the *weight store* of every rollout node (one
+  Ray actor per node, ``WeightStore``, created at setup by ``ensure_stores``: a fixed membership,
+  no group is ever built or rebuilt). Each store pulls the object onto its node at publish time.
+  The other actor ranks only drain the generator (FSDP's gathers are collective). The first
+  publication of a version wins.
+* **Load from the node's store, without the trainer.** ``receive_weights(global_steps=v)`` on a
+  rollout worker takes ``v`` from its own node's store (waiting while ``v`` is not published yet)
+  and yields it to the engine's adapter, moved to the worker's device (on GPU the host-to-device
+  copy; on CPU a no-op). ``DoraTrainer`` lets its coordinator run the loads of drained replicas,
+  off the trainer thread. ``get_weights()`` (the ``CheckpointEngineWithCache`` method) yields the
+  newest version held by the node's store.
+* **Evidence, not labels.** Each publication carries ``checksum`` over sampled tensors (every
+  ``*norm.weight``: replicated under tensor parallelism in vLLM and SGLang, trained, and under the
+  same names as in Hugging Face). After each load the coordinator asks the *engine* for the same
+  checksum over what it now holds (``engine_checksum``: the CPU replica reads its model; SGLang
+  through ``/get_weights_by_name``; vLLM through ``collective_rpc``) and refuses a mismatch
+  (``WeightsMismatch``, the run stops with the message).
+
+The transport is the same code on every machine (Ray's object store, then a copy to the device);
+on CPU nothing else differs. The store keeps the newest ``keep_versions`` versions
+(``engine_kwargs.dora_store.keep_versions``; ``DoraTrainer`` sets ``max(8, K + 2)`` when unset
+and refuses a value below ``K + 2``). Both sides must name the version (``global_steps``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import operator
+import os
+import time
+from typing import Any, AsyncGenerator, Generator
+
+import torch
+
+BACKEND = "dora_store"
+MODULE = "dora_ext.verl.weights"
+STORE_PREFIX = "dora_weight_store_"
+SAMPLE_ELEMS = 4096  # elements of each sampled tensor in the checksum (its flattened head)
+
+
+def sample_names(names) -> list[str]:
+    """The tensors a checksum covers: every ``*norm.weight`` (all names if there is none)."""
+    names = sorted(names)
+    return [n for n in names if n.endswith("norm.weight")] or names
+
+
+def checksum(named: dict[str, Any], names: list[str] | None = None) -> str:
+    """sha256 over the float32 values of the sampled tensors of `named` (their first
+    ``SAMPLE_ELEMS`` elements), in name order: the same weights give the same digest on the
+    trainer, in the store and read back from an engine."""
+    h = hashlib.sha256()
+    for name in sample_names(named) if names is None else names:
+        t = torch.as_tensor(named[name]).detach().to("cpu", torch.float32).reshape(-1)[:SAMPLE_ELEMS].contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class WeightsMismatch(RuntimeError):
+    """An engine holds other weights than the version it was loaded with."""
+
+
+class WeightStore:
+    """Published weight versions on one rollout node (a Ray actor, ``dora_weight_store_<node>``)."""
+
+    def __init__(self, keep_versions: int = 8) -> None:
+        self.keep = max(1, int(keep_versions))
+        self.versions: dict[int, tuple[list, str]] = {}  # version -> ([object ref or dict], checksum)
+        self.checksums: dict[int, str] = {}
+        self.names: dict[int, list[str]] = {}
+        self.events: dict[int, asyncio.Event] = {}
+
+    def _event(self, version: int) -> asyncio.Event:
+        if version not in self.events:
+            self.events[version] = asyncio.Event()
+        return self.events[version]
+
+    async def publish(self, version: int, boxed: list, digest: str, names: list[str] | None = None) -> bool:
+        """Keep `boxed` (``[ray.ObjectRef]``, or ``[dict]`` without Ray) as `version`."""
+        from .cpu.report import report
+
+        version = int(version)
+        if version in self.checksums:
+            return False  # first publication wins
+        if not isinstance(boxed[0], dict):
+            import ray
+
+            # Pull the object onto this node now, without deserializing it here.
+            await asyncio.get_running_loop().run_in_executor(None, lambda: ray.wait(boxed, fetch_local=True))
+        self.versions[version] = (boxed, digest)
+        self.checksums[version] = digest
+        self.names[version] = list(names or [])
+        report("publish", version=version, checksum=digest)
+        for old in sorted(self.versions)[: max(0, len(self.versions) - self.keep)]:
+            self.versions.pop(old, None)
+        self._event(version).set()
+        return True
+
+    async def fetch(self, version: int) -> tuple[int, list, str]:
+        """``(version, boxed weights, checksum)`` published as `version`.
+
+        Waits while `version` is newer than every version published (a load may start before its
+        publication). Never answers with other weights: a version not named (None), no longer
+        kept, or older than the newest published and never published raises, naming the version
+        and what is held."""
+        try:
+            if isinstance(version, bool):
+                raise TypeError
+            version = operator.index(version)
+        except TypeError:
+            raise ValueError(f"dora weight store: a load must name the version it loads (global_steps, an "
+                             f"integer), got {version!r}; held: {sorted(self.versions)}") from None
+        if version not in self.versions:
+            self._missing(version)  # raises unless it may still be published
+        await self._event(version).wait()
+        if version not in self.versions:  # published, and already evicted by newer ones
+            self._missing(version)
+        boxed, digest = self.versions[version]
+        return version, boxed, digest
+
+    def _missing(self, version: int) -> None:
+        held = sorted(self.versions)
+        if version in self.checksums:
+            raise KeyError(f"dora weight store: version {version} is no longer kept (held: {held}; "
+                           f"engine_kwargs.{BACKEND}.keep_versions={self.keep})")
+        newest = max(self.checksums, default=None)
+        if newest is not None and version < newest:
+            raise KeyError(f"dora weight store: version {version} was never published and is older than "
+                           f"the newest published, {newest} (held: {held})")
+
+    def evidence(self, version: int) -> tuple[str, list[str]]:
+        """The checksum published for `version` and the tensor names it covers."""
+        return self.checksums[int(version)], self.names.get(int(version), [])
+
+    def newest(self) -> int | None:
+        return max(self.versions, default=None)
+
+    def read_text(self, path: str) -> str | None:
+        """A file on this node (what a vLLM worker wrote: ``engine_checksum``), or None."""
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return f.read()
+
+
+def _store_options(node_id: str, keep_versions: int) -> dict:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return dict(name=STORE_PREFIX + node_id, get_if_exists=True, num_cpus=0, max_concurrency=1000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+
+
+def node_store(node_id: str | None = None, keep_versions: int = 8) -> Any:
+    """The weight store of `node_id` (default: this process's node), created if missing."""
+    import ray
+
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    return ray.remote(WeightStore).options(**_store_options(node_id, keep_versions)).remote(keep_versions)
+
+
+def ensure_stores(node_ids, keep_versions: int = 8) -> dict[str, Any]:
+    """One store per rollout node (``DoraTrainer`` calls this once, before the first publication)."""
+    return {n: node_store(n, keep_versions) for n in sorted(set(node_ids))}
+
+
+def all_stores(keep_versions: int = 8) -> list:
+    """Every rollout node's store; if none exists yet (verl's own trainers on one machine), this
+    node's (a receive on the same node finds the same one)."""
+    import ray
+
+    names = sorted(n for n in ray.util.list_named_actors() if n.startswith(STORE_PREFIX))
+    if not names:
+        return [node_store(None, keep_versions)]
+    return [ray.get_actor(n) for n in names]
+
+
+# ---------------------------------------------------------------------- engine-side checksums
+def _vllm_checksum(worker: Any, names: list[str], path: str) -> None:
+    """Runs inside each vLLM worker (``collective_rpc``): rank 0 writes the checksum of its model's
+    tensors `names` to `path` (verl's ``collective_rpc`` does not return results)."""
+    if int(getattr(worker, "rank", 0)) != 0:
+        return
+    params = dict(worker.model_runner.model.named_parameters())
+    missing = [n for n in names if n not in params]
+    out = {"error": f"not in the vLLM model: {missing[:5]}"} if missing else {"checksum": checksum(params, names)}
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".tmp", path)
+
+
+async def engine_checksum(rollout: str, server: Any, address: str, names: list[str], store: Any,
+                          tag: str) -> str:
+    """The checksum over `names` of the weights the engine behind `server` holds now.
+
+    ``dora_cpu``: the replica reads back its model. ``sglang``: ``/get_weights_by_name`` on the
+    server's HTTP address. ``vllm``: ``collective_rpc`` runs ``_vllm_checksum`` in the workers,
+    which write it to a file the node's store reads. (The GPU branches are not run by CI: no GPU.)"""
+    if rollout == "dora_cpu":
+        return await server.weights_checksum.remote(names)
+    if rollout == "sglang":
+        import urllib.request
+
+        def get(name):
+            body = json.dumps({"name": name, "truncate_size": SAMPLE_ELEMS}).encode()
+            req = urllib.request.Request(f"http://{address}/get_weights_by_name", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return torch.tensor(json.loads(r.read()), dtype=torch.float32)
+
+        named = {n: await asyncio.to_thread(get, n) for n in names}
+        return checksum(named, names)
+    if rollout == "vllm":
+        import tempfile
+
+        path = os.path.join(os.environ.get("DORA_CHECKSUM_DIR", tempfile.gettempdir()), f"dora_checksum_{tag}.json")
+        await server.collective_rpc.remote(_vllm_checksum, args=(names, path))
+        text = await store.read_text.remote(path)
+        out = json.loads(text) if text else {"error": f"vLLM worker wrote no checksum to {path}"}
+        if "error" in out:
+            raise WeightsMismatch(f"dora: vLLM engine checksum: {out['error']}")
+        return out["checksum"]
+    raise ValueError(f"dora: no engine checksum for actor_rollout_ref.rollout.name={rollout!r} "
+                     "(accepted: dora_cpu, vllm, sglang)")
+
+
+async def abort_request(rollout: str, server: Any, address: str, request_id: str) -> dict:
+    """Abort one request on one engine (R5: the moved trajectory's, the others there run on).
+
+    ``dora_cpu`` and ``vllm``: the server actor's ``abort_request`` (verl's ``vLLMHttpServer``);
+    ``sglang`` (its server actor has none in verl 0.9.1): SGLang's ``/abort_request`` HTTP route."""
+    if rollout == "sglang":
+        import urllib.request
+
+        def post():
+            body = json.dumps({"rid": request_id}).encode()
+            req = urllib.request.Request(f"http://{address}/abort_request", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return {"aborted": 200 <= r.status < 300}
+
+        return await asyncio.to_thread(post)
+    out = await server.abort_request.remote(request_id)
+    return out if isinstance(out, dict) else {"aborted": bool(out)}
+
+
+def _register():
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry, CheckpointEngineWithCache
+
+    class DoraStoreCheckpointEngine(CheckpointEngineWithCache):
+        """See the module docstring."""
+
+        def __init__(self, bucket_size: int = 0, is_master: bool = False, keep_versions: int = 8, **_: Any) -> None:
+            self.is_master = is_master
+            self.keep_versions = keep_versions
+            self.rank = 0
+            self._store = None
+
+        def _local_store(self):
+            if self._store is None:
+                self._store = node_store(None, self.keep_versions)
+            return self._store
+
+        def prepare(self) -> dict[str, Any]:
+            import ray
+
+            return {"node_id": ray.get_runtime_context().get_node_id()}
+
+        @classmethod
+        def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+            return ({"rank": list(range(actor_wg_world_size))},
+                    {"rank": list(range(actor_wg_world_size, actor_wg_world_size + rollout_world_size))})
+
+        def init_process_group(self, rank: int = 0, **_: Any) -> None:
+            self.rank = rank  # no process group: the stores are reached through Ray
+
+        def finalize(self) -> None:
+            return None
+
+        async def send_weights(self, weights: Generator, global_steps: int | None = None) -> dict:
+            import ray
+            from verl.workers.rollout.utils import ensure_async_iterator
+
+            start = time.perf_counter()
+            named = {}
+            async for name, tensor in ensure_async_iterator(weights):
+                if self.is_master:
+                    named[name] = tensor.detach().to("cpu", copy=True)  # on GPU: the one device-to-host copy
+            if not self.is_master:
+                return {}
+            if global_steps is None:
+                raise ValueError("dora_store: send_weights needs the version it publishes (global_steps), got None: "
+                                 "a load names the version it loads, and an unnamed publication could not be "
+                                 "told apart from the others")
+            names = sample_names(named)
+            digest = checksum(named, names)
+            boxed = [ray.put(named)]
+            fresh = await asyncio.gather(*[s.publish.remote(int(global_steps), boxed, digest, names)
+                                           for s in all_stores(self.keep_versions)])
+            return {"dora_store/publish_s": time.perf_counter() - start, "dora_store/published_new": float(any(fresh))}
+
+        async def _yield(self, boxed: list) -> AsyncGenerator:
+            named = boxed[0] if isinstance(boxed[0], dict) else await boxed[0]
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+            for name, tensor in named.items():
+                yield name, tensor.to(device)  # on GPU: the host-to-device copy
+
+        async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator:
+            if global_steps is None:
+                raise ValueError("dora_store: receive_weights needs the version it loads (global_steps), got None: "
+                                 "the store would not know which published weights to hand out")
+            got, boxed, _ = await self._local_store().fetch.remote(int(global_steps))
+            if got != int(global_steps):
+                raise RuntimeError(f"dora_store: asked the weight store for version {global_steps}, "
+                                   f"it answered with version {got}: not loaded")
+            async for item in self._yield(boxed):
+                yield item
+
+        async def get_weights(self) -> AsyncGenerator:
+            newest = await self._local_store().newest.remote()
+            if newest is None:
+                raise KeyError("dora_store: the node's weight store holds no version yet")
+            async for item in self.receive_weights(global_steps=newest):
+                yield item
+
+    CheckpointEngineRegistry.register(BACKEND)(DoraStoreCheckpointEngine)
+    return DoraStoreCheckpointEngine
+
+
+DoraStoreCheckpointEngine = _register()

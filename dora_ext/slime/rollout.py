@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import copy
+import weakref
 import logging
 import threading
 import time
@@ -259,6 +261,10 @@ class RolloutSession:
         self._fatal: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Trajectory tasks whose request is in flight, per instance: cancelled when the instance
+        # is retired (closing the connection makes SGLang abort the request and frees the slot
+        # in slime's connection pool); the scheduler has re-dispatched them already.
+        self._requests: dict[int, set[asyncio.Task]] = {}
         self._params: dict | None = None
         self._started = False
         self._closed = False
@@ -274,8 +280,9 @@ class RolloutSession:
         # Engine refreshes: the pass callers wait for next, and the task running the passes.
         self._refresh_next: asyncio.Future | None = None
         self._refresh_runner: asyncio.Task | None = None
-        #: Refresh passes run (each asks the router once and every engine once).
+        #: Refresh passes run (each asks the router once and every engine once), engines retired.
         self.refresh_passes = 0
+        self.retired = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -390,7 +397,7 @@ class RolloutSession:
             # then the eval starts again on another engine holding the version.
             # The scheduler does not see eval requests: a load it sends to this engine waits (_load).
             self._eval_on, self._eval_over = iid, asyncio.Event()
-            task = asyncio.ensure_future(eval_rollout(args, rollout_id))
+            task, children = _tracked(self.loop, eval_rollout(args, rollout_id))
             try:
                 while not task.done():
                     await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
@@ -422,6 +429,8 @@ class RolloutSession:
                             f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
                     continue
             finally:
+                task.cancel()  # done, or this evaluation was cancelled: nothing of it keeps running
+                _cancel_all(children)
                 self._eval_on = None
                 self._eval_over.set()
             break
@@ -509,6 +518,10 @@ class RolloutSession:
         out["dora/batch_staleness_max"] = max(stale) if stale else 0
         out["dora/delivered_groups"] = self._delivered
         out["dora/engine_refresh_passes"] = self.refresh_passes
+        out["dora/engines_retired"] = self.retired
+        probes = sorted(getattr(self.engines, "probe_s", []))
+        if probes:
+            out["dora/health_check_p99_s"] = probes[min(len(probes) - 1, int(0.99 * len(probes)))]
         out["dora/batch_wait_s"] = waited
         return out
 
@@ -610,17 +623,22 @@ class RolloutSession:
         if getattr(self.args, "sglang_enable_deterministic_inference", False):
             # slime's per-sample seed: the sample's index in its group (generate_and_rm_group).
             params["sampling_seed"] = self.args.rollout_seed + idx
+        inflight = self._requests.setdefault(d.instance_id, set())
+        inflight.add(asyncio.current_task())
         try:
             out = await self.engines.generate(d.instance_id, sample, params)
         except AdapterError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed request is retried by the scheduler
+            inflight.discard(asyncio.current_task())
             if d.instance_id in self.sched.instances:
                 # Did the engine die? Then its trajectories (this one too) go back to the same
                 # version through InstanceFailed, and this failure is stale.
                 await self._refresh()
             self._feed(TrajectoryFailed(gid, idx, reason=repr(exc), attempt=d.attempt))
             return
+        finally:
+            inflight.discard(asyncio.current_task())
         samples = _flat(out)
         if self._attempt.get((gid, idx)) != d.attempt:
             # Superseded (its engine was declared dead and the trajectory re-dispatched): the
@@ -777,7 +795,11 @@ class RolloutSession:
                 reason = reasons.get(iid, "the engine left slime's router or fails /health")
                 logger.warning("dora: engine %s is gone (%s); its trajectories go back to their versions", iid, reason)
                 events.append(InstanceFailed(iid, reason=reason))
+                self.retired += 1
                 self._probe("engine_failed", iid)
+            for task in self._requests.pop(iid, ()):
+                if task is not asyncio.current_task():
+                    task.cancel()
         for iid, cap in new:
             logger.info("dora: engine %s joined (capacity %d)", iid, cap)
             events.append(InstanceReady(iid, cap))
@@ -805,6 +827,41 @@ class RolloutSession:
                 self._feed(VersionPublished(v))
                 self._probe("published", self.first_step + v)
             await asyncio.sleep(self.settings.poll_interval_s)
+
+
+#: The set that tasks created inside a tracked task (and theirs) are added to (see `_tracked`).
+_CHILDREN: contextvars.ContextVar[set | None] = contextvars.ContextVar("dora_children", default=None)
+_TRACKING: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
+
+
+def _tracked(loop: asyncio.AbstractEventLoop, coro: Any) -> tuple[asyncio.Task, set]:
+    """Run `coro` as a task whose own tasks are known, so that cancelling it cancels them too:
+    slime's `eval_rollout` starts one task per eval sample (`asyncio.create_task`) and awaits
+    them with `as_completed`, which leaves them running when it is cancelled. The loop's task
+    factory records every task created in the tracked task's context (chained to any factory
+    the loop has)."""
+    if loop not in _TRACKING:
+        prev = loop.get_task_factory()
+
+        def factory(loop: asyncio.AbstractEventLoop, c: Any, **kw: Any) -> asyncio.Future:
+            task = prev(loop, c, **kw) if prev is not None else asyncio.Task(c, loop=loop, **kw)
+            children = _CHILDREN.get()
+            if children is not None:
+                children.add(task)
+            return task
+
+        loop.set_task_factory(factory)
+        _TRACKING.add(loop)
+    children: set = set()
+    ctx = contextvars.copy_context()
+    ctx.run(_CHILDREN.set, children)
+    return loop.create_task(coro, context=ctx), children
+
+
+def _cancel_all(tasks: set) -> None:
+    for t in list(tasks):
+        if not t.done():
+            t.cancel()
 
 
 def _retrieve(fut: asyncio.Future) -> None:

@@ -67,6 +67,10 @@ class SlimeSettings:
         version tells). Engines loading weights are skipped (SGLang's `/health` waits for the
         load). A trajectory answered with another weight version than its pin triggers a check
         at once.
+      probe_timeout_s: bound on each control call to an engine (`/health_generate`,
+        `/server_info`, `/model_info`); an engine whose `/health_generate` takes longer is stuck.
+      request_timeout_s: bound on one generate request (then it is cancelled, its engine probed,
+        and the trajectory retried); above the longest response's decode time.
     """
 
     weights_dir: str | None = None
@@ -78,6 +82,8 @@ class SlimeSettings:
     staleness_correction: str = "tis"
     is_cap: float = 2.0
     engine_check_interval_s: float = 2.0
+    probe_timeout_s: float = 60.0
+    request_timeout_s: float = 3600.0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "dora_slime") -> "SlimeSettings":
@@ -118,7 +124,13 @@ class SlimeSettings:
         check = data.get("engine_check_interval_s", d.engine_check_interval_s)
         if isinstance(check, bool) or not isinstance(check, (int, float)) or not 0 < check <= 600:
             raise ConfigError(f"{where}.engine_check_interval_s", f"expected a number in (0, 600], got {check!r}")
-        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap), float(check))
+        bounds = {}
+        for key in ("probe_timeout_s", "request_timeout_s"):
+            v = data.get(key, getattr(d, key))
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{where}.{key}", f"expected a number of seconds > 0, got {v!r}")
+            bounds[key] = float(v)
+        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap), float(check), **bounds)
 
 
 def dora_section(args: Any) -> Mapping[str, Any]:

@@ -95,7 +95,7 @@ def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, f
     from dora_ext.slime.engines import SglangEngines
     from dora_ext.slime.settings import slime_settings
 
-    engines = SglangEngines(args, slime_settings(args), http=fleet)
+    engines = SglangEngines(args, slime_settings(args), http=fleet, control=fleet)
     session = slime_rollout.RolloutSession.for_slime(args, data_source, first_step, engines=engines)
     slime_rollout.install_session(session)
     return session
@@ -110,7 +110,7 @@ def fleet_engines(standins: Any, tmp_path: Path, port: int, n: int = 2) -> tuple
     args = make_args(tmp_path, capacity=2)
     fleet = standins.FakeSglangFleet(n, capacity=2, base_port=port)
     (tmp_path / "w").mkdir(exist_ok=True)
-    return fleet, SglangEngines(args, slime_settings(args), http=fleet)
+    return fleet, SglangEngines(args, slime_settings(args), http=fleet, control=fleet)
 
 
 # ---------------------------------------------------------------- slime's evaluation between rollouts

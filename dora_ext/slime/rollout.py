@@ -52,7 +52,7 @@ from ..core import (
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
 from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines
-from .settings import SlimeSettings, check_launch, dora_config, slime_settings
+from .settings import SlimeSettings, check_launch, check_shared_weights_dir, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 
 logger = logging.getLogger("dora_ext.slime")
@@ -180,6 +180,15 @@ def _event_loop() -> tuple[asyncio.AbstractEventLoop, _LoopThread | None]:
     return get_async_loop().loop, None
 
 
+def _ray_nodes() -> int:
+    """Alive nodes of the Ray cluster this process is part of (0 outside Ray)."""
+    try:
+        import ray
+    except ImportError:
+        return 0
+    return len([n for n in ray.nodes() if n.get("Alive")]) if ray.is_initialized() else 0
+
+
 def _sampling_params(args: Any) -> dict:
     if args is None:
         return {}
@@ -301,6 +310,7 @@ class RolloutSession:
         weights_dir = settings.weights_dir or getattr(args, "update_weight_disk_dir", None)
         if not weights_dir:
             raise AdapterError("no weights directory: pass --update-weight-disk-dir (or dora_slime.weights_dir)")
+        check_shared_weights_dir(settings, weights_dir, _ray_nodes())
         keep = bool(getattr(args, "update_weight_disk_keep_files", False))
         board = DiskWeightBoard(weights_dir, delete_old=settings.delete_old_weights and not keep)
         from ..plugins import get_plugin_manager

@@ -305,3 +305,19 @@ def test_an_evaluation_cancelled_on_a_dead_engine_cancels_its_requests(tmp_path,
     outs, ev = train_eval_train(args, ds, standins)
     assert len(calls) == 2, calls
     assert ended[0] == "cancelled", ended
+
+
+def test_a_multi_node_cluster_without_a_shared_weights_dir_refuses_to_start(tmp_path, standins, monkeypatch):
+    """Engines load each version from the directory the trainer wrote: on a cluster of several
+    nodes that directory must be shared, and a launch that does not say so fails naming the key."""
+    from dora_ext.config import ConfigError
+    from dora_ext.slime import rollout
+
+    monkeypatch.setattr(rollout, "_ray_nodes", lambda: 2)
+    args = make_args(tmp_path)
+    with pytest.raises(ConfigError, match="dora_slime.shared_weights_dir"):
+        rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0)
+    args.dora_slime["shared_weights_dir"] = True
+    from dora_ext.slime.engines import PassThroughEngines
+
+    rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0, engines=PassThroughEngines([1])).close()

@@ -79,7 +79,7 @@ PERF_ARGS=(
 
 # Both twins: the same weight transport (dora-ext loads each version onto one engine at a time,
 # which needs a checkpoint per version: disk) and, where the dora twin corrects staleness, the
-# same correction (slime's own truncated IS; dora's staleness_tis is the same weight, cap 2).
+# same correction (slime's own truncated IS, cap 2, which the dora twin's flags also select).
 # The directory must be on a filesystem every node sees (single-node here).
 WEIGHT_ARGS=(
    --update-weight-transport disk

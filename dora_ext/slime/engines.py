@@ -32,6 +32,13 @@ engine answers at once and a stuck one times out. An engine loading weights is n
 probe waits behind SGLang's writer lock), and under `--use-fault-tolerance` slime's health
 monitor skips exactly those engines too (`guard_slime_health_monitor`).
 
+Why not slime's own liveness code: `RolloutHealthMonitor` exists only with
+`--use-fault-tolerance` and answers a failed check by killing the engine's actor (it tells no one
+which requests to move), and `ServerGroup.recover` restarts dead engines only before slime's own
+reload of every engine, which the patch replaces. The adapter needs, per engine, "gone or not" to
+send its trajectories back to their version (`InstanceFailed`), so it asks itself; it lets slime's
+monitor and restarts act and notices them (below).
+
 slime restarts an engine at the address it had: `ServerGroup.start_engines` (slime/ray/rollout.py)
 scans for a free port from 15000 again (`get_free_port`), as at launch, so a dead engine's port is
 found again (engine 0's is the first one free). slime's HTTP client retries a dead engine's
@@ -300,6 +307,10 @@ class SglangEngines:
         self.health_timeout_s = settings.probe_timeout_s  # /health_generate, /server_info, /model_info
         self.router_timeout_s = 30.0  # a refresh's read of slime's router
         self.probe_s: list[float] = []  # the last 1000 probes' durations
+        #: The version tag of the weights engines were launched with (set by the session when
+        #: version 0 is the launch checkpoint: a fresh run): an engine that never loaded
+        #: anything is only told its version tag, not reloaded from disk.
+        self.launch_tag: str | None = None
         if getattr(args, "use_fault_tolerance", False):
             guard_slime_health_monitor()
         # Instances with /update_weights_from_disk in flight: the probe would wait behind
@@ -493,10 +504,28 @@ class SglangEngines:
         return await asyncio.wait_for(self._generate_and_rm(args, sample, sampling_params, evaluation=False),
                                       self.settings.request_timeout_s)
 
+    async def _relabel(self, instance_id: int, url: str, version_tag: str) -> bool:
+        """Tag an engine that holds the launch weights as `version_tag` (SGLang's
+        `/update_weight_version`, no load); False where the engine does not take it or does not
+        report the tag afterwards (then the caller loads from disk)."""
+        try:
+            await asyncio.wait_for(self.control.post(f"{url}/update_weight_version",
+                                                     {"new_version": version_tag, "abort_all_requests": False}),
+                                   self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - an SGLang without it, or a failure: load from disk
+            return False
+        if await self.reported_version(url, version_tag) not in (version_tag, None):
+            return False
+        self._loaded_tags[instance_id] = version_tag
+        return True
+
     async def load(self, instance_id: int, version_tag: str, path: str | None) -> None:
         url = self.urls.get(instance_id)
         if url is None:
             raise EngineGone(f"instance {instance_id} left")
+        if (version_tag == self.launch_tag and instance_id not in self._loaded_tags
+                and await self._relabel(instance_id, url, version_tag)):
+            return
         self._loading.add(instance_id)
         with _MONITOR_LOCK:
             LOADING_URLS.add(url)

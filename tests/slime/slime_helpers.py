@@ -195,7 +195,7 @@ def check_train_eval_train(outs: dict[int, Any], ev: Any, fleet: Any) -> list[st
     version (C1), at most K = 1 behind (C3). Returns the trained prompts."""
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
     assert ev.metrics["dora/eval_version"] == 1
-    assert fleet.violations == []
+    assert fleet.violations == [], fleet.violations
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
     assert len(prompts) == len(set(prompts)) == 3 * 2
     for step, out in outs.items():

@@ -146,6 +146,7 @@ class FakeEngine:
         self.running = 0
         self.max_running = 0
         self.loads: list[str] = []
+        self.relabels: list[str] = []
         self.wrong_version_once = False
         self.wrong_versions = 0  # the next this many requests report weight version "999"
         self.alive = True
@@ -249,6 +250,11 @@ class FakeSglangFleet:
             engine.loads.append(payload["weight_version"])
             self.observe()
             return {"success": True, "message": "ok"}
+        if url.endswith("/update_weight_version"):  # SGLang: a new tag, no load
+            engine.version = payload["new_version"]
+            engine.worker_versions[engine.tokenizer_worker()] = payload["new_version"]
+            engine.relabels.append(payload["new_version"])
+            return {"success": True}
         raise AssertionError(f"unexpected POST {url}")
 
 

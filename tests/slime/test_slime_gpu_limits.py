@@ -321,3 +321,62 @@ def test_a_multi_node_cluster_without_a_shared_weights_dir_refuses_to_start(tmp_
     from dora_ext.slime.engines import PassThroughEngines
 
     rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0, engines=PassThroughEngines([1])).close()
+
+
+def test_engines_holding_the_launch_weights_are_not_reloaded_with_version_0(tmp_path, standins, monkeypatch):
+    """A fresh run's version 0 is the checkpoint slime launched the engines with: they are told
+    the tag (SGLang's `/update_weight_version`), not reloaded from disk; a resumed run loads it."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=3, capacity=2)
+    fleet = standins.FakeSglangFleet(3, capacity=2, base_port=31800)
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, fleet, first_step=0)
+    outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
+    assert [e.relabels for e in fleet.engines] == [["0"]] * 3
+    assert all("0" not in e.loads for e in fleet.engines)
+    assert {v for o in outs.values() for g in o.samples for s in g for v in s.weight_versions} >= {"0"}
+    assert fleet.violations == []
+
+    from dora_ext.slime import rollout, weights
+
+    rollout.close_session()
+    monkeypatch.setattr(weights, "_RUN", "second-driver")
+    monkeypatch.setattr(weights, "_count", 0)  # a second slime driver process
+    (tmp_path / "ckpt2").mkdir()
+    (tmp_path / "ckpt2" / "latest_checkpointed_iteration.txt").write_text("1")
+    args = make_args(tmp_path / "b", mode="dora", k=1, batch=2, n=2, num_rollout=3, capacity=2, load=str(tmp_path / "ckpt2"))
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31810)
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, fleet, first_step=0)
+    SimulatedSlimeDriver(args, ds).run_async(0, 2)
+    assert all(e.relabels == [] and "0" in e.loads for e in fleet.engines)
+
+
+def test_eval_requests_are_spread_over_the_engines_holding_the_version():
+    """slime's `eval_rollout` builds each request's URL from `args.sglang_router_ip/port`, one
+    task per sample: each task is given the next engine holding the eval's version (the eval's
+    own code sees the first), so the eval's requests do not all land on one engine."""
+    from dora_ext.slime.rollout import _spread_args, _tracked
+
+    bases = [SimpleNamespace(sglang_router_ip=f"10.0.0.{i}", sglang_router_port=30000 + i, other=i) for i in range(3)]
+    seen: list = []
+
+    async def eval_rollout(args):  # slime's shape: a task per sample reads args when it runs
+        async def one(j):
+            await asyncio.sleep(0)
+            return (j, args.sglang_router_ip, args.sglang_router_port, args.other)
+
+        tasks = [asyncio.create_task(one(j)) for j in range(6)]
+        seen.append(("eval", args.sglang_router_port))
+        return [await t for t in tasks]
+
+    async def run():
+        import itertools
+
+        task, children = _tracked(asyncio.get_running_loop(), eval_rollout(_spread_args(bases)),
+                                  itertools.cycle(bases).__next__)
+        return await task, children
+
+    out, children = asyncio.run(run())
+    assert [(ip, port) for _, ip, port, _ in out] == [(b.sglang_router_ip, b.sglang_router_port) for b in bases] * 2
+    assert {o for *_, o in out} == {0} and seen == [("eval", 30000)]
+    assert len(children) == 6

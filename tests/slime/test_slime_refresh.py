@@ -138,11 +138,13 @@ def test_wrong_version_trajectories_share_refresh_passes(tmp_path, standins):
     fleet.get = get
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
     assert len(mismatches) == n_wrong and {iid for *_, iid in mismatches} == {0}
-    # discover's router read, then two passes: the first mismatch's, and the one the other three shared.
-    assert router_reads[0] == 1 + 2 and session.refresh_passes == 2
-    assert health == {e.url + "/health_generate": 2 for e in fleet.engines}, health
+    # discover's router read, then at most two passes: the first mismatch's, and the one the
+    # others shared (one, where all four asked before the first pass began).
+    passes = session.refresh_passes
+    assert 1 <= passes <= 2 and router_reads[0] == 1 + passes
+    assert health == {e.url + "/health_generate": passes for e in fleet.engines}, health
     m = outs[2].metrics
-    assert m["dora/engine_refresh_passes"] == 2
+    assert m["dora/engine_refresh_passes"] == passes
     assert m["dora/retries"] == n_wrong and m["dora/failed_groups"] == 0
     for out in outs.values():  # C1: "999" was never trained
         assert all(s.weight_versions != ["999"] for g in out.samples for s in g)

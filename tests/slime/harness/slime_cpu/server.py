@@ -32,6 +32,7 @@ with the limits of the real server that matter to them:
        /get_weight_version
   GET|POST /flush_cache, POST /pause_generation /continue_generation /abort_request
   POST /update_weights_from_disk {model_path, weight_version}: loads `model.safetensors`
+  POST /update_weight_version {new_version}: only the tag (logged as a load with `relabel`)
 
 Every /generate is logged (JSON lines) with the weight version at its start and end, so a test
 can check C1 from what the engine itself reported; every load with its start and end. Fault
@@ -328,6 +329,11 @@ def make_handler(engine: Engine):
                 return self._reply(engine.generate(body))
             if p == "/update_weights_from_disk":
                 return self._reply(engine.load(body))
+            if p == "/update_weight_version":  # a new tag, no load
+                engine.version = str(body["new_version"])
+                engine.record(kind="load", t0=time.time(), t=time.time(), path=None, version=engine.version,
+                              relabel=True)
+                return self._reply({"success": True, "new_version": engine.version})
             if p == "/standin/open":
                 engine.gate.set()
                 return self._reply({"success": True})

@@ -7,7 +7,8 @@
 | `--data-source-path`          | `dora_ext.slime.data_source.DoraDataSource` (resumable)    |
 | `--custom-config-path`        | the `dora:` / `dora_slime:` YAML (`settings.py`)           |
 | `--custom-loss-function-path` | `dora_ext.slime.loss.sao_loss` (SAO double-side mask)      |
-| `--custom-tis-function-path`  | `dora_ext.slime.loss.staleness_tis` (staleness correction) |
+| `--use-tis` (`--tis-clip C`)  | correction `tis`: slime's own truncated IS                 |
+| `--custom-tis-function-path`  | `dora_ext.slime.loss.staleness_tis` (correction `mask`)    |
 | disk weight sync + patch      | `dora_ext.slime.weights.publish_weights` (see patches/)    |
 
 `dora-ext slime-args --config dora.yaml` prints the flags. Importing this package imports

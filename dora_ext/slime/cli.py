@@ -83,7 +83,10 @@ def slime_flags(data: dict, config_path: str | None, weights_dir: str | None = N
     if settings.staleness_correction != "none" and config.max_staleness > 0 and settings.loss != "sao":
         # slime applies --custom-tis-function-path inside its own policy loss only; SAO's loss
         # replaces that loss and already weighs by pi_theta / pi_rollout (masked), its correction.
-        flags += ["--use-tis", "--custom-tis-function-path", "dora_ext.slime.loss.staleness_tis"]
+        if settings.staleness_correction == "tis":  # slime's own truncated IS, cap C
+            flags += ["--use-tis", "--tis-clip", str(settings.is_cap), "--tis-clip-low", "0"]
+        else:
+            flags += ["--use-tis", "--custom-tis-function-path", "dora_ext.slime.loss.staleness_tis"]
     return flags
 
 

@@ -12,12 +12,32 @@ training rollouts. `generate_and_reward` is slime's `generate_and_rm` without th
 Weights are loaded with SGLang's `/update_weights_from_disk`, tagged with the version so that
 SGLang reports it in every response (`Sample.weight_versions`).
 
-Engines come and go: `refresh()` re-reads slime's router and checks each engine's `/health` (all
-engines at once; every answer is in before anything changes, so a refresh that raises or is
-cancelled part-way changes nothing), so
-an engine that died leaves (its trajectories go back to the same version elsewhere) and one that
-slime's fault tolerance restarted and registered again joins as a new instance. An engine loading
-weights is not asked: SGLang's `/health` runs a one-token generation that waits for the load.
+Control plane. slime's HTTP client (`http_utils.init_http_client`) allows
+`--sglang-server-concurrency` x engines connections with no timeout, and generation holds all of
+them at the default capacity. Everything that is not generation (the router read, `/health_generate`,
+`/server_info`, `/model_info`, weight loads) therefore goes through the adapter's own client
+(`ControlHttp`, its own pool) with a bound on every call, so it never queues behind generation.
+Each generate request is bounded too (`request_timeout_s`): a request that times out is
+cancelled (closing its connection makes SGLang abort it) and its engine probed at once.
+
+Engines come and go: `refresh()` re-reads slime's router and probes each engine with
+`/health_generate` (all engines at once; every answer is in before anything changes, so a refresh
+that raises or is cancelled part-way changes nothing), so an engine that died or is stuck leaves
+(its trajectories go back to the same version elsewhere, and its requests are cancelled) and one
+that slime's fault tolerance restarted and registered again joins as a new instance. `/health` is
+not asked: slime launches SGLang with `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`, so it
+answers 200 without touching the scheduler; `/health_generate` (what slime's own
+`RolloutHealthMonitor` asks) succeeds as soon as the scheduler produces any output, so a busy
+engine answers at once and a stuck one times out. An engine loading weights is not asked (the
+probe waits behind SGLang's writer lock), and under `--use-fault-tolerance` slime's health
+monitor skips exactly those engines too (`guard_slime_health_monitor`).
+
+Why not slime's own liveness code: `RolloutHealthMonitor` exists only with
+`--use-fault-tolerance` and answers a failed check by killing the engine's actor (it tells no one
+which requests to move), and `ServerGroup.recover` restarts dead engines only before slime's own
+reload of every engine, which the patch replaces. The adapter needs, per engine, "gone or not" to
+send its trajectories back to their version (`InstanceFailed`), so it asks itself; it lets slime's
+monitor and restarts act and notices them (below).
 
 slime restarts an engine at the address it had: `ServerGroup.start_engines` (slime/ray/rollout.py)
 scans for a free port from 15000 again (`get_free_port`), as at launch, so a dead engine's port is
@@ -54,6 +74,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib
+import threading
+import time
 from typing import Any, Awaitable, Callable, Protocol
 from urllib.parse import urlsplit
 
@@ -170,10 +192,90 @@ def slime_http() -> Any:
     return http_utils
 
 
+class ControlHttp:
+    """The adapter's own HTTP client for everything but generation: a pool of its own, so that
+    control calls never wait for one of the `--sglang-server-concurrency` x engines connections
+    slime's generation holds. Callers bound each call (`asyncio.wait_for`)."""
+
+    def __init__(self, max_connections: int = 64) -> None:
+        self.max_connections = max_connections
+        self._client: Any = None
+
+    def _http(self) -> Any:
+        if self._client is None:  # created on the worker's loop, where it is used
+            import httpx
+
+            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.max_connections),
+                                             timeout=httpx.Timeout(None), trust_env=False)
+        return self._client
+
+    async def get(self, url: str) -> Any:
+        r = await self._http().get(url)
+        r.raise_for_status()
+        return r.json() if r.content else {}
+
+    async def post(self, url: str, payload: dict) -> Any:
+        r = await self._http().post(url, json=payload)
+        r.raise_for_status()
+        return r.json() if r.content else {}
+
+
+#: Engines dora-ext loads weights onto, and engines slime's health monitor is checking (URL ->
+#: checks in flight), shared with the monitor's thread under `_MONITOR_LOCK`: a load waits for a
+#: check that started before it (that check's `/health_generate` would wait behind the load).
+LOADING_URLS: set[str] = set()
+CHECKING_URLS: dict[str, int] = {}
+_MONITOR_LOCK = threading.Lock()
+
+
+def guard_slime_health_monitor() -> None:
+    """Make slime's `RolloutHealthMonitor` (`--use-fault-tolerance`) skip the engines dora-ext is
+    loading, and only those. Its public API pauses a whole server group (`pause()`/`resume()`,
+    what slime does around its own reloads of every engine); here one engine loads while the
+    others generate, so the per-engine check (`_check_engine_health`) is wrapped instead: a
+    `/health_generate` waits behind SGLang's writer lock for the whole load, and a load longer
+    than `--rollout-health-check-timeout` would get a healthy engine killed. Idempotent; the
+    monitor runs in slime's RolloutManager process, as the rollout worker does."""
+    from slime.utils import health_monitor
+
+    cls = health_monitor.RolloutHealthMonitor
+    check = getattr(cls, "_check_engine_health", None)
+    if check is None:
+        raise AdapterError("slime's RolloutHealthMonitor has no _check_engine_health: dora-ext cannot keep it "
+                           "from killing engines that load weights; run without --use-fault-tolerance")
+    if getattr(check, "dora_guard", False):
+        return
+    urls: dict[Any, str] = {}
+
+    def guarded(self: Any, rollout_engine_id: int, engine: Any) -> None:
+        if engine is None:
+            return check(self, rollout_engine_id, engine)
+        key = getattr(engine, "_actor_id", None) or id(engine)
+        if key not in urls:
+            urls[key] = str(health_monitor.ray.get(engine.get_url.remote(), timeout=30)).rstrip("/")
+        url = urls[key]
+        with _MONITOR_LOCK:
+            if url in LOADING_URLS:
+                health_monitor.logger.info("dora: engine %s loads weights; health check skipped", url)
+                return None
+            CHECKING_URLS[url] = CHECKING_URLS.get(url, 0) + 1
+        try:
+            return check(self, rollout_engine_id, engine)
+        finally:
+            with _MONITOR_LOCK:
+                CHECKING_URLS[url] -= 1
+                if not CHECKING_URLS[url]:
+                    del CHECKING_URLS[url]
+
+    guarded.dora_guard = True
+    cls._check_engine_health = guarded
+
+
 class SglangEngines:
     """slime's SGLang engines, addressed one by one.
 
-    `http` must offer `async get(url) -> dict` and `async post(url, payload) -> dict`.
+    `http` (generation: slime's client) and `control` (everything else: `ControlHttp` by default)
+    must offer `async get(url) -> dict` and `async post(url, payload) -> dict`.
     """
 
     def __init__(
@@ -182,10 +284,12 @@ class SglangEngines:
         settings: SlimeSettings,
         *,
         http: Any = None,
+        control: Any = None,
         generate_and_rm: GenerateAndRm | None = None,
     ) -> None:
         self.args = args
         self.settings = settings
+        self.control = control if control is not None else ControlHttp()
         self.http = http if http is not None else slime_http()
         self._generate_and_rm = generate_and_rm if generate_and_rm is not None else slime_generate_and_rm()
         self.urls: dict[int, str] = {}
@@ -200,12 +304,18 @@ class SglangEngines:
         self.reasons: dict[int, str] = {}
         self._cap = 0
         self._next_id = 0
-        self.health_timeout_s = 5.0
+        self.health_timeout_s = settings.probe_timeout_s  # /health_generate, /server_info, /model_info
         self.router_timeout_s = 30.0  # a refresh's read of slime's router
-        # Instances with /update_weights_from_disk in flight. SGLang's /health runs a one-token
-        # generation by default, which waits for the load (up to 20 s): their health is not asked
-        # (slime pauses its own health monitor around weight updates too). A load that fails
-        # sends the worker to refresh() again, and then the engine is checked.
+        self.probe_s: list[float] = []  # the last 1000 probes' durations
+        #: The version tag of the weights engines were launched with (set by the session when
+        #: version 0 is the launch checkpoint: a fresh run): an engine that never loaded
+        #: anything is only told its version tag, not reloaded from disk.
+        self.launch_tag: str | None = None
+        if getattr(args, "use_fault_tolerance", False):
+            guard_slime_health_monitor()
+        # Instances with /update_weights_from_disk in flight: the probe would wait behind
+        # SGLang's writer lock for the whole load, so they are not asked (nor by slime's health
+        # monitor: LOADING_URLS). A load that fails sends the worker to refresh() again.
         self._loading: set[int] = set()
         self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
 
@@ -214,7 +324,7 @@ class SglangEngines:
         (one with sglang-router, which refuses a second registration of a URL; every one listed
         is kept, so that the order a router lists them in is never read as a change)."""
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
-        reply = await self.http.get(f"{router}/workers")
+        reply = await self.control.get(f"{router}/workers")
         listed: dict[str, set[str]] = {}
         for w in reply.get("workers", []):
             if w.get("worker_type", "regular") == "regular":
@@ -253,10 +363,15 @@ class SglangEngines:
         return [cap] * len(listed)
 
     async def healthy(self, url: str) -> bool:
+        """Does the engine generate? SGLang's `/health_generate` (see the module docstring)."""
+        t = time.monotonic()
         try:
-            await asyncio.wait_for(self.http.get(f"{url}/health"), self.health_timeout_s)
+            await asyncio.wait_for(self.control.get(f"{url}/health_generate"), self.health_timeout_s)
         except Exception:  # noqa: BLE001 - unreachable, refused, timed out or an error status: not healthy
             return False
+        finally:
+            self.probe_s.append(time.monotonic() - t)
+            del self.probe_s[:-1000]
         return True
 
     async def reported_version(self, url: str, expected: str | None = None) -> str | None:
@@ -282,13 +397,15 @@ class SglangEngines:
         places, so the expected version on top means the engine holds it.
         """
         try:
-            info = await asyncio.wait_for(self.http.get(f"{url}/server_info"), self.health_timeout_s)
+            info = await asyncio.wait_for(self.control.get(f"{url}/server_info"), self.health_timeout_s)
         except Exception as exc:  # noqa: BLE001 - only an SGLang without /server_info leaves /model_info to tell
             if _http_status(exc) != 404:
                 return None
             info = None
         if isinstance(info, dict):
             states = info.get("internal_states")
+            if states == []:
+                return None  # slime's SGLang 0.5.15 patch: the scheduler did not answer in 2 s
             versions = {str(st["weight_version"]) for st in states or []
                         if isinstance(st, dict) and st.get("weight_version") is not None}
             top = info.get("weight_version")
@@ -302,7 +419,7 @@ class SglangEngines:
             if isinstance(workers, int) and workers > 1:
                 return None  # /model_info would answer for one tokenizer worker: no verdict
         try:
-            reply = await asyncio.wait_for(self.http.get(f"{url}/model_info"), self.health_timeout_s)
+            reply = await asyncio.wait_for(self.control.get(f"{url}/model_info"), self.health_timeout_s)
         except Exception:  # noqa: BLE001 - no verdict from this; /health decides whether it is alive
             return None
         version = reply.get("weight_version") if isinstance(reply, dict) else None
@@ -311,7 +428,7 @@ class SglangEngines:
     async def _verdict(self, iid: int, url: str) -> str | None:
         """Why instance `iid` at `url` should leave (fails /health, or holds another version), or None."""
         if not await self.healthy(url):
-            return "the engine fails /health"
+            return "the engine does not generate (/health_generate failed or timed out)"
         expected = self._loaded_tags.get(iid)
         if expected is None:
             return None
@@ -343,7 +460,7 @@ class SglangEngines:
                                 "the engine was restarted")
             elif iid not in self._loading:
                 checked[iid] = (url, self._loads_started.get(iid, 0))
-        # One health pass over the engines, concurrently (each check is bounded by health_timeout_s).
+        # One probe pass over the engines, concurrently (each check is bounded by health_timeout_s).
         verdicts = await asyncio.gather(*(self._verdict(iid, url) for iid, (url, _) in checked.items()))
         for (iid, (url, started)), reason in zip(checked.items(), verdicts):
             if iid in self._loading or self._loads_started.get(iid, 0) != started:
@@ -384,20 +501,45 @@ class SglangEngines:
         args = self._args.get(instance_id)
         if args is None:
             raise EngineGone(f"instance {instance_id} left")
-        return await self._generate_and_rm(args, sample, sampling_params, evaluation=False)
+        return await asyncio.wait_for(self._generate_and_rm(args, sample, sampling_params, evaluation=False),
+                                      self.settings.request_timeout_s)
+
+    async def _relabel(self, instance_id: int, url: str, version_tag: str) -> bool:
+        """Tag an engine that holds the launch weights as `version_tag` (SGLang's
+        `/update_weight_version`, no load); False where the engine does not take it or does not
+        report the tag afterwards (then the caller loads from disk)."""
+        try:
+            await asyncio.wait_for(self.control.post(f"{url}/update_weight_version",
+                                                     {"new_version": version_tag, "abort_all_requests": False}),
+                                   self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - an SGLang without it, or a failure: load from disk
+            return False
+        if await self.reported_version(url, version_tag) not in (version_tag, None):
+            return False
+        self._loaded_tags[instance_id] = version_tag
+        return True
 
     async def load(self, instance_id: int, version_tag: str, path: str | None) -> None:
         url = self.urls.get(instance_id)
         if url is None:
             raise EngineGone(f"instance {instance_id} left")
+        if (version_tag == self.launch_tag and instance_id not in self._loaded_tags
+                and await self._relabel(instance_id, url, version_tag)):
+            return
         self._loading.add(instance_id)
+        with _MONITOR_LOCK:
+            LOADING_URLS.add(url)
         self._loads_started[instance_id] = self._loads_started.get(instance_id, 0) + 1
         try:
-            reply = await self.http.post(
+            while url in CHECKING_URLS:  # slime's monitor checks it now: let that check finish first
+                await asyncio.sleep(0.05)
+            reply = await self.control.post(
                 f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
             )
         finally:
             self._loading.discard(instance_id)
+            with _MONITOR_LOCK:
+                LOADING_URLS.discard(url)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise AdapterError(f"engine {url} failed to load {path}: {reply.get('message')}")
         if self.urls.get(instance_id) == url:

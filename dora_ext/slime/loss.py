@@ -1,7 +1,12 @@
 """SAO's double-side masked loss and the staleness correction, in slime's loss plug points.
 
     --loss-type custom_loss --custom-loss-function-path dora_ext.slime.loss.sao_loss
-    --use-tis --custom-tis-function-path dora_ext.slime.loss.staleness_tis
+    --use-tis --custom-tis-function-path dora_ext.slime.loss.staleness_tis   (staleness_correction: mask)
+
+Correction `tis` is slime's own `--use-tis` (`vanilla_tis_function`: pg_loss * clamp(w, 0, C)
+with `--tis-clip C --tis-clip-low 0`), which `dora-ext slime-args` prints; no copy of it here.
+`mask` has no slime twin: slime's `icepop_function` zeroes tokens outside the band but weighs the
+kept ones by w, while `mask` keeps them at weight 1 (SAO's band, in the ratio pi_old / pi_rollout).
 
 slime's tensors are per-sample 1-D lists concatenated along tokens (`[sum_i T_i]`), reduced by the
 `sum_of_sample_mean` slime builds for the micro-batch. The maths is `dora_ext.algo.losses`
@@ -21,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..algo.losses import double_side_mask, kl_penalty, truncated_is_weights
+from ..algo.losses import double_side_mask, kl_penalty
 from .settings import slime_settings
 
 
@@ -140,15 +145,13 @@ def staleness_tis(
     total_lengths, response_lengths) -> (pg_loss, masks, metrics)`.
 
     Tokens of a stale group were sampled by version v_group, the trainer's PPO anchor is pi_old;
-    the importance ratio w_t = pi_old(a_t) / pi_rollout(a_t) corrects for the difference.
-
-    * `tis`  (default): pg_loss_t * min(w_t, C)                         (truncated IS)
-    * `mask`:           tokens with w_t outside [1/C, C] leave the loss (their mask is zeroed)
-    * `none`:           unchanged (metrics only)
-
-    with C = `dora_slime.is_cap`. Metrics are per-token tensors, reduced by slime.
+    with w_t = pi_old(a_t) / pi_rollout(a_t), tokens with w_t outside [1/C, C] leave the loss
+    (their mask is zeroed), C = `dora_slime.is_cap`. Metrics are per-token tensors, reduced by slime.
     """
     settings = slime_settings(args)
+    if settings.staleness_correction != "mask":
+        raise ValueError(f"staleness_tis is staleness_correction 'mask', got {settings.staleness_correction!r}: "
+                         "'tis' is slime's own --use-tis (as dora-ext slime-args prints it)")
     cap = settings.is_cap
     old = torch.cat(train_log_probs, dim=0).detach()
     behav = torch.cat(rollout_log_probs, dim=0).to(old.dtype).detach()
@@ -158,14 +161,8 @@ def staleness_tis(
             f"{tuple(pg_loss.shape)} must line up token by token"
         )
     ones = torch.ones_like(old)
-    w, _ = truncated_is_weights(old, behav, ones, cap=cap)
     raw = torch.exp((old - behav).clamp(-20.0, 20.0))
     metrics = {"dora_is_weight": raw.clone(), "dora_is_over_cap": (raw > cap).to(old.dtype)}
-    if settings.staleness_correction == "tis":
-        return pg_loss * w.to(pg_loss.dtype), loss_masks, metrics
-    if settings.staleness_correction == "none":
-        return pg_loss, loss_masks, metrics
-    # mask: the double-side band of SAO, in the ratio pi_old / pi_rollout.
     keep = double_side_mask(raw, ones, 1.0 - 1.0 / cap, cap - 1.0)
     metrics["dora_is_masked"] = 1.0 - keep
     masks = []

@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import copy
+import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -51,7 +54,7 @@ from ..core import (
 )
 from ..core.actions import without_failed
 from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines
-from .settings import SlimeSettings, check_launch, dora_config, slime_settings
+from .settings import SlimeSettings, check_launch, check_shared_weights_dir, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 
 logger = logging.getLogger("dora_ext.slime")
@@ -69,8 +72,8 @@ _METRICS = (
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
     """slime's rollout-function signature. Returns batch `rollout_id` as a `RolloutFnTrainOutput`.
 
-    With `evaluation=True` it runs slime's own evaluation (`eval_rollout`) on one engine that
-    holds the newest published version (see `RolloutSession.evaluate`).
+    With `evaluation=True` it runs slime's own evaluation (`eval_rollout`) on the engines that
+    hold the newest published version (see `RolloutSession.evaluate`).
     """
     from ._compat import RolloutFnTrainOutput
 
@@ -179,6 +182,24 @@ def _event_loop() -> tuple[asyncio.AbstractEventLoop, _LoopThread | None]:
     return get_async_loop().loop, None
 
 
+def _fresh_run(args: Any, first_step: int) -> bool:
+    """Version 0 is `--hf-checkpoint`, the weights slime launched the engines with: step 0 and no
+    Megatron checkpoint under `--load` (slime then starts from the HF weights)."""
+    import os
+
+    load = getattr(args, "load", None)
+    return first_step == 0 and not (load and os.path.exists(os.path.join(load, "latest_checkpointed_iteration.txt")))
+
+
+def _ray_nodes() -> int:
+    """Alive nodes of the Ray cluster this process is part of (0 outside Ray)."""
+    try:
+        import ray
+    except ImportError:
+        return 0
+    return len([n for n in ray.nodes() if n.get("Alive")]) if ray.is_initialized() else 0
+
+
 def _sampling_params(args: Any) -> dict:
     if args is None:
         return {}
@@ -260,6 +281,10 @@ class RolloutSession:
         self._fatal: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Trajectory tasks whose request is in flight, per instance: cancelled when the instance
+        # is retired (closing the connection makes SGLang abort the request and frees the slot
+        # in slime's connection pool); the scheduler has re-dispatched them already.
+        self._requests: dict[int, set[asyncio.Task]] = {}
         self._params: dict | None = None
         self._started = False
         self._closed = False
@@ -270,13 +295,14 @@ class RolloutSession:
         self.probe: Any = None
         # The instance slime's evaluation runs on, and the event set when it ends: the scheduler
         # does not see eval requests, so a load it asks for on that instance waits for them.
-        self._eval_on: int | None = None
+        self._eval_on: set[int] = set()
         self._eval_over: asyncio.Event | None = None
         # Engine refreshes: the pass callers wait for next, and the task running the passes.
         self._refresh_next: asyncio.Future | None = None
         self._refresh_runner: asyncio.Task | None = None
-        #: Refresh passes run (each asks the router once and every engine once).
+        #: Refresh passes run (each asks the router once and every engine once), engines retired.
         self.refresh_passes = 0
+        self.retired = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -295,12 +321,15 @@ class RolloutSession:
         weights_dir = settings.weights_dir or getattr(args, "update_weight_disk_dir", None)
         if not weights_dir:
             raise AdapterError("no weights directory: pass --update-weight-disk-dir (or dora_slime.weights_dir)")
+        check_shared_weights_dir(settings, weights_dir, _ray_nodes())
         keep = bool(getattr(args, "update_weight_disk_keep_files", False))
         board = DiskWeightBoard(weights_dir, delete_old=settings.delete_old_weights and not keep)
         from ..plugins import get_plugin_manager
 
         if engines is None:
             engines = SglangEngines(args, settings)
+        if isinstance(engines, SglangEngines) and _fresh_run(args, first_step):
+            engines.launch_tag = str(first_step)  # version 0 is the checkpoint engines launched with
         return cls(args, data_source, first_step=first_step, engines=engines,
                    board=board, settings=settings, plugins=get_plugin_manager())
 
@@ -312,10 +341,11 @@ class RolloutSession:
         return asyncio.run_coroutine_threadsafe(self._next_batch(rollout_id), self.loop).result()
 
     def evaluate(self, rollout_id: int) -> Any:
-        """slime's evaluation on the newest published version, on one engine that holds it.
+        """slime's evaluation on the newest published version, on the engines that hold it.
 
         Through slime's router eval requests would land on engines holding older versions; they
-        go to one engine holding the newest instead (waiting until one does; once the scheduler
+        go to the engines holding the newest instead, one request to the next engine
+        (`_spread_args`), waiting until one holds it (once the scheduler
         has nothing left to run, an idle engine loads it). slime's `eval_rollout` runs unchanged
         with its own semaphore, which the rollout worker does not take (see `engines.py`).
         """
@@ -383,19 +413,21 @@ class RolloutSession:
         await self._ensure_started()
         waited = time.monotonic()
         for _attempt in range(3):
-            iid, newest = await self._eval_instance()
+            iids, newest = await self._eval_instances()
+            iid = iids[0]
             tag = str(self.first_step + newest)
-            args = self.engines.args_for_instance(iid)
+            bases = [self.engines.args_for_instance(i) for i in iids]
             self._probe("eval_start", (rollout_id, iid, tag))
             # slime's eval retries a dead engine for a minute; the engine watcher notices sooner:
-            # then the eval starts again on another engine holding the version.
-            # The scheduler does not see eval requests: a load it sends to this engine waits (_load).
-            self._eval_on, self._eval_over = iid, asyncio.Event()
-            task = asyncio.ensure_future(eval_rollout(args, rollout_id))
+            # then the eval starts again on the engines holding the version.
+            # The scheduler does not see eval requests: a load it sends to these engines waits (_load).
+            self._eval_on, self._eval_over = set(iids), asyncio.Event()
+            task, children = _tracked(self.loop, eval_rollout(_spread_args(bases), rollout_id),
+                                      itertools.cycle(bases).__next__)
             try:
                 while not task.done():
                     await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
-                    if not task.done() and iid not in self.sched.instances:
+                    if not task.done() and not set(iids) <= set(self.sched.instances):
                         task.cancel()
                         await asyncio.gather(task, return_exceptions=True)
                         break
@@ -410,7 +442,7 @@ class RolloutSession:
                     out, _ = task.result()
                 except Exception:
                     await self._refresh()
-                    if iid in self.sched.instances:
+                    if set(iids) <= set(self.sched.instances):
                         raise
                     continue
                 seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
@@ -418,38 +450,39 @@ class RolloutSession:
                     # A restarted engine at the same address (see _run_trajectory): evaluate again
                     # elsewhere once the refresh has retired it; otherwise the mismatch is an error.
                     await self._refresh()
-                    if iid in self.sched.instances:
+                    if set(iids) <= set(self.sched.instances):
                         raise AdapterError(
                             f"evaluation of rollout {rollout_id} pinned to version {tag} saw versions {sorted(seen)}")
                     continue
             finally:
-                self._eval_on = None
+                task.cancel()  # done, or this evaluation was cancelled: nothing of it keeps running
+                _cancel_all(children)
+                self._eval_on = set()
                 self._eval_over.set()
             break
         else:
             raise AdapterError(f"evaluation of rollout {rollout_id}: engines kept dying")
         metrics = dict(out.metrics or {})
-        metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid,
+        metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid, "dora/eval_engines": len(iids),
                         "dora/eval_wait_s": time.monotonic() - waited})
         return RolloutFnEvalOutput(data=out.data, metrics=metrics)
 
-    async def _eval_instance(self) -> tuple[int, int]:
-        """An engine holding the newest published version (waits for one), and that version."""
+    async def _eval_instances(self) -> tuple[list[int], int]:
+        """The engines holding the newest published version (waits for one), and that version."""
         while True:
             if self._fatal is not None:
                 raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
             sched = self.sched
             newest = self.board.poll() - 1
             if newest >= 0 and sched.newest_version >= newest:
-                iid = next((i for i, inst in sorted(sched.instances.items())
-                            if inst.version == newest and inst.loading is None), None)
-                if iid is None and sched.done and sched.instances and all(
+                iids = [i for i, inst in sorted(sched.instances.items()) if inst.version == newest and inst.loading is None]
+                if not iids and sched.done and sched.instances and all(
                         not inst.running and inst.loading is None for inst in sched.instances.values()):
                     # Nothing left to schedule: an idle engine loads the newest version for eval.
-                    iid = min(sched.instances)
-                    await self.engines.load(iid, str(self.first_step + newest), self.board.path(newest))
-                if iid is not None:
-                    return iid, newest
+                    iids = [min(sched.instances)]
+                    await self.engines.load(iids[0], str(self.first_step + newest), self.board.path(newest))
+                if iids:
+                    return iids, newest
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
@@ -512,6 +545,10 @@ class RolloutSession:
             out[f"dora/batch_staleness_hist/{k}"] = stale.count(k)
         out["dora/delivered_groups"] = self._delivered
         out["dora/engine_refresh_passes"] = self.refresh_passes
+        out["dora/engines_retired"] = self.retired
+        probes = sorted(getattr(self.engines, "probe_s", []))
+        if probes:
+            out["dora/health_check_p99_s"] = probes[min(len(probes) - 1, int(0.99 * len(probes)))]
         out["dora/batch_wait_s"] = waited
         return out
 
@@ -613,17 +650,22 @@ class RolloutSession:
         if getattr(self.args, "sglang_enable_deterministic_inference", False):
             # slime's per-sample seed: the sample's index in its group (generate_and_rm_group).
             params["sampling_seed"] = self.args.rollout_seed + idx
+        inflight = self._requests.setdefault(d.instance_id, set())
+        inflight.add(asyncio.current_task())
         try:
             out = await self.engines.generate(d.instance_id, sample, params)
         except AdapterError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed request is retried by the scheduler
+            inflight.discard(asyncio.current_task())
             if d.instance_id in self.sched.instances:
                 # Did the engine die? Then its trajectories (this one too) go back to the same
                 # version through InstanceFailed, and this failure is stale.
                 await self._refresh()
             self._feed(TrajectoryFailed(gid, idx, reason=repr(exc), attempt=d.attempt))
             return
+        finally:
+            inflight.discard(asyncio.current_task())
         samples = _flat(out)
         if self._attempt.get((gid, idx)) != d.attempt:
             # Superseded (its engine was declared dead and the trajectory re-dispatched): the
@@ -685,7 +727,7 @@ class RolloutSession:
     async def _load(self, a: LoadVersion) -> None:
         while self.board.poll() <= a.version:
             await asyncio.sleep(self.settings.poll_interval_s)
-        while self._eval_on == a.instance_id:
+        while a.instance_id in self._eval_on:
             # slime's evaluation runs on this engine (requests the scheduler does not see): an
             # idle-looking engine sent back to an older version (its trajectories lost their
             # engine) would load under them (R4) and mix versions in the eval. Load after it.
@@ -780,7 +822,11 @@ class RolloutSession:
                 reason = reasons.get(iid, "the engine left slime's router or fails /health")
                 logger.warning("dora: engine %s is gone (%s); its trajectories go back to their versions", iid, reason)
                 events.append(InstanceFailed(iid, reason=reason))
+                self.retired += 1
                 self._probe("engine_failed", iid)
+            for task in self._requests.pop(iid, ()):
+                if task is not asyncio.current_task():
+                    task.cancel()
         for iid, cap in new:
             logger.info("dora: engine %s joined (capacity %d)", iid, cap)
             events.append(InstanceReady(iid, cap))
@@ -809,6 +855,61 @@ class RolloutSession:
                 self._feed(VersionPublished(v))
                 self._probe("published", self.first_step + v)
             await asyncio.sleep(self.settings.poll_interval_s)
+
+
+#: Inside a tracked task (see `_tracked`): the set its tasks (and theirs) are added to, and the
+#: function that picks the engine of each new one; the engine a task was given (its args).
+_CHILDREN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("dora_children", default=None)
+_ENGINE: contextvars.ContextVar[Any] = contextvars.ContextVar("dora_engine", default=None)
+_TRACKING: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
+
+
+def _tracked(loop: asyncio.AbstractEventLoop, coro: Any, pick: Any = None) -> tuple[asyncio.Task, set]:
+    """Run `coro` as a task whose own tasks are known, so that cancelling it cancels them too:
+    slime's `eval_rollout` starts one task per eval sample (`asyncio.create_task`) and awaits
+    them with `as_completed`, which leaves them running when it is cancelled. The loop's task
+    factory records every task created in the tracked task's context (chained to any factory
+    the loop has), and gives each one not yet given an engine `pick()` (read by `_spread_args`)."""
+    if loop not in _TRACKING:
+        prev = loop.get_task_factory()
+
+        def factory(loop: asyncio.AbstractEventLoop, c: Any, **kw: Any) -> asyncio.Future:
+            tracked = _CHILDREN.get()
+            if tracked is not None and tracked[1] is not None and _ENGINE.get() is None and kw.get("context") is None:
+                kw["context"] = ctx = contextvars.copy_context()
+                ctx.run(_ENGINE.set, tracked[1]())
+            task = prev(loop, c, **kw) if prev is not None else asyncio.Task(c, loop=loop, **kw)
+            if tracked is not None:
+                tracked[0].add(task)
+            return task
+
+        loop.set_task_factory(factory)
+        _TRACKING.add(loop)
+    children: set = set()
+    ctx = contextvars.copy_context()
+    ctx.run(_CHILDREN.set, (children, pick))
+    return loop.create_task(coro, context=ctx), children
+
+
+def _spread_args(bases: list) -> Any:
+    """slime's args for an evaluation spread over engines: `bases[i]` aims at engine i (slime's
+    generate builds its URL from `sglang_router_ip/port`); each eval task reads the engine
+    `_tracked` gave it, the eval's own code the first engine."""
+
+    def aimed(name: str) -> property:
+        return property(lambda self: getattr(_ENGINE.get() or bases[0], name))
+
+    spread = type("DoraEvalArgs", (type(bases[0]),), {"sglang_router_ip": aimed("sglang_router_ip"),
+                                                      "sglang_router_port": aimed("sglang_router_port")})
+    a = spread.__new__(spread)
+    a.__dict__.update(vars(bases[0]))
+    return a
+
+
+def _cancel_all(tasks: set) -> None:
+    for t in list(tasks):
+        if not t.done():
+            t.cancel()
 
 
 def _retrieve(fut: asyncio.Future) -> None:

@@ -67,6 +67,13 @@ class SlimeSettings:
         version tells). Engines loading weights are skipped (SGLang's `/health` waits for the
         load). A trajectory answered with another weight version than its pin triggers a check
         at once.
+      probe_timeout_s: bound on each control call to an engine (`/health_generate`,
+        `/server_info`, `/model_info`); an engine whose `/health_generate` takes longer is stuck.
+      shared_weights_dir: the weights directory is on a filesystem every node of the Ray cluster
+        sees (the trainer writes each version there, every engine loads it from there); a
+        cluster of more than one node refuses to start until this says so.
+      request_timeout_s: bound on one generate request (then it is cancelled, its engine probed,
+        and the trajectory retried); above the longest response's decode time.
     """
 
     weights_dir: str | None = None
@@ -78,6 +85,9 @@ class SlimeSettings:
     staleness_correction: str = "tis"
     is_cap: float = 2.0
     engine_check_interval_s: float = 2.0
+    probe_timeout_s: float = 60.0
+    request_timeout_s: float = 3600.0
+    shared_weights_dir: bool = False
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "dora_slime") -> "SlimeSettings":
@@ -118,7 +128,28 @@ class SlimeSettings:
         check = data.get("engine_check_interval_s", d.engine_check_interval_s)
         if isinstance(check, bool) or not isinstance(check, (int, float)) or not 0 < check <= 600:
             raise ConfigError(f"{where}.engine_check_interval_s", f"expected a number in (0, 600], got {check!r}")
-        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap), float(check))
+        bounds = {}
+        for key in ("probe_timeout_s", "request_timeout_s"):
+            v = data.get(key, getattr(d, key))
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{where}.{key}", f"expected a number of seconds > 0, got {v!r}")
+            bounds[key] = float(v)
+        shared = data.get("shared_weights_dir", d.shared_weights_dir)
+        if not isinstance(shared, bool):
+            raise ConfigError(f"{where}.shared_weights_dir", f"expected true or false, got {shared!r}")
+        bounds["shared_weights_dir"] = shared
+        return cls(wd, cap, float(poll), base, delete, loss, corr, float(is_cap), float(check), **bounds)
+
+
+def check_shared_weights_dir(settings: SlimeSettings, weights_dir: str, nodes: int) -> None:
+    """A Ray cluster of several nodes needs the weights directory on a shared filesystem."""
+    if nodes > 1 and not settings.shared_weights_dir:
+        raise ConfigError(
+            "dora_slime.shared_weights_dir",
+            f"the Ray cluster has {nodes} nodes: the trainer writes each version under {weights_dir!r} and every "
+            "engine loads it from there, so that directory must be on a filesystem all nodes share; mount one "
+            "and set dora_slime.shared_weights_dir: true",
+        )
 
 
 def dora_section(args: Any) -> Mapping[str, Any]:

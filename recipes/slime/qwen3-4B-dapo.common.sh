@@ -77,6 +77,16 @@ PERF_ARGS=(
    --max-tokens-per-gpu 16384
 )
 
+# Both twins: the same weight transport (dora-ext loads each version onto one engine at a time,
+# which needs a checkpoint per version: disk) and, where the dora twin corrects staleness, the
+# same correction (slime's own truncated IS, cap 2, which the dora twin's flags also select).
+# The directory must be on a filesystem every node sees (single-node here).
+WEIGHT_ARGS=(
+   --update-weight-transport disk
+   --update-weight-disk-dir "${RUN_DIR}/weights"
+   --use-tis
+)
+
 SGLANG_ARGS=(
    --rollout-num-gpus "${ROLLOUT_GPUS}"
    --rollout-num-gpus-per-engine 2
@@ -105,6 +115,6 @@ launch() {
       --actor-num-nodes 1 \
       --actor-num-gpus-per-node "${ACTOR_GPUS}" \
       "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" \
-      "${OPTIMIZER_ARGS[@]}" "${PERF_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" \
+      "${OPTIMIZER_ARGS[@]}" "${PERF_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" "${WEIGHT_ARGS[@]}" \
       "$@"
 }

@@ -95,7 +95,7 @@ def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, f
     from dora_ext.slime.engines import SglangEngines
     from dora_ext.slime.settings import slime_settings
 
-    engines = SglangEngines(args, slime_settings(args), http=fleet)
+    engines = SglangEngines(args, slime_settings(args), http=fleet, control=fleet)
     session = slime_rollout.RolloutSession.for_slime(args, data_source, first_step, engines=engines)
     slime_rollout.install_session(session)
     return session
@@ -110,7 +110,7 @@ def fleet_engines(standins: Any, tmp_path: Path, port: int, n: int = 2) -> tuple
     args = make_args(tmp_path, capacity=2)
     fleet = standins.FakeSglangFleet(n, capacity=2, base_port=port)
     (tmp_path / "w").mkdir(exist_ok=True)
-    return fleet, SglangEngines(args, slime_settings(args), http=fleet)
+    return fleet, SglangEngines(args, slime_settings(args), http=fleet, control=fleet)
 
 
 # ---------------------------------------------------------------- slime's evaluation between rollouts
@@ -195,7 +195,7 @@ def check_train_eval_train(outs: dict[int, Any], ev: Any, fleet: Any) -> list[st
     version (C1), at most K = 1 behind (C3). Returns the trained prompts."""
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
     assert ev.metrics["dora/eval_version"] == 1
-    assert fleet.violations == []
+    assert fleet.violations == [], fleet.violations
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
     assert len(prompts) == len(set(prompts)) == 3 * 2
     for step, out in outs.items():

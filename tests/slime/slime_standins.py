@@ -8,10 +8,14 @@ documented data shapes and interfaces (read from slime's source, commit 624b824)
   `n_samples_per_prompt` deep copies of one prompt, a cursor saved under `args.save/rollout/`).
 * `FakeSglangFleet`: the HTTP surface of SGLang servers behind slime's router that the adapter
   uses (`GET /workers` on the router, with sglang-router's fresh `id` per registration;
-  `GET /health`, `GET /server_info`, `GET /model_info` and `POST /update_weights_from_disk` on an
-  engine, with SGLang 0.5.23's two places for the weight version: the scheduler's, read back in
-  `/server_info`'s `internal_states`, and each tokenizer worker's, which `/model_info` answers
-  from; see `FakeEngine.tokenizer_workers`). It records
+  `GET /health` (as slime launches SGLang, `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`: 200
+  while the process lives, whatever its scheduler does), `GET /health_generate` (answers only if
+  the engine generates), `GET /server_info`, `GET /model_info` and `POST /update_weights_from_disk`
+  on an engine, with SGLang 0.5.23's two places for the weight version: the scheduler's, read back
+  in `/server_info`'s `internal_states`, and each tokenizer worker's, which `/model_info` answers
+  from; see `FakeEngine.tokenizer_workers`; `FakeEngine.empty_states`: slime's SGLang 0.5.15
+  patch, whose `/server_info` returns `internal_states: []` when the scheduler does not answer in
+  2 s). `FakeEngine.stuck`: an engine that accepts requests and never answers them. It records
   violations instead of hiding them: a load on an engine with requests running (R4), more
   requests than the engine's capacity. `restart_engine` replaces an engine by a fresh one at the
   same address, as slime's fault tolerance does.
@@ -142,9 +146,12 @@ class FakeEngine:
         self.running = 0
         self.max_running = 0
         self.loads: list[str] = []
+        self.relabels: list[str] = []
         self.wrong_version_once = False
         self.wrong_versions = 0  # the next this many requests report weight version "999"
         self.alive = True
+        self.stuck = False  # accepts requests, never answers a generation (nor /health_generate)
+        self.empty_states = False
         self.started = 0
         self.inherited = 0  # requests retried here from a predecessor at the same URL
         self.launch_version = "initial"
@@ -216,15 +223,18 @@ class FakeSglangFleet:
     async def get(self, url: str) -> dict:
         if url.endswith("/workers"):
             return {"workers": [{"id": e.worker_id, "url": e.url, "worker_type": "regular"} for e in self.engines]}
-        if url.endswith(("/health", "/model_info", "/server_info")):
+        if url.endswith(("/health", "/health_generate", "/model_info", "/server_info")):
             engine = next(e for e in self.engines if url.startswith(e.url))
             if not engine.alive:
                 raise ConnectionError(f"{engine.url} is down")
+            if url.endswith("/health_generate") and engine.stuck:
+                await asyncio.Event().wait()  # never answers; the caller's bound cuts it
             if url.endswith("/model_info"):  # the answering tokenizer worker's copy
                 return {"weight_version": engine.worker_version(engine.tokenizer_worker())}
             if url.endswith("/server_info"):  # launch config on top, the scheduler's state below
                 return {"weight_version": engine.launch_version, "tokenizer_worker_num": engine.tokenizer_workers,
-                        "internal_states": [{"weight_version": engine.version}]}
+                        "internal_states": [] if engine.empty_states or engine.stuck
+                        else [{"weight_version": engine.version}]}
             return {}
         raise AssertionError(f"unexpected GET {url}")
 
@@ -240,6 +250,11 @@ class FakeSglangFleet:
             engine.loads.append(payload["weight_version"])
             self.observe()
             return {"success": True, "message": "ok"}
+        if url.endswith("/update_weight_version"):  # SGLang: a new tag, no load
+            engine.version = payload["new_version"]
+            engine.worker_versions[engine.tokenizer_worker()] = payload["new_version"]
+            engine.relabels.append(payload["new_version"])
+            return {"success": True}
         raise AssertionError(f"unexpected POST {url}")
 
 
@@ -256,6 +271,8 @@ TICK_S = 0.0005
 FAIL_ALWAYS: set[tuple[str, int]] = set()
 HOLD: dict[tuple[str, int], Any] = {}
 HOLD_TIMEOUT_S = 5.0
+# (prompt, weight version) of each request a stuck engine took.
+STUCK: list[tuple[str, str]] = []
 # Called with the engine each time a request starts on it (fault injection).
 ON_START: Any = None
 # (prompt, sample index) -> the sampling params its last request was sent with.
@@ -299,6 +316,9 @@ async def _request(engine: FakeEngine, args: Any, sample: Any, sampling_params: 
         engine.started += 1
         if ON_START is not None:
             ON_START(engine)
+        if engine.stuck:
+            STUCK.append((sample.prompt, version))
+            await asyncio.Event().wait()  # accepted, never answered (cancelled by the adapter)
         n = response_length(sample)
         await asyncio.sleep(n * TICK_S)
         if not engine.alive:

@@ -72,6 +72,8 @@ def test_dora_script_is_its_baseline_twin_plus_dora_flags(tmp_path, recipe, base
     assert extra[extra.index("--rollout-function-path") + 1] == "dora_ext.slime.rollout.generate_rollout"
     assert extra[extra.index("--update-weight-disk-dir") + 1] == "RUN/weights"
     assert "--colocate" not in base  # equal hardware: both on the same split pools
+    assert base[base.index("--update-weight-transport") + 1] == "disk"  # the same weight transport
+    assert ("--use-tis" in base) == ("--use-tis" in extra)  # the same staleness correction
 
 
 def test_dora_script_refuses_an_unpatched_slime(tmp_path):

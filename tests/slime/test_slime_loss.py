@@ -78,30 +78,43 @@ def _tis_inputs():
     return old, behav, pg, masks
 
 
-@pytest.mark.parametrize("mode", ["tis", "mask", "none"])
-def test_staleness_correction_modes(mode):
+def test_staleness_correction_mask():
     old, behav, pg, masks = _tis_inputs()
-    args = SimpleNamespace(dora_slime={"staleness_correction": mode, "is_cap": 2.0})
+    args = SimpleNamespace(dora_slime={"staleness_correction": "mask", "is_cap": 2.0})
     out, new_masks, metrics = staleness_tis(args, pg_loss=pg, train_log_probs=old, rollout_log_probs=behav,
                                             loss_masks=masks, total_lengths=[6, 4], response_lengths=[3, 2])
     w = torch.exp(torch.cat(old) - torch.cat(behav))  # [1, e, e^-0.8, 1, 1]
     assert torch.allclose(metrics["dora_is_weight"], w)
-    if mode == "tis":
-        assert torch.allclose(out, w.clamp(max=2.0))
-        assert new_masks is masks
-    elif mode == "mask":
-        keep = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])  # e > 2 and e^-0.8 < 1/2 leave [1/2, 2]
-        assert torch.equal(out, keep)
-        assert torch.equal(torch.cat(new_masks), keep)
-    else:
-        assert torch.equal(out, pg)
+    keep = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])  # e > 2 and e^-0.8 < 1/2 leave [1/2, 2]
+    assert torch.equal(out, keep)
+    assert torch.equal(torch.cat(new_masks), keep)
+
+
+def test_correction_tis_is_slimes_own_truncated_is():
+    """Correction `tis` prints slime's `--use-tis` with the cap as `--tis-clip` (slime's
+    `vanilla_tis_function`: pg_loss * clamp(w, 0, C)); with a slime checkout, that function
+    gives min(w, C) on the same tensors."""
+    from dora_ext.slime.cli import slime_flags
+
+    flags = slime_flags({"dora": {"mode": "dora", "max_staleness": 2}, "dora_slime": {"is_cap": 3.0},
+                         "custom_rollout_weight_reload_path": "dora_ext.slime.weights.publish_weights"}, None, "/w")
+    assert "--custom-tis-function-path" not in flags
+    assert flags[flags.index("--tis-clip") + 1] == "3.0" and flags[flags.index("--tis-clip-low") + 1] == "0"
+    with pytest.raises(ValueError, match="slime's own --use-tis"):
+        staleness_tis(SimpleNamespace(), pg_loss=torch.ones(1), train_log_probs=[torch.zeros(1)],
+                      rollout_log_probs=[torch.zeros(1)], loss_masks=[torch.ones(1)])
+    slime_loss = pytest.importorskip("slime.backends.megatron_utils.loss", reason="needs slime and Megatron")
+    old, behav, pg, masks = _tis_inputs()
+    out, _, _ = slime_loss.vanilla_tis_function(SimpleNamespace(tis_clip=2.0, tis_clip_low=0.0), pg_loss=pg,
+                                                train_log_probs=old, rollout_log_probs=behav, loss_masks=masks)
+    assert torch.allclose(out, torch.exp(torch.cat(old) - torch.cat(behav)).clamp(max=2.0))
 
 
 def test_staleness_correction_rejects_misaligned_tensors():
     old, behav, pg, masks = _tis_inputs()
     with pytest.raises(ValueError, match="line up"):
-        staleness_tis(SimpleNamespace(), pg_loss=torch.ones(4), train_log_probs=old, rollout_log_probs=behav,
-                      loss_masks=masks)
+        staleness_tis(SimpleNamespace(dora_slime={"staleness_correction": "mask"}), pg_loss=torch.ones(4),
+                      train_log_probs=old, rollout_log_probs=behav, loss_masks=masks)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])

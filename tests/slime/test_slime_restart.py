@@ -326,7 +326,7 @@ def test_an_engine_reporting_a_version_it_is_still_being_told_about_is_not_retir
         return reply
 
     async def get(url):
-        if url.endswith("/health") and "31900" in url and load_starts == "during-its-health-check":
+        if url.endswith("/health_generate") and "31900" in url and load_starts == "during-its-health-check":
             health_in.set()
             await asyncio.wait_for(health_go.wait(), 10)
         return await real_get(url)

@@ -173,7 +173,7 @@ def test_an_engine_loading_weights_is_not_declared_dead_by_the_health_check(tmp_
             state["reads"] += 1
             if state["reads"] >= 2:
                 state["loading"].set()
-        if url.endswith("/health") and url.startswith(slow.url) and state["loading"] is not None:
+        if url.endswith("/health_generate") and url.startswith(slow.url) and state["loading"] is not None:
             await state["loading"].wait()  # SGLang: no health answer while the load holds the scheduler
         return await get(url)
 

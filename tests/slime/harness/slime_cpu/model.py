@@ -14,7 +14,7 @@ from dora_ext.models.tiny import TinyConfig, TinyLM
 _BASE = ["<pad>", "<bos>", "<eos>"] + list("abcdefghijklmnopqrstuvwxyz0123456789") + ["+", "=", "zz"]
 SYMBOLS = _BASE + [f"w{i}" for i in range(64 - len(_BASE))]  # one symbol per model token id
 EOS_ID = 2
-CONFIG = TinyConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_len=128, seed=0, arch="llama",
+CONFIG = TinyConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_len=512, seed=0, arch="llama",
                     d_ff=64, tie_embeddings=True)
 
 

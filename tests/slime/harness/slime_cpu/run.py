@@ -16,7 +16,7 @@ What stands in, because it cannot exist on a CPU machine (each module says so):
 * `server.py`: an SGLang server (CPU, tiny torch model, SGLang's HTTP API);
 * `train_actor.py`: the Megatron train actor (created by slime's `RayTrainGroup` through its
   `actor_cls` argument; `create_training_models` is called with it, the only change to slime's
-  loop);
+  loop, besides timing the train group's `update_weights` for `result.json`);
 * `megatron_args.py`: Megatron-LM's argument parser (Megatron-LM is not on PyPI);
 * the harness relaunches a killed engine when `--restart-engines` is given: slime relaunches
   engines it started itself, but its `recover()` is a no-op for external engines, so the harness
@@ -77,8 +77,11 @@ class Engines:
     """The CPU SGLang servers: started, watched, relaunched (when asked), stopped."""
 
     def __init__(self, work: Path, hf: Path, n: int, die_after: dict[int, int], restart: bool,
-                 same_port: str | None = None) -> None:
+                 same_port: str | None = None, server_flags: list[str] | None = None,
+                 stuck_after: dict[int, int] | None = None) -> None:
         self.work, self.hf, self.restart, self.same_port = work, hf, restart, same_port
+        self.server_flags = server_flags or []
+        self.stuck_after = stuck_after or {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.router: str | None = None
         self.events: list[dict] = []
@@ -89,7 +92,9 @@ class Engines:
     def start(self, i: int, die_after: int | None = None, port: int | None = None, gated: bool = False) -> int:
         port = port or free_port()
         cmd = [sys.executable, "-m", "slime_cpu.server", "--port", str(port), "--model-path", str(self.hf),
-               "--log", str(self.work / f"engine{i}.jsonl")]
+               "--log", str(self.work / f"engine{i}.jsonl"), *self.server_flags]
+        if i in self.stuck_after:
+            cmd += ["--stuck-after", str(self.stuck_after[i])]
         if die_after:
             cmd += ["--die-after", str(die_after)]
         if gated:
@@ -185,20 +190,22 @@ def start_router(args_ns) -> tuple[multiprocessing.Process, int]:
     return proc, port
 
 
-def write_data(work: Path, n_prompts: int, fail_prompt: bool) -> tuple[Path, Path]:
+def write_data(work: Path, n_prompts: int, fail_prompt: bool, n_eval: int = 2) -> tuple[Path, Path]:
     rng = random.Random(0)
     letters = "abcdefghij"
     prompts = work / "prompts.jsonl"
     with open(prompts, "w") as fh:
         for i in range(n_prompts):
-            text = f"{letters[i // 10]} {letters[i % 10]} {rng.choice(letters)} ="  # unique per prompt
+            text = f"{letters[i // 10 % 10]} {letters[i % 10]} {rng.choice(letters)} ="  # unique per prompt
+            if i >= 100:
+                text = f"{i // 100} " + text
             if fail_prompt and i == 1:
                 text = "zz " + text  # the engine aborts this request on every attempt
             fh.write(json.dumps({"text": text, "label": rng.choice(letters), "pid": i}) + "\n")
     evals = work / "eval.jsonl"
     with open(evals, "w") as fh:
-        for i in range(2):
-            fh.write(json.dumps({"text": f"{letters[i]} {letters[i]} =", "label": letters[i]}) + "\n")
+        for i in range(n_eval):
+            fh.write(json.dumps({"text": f"{letters[i % 10]} {letters[i // 10 % 10]} =", "label": letters[i % 10]}) + "\n")
     return prompts, evals
 
 
@@ -222,6 +229,15 @@ def main() -> int:
     ap.add_argument("--engine-check-interval", type=float, default=0.5,
                     help="dora_slime.engine_check_interval_s (600: no periodic refresh within a run)")
     ap.add_argument("--kill-engine-after", type=int, default=None, help="engine 0 dies as its N-th request starts")
+    ap.add_argument("--stick-engine-after", type=int, default=None, help="engine 1 gets stuck as its N-th request starts")
+    ap.add_argument("--response-len", type=int, default=6)
+    ap.add_argument("--eval-prompts", type=int, default=2)
+    ap.add_argument("--step-s", type=float, default=0.0, help="the stand-in's decode step of a whole batch")
+    ap.add_argument("--load-s", type=float, default=0.0, help="how long a weight load holds the writer lock")
+    ap.add_argument("--cheap-tokens", action="store_true", help="the stand-in's token generator, not the model")
+    ap.add_argument("--no-dora", action="store_true", help="slime alone: its own rollout and disk weight sync")
+    ap.add_argument("--health-check-timeout", type=float, default=None, help="--rollout-health-check-timeout")
+    ap.add_argument("--probe-timeout", type=float, default=None, help="dora_slime.probe_timeout_s")
     ap.add_argument("--fail-prompt", action="store_true")
     ap.add_argument("--crash-at-rollout", type=int, default=None)
     ap.add_argument("--load-from", default=None, help="resume from this slime checkpoint directory (--load)")
@@ -241,7 +257,7 @@ def main() -> int:
     hf = work / "hf"
     if not hf.exists():
         tiny.make_hf_checkpoint(hf)
-    prompts, evals = write_data(work, 64, o.fail_prompt)
+    prompts, evals = write_data(work, max(64, o.batch * (o.num_rollout + o.k + 2)), o.fail_prompt, o.eval_prompts)
 
     import yaml
 
@@ -255,14 +271,22 @@ def main() -> int:
         "custom_rollout_weight_reload_path": "dora_ext.slime.weights.publish_weights",
         "harness_dir": str(work),
     }
+    if o.probe_timeout is not None:
+        cfg["dora_slime"]["probe_timeout_s"] = o.probe_timeout
     if o.crash_at_rollout is not None:
         cfg["harness_crash_at_rollout"] = o.crash_at_rollout
     cfg_path = work / "dora.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     dora_flags = slime_flags(cfg, str(cfg_path), str(work / "weights"))
+    if o.no_dora:  # slime's own rollout; its disk weight sync reloads every engine at once
+        plain = work / "slime.yaml"
+        plain.write_text(yaml.safe_dump({"harness_dir": str(work)}))
+        dora_flags = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(work / "weights"),
+                      "--custom-config-path", str(plain)]
+    server_flags = ["--step-s", str(o.step_s), "--load-s", str(o.load_s)] + (["--cheap-tokens"] if o.cheap_tokens else [])
 
     engines = Engines(work, hf, o.engines, {0: o.kill_engine_after} if o.kill_engine_after else {}, o.restart_engines,
-                      o.restart_same_port)
+                      o.restart_same_port, server_flags, {1: o.stick_engine_after} if o.stick_engine_after else {})
     router_proc = None
     try:
         argv = [
@@ -273,14 +297,14 @@ def main() -> int:
             "--rollout-external-engine-addrs", *engines.addrs,
             "--prompt-data", str(prompts), "--input-key", "text", "--label-key", "label",
             "--rollout-batch-size", str(o.batch), "--n-samples-per-prompt", str(o.n), "--num-rollout", str(o.num_rollout),
-            "--global-batch-size", str(o.batch * o.n), "--rollout-max-response-len", "6", "--rollout-temperature", "1.0",
+            "--global-batch-size", str(o.batch * o.n), "--rollout-max-response-len", str(o.response_len), "--rollout-temperature", "1.0",
             "--sglang-server-concurrency", str(o.capacity),
             "--custom-rm-path", "slime_cpu.hooks.reward", "--advantage-estimator", "grpo", "--lr", "1e-3",
             "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--custom-rollout-log-function-path", "slime_cpu.hooks.log_rollout",
             "--custom-eval-rollout-log-function-path", "slime_cpu.hooks.log_eval",
             "--eval-prompt-data", "probe", str(evals), "--eval-interval", str(o.eval_interval),
-            "--n-samples-per-eval-prompt", "1", "--eval-max-response-len", "6",
+            "--n-samples-per-eval-prompt", "1", "--eval-max-response-len", str(o.response_len),
             "--save", str(work / "ckpt"), "--save-interval", str(o.save_interval), "--seed", "1",
             *dora_flags,
         ]
@@ -288,6 +312,9 @@ def main() -> int:
             argv += ["--load", o.load_from]
         if o.fault_tolerance:
             argv += ["--use-fault-tolerance"]
+            if o.health_check_timeout is not None:
+                argv += ["--rollout-health-check-timeout", str(o.health_check_timeout),
+                         "--rollout-health-check-interval", "0.5", "--rollout-health-check-first-wait", "0"]
         import ray
 
         from slime.utils.arguments import parse_args
@@ -315,7 +342,24 @@ def main() -> int:
         loop = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loop)
         # The one change to slime's loop: the train group gets the CPU actor (RayTrainGroup's actor_cls).
-        loop.create_training_models = functools.partial(loop.create_training_models, actor_cls=CpuTrainRayActor)
+        syncs: list[float] = []
+        create = loop.create_training_models
+
+        def create_training_models(*a, **kw):
+            models = create(*a, **kw, actor_cls=CpuTrainRayActor)
+            update = models[0].update_weights
+
+            def timed_update(*ua, **ukw):  # the trainer's weight sync, as the driver waits for it
+                t = time.time()
+                try:
+                    return update(*ua, **ukw)
+                finally:
+                    syncs.append(time.time() - t)
+
+            models[0].update_weights = timed_update
+            return models
+
+        loop.create_training_models = create_training_models
         t0 = time.time()
         try:
             loop.train(args)
@@ -325,6 +369,7 @@ def main() -> int:
             result["error"] = repr(exc)[:2000]
         result["wall_s"] = time.time() - t0
         result["engine_events"] = engines.events
+        result["weight_sync_s"] = syncs
         ray.shutdown()
         (work / "result.json").write_text(json.dumps(result))
         return 0

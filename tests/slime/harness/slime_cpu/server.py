@@ -2,28 +2,47 @@
 
 It speaks the part of SGLang's HTTP API that slime (`slime/rollout/sglang_rollout.py`,
 `slime/backends/sglang_utils/sglang_engine.py`, `external.py`), slime's router and dora-ext use,
-and serves the tiny torch model of `model.py` for real: every token is sampled from the model.
+with the limits of the real server that matter to them:
 
-  POST /generate                 {input_ids, sampling_params{temperature, top_p, top_k,
-                                  max_new_tokens, sampling_seed, stop_token_ids, ...},
-                                  return_logprob} -> {text, output_ids, meta_info{finish_reason,
-                                  weight_version, output_token_logprobs, prompt_tokens, ...}}
-  GET  /health /health_generate  liveness (slime's router checks it before listing a worker)
-  GET  /server_info /get_server_info /model_info /get_model_info /get_weight_version
-       (as SGLang 0.5.23's, with one tokenizer worker: `/model_info` reports the loaded
-       `weight_version`; `/server_info` the launch one on top and the loaded one in its
-       scheduler's `internal_states`)
+* a batching decode loop: one step every `--step-s` (a GPU-shaped decode step cost) advances
+  EVERY running request by one token, as SGLang's scheduler does with its running batch, so tens
+  of concurrent requests per engine cost about as much wall time as one;
+* tokens from the tiny torch model of `model.py` (default: sampled for real), or with
+  `--cheap-tokens` from a seeded RNG (a token generator for runs with responses of hundreds of
+  tokens; the log-probs it reports are the RNG's);
+* SGLang's weight-update lock (`TokenizerManager.model_update_lock`, a reader-writer lock with
+  writer preference): every generation holds it as a reader for its whole life, and
+  `/update_weights_from_disk` takes it as the writer, so a load waits for the requests in flight,
+  new requests wait for the load, and the load itself takes `--load-s`;
+* `/health` as slime launches SGLang (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`): 200
+  without touching the decode loop; `/health_generate` sends a one-token request through it
+  (so it waits behind a load, and never answers on a stuck engine);
+* `/server_info` as SGLang 0.5.15 with slime's patch answers it: the launch config on top (its
+  `weight_version` is the launch one) and the scheduler's state in `internal_states`, read back
+  from the decode loop; when that takes more than SGLANG_SERVER_INFO_TIMEOUT (2 s:
+  `--server-info-delay-s` makes it slow), `internal_states` is empty;
+* `POST /standin/stick`: the engine gets stuck (accepts connections, never answers a generation
+  nor `/health_generate`; `/health` still says 200, as a real stuck SGLang's does).
+
+  POST /generate                 {input_ids, sampling_params{temperature, max_new_tokens,
+                                  sampling_seed, stop_token_ids, ...}, return_logprob}
+                                  -> {text, output_ids, meta_info{finish_reason, weight_version,
+                                  output_token_logprobs, prompt_tokens, ...}}
+  GET  /health /health_generate /server_info /get_server_info /model_info /get_model_info
+       /get_weight_version
   GET|POST /flush_cache, POST /pause_generation /continue_generation /abort_request
   POST /update_weights_from_disk {model_path, weight_version}: loads `model.safetensors`
+  POST /update_weight_version {new_version}: only the tag (logged as a load with `relabel`)
 
 Every /generate is logged (JSON lines) with the weight version at its start and end, so a test
-can check C1 from what the engine itself reported. Fault injection: `--die-after N` ends the
-process when the N-th request starts (requests in flight die with it); prompts containing the
-symbol `zz` are aborted every time (SGLang's finish_reason "abort"). `--gated`: requests to
-/generate and /update_weights_from_disk wait until `POST /standin/open` (not SGLang's: the harness
-opens it once slime's router lists this server, to force that order) or GATE_LIMIT_S passed.
+can check C1 from what the engine itself reported; every load with its start and end. Fault
+injection: `--die-after N` ends the process when the N-th request starts (requests in flight die
+with it); prompts containing the symbol `zz` are aborted every time (SGLang's finish_reason
+"abort"); `--stuck-after N` sticks the engine when its N-th request starts. `--gated`: requests
+to /generate and /update_weights_from_disk wait until `POST /standin/open` (not SGLang's: the
+harness opens it once slime's router lists this server, to force that order) or GATE_LIMIT_S.
 
-    python -m slime_cpu.server --port P --model-path DIR --log FILE [--die-after N]
+    python -m slime_cpu.server --port P --model-path DIR --log FILE [options]
 """
 
 from __future__ import annotations
@@ -31,126 +50,242 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import torch
-
-from . import model as tiny
-
 LAUNCH_VERSION = "default"  # SGLang's --weight-version default
-
+SERVER_INFO_TIMEOUT_S = 2.0  # slime's 0.5.15 patch: SGLANG_SERVER_INFO_TIMEOUT
 FAIL_SYMBOL = "zz"
 GATE_LIMIT_S = 120.0  # an injected delay, never a hang
 
 
+class RWLock:
+    """SGLang's `aio_rwlock.RWLock` semantics (writer preference), for threads."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.readers = 0
+        self.writer = False
+        self.writers_waiting = 0
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            while self.writer or self.writers_waiting:
+                self._cond.wait()
+            self.readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self.readers -= 1
+            self._cond.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            self.writers_waiting += 1
+            while self.writer or self.readers:
+                self._cond.wait()
+            self.writers_waiting -= 1
+            self.writer = True
+
+    def release_write(self) -> None:
+        with self._cond:
+            self.writer = False
+            self._cond.notify_all()
+
+
+class Request:
+    def __init__(self, ids: list[int], max_new: int, temp: float, stops: set[int], seed: int) -> None:
+        self.ids, self.max_new, self.temp, self.stops = ids, max_new, temp, stops
+        self.rng = random.Random(seed)
+        self.out: list[int] = []
+        self.lps: list[float] = []
+        self.finish: dict | None = None if max_new > 0 else {"type": "length", "length": 0}
+        self.done = threading.Event()
+        if self.finish is not None:
+            self.done.set()
+
+
 class Engine:
-    def __init__(self, model_path: str, log: str, die_after: int | None, port: int, gated: bool = False) -> None:
-        torch.set_num_threads(1)
+    def __init__(self, model_path: str, log: str, die_after: int | None, port: int, gated: bool = False, *,
+                 step_s: float = 0.0, load_s: float = 0.0, cheap: bool = False, stuck_after: int | None = None,
+                 server_info_delay_s: float = 0.0) -> None:
         self.gate = threading.Event()
         if not gated:
             self.gate.set()
-        self.model = tiny.new_model().eval()
-        tiny.load_into(self.model, Path(model_path))
+        self.cheap = cheap
+        self.model = None
+        if not cheap:
+            import torch
+
+            from . import model as tiny
+
+            torch.set_num_threads(1)
+            self.model = tiny.new_model().eval()
+            tiny.load_into(self.model, Path(model_path))
+        from .model import EOS_ID, SYMBOLS
+
+        self.eos, self.vocab = EOS_ID, SYMBOLS
         self.model_path = model_path
         self.version = LAUNCH_VERSION
-        self.lock = threading.Lock()
+        self.update_lock = RWLock()
         self.state = threading.Lock()
-        self.running = 0
+        self.running: list[Request] = []
+        self.wake = threading.Condition(self.state)
         self.started = 0
-        self.die_after = die_after
+        self.die_after, self.stuck_after = die_after, stuck_after
+        self.stuck = False
+        self.step_s, self.load_s, self.server_info_delay_s = step_s, load_s, server_info_delay_s
         self.log = open(log, "a", buffering=1)
         self.port = port
-        self.vocab = tiny.SYMBOLS
-        self.fail_id = None
+        threading.Thread(target=self._decode_loop, daemon=True).start()
 
     def record(self, **entry) -> None:
         entry["port"] = self.port
         with self.state:
             self.log.write(json.dumps(entry) + "\n")
 
+    # ------------------------------------------------------------------ the scheduler's batch
+    def _decode_loop(self) -> None:
+        while True:
+            with self.wake:
+                while not self.running or self.stuck:
+                    self.wake.wait()
+                batch = list(self.running)
+            if self.step_s:
+                time.sleep(self.step_s)  # one decode step of the whole running batch
+            self._step(batch)
+            with self.state:
+                self.running = [r for r in self.running if not r.done.is_set()]
+
+    def _step(self, batch: list[Request]) -> None:
+        for r in batch:
+            if self.cheap:
+                tok = r.rng.randrange(3, len(self.vocab))
+                lp = -1.0
+            else:
+                import torch
+
+                from .model import CONFIG
+
+                x = torch.tensor([r.ids + r.out[-CONFIG.max_len + len(r.ids):]])
+                with torch.no_grad():
+                    logits = self.model(x)[0][0, -1].float()
+                logp = torch.log_softmax(logits / r.temp, dim=-1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=torch.Generator().manual_seed(r.rng.getrandbits(31))))
+                lp = float(logp[tok])
+            r.out.append(tok)
+            r.lps.append(lp)
+            if tok in r.stops:
+                r.finish = {"type": "stop", "matched": tok}
+            elif len(r.out) >= r.max_new:
+                r.finish = {"type": "length", "length": r.max_new}
+            if r.finish is not None:
+                r.done.set()
+
+    def _run(self, r: Request) -> None:
+        with self.wake:
+            self.running.append(r)
+            self.wake.notify_all()
+        r.done.wait()
+
+    # ------------------------------------------------------------------ endpoints
     def generate(self, body: dict) -> dict:
         self.gate.wait(GATE_LIMIT_S)
-        with self.state:
-            self.started += 1
-            self.running += 1
-            n = self.started
-        if self.die_after is not None and n >= self.die_after:
-            self.log.flush()
-            os._exit(17)  # killed mid-rollout: every request in flight dies with the process
-        t0 = time.time()
-        v0 = self.version
+        self.update_lock.acquire_read()  # SGLang: generate_request holds model_update_lock.reader_lock
         try:
+            with self.state:
+                self.started += 1
+                n = self.started
+                if self.stuck_after is not None and n >= self.stuck_after:
+                    self.stuck = True
+            if self.die_after is not None and n >= self.die_after:
+                self.log.flush()
+                os._exit(17)  # killed mid-rollout: every request in flight dies with the process
+            t0, v0 = time.time(), self.version
             ids = list(body.get("input_ids") or [])
             if not ids and body.get("text") is not None:
                 ids = [self.vocab.index(s) for s in str(body["text"]).split()]
             sp = body.get("sampling_params") or {}
             max_new = int(sp.get("max_new_tokens") or 16)
-            temp = float(sp.get("temperature", 1.0) or 1.0)
-            stops = set(sp.get("stop_token_ids") or []) | {tiny.EOS_ID}
-            gen = torch.Generator()
+            stops = set(sp.get("stop_token_ids") or []) | ({self.eos} if not self.cheap else set())
             seed = sp.get("sampling_seed")
-            gen.manual_seed(int(seed) + 7919 * len(ids) if seed is not None else int.from_bytes(os.urandom(4), "little"))
-            out, lps = [], []
-            finish = {"type": "length", "length": max_new}
+            seed = int(seed) + 7919 * len(ids) if seed is not None else int.from_bytes(os.urandom(4), "little")
             if FAIL_SYMBOL in [self.vocab[i] for i in ids if i < len(self.vocab)]:
-                finish = {"type": "abort", "message": "injected: this request fails on every attempt"}
-                max_new = 0
-            for _ in range(max_new):
-                x = torch.tensor([ids + out[-tiny.CONFIG.max_len + len(ids):]])
-                with self.lock, torch.no_grad():
-                    logits = self.model(x)[0][0, -1].float()
-                logp = torch.log_softmax(logits / temp, dim=-1)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-                out.append(tok)
-                lps.append(float(logp[tok]))
-                if tok in stops:
-                    finish = {"type": "stop", "matched": tok}
-                    break
+                r = Request(ids, 0, 1.0, stops, seed)
+                r.finish = {"type": "abort", "message": "injected: this request fails on every attempt"}
+            else:
+                r = Request(ids, max_new, float(sp.get("temperature", 1.0) or 1.0), stops, seed)
+                self._run(r)
             v1 = self.version
-            self.record(kind="generate", t0=t0, t1=time.time(), version_start=v0, version_end=v1,
-                        input_ids=ids, output_ids=out, finish=finish["type"])
-            meta = {
-                "id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(out), "cached_tokens": 0, "weight_version": v1,
-                "e2e_latency": time.time() - t0,
-            }
-            if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out)]
-            return {"text": " ".join(self.vocab[t] for t in out), "output_ids": out, "meta_info": meta}
         finally:
-            with self.state:
-                self.running -= 1
+            self.update_lock.release_read()
+        self.record(kind="generate", t0=t0, t1=time.time(), version_start=v0, version_end=v1,
+                    input_ids=ids, output_ids=r.out, finish=r.finish["type"])
+        meta = {"id": uuid.uuid4().hex, "finish_reason": r.finish, "prompt_tokens": len(ids),
+                "completion_tokens": len(r.out), "cached_tokens": 0, "weight_version": v1,
+                "e2e_latency": time.time() - t0}
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.lps, r.out)]
+        return {"text": " ".join(self.vocab[t] for t in r.out), "output_ids": r.out, "meta_info": meta}
+
+    def finish_all(self) -> None:
+        """End every running request (SGLang's abort of all requests; tests clean up with it)."""
+        with self.state:
+            for r in self.running:
+                r.finish = r.finish or {"type": "abort", "message": "aborted"}
+                r.done.set()
+
+    def health_generate(self) -> None:
+        self.update_lock.acquire_read()
+        try:
+            self._run(Request([0], 1, 1.0, set(), 0))
+        finally:
+            self.update_lock.release_read()
 
     def load(self, body: dict) -> dict:
         self.gate.wait(GATE_LIMIT_S)
         path = Path(body["model_path"])
-        with self.state:
-            running = self.running
-        if running:
-            self.record(kind="violation", what=f"loaded {path} with {running} requests running")
-        with self.lock:
-            tiny.load_into(self.model, path)
+        t0 = time.time()
+        self.update_lock.acquire_write()  # waits for the requests in flight; new ones wait for it
+        try:
+            with self.state:
+                running = sum(1 for r in self.running if not r.done.is_set())
+            if running:
+                self.record(kind="violation", what=f"loaded {path} with {running} requests running")
+            if self.load_s:
+                time.sleep(self.load_s)
+            if self.model is not None:
+                from . import model as tiny
+
+                tiny.load_into(self.model, path)
+            elif not (path / "config.json").exists():
+                return {"success": False, "message": f"no checkpoint at {path}"}
             if body.get("weight_version") is not None:
                 self.version = str(body["weight_version"])
-        self.record(kind="load", t=time.time(), path=str(path), version=self.version)
+        finally:
+            self.update_lock.release_write()
+        self.record(kind="load", t0=t0, t=time.time(), path=str(path), version=self.version)
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     def info(self) -> dict:
         return {
             "model_path": self.model_path, "tokenizer_path": self.model_path, "tp_size": 1, "pp_size": 1,
             "dp_size": 1, "ep_size": 1, "num_gpus": 1, "weight_version": self.version,
-            "disaggregation_mode": "null", "is_generation": True, "enable_memory_saver": False, "version": "0.5.23-cpu-standin",
+            "disaggregation_mode": "null", "is_generation": True, "enable_memory_saver": False,
+            "version": "0.5.15-cpu-standin",
         }
 
     def server_info(self) -> dict:
-        """SGLang 0.5.23's `/server_info`: the launch config on top (its `weight_version` is the
-        launch one), the scheduler's state (with the version it holds) in `internal_states`."""
-        return {**self.info(), "weight_version": LAUNCH_VERSION, "tokenizer_worker_num": 1,
-                "internal_states": [{"weight_version": self.version}]}
+        """The launch config on top, the scheduler's state in `internal_states` (empty when the
+        scheduler does not answer within SERVER_INFO_TIMEOUT_S: slime's 0.5.15 patch)."""
+        delay = self.server_info_delay_s if not self.stuck else float("inf")
+        time.sleep(min(delay, SERVER_INFO_TIMEOUT_S))
+        states = [{"weight_version": self.version}] if delay <= SERVER_INFO_TIMEOUT_S else []
+        return {**self.info(), "weight_version": LAUNCH_VERSION, "tokenizer_worker_num": 1, "internal_states": states}
 
 
 def make_handler(engine: Engine):
@@ -174,7 +309,10 @@ def make_handler(engine: Engine):
 
         def do_GET(self) -> None:
             p = self.path.split("?")[0]
-            if p in ("/health", "/health_generate", "/flush_cache"):
+            if p in ("/health", "/flush_cache"):
+                return self._reply({})
+            if p == "/health_generate":
+                engine.health_generate()
                 return self._reply({})
             if p in ("/server_info", "/get_server_info"):
                 return self._reply(engine.server_info())
@@ -191,8 +329,16 @@ def make_handler(engine: Engine):
                 return self._reply(engine.generate(body))
             if p == "/update_weights_from_disk":
                 return self._reply(engine.load(body))
+            if p == "/update_weight_version":  # a new tag, no load
+                engine.version = str(body["new_version"])
+                engine.record(kind="load", t0=time.time(), t=time.time(), path=None, version=engine.version,
+                              relabel=True)
+                return self._reply({"success": True, "new_version": engine.version})
             if p == "/standin/open":
                 engine.gate.set()
+                return self._reply({"success": True})
+            if p == "/standin/stick":
+                engine.stuck = True
                 return self._reply({"success": True})
             if p in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"):
                 engine.record(kind=p.strip("/"), t=time.time())
@@ -202,18 +348,52 @@ def make_handler(engine: Engine):
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # SGLang's uvicorn accepts hundreds of connections at once
+
+
+def serve(engine: Engine, port: int) -> ThreadingHTTPServer:
+    return _Server(("127.0.0.1", port), make_handler(engine))
+
+
+def serve_router(urls: list[str], port: int) -> ThreadingHTTPServer:
+    """STAND-IN for slime's router, only its `GET /workers` listing (sglang-router's shape)."""
+
+    class Router(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a) -> None:
+            return
+
+        def do_GET(self) -> None:
+            body = {"workers": [{"id": f"w{i}", "url": u, "worker_type": "regular"} for i, u in enumerate(urls)]}
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return _Server(("127.0.0.1", port), Router)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--log", required=True)
     ap.add_argument("--die-after", type=int, default=None)
+    ap.add_argument("--stuck-after", type=int, default=None)
     ap.add_argument("--gated", action="store_true")
+    ap.add_argument("--step-s", type=float, default=0.0, help="one decode step of the running batch")
+    ap.add_argument("--load-s", type=float, default=0.0, help="how long a weight load holds the writer lock")
+    ap.add_argument("--server-info-delay-s", type=float, default=0.0)
+    ap.add_argument("--cheap-tokens", action="store_true")
     a = ap.parse_args()
-    engine = Engine(a.model_path, a.log, a.die_after, a.port, a.gated)
-    server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(engine))
-    server.daemon_threads = True
-    server.serve_forever()
+    engine = Engine(a.model_path, a.log, a.die_after, a.port, a.gated, step_s=a.step_s, load_s=a.load_s,
+                    cheap=a.cheap_tokens, stuck_after=a.stuck_after, server_info_delay_s=a.server_info_delay_s)
+    serve(engine, a.port).serve_forever()
 
 
 if __name__ == "__main__":

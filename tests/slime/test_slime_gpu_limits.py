@@ -1,0 +1,382 @@
+"""The limits of slime's real components that only recipe-scale concurrency shows (issue 22):
+slime's connection pool of `--sglang-server-concurrency` x engines connections, held by
+generation; SGLang's `/health` that does not generate (as slime launches it); a stuck engine;
+SGLang's weight-update writer lock under slime's `RolloutHealthMonitor`; SGLang 0.5.15's
+`/server_info` with slime's patch.
+
+The HTTP tests run the CPU SGLang stand-in of `harness/slime_cpu/server.py` (a batching decode
+loop, the writer lock, `/health` without generation) in this process, over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+
+from dora_ext.slime.data_source import DoraDataSource
+from dora_ext.slime.engines import SglangEngines
+from dora_ext.slime.settings import slime_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
+
+from slime_cpu import server as sglang_standin  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(httpd) -> None:
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+
+def _fleet(tmp_path: Path, n: int, **engine_kw) -> tuple[list, list, str, list]:
+    """`n` stand-in SGLang servers and a stand-in router listing them: (engines, urls, router, servers)."""
+    engines, urls, servers = [], [], []
+    for i in range(n):
+        port = _port()
+        e = sglang_standin.Engine(str(tmp_path), str(tmp_path / f"engine{i}.jsonl"), None, port, cheap=True, **engine_kw)
+        servers.append(sglang_standin.serve(e, port))
+        engines.append(e)
+        urls.append(f"http://127.0.0.1:{port}")
+    rport = _port()
+    servers.append(sglang_standin.serve_router(urls, rport))
+    for s in servers:
+        _serve(s)
+    return engines, urls, f"127.0.0.1:{rport}", servers
+
+
+class _SlimePool:
+    """slime's generation client as `slime.utils.http_utils.init_http_client` builds it:
+    `sglang_server_concurrency` x engines connections, no timeout (slime's own module when a
+    checkout is importable)."""
+
+    def __init__(self, concurrency: int, engines: int, monkeypatch) -> None:
+        import httpx
+
+        try:
+            from slime.utils import http_utils
+        except ImportError:
+            self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * engines),
+                                            timeout=httpx.Timeout(None), trust_env=False)
+            self.slime = None
+        else:
+            monkeypatch.setattr(http_utils, "_http_client", None)
+            monkeypatch.setattr(http_utils, "_distributed_post_enabled", False)
+            http_utils.init_http_client(SimpleNamespace(rollout_num_engines=engines, sglang_server_concurrency=concurrency,
+                                                        use_distributed_post=False))
+            self.slime = http_utils
+            self.client = http_utils._http_client
+
+    async def get(self, url: str):
+        if self.slime is not None:
+            return await self.slime.get(url)
+        r = await self.client.get(url)
+        r.raise_for_status()
+        return r.json()
+
+    async def post(self, url: str, payload: dict, max_retries: int = 60):
+        if self.slime is not None:
+            return await self.slime.post(url, payload, max_retries=max_retries)
+        r = await self.client.post(url, json=payload)
+        r.raise_for_status()
+        return r.json()
+
+
+def _args(tmp_path: Path, router: str, concurrency: int, **extra) -> SimpleNamespace:
+    ip, port = router.split(":")
+    args = make_args(tmp_path, capacity=concurrency, **extra)
+    args.sglang_router_ip, args.sglang_router_port = ip, int(port)
+    return args
+
+
+def test_engines_whose_generation_holds_slimes_whole_pool_are_not_retired(tmp_path, monkeypatch):
+    """slime's pool (concurrency x engines connections) full of generate requests, as at
+    start-up and during every evaluation: the router read and each engine's probe must not queue
+    behind them. Three engines, 8 requests each (the pool's size), answered only at the end."""
+    c, n = 8, 3
+    standins, urls, router, servers = _fleet(tmp_path, n, step_s=0.01)
+    pool = _SlimePool(c, n, monkeypatch)
+    args = _args(tmp_path, router, c)
+    engines = SglangEngines(args, slime_settings(args), http=pool)
+    engines.health_timeout_s = engines.router_timeout_s = 10.0
+
+    async def run():
+        assert await engines.discover() == [c] * n
+        reqs = [asyncio.ensure_future(pool.post(f"{u}/generate", {"input_ids": [3, 4],
+                                                                  "sampling_params": {"max_new_tokens": 10**7}}))
+                for u in urls for _ in range(c)]
+        t = time.monotonic()
+        while sum(len(e.running) for e in standins) < n * c:  # every connection is generation's
+            assert time.monotonic() - t < 30, [len(e.running) for e in standins]
+            await asyncio.sleep(0.02)
+        try:
+            return await engines.refresh()
+        finally:
+            for e in standins:
+                e.finish_all()
+            await asyncio.gather(*reqs, return_exceptions=True)
+
+    try:
+        gone, new = asyncio.run(run())
+    finally:
+        for s in servers:
+            s.shutdown()
+    assert (gone, new) == ([], []), engines.reasons
+
+
+def test_a_stuck_engine_is_retired_and_its_trajectories_run_again_at_their_version(tmp_path, standins):
+    """Engine 1 sticks as its first request starts: it accepts requests and never answers them,
+    while `/health` (no generation, as slime launches SGLang) still says 200. The probe
+    (`/health_generate`) times out, the engine is retired, its requests are cancelled, and each
+    of its trajectories runs again elsewhere at the version it was pinned to."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=3, n=2, num_rollout=4, capacity=2)
+    args.dora_slime["engine_check_interval_s"] = 0.05
+    fleet = standins.FakeSglangFleet(3, capacity=2, base_port=31700)
+    stuck = fleet.engines[1]
+    held: list = []
+    standins.STUCK.clear()
+
+    def on_start(engine):
+        if engine is stuck:
+            engine.stuck = True
+            held.append(engine.version)
+
+    standins.ON_START = on_start
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session.engines.health_timeout_s = 1.0
+    probes: list = []
+    session.probe = lambda name, value: probes.append((name, value))
+    out: dict = {}
+    try:
+        t = threading.Thread(target=lambda: out.update(SimulatedSlimeDriver(args, ds).run_async(0, 4)), daemon=True)
+        t.start()
+        t.join(120)
+    finally:
+        standins.ON_START = None
+    assert not t.is_alive(), f"the run hangs on the stuck engine: {probes}"
+    assert held, "the stuck engine never took a request"
+    assert [v for n, v in probes if n == "engine_failed"] == [1]
+    assert stuck.running == 0, "the stuck engine's requests were not cancelled"
+    groups = [g for o in out.values() for g in o.samples]
+    assert len({g[0].prompt for g in groups}) == len(groups) == 4 * 3  # C2
+    for g in groups:
+        assert len({v for s in g for v in s.weight_versions}) == 1  # C1
+    versions = {g[0].prompt: g[0].weight_versions[0] for g in groups}
+    assert standins.STUCK and all(versions[p] == v for p, v in standins.STUCK), (standins.STUCK, versions)
+    assert fleet.violations == []
+
+
+def test_server_info_without_internal_states_is_no_verdict(tmp_path, standins):
+    """SGLang 0.5.15 with slime's patch answers `/server_info` with `internal_states: []` when its
+    scheduler takes over 2 s (a busy engine): that is unknown, not a restart, even where
+    `/model_info` (one tokenizer worker's copy) reports another version."""
+    from slime_helpers import fleet_engines
+
+    fleet, engines = fleet_engines(standins, tmp_path, 31750, n=1)
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "3", str(tmp_path / "w"))
+        e = fleet.engines[0]
+        e.empty_states = True
+        e.worker_versions = {0: "default"}  # /model_info answered by a worker that never saw the load
+        return await engines.reported_version(e.url, "3"), await engines.refresh()
+
+    reported, (gone, new) = asyncio.run(run())
+    assert reported is None
+    assert (gone, new) == ([], [])
+
+
+def test_slimes_health_monitor_does_not_kill_an_engine_dora_loads(tmp_path, monkeypatch):
+    """`--use-fault-tolerance`: slime's `RolloutHealthMonitor` asks every engine's
+    `/health_generate` with `--rollout-health-check-timeout`; a load holds SGLang's writer lock
+    longer than that. The monitor (slime's own code) must skip exactly the engine being loaded:
+    engine 0 loads for 2 s under a 0.3 s check timeout and survives; engine 1, stuck, is killed."""
+    health_monitor = pytest.importorskip("slime.utils.health_monitor", reason="needs a slime checkout (DORA_SLIME_PATH)")
+    cls = health_monitor.RolloutHealthMonitor
+    monkeypatch.setattr(cls, "_check_engine_health", cls._check_engine_health)  # restored after the test
+    import requests
+
+    standins, urls, router, servers = _fleet(tmp_path, 2, load_s=2.0)
+    standins[1].stuck = True
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "config.json").write_text("{}")
+    killed: list = []
+
+    class Call:  # a Ray ObjectRef stand-in: ray.get runs it
+        def __init__(self, fn):
+            self.fn = fn
+
+    class Method:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *a, **kw):
+            return Call(lambda: self.fn(*a, **kw))
+
+    class EngineActor:  # slime's SGLangEngine actor, the two methods the monitor calls
+        def __init__(self, url):
+            self.url = url
+            self.get_url = Method(lambda: url)
+            self.health_generate = Method(self._health)
+            self.shutdown = Method(lambda: killed.append(url))
+
+        def _health(self, timeout=5.0):
+            requests.get(f"{self.url}/health_generate", timeout=timeout).raise_for_status()
+            return True
+
+    ray_stub = SimpleNamespace(get=lambda ref, timeout=None: ref.fn() if isinstance(ref, Call) else [r.fn() for r in ref],
+                               kill=lambda actor: None)
+    monkeypatch.setattr(health_monitor, "ray", ray_stub)
+    group = SimpleNamespace(all_engines=[EngineActor(u) for u in urls], nodes_per_engine=1)
+    group.engines = group.all_engines
+    args = _args(tmp_path, router, 2, use_fault_tolerance=True)
+    monitor = cls(group, SimpleNamespace(rollout_health_check_interval=0.05, rollout_health_check_timeout=0.3,
+                                         rollout_health_check_first_wait=0.0))
+    engines = SglangEngines(args, slime_settings(args), http=_SlimePool(2, 2, monkeypatch))
+
+    async def run():
+        await engines.discover()
+        monitor.start()
+        monitor.resume()
+        t = time.monotonic()
+        while urls[1] not in killed:  # the monitor runs (and kills the stuck engine)
+            assert time.monotonic() - t < 30, "slime's health monitor never checked"
+            await asyncio.sleep(0.05)
+        await engines.load(next(i for i, u in engines.urls.items() if u == urls[0]), "1", str(tmp_path / "w"))
+
+    try:
+        asyncio.run(run())
+    finally:
+        monitor.stop()
+        for s in servers:
+            s.shutdown()
+    assert killed == [urls[1]]
+    assert group.all_engines[0] is not None
+    assert [e["version"] for e in map(__import__("json").loads, (tmp_path / "engine0.jsonl").read_text().splitlines())
+            if e["kind"] == "load"] == ["1"]
+
+
+def test_an_evaluation_cancelled_on_a_dead_engine_cancels_its_requests(tmp_path, standins, monkeypatch):
+    """slime's `eval_rollout` starts one task per eval sample and awaits them with
+    `as_completed`; cancelling it (its engine is stuck, the eval runs again elsewhere) used to
+    leave those tasks and their requests running. Here the first eval's request hangs on the
+    stuck engine for ever; it must be cancelled."""
+    from slime_helpers import eval_fleet_session, install_eval_rollout, probe_eval, record_probes, train_eval_train
+
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31450, check_interval_s=0.02)
+    session.engines.health_timeout_s = 0.5
+    probes, _ = record_probes(session, "engine_failed")
+    calls: list = []
+    ended: list = []
+
+    async def request(eval_args):
+        try:
+            return await probe_eval(standins, eval_args)
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+        except BaseException as exc:
+            ended.append(repr(exc))
+            raise
+
+    async def eval_rollout(eval_args, rollout_id):  # slime's shape: a task per sample, as_completed
+        engine = standins.ENGINES[int(eval_args.sglang_router_port)]
+        calls.append(engine.port)
+        if len(calls) == 1:
+            engine.stuck = True  # its requests never end; its probe times out
+        tasks = [asyncio.create_task(request(eval_args))]
+        for coro in asyncio.as_completed(tasks):
+            return await coro
+
+    install_eval_rollout(monkeypatch, eval_rollout)
+    outs, ev = train_eval_train(args, ds, standins)
+    assert len(calls) == 2, calls
+    assert ended[0] == "cancelled", ended
+
+
+def test_a_multi_node_cluster_without_a_shared_weights_dir_refuses_to_start(tmp_path, standins, monkeypatch):
+    """Engines load each version from the directory the trainer wrote: on a cluster of several
+    nodes that directory must be shared, and a launch that does not say so fails naming the key."""
+    from dora_ext.config import ConfigError
+    from dora_ext.slime import rollout
+
+    monkeypatch.setattr(rollout, "_ray_nodes", lambda: 2)
+    args = make_args(tmp_path)
+    with pytest.raises(ConfigError, match="dora_slime.shared_weights_dir"):
+        rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0)
+    args.dora_slime["shared_weights_dir"] = True
+    from dora_ext.slime.engines import PassThroughEngines
+
+    rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0, engines=PassThroughEngines([1])).close()
+
+
+def test_engines_holding_the_launch_weights_are_not_reloaded_with_version_0(tmp_path, standins, monkeypatch):
+    """A fresh run's version 0 is the checkpoint slime launched the engines with: they are told
+    the tag (SGLang's `/update_weight_version`), not reloaded from disk; a resumed run loads it."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=3, capacity=2)
+    fleet = standins.FakeSglangFleet(3, capacity=2, base_port=31800)
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, fleet, first_step=0)
+    outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
+    assert [e.relabels for e in fleet.engines] == [["0"]] * 3
+    assert all("0" not in e.loads for e in fleet.engines)
+    assert {v for o in outs.values() for g in o.samples for s in g for v in s.weight_versions} >= {"0"}
+    assert fleet.violations == []
+
+    from dora_ext.slime import rollout, weights
+
+    rollout.close_session()
+    monkeypatch.setattr(weights, "_RUN", "second-driver")
+    monkeypatch.setattr(weights, "_count", 0)  # a second slime driver process
+    (tmp_path / "ckpt2").mkdir()
+    (tmp_path / "ckpt2" / "latest_checkpointed_iteration.txt").write_text("1")
+    args = make_args(tmp_path / "b", mode="dora", k=1, batch=2, n=2, num_rollout=3, capacity=2, load=str(tmp_path / "ckpt2"))
+    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31810)
+    ds = DoraDataSource(args)
+    install_fleet_session(args, ds, fleet, first_step=0)
+    SimulatedSlimeDriver(args, ds).run_async(0, 2)
+    assert all(e.relabels == [] and "0" in e.loads for e in fleet.engines)
+
+
+def test_eval_requests_are_spread_over_the_engines_holding_the_version():
+    """slime's `eval_rollout` builds each request's URL from `args.sglang_router_ip/port`, one
+    task per sample: each task is given the next engine holding the eval's version (the eval's
+    own code sees the first), so the eval's requests do not all land on one engine."""
+    from dora_ext.slime.rollout import _spread_args, _tracked
+
+    bases = [SimpleNamespace(sglang_router_ip=f"10.0.0.{i}", sglang_router_port=30000 + i, other=i) for i in range(3)]
+    seen: list = []
+
+    async def eval_rollout(args):  # slime's shape: a task per sample reads args when it runs
+        async def one(j):
+            await asyncio.sleep(0)
+            return (j, args.sglang_router_ip, args.sglang_router_port, args.other)
+
+        tasks = [asyncio.create_task(one(j)) for j in range(6)]
+        seen.append(("eval", args.sglang_router_port))
+        return [await t for t in tasks]
+
+    async def run():
+        import itertools
+
+        task, children = _tracked(asyncio.get_running_loop(), eval_rollout(_spread_args(bases)),
+                                  itertools.cycle(bases).__next__)
+        return await task, children
+
+    out, children = asyncio.run(run())
+    assert [(ip, port) for _, ip, port, _ in out] == [(b.sglang_router_ip, b.sglang_router_port) for b in bases] * 2
+    assert {o for *_, o in out} == {0} and seen == [("eval", 30000)]
+    assert len(children) == 6

@@ -135,6 +135,7 @@ def optimise_split(
     runner: Callable[..., RunResult] | None = None,
     exhaustive: int = 8,
     cache: dict | None = None,
+    host: Any = None,
 ) -> SplitSearch:
     """The integer split with the highest throughput for `mode` (see the module docstring).
 
@@ -154,6 +155,8 @@ def optimise_split(
                 f"(5 * (K + 2): shorter runs measure a burst after a long tail, not a steady state), "
                 f"or leave it unset for the default")
     kw = dict(steps=steps, seed=seed, max_staleness=max_staleness, records=records, config=config, plugins=plugins)
+    if host is not None:
+        kw["host"] = host
     if layout_for(preset, mode, None).colocated:
         res = run_one(preset, mode, split=None, **kw)
         return SplitSearch(mode, res.max_staleness, None, res)
@@ -165,7 +168,7 @@ def optimise_split(
 
     memo = None
     if cache is not None and runner is None and records is None and plugins is None:
-        memo = (id(preset), mode, steps, seed, max_staleness, tuple(sorted((config or {}).items())))
+        memo = (id(preset), mode, steps, seed, max_staleness, tuple(sorted((config or {}).items())), str(host))
 
     def f(n: int) -> float:
         if n not in thr:
@@ -354,6 +357,7 @@ def recommend(
     cache: dict | None = None,
     start: dict[tuple[str, bool], int] | None = None,
     exhaustive: int = 8,
+    host: Any = None,
 ) -> Recommendation:
     """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`.
 
@@ -377,7 +381,7 @@ def recommend(
     for mode, k, el in todo:
         cfg = {"elastic": True} if el else None
         s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=k, records=records,
-                           config=cfg, start=hint.get((mode, el)), cache=cache, exhaustive=exhaustive)
+                           config=cfg, start=hint.get((mode, el)), cache=cache, exhaustive=exhaustive, host=host)
         if s.split is not None:
             hint[(mode, el)] = s.split[0] // tp
         c = Candidate(mode, s.max_staleness, el, s)

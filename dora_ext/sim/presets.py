@@ -52,6 +52,10 @@ class EngineCost:
     `moe_period_s` seconds (keyed by seed, instance and period: every mode sees the same speeds).
     A balanced load (factor 1) is the best case, so the ideal is unchanged; the mean factor is
     `1 + 0.8 m`.
+
+    `kv_budget_tokens` (hosts with `kv_memory`, see `hosts.py`): the running sequences' contexts
+    must fit it; when the next iteration would not, the newest sequence is preempted and later
+    recomputed (re-prefilled) from its context, as vLLM does by default.
     """
 
     decode_a_s: float
@@ -66,6 +70,8 @@ class EngineCost:
     resume_reprefill: bool = True
     moe_imbalance: float = 0.0
     moe_period_s: float = 30.0
+    weight_bytes: float = 0.0  # the served weights (bf16): what a host's weight path moves
+    kv_budget_tokens: int = 0  # KV tokens one instance holds (0: unbounded); used by hosts with KV memory
 
     def __post_init__(self) -> None:
         if not self.moe_imbalance >= 0:
@@ -139,6 +145,8 @@ DAPO_28K = Preset(
         migrate_bytes_per_s=25e9,  # [hw] 200 Gb/s RDMA between instances
         capacity=128,  # [hw] ~55 GB KV budget / 57 KB / ~5K mean in-flight context ~ 190; vLLM-style 128
         accelerators=1,  # [hw] a 7B model fits one 80 GB accelerator
+        weight_bytes=2 * _P7,
+        kv_budget_tokens=55_000_000_000 // _KV7,  # [hw] 80 GB - 15 GB weights - ~10 GB activations = 55 GB / 57 KB: 959K tokens
     ),
     trainer=TrainerCost(
         # [calib] sync rollout share ~70% of the step (verl docs, DAPO-32B; issue 3). The [hw]
@@ -195,6 +203,8 @@ ROLLOUTPIPE_8K = Preset(
         migrate_bytes_per_s=25e9,
         capacity=256,  # [hw] vLLM/SGLang default max running requests; ~60 GB KV / 115 KB fits it
         accelerators=1,
+        weight_bytes=2 * _P17,
+        kv_budget_tokens=60_000_000_000 // _KV17,  # [hw] 80 GB - 3.4 GB weights - activations = ~60 GB / 115 KB: 523K tokens
     ),
     trainer=TrainerCost(
         # [hw] 12*N FLOP per trained token (module doc) at 25% MFU: small models with 8K
@@ -246,6 +256,8 @@ AGENTIC_LONG_TAIL = Preset(
         migrate_bytes_per_s=25e9,
         capacity=64,  # [hw] ~216 GB KV on 4 accelerators / 262 KB / ~12K context
         accelerators=4,
+        weight_bytes=2 * _P32,
+        kv_budget_tokens=216_000_000_000 // _KV32,  # [hw] 4 x 80 GB - 64 GB weights - activations = ~216 GB / 262 KB: 824K tokens
     ),
     trainer=TrainerCost(
         train_acc_s_per_token=12 * _P32 / (0.35 * _FLOPS),  # [hw] 12*N FLOP/token at 35% MFU
@@ -300,6 +312,8 @@ MOE_IMBALANCE = Preset(
         migrate_bytes_per_s=25e9,
         capacity=128,  # [hw] vLLM-style 128 running requests per instance (~100 GB KV on 2 accelerators)
         accelerators=2,
+        weight_bytes=2 * _P30,
+        kv_budget_tokens=100_000_000_000 // _KV30,  # [hw] 2 x 80 GB - 61 GB weights - activations = ~100 GB / 98 KB: 1.02M tokens
         # [assumed] expert-load skew: DORA reports long tails are worse with MoE; an EP iteration
         # waits for the most loaded expert. Factor 1 + 0.3 |z| (mean 1.24, 1.6 at 2 sigma),
         # redrawn every 30 s per instance.

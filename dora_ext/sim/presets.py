@@ -100,6 +100,9 @@ class TrainerCost:
     broadcast_s: float
     join_s: float = 5.0
     leave_s: float = 5.0
+    step_acc_s_per_token: float = 0.0  # work at the optimizer step per batch token (not streamed)
+    dp_comm_s: float = 0.0  # per step, data-parallel collectives when the trainer has > 1 accelerator
+    report_s: float = 0.0  # a step's report reaching the scheduler and its answer the trainer (idle)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class Preset:
     default_steps: int = 20
     sources: tuple[str, ...] = field(default=())
     targets: dict = field(default_factory=dict)
+    instances: int = 0  # > 0: this many instances whatever the split, time-sharing the rollout side
 
     def __post_init__(self) -> None:
         r, t = self.default_split
@@ -350,8 +354,53 @@ MOE_IMBALANCE = Preset(
     ),
 )
 
+# --------------------------------------------------------------------------- cpu-long-tail
+# The embedded runtime's main job (recipes/cpu/long-tail.yaml) on a 2-core machine: the tiny model
+# (d_model 64, 2 layers, fp32), 2 instances of 64 sequences, batch 8 x 16. [meas] constants come
+# from one run of benchmarks/sim_vs_runtime.py on the shared 2-core development machine (load
+# average ~10: times several-fold the recipe's unloaded ones); the benchmark re-measures them
+# (`calibrate` there) before it compares, so this preset is the shape, the benchmark the numbers.
+_KVT = 2 * 64 * 2 * 4  # 2 layers x d_model 64 x (K, V) x fp32
+
+CPU_LONG_TAIL = Preset(
+    name="cpu-long-tail",
+    summary="The embedded runtime's CPU main job (long-tail recipe): 2 cores, 2 instances time-sharing the rollout core, trainer-bound",
+    accelerators=2,
+    engine=EngineCost(
+        decode_a_s=0.42e-3,  # [meas] a decode step of one instance on its own core: 0.42 ms + 0.061 ms
+        decode_b_s=0.061e-3,  # per running sequence (the sync run's step log; the contexts, < 110 tokens, folded in)
+        decode_c_s=0.0,
+        prefill_s_per_token=2e-5,  # [meas] short prompts (7 tokens) prefilled at admission
+        weight_load_s=0.8e-3,  # [meas] a copy of the published tensors into an engine
+        kv_bytes_per_token=_KVT,
+        migrate_bytes_per_s=1e8,  # [assumed] the exported KV goes through the coordinator's pipes
+        capacity=64,  # [recipe] dora.capacity
+        accelerators=1,
+    ),
+    trainer=TrainerCost(
+        train_acc_s_per_token=1.6e-4,  # [meas] a streamed group's forward/backward, per token
+        optimizer_acc_s=0.0,
+        broadcast_s=1e-3,  # [meas] publishing: state_dict copy and packing into shared memory
+        step_acc_s_per_token=2.3e-4,  # [meas] finish_step: pi_prox pass, second minibatch, 2 AdamW steps
+        dp_comm_s=0.1,  # [meas] colocated sync's 2 gloo ranks: time in collectives per step
+        report_s=0.043,  # [meas] step done -> coordinator (on the busy rollout core) -> next trainer command
+    ),
+    workload=Workload(  # [recipe] responses 2L+1 tokens, L log-normal median 4 cv 1.2 cap 40; replay a run's lengths for more
+        response_median=9.0, response_cv=0.9, response_cap=81, prompt_median=7.0, prompt_cv=0.0, prompt_cap=7,
+        group_size=16, difficulty_share=0.9),
+    batch_size=8,
+    default_split=(1, 1),
+    sync_colocated=True,  # [recipe] sync: both instances generate, then the trainer trains on both cores
+    default_steps=20,
+    instances=2,  # [recipe] dora.instances: both on the rollout core in the asynchronous modes
+    sources=(
+        "recipes/cpu/long-tail.yaml: 2 cores, 2 instances x 64, batch 8 x 16, trainer_cores 1, sync colocated",
+        "benchmarks/sim_vs_runtime.py: decode, prefill, trainer, load and collective costs measured on the embedded runtime",
+    ),
+)
+
 PRESETS: dict[str, Preset] = {
-    p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL, MOE_IMBALANCE)
+    p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL, MOE_IMBALANCE, CPU_LONG_TAIL)
 }
 
 

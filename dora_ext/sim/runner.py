@@ -51,10 +51,11 @@ class Layout:
     trainer_accelerators: int
     colocated: bool
     accelerators_per_instance: int = 1
+    share: int = 1  # instances time-sharing one instance's accelerators (a preset's fixed `instances`)
 
     @property
     def rollout_accelerators(self) -> int:
-        return self.instances * self.accelerators_per_instance
+        return self.instances // self.share * self.accelerators_per_instance
 
     @property
     def total_accelerators(self) -> int:
@@ -90,7 +91,8 @@ def layout_for(preset: Preset, mode: str, split: tuple[int, int] | None) -> Layo
     """
     g, tp = preset.accelerators, preset.engine.accelerators
     if mode == "sync" and preset.sync_colocated:
-        return Layout(g // tp, g, True, tp)
+        n = g // tp
+        return Layout(max(n, preset.instances), g, True, tp, max(1, preset.instances // n))
     r, t = split if split is not None else preset.default_split
     if r + t != g:
         r = round(g * r / (r + t))
@@ -101,7 +103,8 @@ def layout_for(preset: Preset, mode: str, split: tuple[int, int] | None) -> Layo
         trainer = g - n * tp
     if n < 1:
         raise WorkloadError(f"split: {preset.name} has {g} accelerators, too few for a rollout instance of {tp} and a trainer")
-    return Layout(n, trainer, False, tp)
+    share = max(1, preset.instances // n)
+    return Layout(n * share, trainer, False, tp, share)
 
 
 @dataclass
@@ -342,6 +345,8 @@ class Simulation:
                 self._execute(handle(pending.popleft()))
             if self._dirty:
                 now = self.now
+                if self.layout.share > 1:
+                    self._share_cores()
                 timeline = self.timeline
                 for si in self._dirty.values():
                     if timeline:
@@ -360,6 +365,18 @@ class Simulation:
                 pending.append(E.TrainerIdle())
                 continue
             return
+
+    def _share_cores(self) -> None:
+        """Instances time-sharing accelerators (`Layout.share`): each of the `k` decoding on one
+        runs at `1 / k` of its speed (processor sharing, as the OS shares a CPU core)."""
+        share = self.layout.share
+        for core in {iid // share for iid in self._dirty}:
+            members = [self.inst[i] for i in range(core * share, core * share + share) if i in self.inst]
+            k = max(1, sum(1 for si in members if si.r))
+            for si in members:
+                if si.a != si.base[0] * k:
+                    si.set_speed(k, self.now)
+                    self._dirty[si.id] = si
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions: list) -> None:
@@ -655,6 +672,12 @@ class Simulation:
             dur = (prompt * len(lengths) + sum(lengths)) * tc.train_acc_s_per_token / self.tacc
         elif kind == "opt":
             dur = tc.optimizer_acc_s / self.tacc
+            if tc.step_acc_s_per_token or tc.dp_comm_s:
+                tokens = sum(self.groups[g][1] * len(self.groups[g][2]) + sum(self.groups[g][2])
+                             for g in self.step_groups[x])
+                dur += tokens * tc.step_acc_s_per_token / self.tacc + (tc.dp_comm_s if self.tacc > 1 else 0.0)
+        elif kind == "relay":
+            dur = tc.report_s
         else:
             dur = self._publish_s if kind == "publish" else self._load_s
             self.weight_sync_s += dur
@@ -671,8 +694,9 @@ class Simulation:
     def _on_trainer_done(self, item: tuple[str, int]) -> None:
         kind, x = item
         self._tbusy = False
-        self.trainer_busy.append((self._tbusy_since, self.now))
-        self.trainer_kinds.append(kind)
+        if kind != "relay":  # (waiting for the coordinator is not work)
+            self.trainer_busy.append((self._tbusy_since, self.now))
+            self.trainer_kinds.append(kind)
         if kind == "group":
             self._processed.add(x)
             if self._step_running is not None and self.trained_step.get(x) == self._step_running:
@@ -688,8 +712,13 @@ class Simulation:
             self._mark_slots(len(self.step_end) - 1)
             # Publishing comes before any work of the next step that this event unlocks.
             self._tq.appendleft(("publish", x + 1))
-            self._pending.append(E.TrainerStepFinished(x))
+            if not self.tc.report_s:
+                self._pending.append(E.TrainerStepFinished(x))
+        elif kind == "publish" and self.tc.report_s:
+            self._tq.appendleft(("relay", x))  # the step's report still has to reach the scheduler
         else:
+            if kind == "relay":
+                self._pending.append(E.TrainerStepFinished(x - 1))
             self._pending.append(E.VersionPublished(x))
 
     def _mark_slots(self, step: int) -> None:

@@ -131,3 +131,24 @@ def test_host_profiles_and_errors(capsys):
     for m in out["modes"].values():
         assert {"trainer_weight_sync_s_per_step", "reprefilled_tokens", "preemptions"} <= set(m)
         assert m["trainer_weight_sync_s_per_step"] > 0
+
+
+def test_instances_sharing_a_core_decode_at_a_share_of_its_speed():
+    # One group of 2 x 100 tokens: on one instance both decode together (100 iterations of 1 ms);
+    # on two instances time-sharing the rollout accelerator each decodes alone, at half speed.
+    alone = _tiny(prefill_s_per_token=0.0)
+    shared = dataclasses.replace(alone, instances=2)
+    a, b = (Simulation(p, "sync", steps=3).run() for p in (alone, shared))
+    assert (a.layout.instances, b.layout.instances, b.layout.share, b.layout.rollout_accelerators) == (1, 2, 2, 1)
+    assert [y - x for x, y in zip(a.step_end, b.step_end)] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_the_cpu_main_job_preset_is_trainer_bound():
+    # The embedded runtime's main job trains nearly every group at staleness exactly K.
+    p = PRESETS["cpu-long-tail"]
+    for k in (1, 2):
+        m = Simulation(p, "dora", steps=30, max_staleness=k, host="embedded").run().metrics
+        # every group after the first K steps (which cannot be older) at staleness K
+        assert m["staleness_hist"][k] == (30 - k) * p.batch_size and m["split"] == "1:1"
+    sync = Simulation(p, "sync", steps=30, host="embedded").run()
+    assert sync.layout.colocated and sync.layout.instances == 2 and sync.layout.share == 1

@@ -5,10 +5,11 @@
 
 For each host profile (`dora_ext/sim/hosts.py`) every mode runs at its own best split
 (`optimise_split`, full-length runs) and, for the modes that take one, at each K of `--ks`:
-sync, one_step_off, pipeline (fixed K), partial and dora. Reported per host: each run's
+sync, one_step_off, pipeline (fixed K), dora, and partial at the largest K. Reported per host: each run's
 efficiency (throughput over the preset's physical limit), what the host's weight path costs the
 trainer per step, weight loads per step, re-prefilled tokens (migrations) and preemptions (KV
-budget); dora's best efficiency and its ratio to the best peer (the best C1-keeping peer, and
+budget); dora with R5 migration off at the largest K (on a host that re-prefills, a move costs
+the context's prefill); dora's best efficiency and its ratio to the best peer (the best C1-keeping peer, and
 partial, which breaks C1, apart). The hosts run in parallel processes. Nothing is asserted.
 """
 
@@ -22,23 +23,32 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _host_runs(preset_name: str, host: str, ks: list[int], seed: int) -> dict:
-    from dora_ext.sim import get_preset
-    from dora_ext.sim.optimize import optimise_split
+def _host_runs(preset_name: str, host: str, ks: list[int], seed: int, splits: list | None) -> dict:
+    from dora_ext.sim import get_preset, simulate
+    from dora_ext.sim.optimize import SplitSearch, optimise_split
 
     p = get_preset(preset_name)
     cands = [("sync", None), ("one_step_off", None), ("pipeline", None)]
-    cands += [(m, k) for m in ("partial", "dora") for k in ks]
+    cands += [("dora", k) for k in ks] + [("partial", max(ks)), ("dora-nomigrate", max(ks))]
     rows, hint = {}, {}
-    for mode, k in cands:
+    for label, k in cands:
         t0 = time.perf_counter()
-        s = optimise_split(p, mode, seed=seed, max_staleness=k, host=host, start=hint.get(mode), cache={})
+        mode = label.split("-")[0]
+        cfg = {"migrate": False} if label != mode else None
+        if splits and mode != "sync":  # only these splits (a budget for slow machines), best of them
+            res = [simulate(p, mode, seed=seed, max_staleness=k, host=host, config=cfg, split=sp) for sp in splits]
+            best = max(range(len(res)), key=lambda i: res[i].metrics["throughput_tokens_per_s"])
+            s = SplitSearch(mode, res[best].max_staleness, splits[best], res[best],
+                            {sp: r.metrics["throughput_tokens_per_s"] for sp, r in zip(splits, res)})
+        else:
+            s = optimise_split(p, mode, seed=seed, max_staleness=k, host=host, start=hint.get(mode), cache={},
+                               config=cfg)
         if s.split is not None:
             hint[mode] = s.split[0] // p.engine.accelerators
         m = s.result.metrics
         steps = len(s.result.step_end)
-        rows[f"{mode} K={m['max_staleness']}"] = {
-            "mode": mode, "K": m["max_staleness"], "split": m["split"], "efficiency": m["efficiency"],
+        rows[f"{label} K={m['max_staleness']}"] = {
+            "mode": label, "K": m["max_staleness"], "split": m["split"], "efficiency": m["efficiency"],
             "throughput_tokens_per_s": m["throughput_tokens_per_s"], "c1_ok": m["c1_ok"], "c2_ok": m["c2_ok"],
             "c3_ok": m["c3_ok"], "trainer_wait_ratio": m["trainer_wait_ratio"],
             "trainer_weight_sync_s_per_step": m["trainer_weight_sync_s_per_step"],
@@ -46,10 +56,11 @@ def _host_runs(preset_name: str, host: str, ks: list[int], seed: int) -> dict:
             "reprefilled_tokens": m["reprefilled_tokens"], "preemptions": m["preemptions"],
             "preemption_recomputed_tokens": m["preemption_recomputed_tokens"], "split_runs": s.runs,
             "wall_s": time.perf_counter() - t0}
-        print(f"  [{host}] {mode} K={m['max_staleness']}: split {m['split']} efficiency {m['efficiency']:.3f} "
+        print(f"  [{host}] {label} K={m['max_staleness']}: split {m['split']} efficiency {m['efficiency']:.3f} "
               f"({s.runs} runs, {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    dora = max((r for r in rows.values() if r["mode"] == "dora"), key=lambda r: r["efficiency"])
-    peers = [r for r in rows.values() if r["mode"] not in ("dora", "partial") and r["c1_ok"] and r["c2_ok"] and r["c3_ok"]]
+    dora = max((r for r in rows.values() if r["mode"].startswith("dora")), key=lambda r: r["efficiency"])
+    peers = [r for r in rows.values() if r["mode"] in ("sync", "one_step_off", "pipeline")
+             and r["c1_ok"] and r["c2_ok"] and r["c3_ok"]]
     best = max(peers, key=lambda r: r["efficiency"])
     partial = max((r for r in rows.values() if r["mode"] == "partial"), key=lambda r: r["efficiency"])
     return {"rows": rows, "dora_best": dora, "best_peer": best, "partial_best": partial,
@@ -64,17 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", default="ideal,verl")
     ap.add_argument("--ks", default="1,2,4")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--splits", default=None, metavar="R:T,...",
+                    help="evaluate only these splits (the best of them per mode) instead of optimising")
     ap.add_argument("--json", default=os.path.join(here, "results", "sim_hosts.json"))
     args = ap.parse_args(argv)
     hosts = args.hosts.split(",")
     ks = [int(k) for k in args.ks.split(",")]
+    splits = [tuple(int(x) for x in sp.split(":")) for sp in args.splits.split(",")] if args.splits else None
     with ProcessPoolExecutor(len(hosts)) as pool:
-        futs = {h: pool.submit(_host_runs, args.preset, h, ks, args.seed) for h in hosts}
-        out = {"preset": args.preset, "seed": args.seed, "ks": ks, "hosts": {h: f.result() for h, f in futs.items()}}
+        futs = {h: pool.submit(_host_runs, args.preset, h, ks, args.seed, splits) for h in hosts}
+        out = {"preset": args.preset, "seed": args.seed, "ks": ks, "splits": args.splits or "optimised",
+               "hosts": {h: f.result() for h, f in futs.items()}}
     print(f"{args.preset}: dora at its best split and K, against the best peer at theirs")
     for h, r in out["hosts"].items():
         d, b, pa = r["dora_best"], r["best_peer"], r["partial_best"]
-        print(f"  host {h:<10} dora K={d['K']} {d['split']} efficiency {d['efficiency']:.3f} "
+        print(f"  host {h:<10} {d['mode']} K={d['K']} {d['split']} efficiency {d['efficiency']:.3f} "
               f"(weight path {d['trainer_weight_sync_s_per_step']:.2f} s/step on the trainer, "
               f"{d['weight_loads_per_step']:.1f} loads/step, {d['reprefilled_tokens']} re-prefilled, "
               f"{d['preemptions']} preemptions); best peer {b['mode']} K={b['K']} {b['efficiency']:.3f}: "

@@ -9,7 +9,9 @@ each run the benchmark measures the component costs the simulator takes as input
 a decode step against the running sequences (least squares over the instance's decode-step log,
 steps where it ran alone on its core; the short prompts' prefill folded in), the trainer's time per
 token of a streamed group and of the optimizer step (its busy spans; a span ending at a step's end
-is the step), the collectives of sync's two gloo ranks, a weight load, and the run's own response
+is the step), the collectives of sync's two gloo ranks, a weight load, the coordinator's share of
+the rollout core (its CPU time over the run) and round trip after a step (the trainer's idle gap
+after a step in the trainer-bound runs), and the run's own response
 and prompt lengths (replayed). The simulator then runs the same mode with the real scheduler on
 `cpu-long-tail` with those constants (host `embedded`), and predicts throughput, trainer wait,
 rollout bubble and mean staleness. Nothing of a run's outcome goes into its prediction; only its
@@ -60,28 +62,33 @@ def report_gap(res) -> float:
     return statistics.median(a1 - b0 for (_, b0), (a1, _) in zip(spans, spans[1:]) if round(b0, 4) in ends)
 
 
-def calibrate(rt, res, preset, report_s):
-    """The `cpu-long-tail` preset with the component costs measured in one run (see the module doc)."""
+def calibrate(rt, res, preset, report_s, coordinator_cpu):
+    """The `cpu-long-tail` preset with the component costs measured in one run's steady-state
+    window (the one its metrics are measured over; see the module doc)."""
+    from dora_ext.sim.runner import window
+
     se = res.step_end
+    w, e = window(len(se))
+    t0, t1 = (se[w - 1] if w else 0.0), se[e - 1]
     stats = {k: v for k, v in rt.instance_stats.items() if isinstance(k, int)}
-    logs = {iid: [(a - rt.t0, b - rt.t0, n) for a, b, n in st["steps"]] for iid, st in stats.items()}
+    logs = {iid: [(a - rt.t0, b - rt.t0, n) for a, b, n in st["steps"] if t0 < a - rt.t0 < t1]
+            for iid, st in stats.items()}
     fits = [_fit_decode(log, [] if rt.colocated else [x for j, o in logs.items() if j != iid for x in o])
             for iid, log in logs.items()]
     a = sum(f[0] for f in fits) / len(fits)
     b = sum(f[1] for f in fits) / len(fits)
     tokens = {g: sum(len(t.prompt_ids) + len(t.response_ids) for t in trs) for g, trs in rt.results.items() if all(trs)}
-    step_tokens = sum(tokens[g] for k in range(len(se)) for g in rt.step_groups[k])
+    step_tokens = sum(tokens[g] for k in range(w, e) for g in rt.step_groups[k])
     ends = set(round(t, 4) for t in se)
-    spans = res.trainer_busy
+    spans = [(a1, b1) for a1, b1 in res.trainer_busy if t0 < b1 <= t1 + 1e-9]
     step_s = sum(b1 - a1 for a1, b1 in spans if round(b1, 4) in ends)
     group_s = sum(b1 - a1 for a1, b1 in spans if round(b1, 4) not in ends)
-    n = len(se)
-    tc = dataclasses.replace(preset.trainer, report_s=report_s)
-    if rt.colocated:  # data parallel: compute seconds of every rank, collectives per rank and step
+    tc = dataclasses.replace(preset.trainer, report_s=report_s, dp_comm_s=0.0)
+    if rt.colocated:  # data parallel: the ranks' compute and collective seconds (whole run) split by step_s
         secs = res.metrics["trainer_rank_seconds"] or [[step_s, 0.0]]
-        tc = dataclasses.replace(tc, train_acc_s_per_token=sum(c for c, _ in secs) / step_tokens,
-                                 step_acc_s_per_token=0.0, optimizer_acc_s=0.0,
-                                 dp_comm_s=sum(m for _, m in secs) / len(secs) / n)
+        comm = sum(m for _, m in secs) / sum(c + m for c, m in secs)
+        tc = dataclasses.replace(tc, train_acc_s_per_token=len(secs) * step_s * (1 - comm) / step_tokens,
+                                 step_acc_s_per_token=0.0, optimizer_acc_s=0.0, dp_comm_s=step_s * comm / (e - w))
     elif group_s > 0:  # streamed groups, then the step
         tc = dataclasses.replace(tc, train_acc_s_per_token=group_s / step_tokens,
                                  step_acc_s_per_token=step_s / step_tokens, optimizer_acc_s=0.0)
@@ -92,10 +99,12 @@ def calibrate(rt, res, preset, report_s):
     ec = dataclasses.replace(preset.engine, decode_a_s=a, decode_b_s=b, decode_c_s=0.0, prefill_s_per_token=0.0,
                              weight_load_s=load)
     records = [(len(t.response_ids), len(t.prompt_ids)) for trs in rt.results.values() if all(trs) for t in trs]
+    share = 0.0 if rt.colocated else coordinator_cpu / res.t_end  # of the rollout core
     costs = {"decode_a_ms": a * 1e3, "decode_b_ms_per_seq": b * 1e3, "weight_load_ms": load * 1e3,
              "train_ms_per_ktoken": tc.train_acc_s_per_token * 1e6, "step_ms_per_ktoken": tc.step_acc_s_per_token * 1e6,
              "dp_comm_ms_per_step": tc.dp_comm_s * 1e3, "report_ms": report_s * 1e3}
-    return dataclasses.replace(preset, engine=ec, trainer=tc), records, costs
+    costs["coordinator_share"] = share
+    return dataclasses.replace(preset, engine=ec, trainer=tc, coordinator_share=share), records, costs
 
 
 KEYS = ("tokens_per_s", "trainer_wait_ratio", "rollout_bubble_ratio", "staleness_mean")
@@ -129,17 +138,18 @@ def main(argv: list[str] | None = None) -> int:
         mode, _, k = spec.partition(":")
         label = f"{mode} K={k}" if k else mode
         recipe = load_recipe(args.recipe, [f"dora.max_staleness={k}"] if k else []).with_steps(args.steps).with_mode(mode)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         rt = Runtime(recipe, prepared)
         res = rt.run()
-        runs[label] = (mode, k, rt, res, time.perf_counter() - t)
-        print(f"{label}: measured {res.metrics['throughput_tokens_per_s']:.0f} tok/s ({runs[label][-1]:.0f} s)",
+        # this process is the coordinator (the workers are processes of their own)
+        runs[label] = (mode, k, rt, res, time.perf_counter() - t, time.process_time() - cpu)
+        print(f"{label}: measured {res.metrics['throughput_tokens_per_s']:.0f} tok/s ({runs[label][-2]:.0f} s)",
               file=sys.stderr, flush=True)
     # The coordinator's round trip, from the runs where the trainer is the bottleneck (elsewhere the
     # gap after a step is mostly waiting for the rollout): the smallest median gap of the async runs.
     report_s = min((report_gap(r[3]) for r in runs.values() if r[0] != "sync"), default=0.0)
-    for label, (mode, k, rt, res, wall) in runs.items():
-        preset, records, costs = calibrate(rt, res, base, report_s)
+    for label, (mode, k, rt, res, wall, cpu) in runs.items():
+        preset, records, costs = calibrate(rt, res, base, report_s, cpu)
         calib[label] = (preset, records)
         kw = dict(steps=args.steps, max_staleness=int(k) if k else None, host="embedded")
         pred = simulate(preset, mode, records=records, **kw).metrics

@@ -213,8 +213,11 @@ def weight_paths(preset: Any, pick: Any) -> dict[str, dict[str, float]]:
 def format_weight_paths(preset: Any, pick: Any, host: str) -> str:
     lines = [f"  weight paths at the pick's {weight_paths(preset, pick)['ideal']['loads_per_step']:.1f} loads per step "
              f"(this run: host {host}, trainer {pick.metrics['trainer_weight_sync_s_per_step']:.2f} s/step on weights):"]
+    from .hosts import HOSTS
+
     for name, w in weight_paths(preset, pick).items():
-        lines.append(f"    {name:<12} trainer {w['trainer_s_per_step']:6.2f} s/step, a load {w['load_s']:5.2f} s "
+        bound = "<=" if HOSTS[name].load_on_trainer else "  "  # loads asked together share a gather
+        lines.append(f"    {name:<12} trainer {bound}{w['trainer_s_per_step']:6.2f} s/step, a load {w['load_s']:5.2f} s "
                      f"({w['instance_load_s_per_step']:6.1f} instance-s/step)")
     return "\n".join(lines)
 

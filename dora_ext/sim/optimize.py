@@ -410,6 +410,10 @@ def format_recommendation(rec: Recommendation, preset: str, max_staleness: int) 
             costs.append(f"multi-version share {m['multi_version_trajectory_share']:.3f}")
         if m["reprefill_tokens"]:
             costs.append(f"{m['reprefill_tokens']} re-prefilled tokens")
+        if m.get("preemptions"):
+            costs.append(f"{m['preemptions']} KV preemptions")
+        if m.get("host", "ideal") != "ideal":
+            costs.append(f"weight path {m['trainer_weight_sync_s_per_step']:.2f} s/step on the trainer")
         return (f"{c.label}, split {m['split']}: efficiency {m['efficiency']:.3f}, "
                 f"{m['throughput_tokens_per_s']:.0f} tok/s; costs: " + ", ".join(costs))
 

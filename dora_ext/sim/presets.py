@@ -122,6 +122,7 @@ class Preset:
     sources: tuple[str, ...] = field(default=())
     targets: dict = field(default_factory=dict)
     instances: int = 0  # > 0: this many instances whatever the split, time-sharing the rollout side
+    coordinator_share: float = 0.0  # of a shared rollout accelerator, taken by the host's coordinator
 
     def __post_init__(self) -> None:
         r, t = self.default_split
@@ -393,6 +394,7 @@ CPU_LONG_TAIL = Preset(
     sync_colocated=True,  # [recipe] sync: both instances generate, then the trainer trains on both cores
     default_steps=20,
     instances=2,  # [recipe] dora.instances: both on the rollout core in the asynchronous modes
+    coordinator_share=0.3,  # [meas] the coordinator (prompts, rewards, scheduling) runs on the rollout core too
     sources=(
         "recipes/cpu/long-tail.yaml: 2 cores, 2 instances x 64, batch 8 x 16, trainer_cores 1, sync colocated",
         "benchmarks/sim_vs_runtime.py: decode, prefill, trainer, load and collective costs measured on the embedded runtime",

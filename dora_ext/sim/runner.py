@@ -368,11 +368,12 @@ class Simulation:
 
     def _share_cores(self) -> None:
         """Instances time-sharing accelerators (`Layout.share`): each of the `k` decoding on one
-        runs at `1 / k` of its speed (processor sharing, as the OS shares a CPU core)."""
+        runs at `1 / (k + c)` of its speed, `c` the preset's `coordinator_share` (processor
+        sharing, as the OS shares a CPU core)."""
         share = self.layout.share
         for core in {iid // share for iid in self._dirty}:
             members = [self.inst[i] for i in range(core * share, core * share + share) if i in self.inst]
-            k = max(1, sum(1 for si in members if si.r))
+            k = max(1, sum(1 for si in members if si.r)) + self.preset.coordinator_share
             for si in members:
                 if si.a != si.base[0] * k:
                     si.set_speed(k, self.now)

@@ -24,7 +24,9 @@ def test_ideal_host_reproduces_the_output_from_before_hosts(capsys, extra):
     # The expected file was written by the simulator before host profiles existed.
     rc = main(["simulate", "--preset", "rolloutpipe-8k", "--steps", "10", "--seed", "1", "--json", *extra])
     assert rc == 0
-    assert capsys.readouterr().out == (DATA / "rolloutpipe-8k-steps10-seed1.json").read_text()
+    # (stored on one line: JSON gives the same floats back, so this is the printed text byte for byte)
+    expected = json.dumps(json.loads((DATA / "rolloutpipe-8k-steps10-seed1.json").read_text()), indent=2) + "\n"
+    assert capsys.readouterr().out == expected
 
 
 def _tiny(**engine) -> object:
@@ -152,3 +154,14 @@ def test_the_cpu_main_job_preset_is_trainer_bound():
         assert m["staleness_hist"][k] == (30 - k) * p.batch_size and m["split"] == "1:1"
     sync = Simulation(p, "sync", steps=30, host="embedded").run()
     assert sync.layout.colocated and sync.layout.instances == 2 and sync.layout.share == 1
+
+
+def test_recommend_says_what_each_weight_path_costs(capsys):
+    rc = main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--modes", "dora", "--max-staleness", "1",
+               "--host", "slime", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["host"] == "slime" and set(out["weight_paths"]) == set(HOSTS)
+    slime, ideal = out["weight_paths"]["slime"], out["weight_paths"]["ideal"]
+    p = PRESETS["rolloutpipe-8k"]
+    assert slime["trainer_s_per_step"] == pytest.approx(2.0 + p.engine.weight_bytes / 1.5e9)
+    assert ideal["trainer_s_per_step"] == p.trainer.broadcast_s and ideal["load_s"] == p.engine.weight_load_s

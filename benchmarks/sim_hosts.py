@@ -10,7 +10,7 @@ efficiency (throughput over the preset's physical limit), what the host's weight
 trainer per step, weight loads per step, re-prefilled tokens (migrations) and preemptions (KV
 budget); dora with R5 migration off at the largest K (on a host that re-prefills, a move costs
 the context's prefill); dora's best efficiency and its ratio to the best peer (the best C1-keeping peer, and
-partial, which breaks C1, apart). The hosts run in parallel processes. Nothing is asserted.
+partial, which breaks C1, apart). Candidates run in `--jobs` parallel processes. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -23,41 +23,43 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _host_runs(preset_name: str, host: str, ks: list[int], seed: int, splits: list | None) -> dict:
+def _candidates(ks: list[int]) -> list[tuple[str, int | None]]:
+    return ([("sync", None), ("one_step_off", None), ("pipeline", None)] + [("dora", k) for k in ks]
+            + [("partial", max(ks)), ("dora-nomigrate", max(ks))])
+
+
+def _run(preset_name: str, host: str, label: str, k: int | None, seed: int, splits: list | None) -> dict:
+    """One candidate on one host at its best split (optimised, or the best of `splits`)."""
     from dora_ext.sim import get_preset, simulate
     from dora_ext.sim.optimize import SplitSearch, optimise_split
 
     p = get_preset(preset_name)
-    cands = [("sync", None), ("one_step_off", None), ("pipeline", None)]
-    cands += [("dora", k) for k in ks] + [("partial", max(ks)), ("dora-nomigrate", max(ks))]
-    rows, hint = {}, {}
-    for label, k in cands:
-        t0 = time.perf_counter()
-        mode = label.split("-")[0]
-        cfg = {"migrate": False} if label != mode else None
-        if splits and mode != "sync":  # only these splits (a budget for slow machines), best of them
-            res = [simulate(p, mode, seed=seed, max_staleness=k, host=host, config=cfg, split=sp) for sp in splits]
-            best = max(range(len(res)), key=lambda i: res[i].metrics["throughput_tokens_per_s"])
-            s = SplitSearch(mode, res[best].max_staleness, splits[best], res[best],
-                            {sp: r.metrics["throughput_tokens_per_s"] for sp, r in zip(splits, res)})
-        else:
-            s = optimise_split(p, mode, seed=seed, max_staleness=k, host=host, start=hint.get(mode), cache={},
-                               config=cfg)
-        if s.split is not None:
-            hint[mode] = s.split[0] // p.engine.accelerators
-        m = s.result.metrics
-        steps = len(s.result.step_end)
-        rows[f"{label} K={m['max_staleness']}"] = {
-            "mode": label, "K": m["max_staleness"], "split": m["split"], "efficiency": m["efficiency"],
-            "throughput_tokens_per_s": m["throughput_tokens_per_s"], "c1_ok": m["c1_ok"], "c2_ok": m["c2_ok"],
-            "c3_ok": m["c3_ok"], "trainer_wait_ratio": m["trainer_wait_ratio"],
-            "trainer_weight_sync_s_per_step": m["trainer_weight_sync_s_per_step"],
-            "weight_loads_per_step": m["weight_loads"] / steps, "migrations": m["migrations"],
-            "reprefilled_tokens": m["reprefilled_tokens"], "preemptions": m["preemptions"],
-            "preemption_recomputed_tokens": m["preemption_recomputed_tokens"], "split_runs": s.runs,
-            "wall_s": time.perf_counter() - t0}
-        print(f"  [{host}] {label} K={m['max_staleness']}: split {m['split']} efficiency {m['efficiency']:.3f} "
-              f"({s.runs} runs, {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    mode = label.split("-")[0]
+    cfg = {"migrate": False} if label != mode else None
+    if splits and mode != "sync":  # only these splits (a budget for slow machines), best of them
+        res = [simulate(p, mode, seed=seed, max_staleness=k, host=host, config=cfg, split=sp) for sp in splits]
+        best = max(range(len(res)), key=lambda i: res[i].metrics["throughput_tokens_per_s"])
+        s = SplitSearch(mode, res[best].max_staleness, splits[best], res[best],
+                        {sp: r.metrics["throughput_tokens_per_s"] for sp, r in zip(splits, res)})
+    else:
+        s = optimise_split(p, mode, seed=seed, max_staleness=k, host=host, cache={}, config=cfg)
+    m = s.result.metrics
+    steps = len(s.result.step_end)
+    print(f"  [{host}] {label} K={m['max_staleness']}: split {m['split']} efficiency {m['efficiency']:.3f} "
+          f"({s.runs} runs, {time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return {
+        "mode": label, "K": m["max_staleness"], "split": m["split"], "efficiency": m["efficiency"],
+        "throughput_tokens_per_s": m["throughput_tokens_per_s"], "c1_ok": m["c1_ok"], "c2_ok": m["c2_ok"],
+        "c3_ok": m["c3_ok"], "trainer_wait_ratio": m["trainer_wait_ratio"],
+        "trainer_weight_sync_s_per_step": m["trainer_weight_sync_s_per_step"],
+        "weight_loads_per_step": m["weight_loads"] / steps, "migrations": m["migrations"],
+        "reprefilled_tokens": m["reprefilled_tokens"], "preemptions": m["preemptions"],
+        "preemption_recomputed_tokens": m["preemption_recomputed_tokens"], "split_runs": s.runs,
+        "wall_s": time.perf_counter() - t0}
+
+
+def _summary(rows: dict) -> dict:
     dora = max((r for r in rows.values() if r["mode"].startswith("dora")), key=lambda r: r["efficiency"])
     peers = [r for r in rows.values() if r["mode"] in ("sync", "one_step_off", "pipeline")
              and r["c1_ok"] and r["c2_ok"] and r["c3_ok"]]
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", default="ideal,verl")
     ap.add_argument("--ks", default="1,2,4")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2, help="candidates run in parallel processes")
     ap.add_argument("--splits", default=None, metavar="R:T,...",
                     help="evaluate only these splits (the best of them per mode) instead of optimising")
     ap.add_argument("--json", default=os.path.join(here, "results", "sim_hosts.json"))
@@ -82,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     hosts = args.hosts.split(",")
     ks = [int(k) for k in args.ks.split(",")]
     splits = [tuple(int(x) for x in sp.split(":")) for sp in args.splits.split(",")] if args.splits else None
-    with ProcessPoolExecutor(len(hosts)) as pool:
-        futs = {h: pool.submit(_host_runs, args.preset, h, ks, args.seed, splits) for h in hosts}
-        out = {"preset": args.preset, "seed": args.seed, "ks": ks, "splits": args.splits or "optimised",
-               "hosts": {h: f.result() for h, f in futs.items()}}
+    jobs = [(h, label, k) for h in hosts for label, k in _candidates(ks)]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futs = {(h, label, k): pool.submit(_run, args.preset, h, label, k, args.seed, splits) for h, label, k in jobs}
+        rows = {h: {f"{label} K={f.result()['K']}": f.result() for (hh, label, k), f in futs.items() if hh == h}
+                for h in hosts}
+    out = {"preset": args.preset, "seed": args.seed, "ks": ks, "splits": args.splits or "optimised",
+           "hosts": {h: _summary(rows[h]) for h in hosts}}
     print(f"{args.preset}: dora at its best split and K, against the best peer at theirs")
     for h, r in out["hosts"].items():
         d, b, pa = r["dora_best"], r["best_peer"], r["partial_best"]

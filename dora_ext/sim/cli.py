@@ -4,11 +4,18 @@
         --steps 20 --seed 0 [--max-staleness K] [--split R:T|auto] [--lengths FILE] [--json] [--plot FILE.png]
     dora-ext simulate --preset dapo-28k --recommend [--lengths FILE] [--max-staleness K] [--elastic] [--json]
     dora-ext simulate --list-presets
+    dora-ext simulate --preset dapo-28k --host verl|slime|embedded|ideal[:field=value,...] ...
 
 `--recommend` answers "which mode, K and split": for every mode and every K up to the staleness
 budget (`--max-staleness`, default 2) it optimises the rollout:trainer split on full-length runs
 and prints the choice with the highest efficiency that keeps C1-C3, the runner-up, and what each
 costs. `--elastic` also evaluates elastic colocation (accelerators lent between the roles).
+
+`--host` (default `ideal`, the cost model of the presets alone) charges what a host's
+implementation pays: its weight path (on the trainer and per instance load), migrations that
+re-prefill where the engine cannot move KV, and a KV-token budget with recompute preemption
+(see dora_ext/sim/hosts.py and docs/simulator.md). Every host but `ideal` adds
+`trainer_weight_sync_s_per_step`, `reprefilled_tokens` and `preemptions` to the output.
 
 Imports no torch: the simulator is pure Python; matplotlib is imported only for `--plot`.
 """
@@ -32,6 +39,9 @@ JSON_KEYS = (
 #: extra keys that say what was run (the ideal it is measured against, K, the split) and the
 #: trained staleness's distribution (groups per `k - version`)
 JSON_EXTRA = ("ideal_throughput", "max_staleness", "split", "staleness_hist")
+#: added for a host other than `ideal` (whose output stays as it was before hosts existed)
+JSON_HOST = ("trainer_weight_sync_s_per_step", "reprefilled_tokens", "preemptions",
+             "preemption_recomputed_tokens")
 
 
 def register(subparsers: Any) -> None:
@@ -58,6 +68,8 @@ def register(subparsers: Any) -> None:
                    help="elastic colocation: lend accelerators between rollout and trainer (dora, pipeline)")
     p.add_argument("--admission", choices=ADMISSIONS, default=None,
                    help="admission policy of dora and partial (default: the mode's; docs/design.md, R2)")
+    p.add_argument("--host", default=None, metavar="NAME[:field=value,...]",
+                   help="host profile: ideal (default), verl, verl-gather, slime, embedded (dora_ext/sim/hosts.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--checkpoint", metavar="FILE", help="with --stop-after-events: write a checkpoint there (one mode)")
     p.add_argument("--stop-after-events", type=int, default=None, metavar="N",
@@ -71,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from ..core import ProtocolError
     from . import PRESETS, SimError, WorkloadError, get_preset, load_lengths
     from .compare import compare
+    from .hosts import get_host
     from .runner import parse_split
 
     if args.list_presets:
@@ -93,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
         if args.instances is not None and args.instances < 1:
             raise WorkloadError(f"--instances: expected an integer >= 1, got {args.instances}")
         split = parse_split(args.split)
+        host = get_host(args.host)
         records = load_lengths(args.lengths) if args.lengths else None
         if args.recommend:
-            return _recommend(args, preset, modes, records)
+            return _recommend(args, preset, modes, records, host)
         config = {"elastic": True} if args.elastic else {}
         if args.admission:
             config["admission"] = args.admission
@@ -110,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
             results = {m: simulate(preset, m, steps=args.steps, seed=args.seed, max_staleness=args.max_staleness,
                                    split=split if isinstance(split, tuple) else None, records=records,
-                                   instances=args.instances, timeline=bool(args.plot), config=config)
+                                   instances=args.instances, timeline=bool(args.plot), config=config, host=host)
                        for m in modes}
             if "sync" in results:
                 base = results["sync"].metrics["throughput_tokens_per_s"]
@@ -118,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                     r.metrics["speedup_vs_sync"] = r.metrics["throughput_tokens_per_s"] / base
         else:
             results = compare(preset, modes, steps=args.steps, seed=args.seed, max_staleness=args.max_staleness,
-                              split=split, records=records, timeline=bool(args.plot), config=config)
+                              split=split, records=records, timeline=bool(args.plot), config=config, host=host)
     except (WorkloadError, ConfigError) as exc:
         print(f"dora-ext simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -141,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recommend(args: argparse.Namespace, preset: Any, modes: list[str], records: Any) -> int:
+def _recommend(args: argparse.Namespace, preset: Any, modes: list[str], records: Any, host: Any) -> int:
     from .optimize import format_recommendation, recommend
 
     budget = 2 if args.max_staleness is None else args.max_staleness
@@ -150,12 +164,15 @@ def _recommend(args: argparse.Namespace, preset: Any, modes: list[str], records:
         return 2
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     rec = recommend(preset, max_staleness=budget, modes=modes, steps=args.steps, seed=args.seed,
-                    records=records, elastic=args.elastic, progress=progress)
+                    records=records, elastic=args.elastic, progress=progress, host=host)
     if args.json:
+        extra = {} if host.name == "ideal" else {"host": host.name, "weight_paths": weight_paths(preset, rec.pick)}
         print(json.dumps({"preset": preset.name, "seed": args.seed, "max_staleness_budget": budget,
-                          **rec.to_json()}, indent=2))
+                          **extra, **rec.to_json()}, indent=2))
     else:
         print(format_recommendation(rec, preset.name, budget))
+        if host.name != "ideal":
+            print(format_weight_paths(preset, rec.pick, host.name))
     return 0
 
 
@@ -172,13 +189,42 @@ def _warn_short(args: argparse.Namespace, modes: list[str]) -> None:
 
 
 def to_json(preset: str, seed: int, steps: int, results: dict) -> dict[str, Any]:
-    """The `--json` object of issue 3."""
-    return {
-        "preset": preset,
-        "seed": seed,
-        "steps": steps,
-        "modes": {m: {k: r.metrics[k] for k in JSON_KEYS + JSON_EXTRA} for m, r in results.items()},
-    }
+    """The `--json` object of issue 3 (with `host` and `JSON_HOST` for a host but `ideal`)."""
+    host = next(iter(results.values())).metrics.get("host", "ideal")
+    keys = JSON_KEYS + JSON_EXTRA + (() if host == "ideal" else JSON_HOST)
+    out = {"preset": preset, "seed": seed, "steps": steps}
+    if host != "ideal":
+        out["host"] = host
+    out["modes"] = {m: {k: r.metrics[k] for k in keys} for m, r in results.items()}
+    return out
+
+
+def weight_paths(preset: Any, pick: Any) -> dict[str, dict[str, float]]:
+    """What each host's weight path costs per step at the pick's weight loads per step: trainer
+    seconds (publishing, and loads where the trainer sends them) and instance-seconds of loads."""
+    from .hosts import HOSTS
+
+    m = pick.metrics
+    loads = m["weight_loads"] / max(1, len(pick.search.result.step_end))
+    out = {}
+    for name, h in HOSTS.items():
+        load = h.load_s(preset)
+        out[name] = {"trainer_s_per_step": h.publish_s(preset) + (load if h.load_on_trainer else 0.0) * (
+            1 if pick.search.result.layout.colocated else loads), "load_s": load,
+            "loads_per_step": loads, "instance_load_s_per_step": load * loads}
+    return out
+
+
+def format_weight_paths(preset: Any, pick: Any, host: str) -> str:
+    lines = [f"  weight paths at the pick's {weight_paths(preset, pick)['ideal']['loads_per_step']:.1f} loads per step "
+             f"(this run: host {host}, trainer {pick.metrics['trainer_weight_sync_s_per_step']:.2f} s/step on weights):"]
+    from .hosts import HOSTS
+
+    for name, w in weight_paths(preset, pick).items():
+        bound = "<=" if HOSTS[name].load_on_trainer else "  "  # loads asked together share a gather
+        lines.append(f"    {name:<12} trainer {bound}{w['trainer_s_per_step']:6.2f} s/step, a load {w['load_s']:5.2f} s "
+                     f"({w['instance_load_s_per_step']:6.1f} instance-s/step)")
+    return "\n".join(lines)
 
 
 def format_table(preset: str, seed: int, steps: int, results: dict) -> str:
@@ -188,6 +234,9 @@ def format_table(preset: str, seed: int, steps: int, results: dict) -> str:
         ("stale max/mean", "{}"), ("multi-v", "{:.3f}"), ("C1", "{}"), ("C2", "{}"), ("C3", "{}"),
         ("migr", "{}"), ("loads", "{}"),
     ]
+    host = next(iter(results.values())).metrics.get("host", "ideal")
+    if host != "ideal":
+        cols += [("sync s/st", "{:.2f}"), ("reprefill", "{}"), ("preempt", "{}")]
     rows = []
     for mode, r in results.items():
         m = r.metrics
@@ -199,11 +248,14 @@ def format_table(preset: str, seed: int, steps: int, results: dict) -> str:
             f"{m['staleness_max']}/{m['staleness_mean']:.2f}", m["multi_version_trajectory_share"],
             _ok(m["c1_ok"]), _ok(m["c2_ok"]), _ok(m["c3_ok"]), m["migrations"], m["weight_loads"],
         ]
+        if host != "ideal":
+            vals += [m["trainer_weight_sync_s_per_step"], m["reprefilled_tokens"], m["preemptions"]]
         rows.append([fmt.format(v) for (_, fmt), v in zip(cols, vals)])
     head = [c for c, _ in cols]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = [
-        f"preset {preset}, seed {seed}, {steps} steps; ideal {next(iter(results.values())).metrics['ideal_throughput']:.0f} tok/s",
+        f"preset {preset}, seed {seed}, {steps} steps; ideal {next(iter(results.values())).metrics['ideal_throughput']:.0f} tok/s"
+        + ("" if host == "ideal" else f"; host {host}"),
         "  ".join(h.rjust(w) for h, w in zip(head, widths)),
     ]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
@@ -264,7 +316,8 @@ def _stop_or_resume(args: argparse.Namespace) -> int:
             sim = Simulation(preset, modes[0], steps=steps, seed=args.seed,
                              max_staleness=args.max_staleness, split=split if isinstance(split, tuple) else None,
                              records=load_lengths(args.lengths) if args.lengths else None,
-                             instances=args.instances, config={"elastic": True} if args.elastic else None)
+                             instances=args.instances, config={"elastic": True} if args.elastic else None,
+                             host=args.host)
             result = sim.run(stop_after_events=args.stop_after_events)
             if result is None:
                 sim.save(args.checkpoint)

@@ -29,6 +29,7 @@ def compare(
     timeline: bool = False,
     plugins: Any = None,
     config: dict[str, Any] | None = None,
+    host: Any = None,
 ) -> dict[str, RunResult]:
     """Run `modes` side by side; returns mode -> RunResult with `speedup_vs_sync` filled.
 
@@ -41,17 +42,18 @@ def compare(
     for mode in modes:
         if split == "auto" and not layout_for(preset, mode, None).colocated:
             s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=max_staleness,
-                               records=records, plugins=plugins, config=config)
+                               records=records, plugins=plugins, config=config, host=host)
             res = s.result
             if timeline:
                 res = simulate(preset, mode, steps=steps, seed=seed, max_staleness=max_staleness, split=s.split,
-                               records=records, timeline=True, plugins=plugins, config=config)
+                               records=records, timeline=True, plugins=plugins, config=config, host=host)
             res.metrics["split_search"] = {f"{r}:{t}": v for (r, t), v in s.evaluated.items()}
             res.metrics["split_unimodal"] = s.unimodal
         else:
             chosen = None if split == "auto" else split
             res = simulate(preset, mode, steps=steps, seed=seed, max_staleness=max_staleness,
-                           split=chosen, records=records, timeline=timeline, plugins=plugins, config=config)
+                           split=chosen, records=records, timeline=timeline, plugins=plugins, config=config,
+                           host=host)
         results[mode] = res
     if "sync" in results:
         base = results["sync"].metrics["throughput_tokens_per_s"]

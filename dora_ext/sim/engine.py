@@ -16,12 +16,20 @@ arbitrary times for bookkeeping never changes the outcome.
 Per-sequence state is kept relative to an instance-wide iteration counter `it`: a sequence
 finishes when `it` reaches its `finish` mark, and its context is `offset + it`. A membership
 change is O(log r); the time of the next finish is the heap's minimum.
+
+KV memory (`kv`, a host's KV-token budget; 0 = unbounded): the total context grows by `r` per
+iteration, so the iteration at which the next one would not fit is closed-form too, and is an
+event like a finish. There the newest running sequence is preempted (its KV dropped) and waits at
+the head of `waiting`; waiting sequences (also new ones that did not fit) join, first come first
+served, when their context fits again under a 1% watermark, re-prefilling it (vLLM's recompute
+preemption).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from typing import Hashable
 
 from .presets import EngineCost
@@ -36,10 +44,10 @@ class SimInstance:
     __slots__ = (
         "id", "a", "b", "c", "prefill", "capacity", "it", "S", "r", "heap", "seqs", "t_last",
         "busy_until", "version", "loading", "paused", "inbound", "gen", "sched_gen", "load_token",
-        "slot_time", "log", "state", "base",
+        "slot_time", "log", "state", "base", "kv", "kv_due", "waiting", "preemptions", "recomputed",
     )
 
-    def __init__(self, iid: int, cost: EngineCost) -> None:
+    def __init__(self, iid: int, cost: EngineCost, kv: int = 0) -> None:
         self.id = iid
         self.a, self.b, self.c = cost.decode_a_s, cost.decode_b_s, cost.decode_c_s
         self.base = (self.a, self.b, self.c)
@@ -62,6 +70,11 @@ class SimInstance:
         self.slot_time = 0.0  # integral of running sequences over time (bubble ratio)
         self.log: list[tuple[float, int]] | None = None  # (time, state code) for plots
         self.state = STATE_EMPTY
+        self.kv = kv  # KV-token budget (0: unbounded)
+        self.kv_due = False  # the next event is the KV budget filling up, not a finish
+        self.waiting: deque = deque()  # (key, remaining, context, prefill tokens, preempted)
+        self.preemptions = 0
+        self.recomputed = 0.0  # context tokens re-prefilled after a preemption
 
     # ------------------------------------------------------------------ clock
     def _alpha_beta(self) -> tuple[float, float]:
@@ -121,9 +134,17 @@ class SimInstance:
             return None
         start = self.t_last if self.t_last > self.busy_until else self.busy_until
         m = mark - self.it
+        r = self.r
+        self.kv_due = False
+        if self.kv and r > 1:
+            # iterations until the next one would not fit: total context + r > kv
+            full = (self.kv - self.S - r * self.it) / r - 1.0
+            self.kv_due = full < m
+            if self.kv_due:
+                m = full
         if m <= 0.0:
             return start
-        r = self.r  # time_for(m), inlined
+        # time_for(m), inlined
         beta = self.c * r
         alpha = self.a + self.b * r + self.c * (self.S + r * self.it)
         return start + alpha * m + 0.5 * beta * m * (m - 1.0)
@@ -133,8 +154,22 @@ class SimInstance:
         """A sequence joins at time `t` with `remaining` tokens to go and `context` tokens of KV.
 
         `prefill_tokens` of prefill stall decoding first (the prompt for a new trajectory, the
-        whole context for a re-prefill, 0 when the KV arrived by migration)."""
+        whole context for a re-prefill, 0 when the KV arrived by migration). With a KV budget, a
+        sequence that does not fit waits (behind any earlier waiting one)."""
         self.advance(t)
+        if self.kv and (self.waiting or not self._fits(context)):
+            self.waiting.append((key, remaining, context, prefill_tokens, False))
+            self.gen += 1
+            return
+        self._join(key, remaining, context, t, prefill_tokens)
+
+    def _fits(self, context: float) -> bool:
+        # vLLM's watermark: a sequence joins only if 1% of the budget stays free after it, so
+        # that a preempted one is not taken straight back in (thrash)
+        r = self.r
+        return not r or self.S + r * self.it + context + r + 1 <= 0.99 * self.kv
+
+    def _join(self, key: Hashable, remaining: float, context: float, t: float, prefill_tokens: float) -> None:
         it = self.it
         mark = it + remaining
         self.seqs[key] = (mark, context - it)
@@ -146,8 +181,23 @@ class SimInstance:
             self.busy_until = start + self.prefill * prefill_tokens
         self.gen += 1
 
+    def holds(self, key: Hashable) -> bool:
+        """Runs it, or holds it waiting for KV memory."""
+        return key in self.seqs or any(w[0] == key for w in self.waiting)
+
     def remove(self, key: Hashable, t: float) -> tuple[float, float]:
-        """Take a running sequence out at time `t`; returns `(remaining tokens, context)`."""
+        """Take a running (or KV-waiting) sequence out at time `t`; returns `(remaining tokens, context)`."""
+        if key not in self.seqs:
+            w = next(w for w in self.waiting if w[0] == key)
+            self.waiting.remove(w)
+            self.gen += 1
+            return w[1], w[2]
+        out = self._remove(key, t)
+        if self.waiting:
+            self._admit(t)
+        return out
+
+    def _remove(self, key: Hashable, t: float) -> tuple[float, float]:
         self.advance(t)
         mark, off = self.seqs.pop(key)
         self.S -= off
@@ -161,15 +211,15 @@ class SimInstance:
         """Sequences finished by time `t` (called when the next-finish event fires)."""
         self.advance(t)
         heap, seqs, pop = self.heap, self.seqs, heapq.heappop
-        while True:  # skip stale heap entries down to the live minimum
+        while not self.kv_due:  # skip stale heap entries down to the live minimum
             mark, key = heap[0]
             cur = seqs.get(key)
             if cur is not None and cur[0] == mark:
+                # The event fired for this minimum: it is due even if float rounding left a sliver.
+                if mark > self.it:
+                    self.it = mark
                 break
             pop(heap)
-        # The event fired for this minimum: it is due even if float rounding left a sliver.
-        if mark > self.it:
-            self.it = mark
         limit = self.it + 1e-9 * (1.0 + self.it)
         done: list[Hashable] = []
         S = self.S
@@ -186,13 +236,31 @@ class SimInstance:
             done.append(key)
         self.r -= len(done)
         self.S = S if self.r else 0.0
+        if self.kv:
+            self.kv_due = False
+            # preempt the newest while the next iteration would not fit (half a token of slack)
+            while self.r > 1 and self.S + self.r * (self.it + 1.0) > self.kv - 0.5:
+                key = next(reversed(self.seqs))
+                remaining, context = self._remove(key, t)
+                self.waiting.appendleft((key, remaining, context, context, True))
+                self.preemptions += 1
+            self._admit(t)
         self.gen += 1
         return done
+
+    def _admit(self, t: float) -> None:
+        """Waiting sequences join, first come first served, while their context fits."""
+        waiting = self.waiting
+        while waiting and self._fits(waiting[0][2]):
+            key, remaining, context, prefill, preempted = waiting.popleft()
+            if preempted:
+                self.recomputed += prefill
+            self._join(key, remaining, context, t, prefill)
 
     @property
     def occupied(self) -> int:
         """Slots held: running, paused for a weight load, or reserved by an inbound migration."""
-        return self.r + len(self.paused) + self.inbound
+        return self.r + len(self.paused) + self.inbound + len(self.waiting)
 
     def record(self, t: float) -> None:
         """Log the display state (loading / serving version v / idle) when it changed."""
@@ -200,7 +268,7 @@ class SimInstance:
             code = STATE_LOADING
         elif self.version is None:
             code = STATE_EMPTY
-        elif self.r or self.inbound:
+        elif self.r or self.inbound or self.waiting:
             code = self.version
         else:
             code = STATE_IDLE

@@ -139,6 +139,7 @@ def optimise_split(
     runner: Callable[..., RunResult] | None = None,
     exhaustive: int = 8,
     cache: dict | None = None,
+    host: Any = None,
 ) -> SplitSearch:
     """The integer split with the highest throughput for `mode` (see the module docstring).
 
@@ -158,6 +159,8 @@ def optimise_split(
                 f"(5 * (K + 2): shorter runs measure a burst after a long tail, not a steady state), "
                 f"or leave it unset for the default")
     kw = dict(steps=steps, seed=seed, max_staleness=max_staleness, records=records, config=config, plugins=plugins)
+    if host is not None:
+        kw["host"] = host
     if layout_for(preset, mode, None).colocated:
         res = run_one(preset, mode, split=None, **kw)
         return SplitSearch(mode, res.max_staleness, None, res)
@@ -169,7 +172,7 @@ def optimise_split(
 
     memo = None
     if cache is not None and runner is None and records is None and plugins is None:
-        memo = (id(preset), mode, steps, seed, max_staleness, tuple(sorted((config or {}).items())))
+        memo = (id(preset), mode, steps, seed, max_staleness, tuple(sorted((config or {}).items())), str(host))
 
     def f(n: int) -> float:
         if n not in thr:
@@ -358,6 +361,7 @@ def recommend(
     cache: dict | None = None,
     start: dict[tuple[str, bool], int] | None = None,
     exhaustive: int = 8,
+    host: Any = None,
 ) -> Recommendation:
     """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`;
     within `EFFICIENCY_TIE` of it, the one with the lowest mean trained staleness.
@@ -382,7 +386,7 @@ def recommend(
     for mode, k, el in todo:
         cfg = {"elastic": True} if el else None
         s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=k, records=records,
-                           config=cfg, start=hint.get((mode, el)), cache=cache, exhaustive=exhaustive)
+                           config=cfg, start=hint.get((mode, el)), cache=cache, exhaustive=exhaustive, host=host)
         if s.split is not None:
             hint[(mode, el)] = s.split[0] // tp
         c = Candidate(mode, s.max_staleness, el, s)
@@ -413,6 +417,10 @@ def format_recommendation(rec: Recommendation, preset: str, max_staleness: int) 
             costs.append(f"multi-version share {m['multi_version_trajectory_share']:.3f}")
         if m["reprefill_tokens"]:
             costs.append(f"{m['reprefill_tokens']} re-prefilled tokens")
+        if m.get("preemptions"):
+            costs.append(f"{m['preemptions']} KV preemptions")
+        if m.get("host", "ideal") != "ideal":
+            costs.append(f"weight path {m['trainer_weight_sync_s_per_step']:.2f} s/step on the trainer")
         return (f"{c.label}, split {m['split']}: efficiency {m['efficiency']:.3f}, "
                 f"{m['throughput_tokens_per_s']:.0f} tok/s; costs: " + ", ".join(costs))
 

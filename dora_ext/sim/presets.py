@@ -52,6 +52,10 @@ class EngineCost:
     `moe_period_s` seconds (keyed by seed, instance and period: every mode sees the same speeds).
     A balanced load (factor 1) is the best case, so the ideal is unchanged; the mean factor is
     `1 + 0.8 m`.
+
+    `kv_budget_tokens` (hosts with `kv_memory`, see `hosts.py`): the running sequences' contexts
+    must fit it; when the next iteration would not, the newest sequence is preempted and later
+    recomputed (re-prefilled) from its context, as vLLM does by default.
     """
 
     decode_a_s: float
@@ -66,6 +70,8 @@ class EngineCost:
     resume_reprefill: bool = True
     moe_imbalance: float = 0.0
     moe_period_s: float = 30.0
+    weight_bytes: float = 0.0  # the served weights (bf16): what a host's weight path moves
+    kv_budget_tokens: int = 0  # KV tokens one instance holds (0: unbounded); used by hosts with KV memory
 
     def __post_init__(self) -> None:
         if not self.moe_imbalance >= 0:
@@ -94,6 +100,9 @@ class TrainerCost:
     broadcast_s: float
     join_s: float = 5.0
     leave_s: float = 5.0
+    step_acc_s_per_token: float = 0.0  # work at the optimizer step per batch token (not streamed)
+    dp_comm_s: float = 0.0  # per step, data-parallel collectives when the trainer has > 1 accelerator
+    report_s: float = 0.0  # a step's report reaching the scheduler and its answer the trainer (idle)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,8 @@ class Preset:
     default_steps: int = 20
     sources: tuple[str, ...] = field(default=())
     targets: dict = field(default_factory=dict)
+    instances: int = 0  # > 0: this many instances whatever the split, time-sharing the rollout side
+    coordinator_share: float = 0.0  # of a shared rollout accelerator, taken by the host's coordinator
 
     def __post_init__(self) -> None:
         r, t = self.default_split
@@ -139,6 +150,8 @@ DAPO_28K = Preset(
         migrate_bytes_per_s=25e9,  # [hw] 200 Gb/s RDMA between instances
         capacity=128,  # [hw] ~55 GB KV budget / 57 KB / ~5K mean in-flight context ~ 190; vLLM-style 128
         accelerators=1,  # [hw] a 7B model fits one 80 GB accelerator
+        weight_bytes=2 * _P7,
+        kv_budget_tokens=55_000_000_000 // _KV7,  # [hw] 80 GB - 15 GB weights - ~10 GB activations = 55 GB / 57 KB: 959K tokens
     ),
     trainer=TrainerCost(
         # [calib] sync rollout share ~70% of the step (verl docs, DAPO-32B; issue 3). The [hw]
@@ -195,6 +208,8 @@ ROLLOUTPIPE_8K = Preset(
         migrate_bytes_per_s=25e9,
         capacity=256,  # [hw] vLLM/SGLang default max running requests; ~60 GB KV / 115 KB fits it
         accelerators=1,
+        weight_bytes=2 * _P17,
+        kv_budget_tokens=60_000_000_000 // _KV17,  # [hw] 80 GB - 3.4 GB weights - activations = ~60 GB / 115 KB: 523K tokens
     ),
     trainer=TrainerCost(
         # [hw] 12*N FLOP per trained token (module doc) at 25% MFU: small models with 8K
@@ -246,6 +261,8 @@ AGENTIC_LONG_TAIL = Preset(
         migrate_bytes_per_s=25e9,
         capacity=64,  # [hw] ~216 GB KV on 4 accelerators / 262 KB / ~12K context
         accelerators=4,
+        weight_bytes=2 * _P32,
+        kv_budget_tokens=216_000_000_000 // _KV32,  # [hw] 4 x 80 GB - 64 GB weights - activations = ~216 GB / 262 KB: 824K tokens
     ),
     trainer=TrainerCost(
         train_acc_s_per_token=12 * _P32 / (0.35 * _FLOPS),  # [hw] 12*N FLOP/token at 35% MFU
@@ -300,6 +317,8 @@ MOE_IMBALANCE = Preset(
         migrate_bytes_per_s=25e9,
         capacity=128,  # [hw] vLLM-style 128 running requests per instance (~100 GB KV on 2 accelerators)
         accelerators=2,
+        weight_bytes=2 * _P30,
+        kv_budget_tokens=100_000_000_000 // _KV30,  # [hw] 2 x 80 GB - 61 GB weights - activations = ~100 GB / 98 KB: 1.02M tokens
         # [assumed] expert-load skew: DORA reports long tails are worse with MoE; an EP iteration
         # waits for the most loaded expert. Factor 1 + 0.3 |z| (mean 1.24, 1.6 at 2 sigma),
         # redrawn every 30 s per instance.
@@ -390,8 +409,54 @@ CPU_MAIN_JOB = Preset(
     targets={"rollout_bubble_dora_k2_fill": 0.71},
 )
 
+# --------------------------------------------------------------------------- cpu-long-tail
+# The embedded runtime's main job (recipes/cpu/long-tail.yaml) on a 2-core machine: the tiny model
+# (d_model 64, 2 layers, fp32), 2 instances of 64 sequences, batch 8 x 16. [meas] constants come
+# from one run of benchmarks/sim_vs_runtime.py on the shared 2-core development machine (load
+# average ~10: times several-fold the recipe's unloaded ones); the benchmark re-measures them
+# (`calibrate` there) before it compares, so this preset is the shape, the benchmark the numbers.
+_KVT = 2 * 64 * 2 * 4  # 2 layers x d_model 64 x (K, V) x fp32
+
+CPU_LONG_TAIL = Preset(
+    name="cpu-long-tail",
+    summary="The embedded runtime's CPU main job (long-tail recipe): 2 cores, 2 instances time-sharing the rollout core, trainer-bound",
+    accelerators=2,
+    engine=EngineCost(
+        decode_a_s=0.42e-3,  # [meas] a decode step of one instance on its own core: 0.42 ms + 0.061 ms
+        decode_b_s=0.061e-3,  # per running sequence (the sync run's step log; the contexts, < 110 tokens, folded in)
+        decode_c_s=0.0,
+        prefill_s_per_token=2e-5,  # [meas] short prompts (7 tokens) prefilled at admission
+        weight_load_s=0.8e-3,  # [meas] a copy of the published tensors into an engine
+        kv_bytes_per_token=_KVT,
+        migrate_bytes_per_s=1e8,  # [assumed] the exported KV goes through the coordinator's pipes
+        capacity=64,  # [recipe] dora.capacity
+        accelerators=1,
+    ),
+    trainer=TrainerCost(
+        train_acc_s_per_token=1.6e-4,  # [meas] a streamed group's forward/backward, per token
+        optimizer_acc_s=0.0,
+        broadcast_s=1e-3,  # [meas] publishing: state_dict copy and packing into shared memory
+        step_acc_s_per_token=2.3e-4,  # [meas] finish_step: pi_prox pass, second minibatch, 2 AdamW steps
+        dp_comm_s=0.1,  # [meas] colocated sync's 2 gloo ranks: time in collectives per step
+        report_s=0.043,  # [meas] step done -> coordinator (on the busy rollout core) -> next trainer command
+    ),
+    workload=Workload(  # [recipe] responses 2L+1 tokens, L log-normal median 4 cv 1.2 cap 40; replay a run's lengths for more
+        response_median=9.0, response_cv=0.9, response_cap=81, prompt_median=7.0, prompt_cv=0.0, prompt_cap=7,
+        group_size=16, difficulty_share=0.9),
+    batch_size=8,
+    default_split=(1, 1),
+    sync_colocated=True,  # [recipe] sync: both instances generate, then the trainer trains on both cores
+    default_steps=20,
+    instances=2,  # [recipe] dora.instances: both on the rollout core in the asynchronous modes
+    coordinator_share=0.3,  # [meas] the coordinator (prompts, rewards, scheduling) runs on the rollout core too
+    sources=(
+        "recipes/cpu/long-tail.yaml: 2 cores, 2 instances x 64, batch 8 x 16, trainer_cores 1, sync colocated",
+        "benchmarks/sim_vs_runtime.py: decode, prefill, trainer, load and collective costs measured on the embedded runtime",
+    ),
+)
+
 PRESETS: dict[str, Preset] = {
-    p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL, MOE_IMBALANCE, CPU_MAIN_JOB)
+    p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL, MOE_IMBALANCE, CPU_LONG_TAIL, CPU_MAIN_JOB)
 }
 
 

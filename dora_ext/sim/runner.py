@@ -25,6 +25,7 @@ from ..core import actions as A
 from ..core import events as E
 from ..core import Scheduler
 from .engine import STATE_EMPTY, SimInstance
+from .hosts import HostProfile, get_host
 from .presets import Preset
 from .workload import LengthSampler, WorkloadError
 
@@ -50,10 +51,11 @@ class Layout:
     trainer_accelerators: int
     colocated: bool
     accelerators_per_instance: int = 1
+    share: int = 1  # instances time-sharing one instance's accelerators (a preset's fixed `instances`)
 
     @property
     def rollout_accelerators(self) -> int:
-        return self.instances * self.accelerators_per_instance
+        return self.instances // self.share * self.accelerators_per_instance
 
     @property
     def total_accelerators(self) -> int:
@@ -89,7 +91,8 @@ def layout_for(preset: Preset, mode: str, split: tuple[int, int] | None) -> Layo
     """
     g, tp = preset.accelerators, preset.engine.accelerators
     if mode == "sync" and preset.sync_colocated:
-        return Layout(g // tp, g, True, tp)
+        n = g // tp
+        return Layout(max(n, preset.instances), g, True, tp, max(1, preset.instances // n))
     r, t = split if split is not None else preset.default_split
     if r + t != g:
         r = round(g * r / (r + t))
@@ -100,7 +103,8 @@ def layout_for(preset: Preset, mode: str, split: tuple[int, int] | None) -> Layo
         trainer = g - n * tp
     if n < 1:
         raise WorkloadError(f"split: {preset.name} has {g} accelerators, too few for a rollout instance of {tp} and a trainer")
-    return Layout(n, trainer, False, tp)
+    share = max(1, preset.instances // n)
+    return Layout(n * share, trainer, False, tp, share)
 
 
 @dataclass
@@ -116,6 +120,7 @@ class RunResult:
     t_end: float
     step_end: list[float]
     trainer_busy: list[tuple[float, float]] = field(default_factory=list)
+    trainer_kinds: list[str] = field(default_factory=list)  # per trainer_busy span: group, opt, publish, load
     instance_logs: list[list[tuple[float, int]]] | None = None
     events: int = 0
     tail10_time_share: float | None = None
@@ -138,6 +143,7 @@ class Simulation:
         timeline: bool = False,
         plugins: Any = None,
         config: dict[str, Any] | None = None,
+        host: HostProfile | str | None = None,
     ) -> None:
         if mode not in MODES:
             raise WorkloadError(f"modes: unknown mode {mode!r}; accepted: {', '.join(MODES)}")
@@ -158,6 +164,16 @@ class Simulation:
         self.steps = steps
         self.seed = seed
         ec = preset.engine
+        self.host = host = get_host(host)
+        self._publish_s, self._load_s = host.publish_s(preset), host.load_s(preset)
+        self._migrate_bw = ec.migrate_bytes_per_s if host.migrate_kv else 0.0
+        self._kv = ec.kv_budget_tokens if host.kv_memory else 0
+        w = preset.workload
+        if self._kv and self._kv < w.prompt_cap + w.response_cap + 1:
+            raise WorkloadError(f"kv_budget_tokens: {preset.name}'s {self._kv} cannot hold one sequence "
+                                f"(prompt_cap + response_cap = {w.prompt_cap + w.response_cap})")
+        self.weight_sync_s = 0.0  # trainer seconds spent publishing and loading weights
+        self.migration_reprefill = 0.0  # context re-prefilled by migrations
         extra = dict(config or {})  # other scheduler settings, e.g. {"migrate": False}
         if extra.get("elastic") and "elastic_spare" not in extra:
             if self.layout.colocated:
@@ -189,7 +205,7 @@ class Simulation:
         self._dirty: dict[int, SimInstance] = {}
         self.inst: dict[int, SimInstance] = {}
         for spec in self.config.instances:
-            si = SimInstance(spec.id, ec)
+            si = SimInstance(spec.id, ec, self._kv)
             si.capacity = spec.capacity
             if timeline:
                 si.log = []
@@ -216,7 +232,7 @@ class Simulation:
         if self.config.elastic:
             first = max(self.inst) + 1
             for i in range(self.config.elastic_spare):
-                si = SimInstance(first + i, ec)
+                si = SimInstance(first + i, ec, self._kv)
                 if timeline:
                     si.log = []
                 self.inst[first + i] = si
@@ -236,6 +252,7 @@ class Simulation:
         self._tbusy = False
         self._tbusy_since = 0.0
         self.trainer_busy: list[tuple[float, float]] = []
+        self.trainer_kinds: list[str] = []
         self._delivered: set[int] = set()
         self._processed: set[int] = set()
         self._step_left: int | None = None
@@ -328,6 +345,8 @@ class Simulation:
                 self._execute(handle(pending.popleft()))
             if self._dirty:
                 now = self.now
+                if self.layout.share > 1:
+                    self._share_cores()
                 timeline = self.timeline
                 for si in self._dirty.values():
                     if timeline:
@@ -346,6 +365,19 @@ class Simulation:
                 pending.append(E.TrainerIdle())
                 continue
             return
+
+    def _share_cores(self) -> None:
+        """Instances time-sharing accelerators (`Layout.share`): each of the `k` decoding on one
+        runs at `1 / (k + c)` of its speed, `c` the preset's `coordinator_share` (processor
+        sharing, as the OS shares a CPU core)."""
+        share = self.layout.share
+        for core in {iid // share for iid in self._dirty}:
+            members = [self.inst[i] for i in range(core * share, core * share + share) if i in self.inst]
+            k = max(1, sum(1 for si in members if si.r)) + self.preset.coordinator_share
+            for si in members:
+                if si.a != si.base[0] * k:
+                    si.set_speed(k, self.now)
+                    self._dirty[si.id] = si
 
     # ------------------------------------------------------------------ actions
     def _execute(self, actions: list) -> None:
@@ -391,7 +423,7 @@ class Simulation:
                 f"dispatch of {act.group_id!r}/{act.index} (version {act.version}) to instance "
                 f"{act.instance_id}, which holds {getattr(si, 'version', None)} (loading {getattr(si, 'loading', None)})"
             )
-        if si.r + si.inbound + len(si.paused) >= si.capacity:
+        if si.occupied >= si.capacity:
             raise SimError(f"dispatch to instance {si.id} beyond its capacity {si.capacity}")
         if act.instance_id in self.off_rollout:
             raise SimError(f"dispatch to instance {si.id}, whose accelerators serve the trainer")
@@ -413,11 +445,11 @@ class Simulation:
             if self.mode != "partial":
                 raise SimError(f"LoadVersion with preempted trajectories in mode {self.mode}")
             for key in act.preempt:
-                if key in si.seqs:
+                if si.holds(key):
                     si.paused[key] = si.remove(key, now)
                 elif key not in si.paused:
                     raise SimError(f"preempt of {key!r}, which is not running on instance {si.id}")
-        if si.r or si.inbound:
+        if si.r or si.inbound or si.waiting:
             raise SimError(
                 f"LoadVersion({si.id}, {act.version}) while {si.r} trajectories run there and are not preempted"
             )
@@ -429,7 +461,15 @@ class Simulation:
         si.load_token += 1
         si.gen += 1
         self._dirty[si.id] = si
-        self._push(now + self.engine.weight_load_s, _LOADED, si.id, (act.version, si.load_token))
+        if self.host.load_on_trainer:
+            # The trainer gathers and broadcasts them, next after its current work item; loads
+            # asked for before it starts share that one gather + broadcast (a subset load).
+            if self._tq and self._tq[0][0] == "load":
+                self._tq[0][1].append((si.id, act.version, si.load_token))
+            else:
+                self._tq.appendleft(("load", [(si.id, act.version, si.load_token)]))
+        else:
+            self._push(now + self._load_s, _LOADED, si.id, (act.version, si.load_token))
 
     # ------------------------------------------------------------------ MoE imbalance
     def _on_speed(self, period: int) -> None:
@@ -453,7 +493,7 @@ class Simulation:
         si = self.inst.get(iid)
         if si is None or iid in self.off_rollout:
             raise SimError(f"SwitchToTrainer({iid}): not a rollout instance")
-        if si.r or si.inbound or si.paused or si.loading is not None:
+        if si.occupied or si.loading is not None:
             raise SimError(f"SwitchToTrainer({iid}) while it runs {si.r} trajectories or loads weights")
         si.advance(self.now)
         self._cap_advance()
@@ -496,7 +536,7 @@ class Simulation:
         _, cap = payload
         del self.off_rollout[iid]
         old = self.inst[iid]
-        si = SimInstance(iid, self.engine)
+        si = SimInstance(iid, self.engine, self._kv)
         si.a, si.b, si.c = old.a, old.b, old.c  # the period's speed factor carries over
         si.capacity = cap
         si.t_last = self.now
@@ -508,6 +548,7 @@ class Simulation:
         # match the new counter and finish a trajectory early (or, with none running, crash).
         si.gen = old.gen + 1
         si.load_token = old.load_token
+        si.preemptions, si.recomputed = old.preemptions, old.recomputed
         self.inst[iid] = si
         self._cap_advance()
         self._rcap += cap
@@ -523,7 +564,7 @@ class Simulation:
         if key in self._transit:
             # The scheduler moves a trajectory again only after `MigrationLanded`.
             raise SimError(f"migration of {key!r} from instance {src.id} while its previous move is in flight")
-        if key not in src.seqs:
+        if not src.holds(key):
             if key in self.finished:
                 # It finished on `src` at this instant and its report is still queued: a host sees
                 # the same race and the trajectory simply finished where it was (the scheduler's
@@ -535,7 +576,7 @@ class Simulation:
             raise SimError(f"migration of {key!r} to instance {dst.id} beyond its capacity")
         remaining, context = src.remove(key, self.now)
         self._dirty[src.id] = src
-        bw = self.engine.migrate_bytes_per_s
+        bw = self._migrate_bw
         if bw > 0:
             delay = context * self.engine.kv_bytes_per_token / bw
             self.migration_s += delay
@@ -546,6 +587,7 @@ class Simulation:
             # The engine cannot move KV: the destination re-prefills the whole context.
             self.migration_s += context * self.engine.prefill_s_per_token
             self.reprefill_tokens += context
+            self.migration_reprefill += context
             dst.add(key, remaining, context, self.now, context)
             self._dirty[dst.id] = dst
             self._pending.append(E.MigrationLanded(act.group_id, act.index, self.traj[key][0]))
@@ -631,10 +673,17 @@ class Simulation:
             dur = (prompt * len(lengths) + sum(lengths)) * tc.train_acc_s_per_token / self.tacc
         elif kind == "opt":
             dur = tc.optimizer_acc_s / self.tacc
+            if tc.step_acc_s_per_token or tc.dp_comm_s:
+                tokens = sum(self.groups[g][1] * len(self.groups[g][2]) + sum(self.groups[g][2])
+                             for g in self.step_groups[x])
+                dur += tokens * tc.step_acc_s_per_token / self.tacc + (tc.dp_comm_s if self.tacc > 1 else 0.0)
+        elif kind == "relay":
+            dur = tc.report_s
         else:
-            dur = tc.broadcast_s
-        if self.layout.colocated:
-            busy = [si.id for si in self.inst.values() if si.r or si.loading is not None or si.paused]
+            dur = self._publish_s if kind == "publish" else self._load_s
+            self.weight_sync_s += dur
+        if self.layout.colocated and kind != "load":
+            busy = [si.id for si in self.inst.values() if si.r or si.waiting or si.loading is not None or si.paused]
             if busy:
                 raise SimError(f"colocated sync: trainer work while instances {busy[:5]} still roll out or load")
         self._tbusy = True
@@ -646,21 +695,31 @@ class Simulation:
     def _on_trainer_done(self, item: tuple[str, int]) -> None:
         kind, x = item
         self._tbusy = False
-        self.trainer_busy.append((self._tbusy_since, self.now))
+        if kind != "relay":  # (waiting for the coordinator is not work)
+            self.trainer_busy.append((self._tbusy_since, self.now))
+            self.trainer_kinds.append(kind)
         if kind == "group":
             self._processed.add(x)
             if self._step_running is not None and self.trained_step.get(x) == self._step_running:
                 self._step_left -= 1
                 if self._step_left == 0:
                     self._tq.append(("opt", self._step_running))
+        elif kind == "load":
+            for iid, version, token in x:
+                self._push(self.now, _LOADED, iid, (version, token))
         elif kind == "opt":
             self._step_running = None
             self.step_end.append(self.now)
             self._mark_slots(len(self.step_end) - 1)
             # Publishing comes before any work of the next step that this event unlocks.
             self._tq.appendleft(("publish", x + 1))
-            self._pending.append(E.TrainerStepFinished(x))
+            if not self.tc.report_s:
+                self._pending.append(E.TrainerStepFinished(x))
+        elif kind == "publish" and self.tc.report_s:
+            self._tq.appendleft(("relay", x))  # the step's report still has to reach the scheduler
         else:
+            if kind == "relay":
+                self._pending.append(E.TrainerStepFinished(x - 1))
             self._pending.append(E.VersionPublished(x))
 
     def _mark_slots(self, step: int) -> None:
@@ -698,6 +757,7 @@ class Simulation:
             t_end=self.now,
             step_end=list(self.step_end),
             trainer_busy=self.trainer_busy,
+            trainer_kinds=self.trainer_kinds,
             instance_logs=[si.log for si in self.inst.values()] if self.timeline else None,
             events=self.events,
             tail10_time_share=self._tail10(),
@@ -899,6 +959,11 @@ def summarize(sim: Simulation, core: dict[str, Any], checks: dict[str, Any]) -> 
         "role_switch_s": sim.role_switch_s,
         "trainer_accelerators_mean": _time_mean(sim.tacc_log, t0, t1),
         "reprefill_tokens": round(sim.reprefill_tokens),
+        "host": sim.host.name,
+        "trainer_weight_sync_s_per_step": sim.weight_sync_s / steps,
+        "reprefilled_tokens": round(sim.migration_reprefill),
+        "preemptions": sum(si.preemptions for si in sim.inst.values()),
+        "preemption_recomputed_tokens": round(sum(si.recomputed for si in sim.inst.values())),
         "max_staleness": sim.K,
         "split": sim.layout.split,
         "window_steps": [w, e],
@@ -918,13 +983,15 @@ def simulate(
     timeline: bool = False,
     plugins: Any = None,
     config: dict[str, Any] | None = None,
+    host: HostProfile | str | None = None,
 ) -> RunResult:
-    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields.
+    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields; `host` a
+    host profile (`hosts.py`; default `ideal`).
 
     `steps` defaults to `default_steps(preset, K)`."""
     return Simulation(
         preset, mode, steps=steps or default_steps(preset, _staleness(mode, max_staleness)), seed=seed, max_staleness=max_staleness,
         split=split, records=records, instances=instances, timeline=timeline, plugins=plugins,
-        config=config,
+        config=config, host=host,
     ).run()
 

@@ -10,7 +10,7 @@ kept ones by w, while `mask` keeps them at weight 1 (SAO's band, in the ratio pi
 
 slime's tensors are per-sample 1-D lists concatenated along tokens (`[sum_i T_i]`), reduced by the
 `sum_of_sample_mean` slime builds for the micro-batch. The maths is `dora_ext.algo.losses`
-(`double_side_mask`, `truncated_is_weights`); this module only adapts shapes and reads slime's
+(`double_side_mask`, `kl_penalty`); this module only adapts shapes and reads slime's
 flags: SAO's band is slime's `--eps-clip` / `--eps-clip-high`; the correction's cap is
 `dora_slime.is_cap` from the `--custom-config-path` YAML.
 

@@ -107,8 +107,11 @@ SIM_COLS = [("mode", "mode"), ("K", "K"), ("elastic", "elastic"), ("split", "spl
 
 
 def sim_modes(d: dict) -> str:
+    how = ("a `--quick` run: short runs at the presets' own splits (agentic-long-tail scans every split), "
+           "K = 2 at most, no K sweep or recommender" if "--quick" in d.get("command", "") else
+           "splits optimised per mode unless the preset states its pools")
     parts = [f"Seed {d['seed']}. Efficiency is throughput over the preset's physical limit; splits are "
-             "rollout:trainer accelerators, optimised per mode unless the preset states its pools."]
+             f"rollout:trainer accelerators; {how}."]
     for name, p in d["presets"].items():
         sec = [f"### {name}"]
         if p.get("rows"):

@@ -152,7 +152,7 @@ class _Fleet:
     def _set_level(self, b: int, iid: int, old: int | None, new: int | None) -> None:
         """Loaded instance `iid` of bucket `b` went from `old` to `new` running trajectories
         (None: not loaded in `b`). Keeps the levels, the low-level hint and the holder count; when
-        the count reaches 0, R5's records of the bucket go (the one place they are dropped)."""
+        the count reaches 0, R5's records of the bucket go (`_forget_r5`; `_move` too)."""
         levels = self._levels.get(b)
         if levels is None:
             levels = self._levels[b] = {}
@@ -178,8 +178,12 @@ class _Fleet:
                 self._holders[b] -= 1
             else:
                 del self._holders[b]
-                self._r5_tried.pop(b, None)
-                self._r5_stuck.pop(b, None)
+                self._forget_r5(b)
+
+    def _forget_r5(self, b: int) -> None:
+        """R5's records of bucket `b` go: its holder count reached (or, in `_move`, passed through) 0."""
+        self._r5_tried.pop(b, None)
+        self._r5_stuck.pop(b, None)
 
     def _pick(self, b: int, lv: dict, work: int, share_of: int) -> _Instance | None:
         """The instance of bucket `b` that takes the next trajectory: the least loaded one (the
@@ -387,6 +391,11 @@ class _Fleet:
     def _move(self, v: int, h: int, s: _Instance, d: _Instance) -> None:
         """R5: running trajectory `h` moves from `s` to `d`, both loaded with `v` (`s` is not `d`)."""
         ns, nd = s.nrun, d.nrun
+        holders = self._holders[v]
+        if holders == 1 or (holders == 2 and ns == 1 and nd):
+            # Counted out at the source before in at the destination, the holder count passes
+            # through 0 (a sole holder spreading; the move that empties one of two holders).
+            self._forget_r5(v)
         self._traj_instance[h] = d.id
         s._drop()
         self._place(d, h)

@@ -379,11 +379,10 @@ class _Fleet:
         if not n_run:
             self._idle[inst.id] = None
             self._plan_instance(inst)
-        elif (self._migrate and v < (newest := self.newest) and v + self.K > self.step
+        elif (self._migrate and v < self.newest and v + self.K > self.step
               and self._queued.get(v, 0) <= 0 and self._holders.get(v, 0) >= 2
               and self._occupied.get(v, 0) <= self.config.migrate_threshold * self._cap.get(v, 0)
-              and ((newest + self.K + 1) * self.B > self._admitted + self._outstanding
-                   or self._queued.get(self._bucket(newest), 0) > 0)):
+              and (self._budget_left() > 0 or self._queued.get(self._bucket(self.newest), 0) > 0)):
             # (`_maybe_consolidate`'s first O(1) tests: this runs on every finish of an old
             # version, and each test there only returns)
             self._maybe_consolidate(v)

@@ -134,7 +134,7 @@ class _Fleet:
     def _set_level(self, b: int, iid: int, old: int | None, new: int | None) -> None:
         """Loaded instance `iid` of bucket `b` went from `old` to `new` running trajectories
         (None: not loaded in `b`). Keeps the levels, the low-level hint and the holder count; when
-        the count reaches 0, R5's records of the bucket go (the one place they are dropped)."""
+        the count reaches 0, R5's records of the bucket go (`_forget_r5`; `_move` too)."""
         levels = self._levels.get(b)
         if levels is None:
             levels = self._levels[b] = {}
@@ -160,8 +160,12 @@ class _Fleet:
                 self._holders[b] -= 1
             else:
                 del self._holders[b]
-                self._r5_tried.pop(b, None)
-                self._r5_stuck.pop(b, None)
+                self._forget_r5(b)
+
+    def _forget_r5(self, b: int) -> None:
+        """R5's records of bucket `b` go: its holder count reached (or, in `_move`, passed through) 0."""
+        self._r5_tried.pop(b, None)
+        self._r5_stuck.pop(b, None)
 
     def _pick(self, b: int, lv: dict, work: int, share_of: int) -> _Instance | None:
         """The instance of bucket `b` that takes the next trajectory: the least loaded one (the
@@ -357,11 +361,10 @@ class _Fleet:
         if not n_run:
             self._idle[inst.id] = None
             self._plan_instance(inst)
-        elif (self._migrate and v < (newest := self.newest) and v + self.K > self.step
+        elif (self._migrate and v < self.newest and v + self.K > self.step
               and self._queued.get(v, 0) <= 0 and self._holders.get(v, 0) >= 2
               and self._occupied.get(v, 0) <= self.config.migrate_threshold * self._cap.get(v, 0)
-              and ((newest + self.K + 1) * self.B > self._admitted + self._outstanding
-                   or self._queued.get(self._bucket(newest), 0) > 0)):
+              and (self._budget_left() > 0 or self._queued.get(self._bucket(self.newest), 0) > 0)):
             # (`_maybe_consolidate`'s first O(1) tests: this runs on every finish of an old
             # version, and each test there only returns)
             self._maybe_consolidate(v)
@@ -369,6 +372,11 @@ class _Fleet:
     def _move(self, v: int, h: int, s: _Instance, d: _Instance) -> None:
         """R5: running trajectory `h` moves from `s` to `d`, both loaded with `v` (`s` is not `d`)."""
         ns, nd = s.nrun, d.nrun
+        holders = self._holders[v]
+        if holders == 1 or (holders == 2 and ns == 1 and nd):
+            # Counted out at the source before in at the destination, the holder count passes
+            # through 0 (a sole holder spreading; the move that empties one of two holders).
+            self._forget_r5(v)
         self._traj_instance[h] = d.id
         s._drop()
         self._place(d, h)

@@ -851,8 +851,8 @@ class Trainer:
     def _sao_keep(self, logp: Tensor, batch: _Batch) -> Tensor:
         """SAO's keep-mask of this forward's tokens (pi_theta / pi_rollout inside the band). The
         entropy bonus acts on these tokens only: on a token the mask drops it would be the only
-        force, pushing the policy towards uniform where nothing pulls it back (the collapse of SAO
-        at lr 1e-3, where a stale batch's tokens leave the band)."""
+        force, pushing the policy towards uniform where nothing pulls it back (a review's diagnosis
+        of SAO's collapse at lr 1e-3, where a stale batch's tokens leave the band)."""
         c = self.config
         ratio = torch.exp((logp.detach() - batch.rollout_logp).clamp(max=20.0))
         return double_side_mask(ratio, batch.mask, c.sao_eps_low, c.sao_eps_high)

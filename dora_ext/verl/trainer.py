@@ -198,16 +198,17 @@ def _check_weight_store(config: Any, max_staleness: int) -> None:
     from dora_ext.config import ConfigError
 
     from .weights import BACKEND as CPU_BACKEND
+    from .weights import served_dtype
 
     ce = config.actor_rollout_ref.rollout.checkpoint_engine
     need = int(max_staleness) + 2
     if ce.get("engine_kwargs") is None:
         ce.engine_kwargs = {}
-    kwargs = ce.engine_kwargs.get(CPU_BACKEND) or {}
-    keep = kwargs.get("keep_versions")
-    if keep is None:
-        ce.engine_kwargs[CPU_BACKEND] = {**kwargs, "keep_versions": max(8, need)}
-    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
+    # The checksums round to the engine's dtype (a bf16 engine holds the actor's fp32 weights rounded).
+    kwargs = {**(ce.engine_kwargs.get(CPU_BACKEND) or {}), "dtype": served_dtype(config.actor_rollout_ref.rollout)}
+    keep = kwargs.setdefault("keep_versions", max(8, need))
+    ce.engine_kwargs[CPU_BACKEND] = kwargs
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
         raise ConfigError(
             f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{CPU_BACKEND}.keep_versions",
             f"is {keep!r}; with dora.max_staleness={max_staleness} the weight store must keep at least "
@@ -321,7 +322,7 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         loaders = {i: list(r.workers) for i, r in enumerate(replicas)}
         # R5 moves abort just the moved request (``abort_request``), not every request of its replica.
         ray.get(self.coordinator.set_loaders.remote(loaders, checks, self.config.actor_rollout_ref.rollout.name,
-                                                    abort_requests=True))
+                                                    abort_requests=True, dtype=ce.engine_kwargs[ce.backend]["dtype"]))
         self.replay_buffer.step_source = self._scheduler_batch
         self.replay_buffer.on_wait = self._service
         if self.global_steps:

@@ -244,3 +244,53 @@ def test_replica_batches_concurrent_requests_aborts_one_and_reads_the_version_at
     assert out_a.extra_fields["global_steps"] == 3
     assert out_b.stop_reason == "length" and len(out_b.token_ids) == 6
     assert out_b.extra_fields["global_steps"] == 4  # read at completion
+
+
+class _LocalStore:
+    """A ``WeightStore`` behind ``.publish.remote`` / ``.read_text.remote`` (its actor handle's shape)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.publish = type("M", (), {"remote": lambda _, *a: store.publish(*a)})()
+        self.read_text = type("M", (), {"remote": lambda _, *a: asyncio.sleep(0, store.read_text(*a))})()
+
+
+@pytest.mark.parametrize("engine", ["rounded_like_the_engine", "other_weights"])
+def test_a_bf16_vllm_engine_holding_the_fp32_publication_passes_its_checksum(engine, tmp_path, monkeypatch):
+    """An FSDP actor publishes float32 master weights; a vLLM/SGLang engine (rollout.dtype bfloat16)
+    holds them rounded. Both checksums round to the engine's dtype (``served_dtype``, set by
+    ``configure``), so the real publisher (``send_weights``) and the real vLLM-worker function
+    (``_vllm_checksum``, run by ``collective_rpc``) agree on correct weights and still differ on
+    wrong ones. Before, every load of a bf16 engine was refused."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from dora_ext.verl import weights as W
+
+    store = W.WeightStore()
+    monkeypatch.setattr(W, "all_stores", lambda *_: [_LocalStore(store)])
+    monkeypatch.setattr(ray, "put", lambda x: x)
+    dtype = W.served_dtype(OmegaConf.create({"name": "vllm", "dtype": "bfloat16"}))
+    assert dtype == "bfloat16" and W.served_dtype(OmegaConf.create({"name": "dora_cpu"})) == "float32"
+    gen = torch.Generator().manual_seed(0)
+    fp32 = {n: 1 + torch.randn(64, generator=gen) * 1e-3 for n in ("model.norm.weight", "model.layers.0.input_layernorm.weight")}
+    publisher = W.DoraStoreCheckpointEngine(is_master=True, dtype=dtype)
+    asyncio.run(publisher.send_weights(iter(fp32.items()), global_steps=1))
+    published, names = store.evidence(1)
+    held = {n: t.to(torch.bfloat16) for n, t in fp32.items()}  # what vLLM copies into its bf16 parameters
+    if engine == "other_weights":
+        held["model.norm.weight"] = (fp32["model.norm.weight"] + 0.05).to(torch.bfloat16)
+    assert W.checksum(held, names) != W.checksum(fp32, names)  # without rounding they never agree
+
+    class Worker:  # vLLM's GPU worker as collective_rpc hands the function to it
+        rank = 0
+        model_runner = type("Runner", (), {"model": type("Model", (), {"named_parameters": lambda _: iter(held.items())})()})()
+
+    async def rpc(fn, args=()):
+        fn(Worker(), *args)
+
+    server = type("Server", (), {"collective_rpc": type("M", (), {"remote": lambda _, fn, args: rpc(fn, args)})()})()
+    monkeypatch.setenv("DORA_CHECKSUM_DIR", str(tmp_path))
+    got = asyncio.run(W.engine_checksum("vllm", server, "addr", names, _LocalStore(store), "1_1", dtype))
+    assert (got == published) == (engine == "rounded_like_the_engine")
+

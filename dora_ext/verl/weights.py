@@ -269,7 +269,9 @@ async def abort_request(rollout: str, server: Any, address: str, request_id: str
                 return {"aborted": 200 <= r.status < 300}
 
         return await asyncio.to_thread(post)
-    out = await server.abort_request.remote(request_id)
+    # verl's vLLMHttpServer.abort_request resets the whole prefix cache by default: the co-resident
+    # requests would lose their cached prefixes at every move.
+    out = await server.abort_request.remote(request_id, reset_prefix_cache=False)
     return out if isinstance(out, dict) else {"aborted": bool(out)}
 
 

@@ -294,3 +294,18 @@ def test_a_bf16_vllm_engine_holding_the_fp32_publication_passes_its_checksum(eng
     got = asyncio.run(W.engine_checksum("vllm", server, "addr", names, _LocalStore(store), "1_1", dtype))
     assert (got == published) == (engine == "rounded_like_the_engine")
 
+
+def test_a_vllm_per_request_abort_keeps_the_prefix_cache_of_the_requests_left_running():
+    """verl 0.9.1's ``vLLMHttpServer.abort_request(request_id, reset_prefix_cache=True)`` resets the
+    replica's whole prefix cache unless told not to; an R5 move aborts one request and must not."""
+    from dora_ext.verl.weights import abort_request
+
+    calls = []
+
+    async def remote(request_id, reset_prefix_cache=True):
+        calls.append((request_id, reset_prefix_cache))
+        return {"aborted": True, "request_id": request_id}
+
+    server = type("Server", (), {"abort_request": type("M", (), {"remote": lambda _, *a, **k: remote(*a, **k)})()})()
+    assert asyncio.run(abort_request("vllm", server, "addr", "r1"))["aborted"]
+    assert calls == [("r1", False)]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 from dora_ext.config import DoraConfig
@@ -365,7 +366,7 @@ class DoraCoordinator:
         c = self.checks[instance]
         published, names = await c["store"].evidence.remote(verl_version)
         got = await engine_checksum(self.rollout, c["server"], c["address"], names, c["store"],
-                                    f"{instance}_{verl_version}", self.dtype)
+                                    f"{instance}_{verl_version}_{uuid.uuid4().hex[:12]}", self.dtype)
         newest = self.sched.newest_version + self.base
         _report("load_checked", instance=instance, version=verl_version, checksum=got, published=published,
                 newest=newest, replicas=len(self.server_ids), loading=sorted(self.loading), tensors=len(names))

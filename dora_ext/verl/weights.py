@@ -170,7 +170,9 @@ class WeightStore:
         if not os.path.exists(path):
             return None
         with open(path) as f:
-            return f.read()
+            text = f.read()
+        os.remove(path)  # read once: a later check that writes nothing cannot pass on this one
+        return text
 
 
 def _store_options(node_id: str, keep_versions: int) -> dict:

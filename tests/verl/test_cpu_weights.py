@@ -309,3 +309,29 @@ def test_a_vllm_per_request_abort_keeps_the_prefix_cache_of_the_requests_left_ru
     server = type("Server", (), {"abort_request": type("M", (), {"remote": lambda _, *a, **k: remote(*a, **k)})()})()
     assert asyncio.run(abort_request("vllm", server, "addr", "r1"))["aborted"]
     assert calls == [("r1", False)]
+
+
+def test_a_vllm_check_whose_workers_write_nothing_fails_and_never_reads_an_earlier_checksum(tmp_path, monkeypatch):
+    """The vLLM checksum comes back through a file the rank-0 worker writes on its node. A check
+    whose workers write nothing (no rank 0 answered) must fail, also when an earlier check of the
+    same instance and version left its file there; before, that earlier checksum passed it."""
+    from dora_ext.verl import weights as W
+
+    held = {"model.norm.weight": torch.ones(8)}
+    ranks = iter([0, 1])
+
+    class Worker:
+        def __init__(self):
+            self.rank = next(ranks)
+            self.model_runner = type("R", (), {"model": type("M", (), {"named_parameters": lambda _: iter(held.items())})()})()
+
+    async def rpc(fn, args):
+        fn(Worker(), *args)
+
+    server = type("S", (), {"collective_rpc": type("M", (), {"remote": lambda _, fn, args: rpc(fn, args)})()})()
+    monkeypatch.setenv("DORA_CHECKSUM_DIR", str(tmp_path))
+    store = _LocalStore(W.WeightStore())
+    names = ["model.norm.weight"]
+    assert asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3")) == W.checksum(held, names)
+    with pytest.raises(W.WeightsMismatch, match="vLLM worker wrote no checksum"):
+        asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3"))

@@ -314,10 +314,13 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         # published versions run in the coordinator, off the trainer thread, each checked against
         # the engine's own checksum of what it then holds.
         replicas = manager.rollout_replicas
-        nodes = [ray.get(r.workers[0].execute_checkpoint_engine.remote("prepare"))["node_id"] for r in replicas]
+        # Every rollout worker's node (a replica may span nodes): a worker whose node had no store
+        # at a publication would wait for that version forever.
+        nodes = [[m["node_id"] for m in ray.get([w.execute_checkpoint_engine.remote("prepare") for w in r.workers])]
+                 for r in replicas]
         ce = self.config.actor_rollout_ref.rollout.checkpoint_engine
-        stores = ensure_stores(nodes, int(ce.engine_kwargs[ce.backend]["keep_versions"]))
-        checks = {i: {"server": h, "address": a, "store": stores[nodes[i]]}
+        stores = ensure_stores([n for ns in nodes for n in ns], int(ce.engine_kwargs[ce.backend]["keep_versions"]))
+        checks = {i: {"server": h, "address": a, "store": stores[nodes[i][0]]}
                   for i, (a, h) in enumerate(zip(manager.server_addresses, manager.server_handles, strict=True))}
         loaders = {i: list(r.workers) for i, r in enumerate(replicas)}
         # R5 moves abort just the moved request (``abort_request``), not every request of its replica.

@@ -230,14 +230,23 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
     if rollout == "dora_cpu":
         return await server.weights_checksum.remote(names, dtype)
     if rollout == "sglang":
+        import urllib.error
         import urllib.request
 
         def get(name):
             body = json.dumps({"name": name, "truncate_size": SAMPLE_ELEMS}).encode()
             req = urllib.request.Request(f"http://{address}/get_weights_by_name", data=body,
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return torch.tensor(json.loads(r.read()), dtype=torch.float32)
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return torch.tensor(json.loads(r.read()), dtype=torch.float32)
+            except urllib.error.HTTPError as exc:
+                # SGLang implements get_weights_by_name per model class (0.5.23: Llama, Granite, OPT,
+                # Exaone4; not Qwen2/Qwen3): without it no load of this model can be checked.
+                raise WeightsMismatch(
+                    f"dora: SGLang cannot read back {name} of the loaded weights (/get_weights_by_name: HTTP "
+                    f"{exc.code} {exc.read()[:200]!r}); its model class for actor_rollout_ref.model.path may not "
+                    "implement get_weights_by_name: use actor_rollout_ref.rollout.name=vllm") from None
 
         named = {n: await asyncio.to_thread(get, n) for n in names}
         return checksum(named, names, dtype)

@@ -335,3 +335,44 @@ def test_a_vllm_check_whose_workers_write_nothing_fails_and_never_reads_an_earli
     assert asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3")) == W.checksum(held, names)
     with pytest.raises(W.WeightsMismatch, match="vLLM worker wrote no checksum"):
         asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3"))
+
+
+def test_an_sglang_model_without_get_weights_by_name_fails_the_check_naming_what_to_change(monkeypatch):
+    """SGLang answers ``/get_weights_by_name`` with HTTP 400 for a model class that does not implement
+    it (sglang 0.5.23's Qwen2/Qwen3): the check fails naming the rollout key, not with a bare HTTPError."""
+    import io
+    import urllib.error
+    import urllib.request
+
+    from dora_ext.verl import weights as W
+
+    def refuse(req, timeout=None):
+        raise urllib.error.HTTPError(req.full_url, 400, "Bad Request", {}, io.BytesIO(b'{"error": "failed"}'))
+
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    with pytest.raises(W.WeightsMismatch, match=r"model.norm.weight .*HTTP 400.*rollout.name=vllm"):
+        asyncio.run(W.engine_checksum("sglang", None, "127.0.0.1:1", ["model.norm.weight"], None, "t", "bfloat16"))
+
+
+def test_an_sglang_engine_answering_its_bf16_tensor_as_json_matches_the_fp32_publication(monkeypatch):
+    """``/get_weights_by_name`` answers ``param.cpu()[:truncate_size].to(float32).tolist()`` (JSON): the
+    round trip is exact, so a bf16 SGLang engine holding the publication passes."""
+    import io
+    import json
+    import urllib.request
+
+    from dora_ext.verl import weights as W
+
+    fp32 = {"model.norm.weight": 1 + torch.randn(64, generator=torch.Generator().manual_seed(1)) * 1e-3}
+    asked = []
+
+    def answer(req, timeout=None):
+        body = json.loads(req.data)
+        asked.append(body)
+        held = fp32[body["name"]].to(torch.bfloat16)
+        return io.BytesIO(json.dumps(held[: body["truncate_size"]].to(torch.float32).tolist()).encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", answer)
+    got = asyncio.run(W.engine_checksum("sglang", None, "h:1", ["model.norm.weight"], None, "t", "bfloat16"))
+    assert got == W.checksum(fp32, ["model.norm.weight"], "bfloat16") != W.checksum(fp32, ["model.norm.weight"])
+    assert asked == [{"name": "model.norm.weight", "truncate_size": W.SAMPLE_ELEMS}]

@@ -212,7 +212,8 @@ def _vllm_checksum(worker: Any, names: list[str], path: str, dtype: str | None =
     tensors `names` to `path` (verl's ``collective_rpc`` does not return results)."""
     if int(getattr(worker, "rank", 0)) != 0:
         return
-    params = dict(worker.model_runner.model.named_parameters())
+    runner = worker.model_runner  # get_model(): the module under vLLM's CUDA-graph wrapper
+    params = dict((runner.get_model() if hasattr(runner, "get_model") else runner.model).named_parameters())
     missing = [n for n in names if n not in params]
     out = {"error": f"not in the vLLM model: {missing[:5]}"} if missing else {"checksum": checksum(params, names, dtype)}
     with open(path + ".tmp", "w") as f:

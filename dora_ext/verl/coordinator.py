@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 from dora_ext.config import DoraConfig
@@ -149,6 +150,7 @@ class DoraCoordinator:
         self.loaders: dict[int, list] = {}  # instance -> rollout worker handles
         self.checks: dict[int, dict] = {}  # instance -> {"server", "address", "store"}: engine checksums
         self.rollout = ""
+        self.dtype: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ scheduler plumbing
@@ -319,7 +321,7 @@ class DoraCoordinator:
 
     # ------------------------------------------------------------------ trainer side
     def set_loaders(self, loaders: dict[int, list], checks: dict[int, dict] | None = None, rollout: str = "",
-                    abort_requests: bool = False) -> None:
+                    abort_requests: bool = False, dtype: str | None = None) -> None:
         """Rollout workers per instance: loads are then run here, each ``update_weights(global_steps=v)``
         on the instance's workers (``dora_store`` fetches ``v`` from the node's store), without the
         trainer. With `checks` (instance -> its server handle, address and node store) each load is
@@ -332,6 +334,7 @@ class DoraCoordinator:
         self.loaders = {int(k): list(v) for k, v in loaders.items()}
         self.checks = {int(k): dict(v) for k, v in (checks or {}).items()}
         self.rollout = str(rollout)
+        self.dtype = dtype  # the engine's weight dtype: both checksums round to it (weights.checksum)
 
     async def _load(self, instance: int, verl_version: int) -> None:
         try:
@@ -363,7 +366,7 @@ class DoraCoordinator:
         c = self.checks[instance]
         published, names = await c["store"].evidence.remote(verl_version)
         got = await engine_checksum(self.rollout, c["server"], c["address"], names, c["store"],
-                                    f"{instance}_{verl_version}")
+                                    f"{instance}_{verl_version}_{uuid.uuid4().hex[:12]}", self.dtype)
         newest = self.sched.newest_version + self.base
         _report("load_checked", instance=instance, version=verl_version, checksum=got, published=published,
                 newest=newest, replicas=len(self.server_ids), loading=sorted(self.loading), tensors=len(names))

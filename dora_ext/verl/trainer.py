@@ -198,16 +198,17 @@ def _check_weight_store(config: Any, max_staleness: int) -> None:
     from dora_ext.config import ConfigError
 
     from .weights import BACKEND as CPU_BACKEND
+    from .weights import served_dtype
 
     ce = config.actor_rollout_ref.rollout.checkpoint_engine
     need = int(max_staleness) + 2
     if ce.get("engine_kwargs") is None:
         ce.engine_kwargs = {}
-    kwargs = ce.engine_kwargs.get(CPU_BACKEND) or {}
-    keep = kwargs.get("keep_versions")
-    if keep is None:
-        ce.engine_kwargs[CPU_BACKEND] = {**kwargs, "keep_versions": max(8, need)}
-    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
+    # The checksums round to the engine's dtype (a bf16 engine holds the actor's fp32 weights rounded).
+    kwargs = {**(ce.engine_kwargs.get(CPU_BACKEND) or {}), "dtype": served_dtype(config.actor_rollout_ref.rollout)}
+    keep = kwargs.setdefault("keep_versions", max(8, need))
+    ce.engine_kwargs[CPU_BACKEND] = kwargs
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
         raise ConfigError(
             f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{CPU_BACKEND}.keep_versions",
             f"is {keep!r}; with dora.max_staleness={max_staleness} the weight store must keep at least "
@@ -313,15 +314,18 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         # published versions run in the coordinator, off the trainer thread, each checked against
         # the engine's own checksum of what it then holds.
         replicas = manager.rollout_replicas
-        nodes = [ray.get(r.workers[0].execute_checkpoint_engine.remote("prepare"))["node_id"] for r in replicas]
+        # Every rollout worker's node (a replica may span nodes): a worker whose node had no store
+        # at a publication would wait for that version forever.
+        nodes = [[m["node_id"] for m in ray.get([w.execute_checkpoint_engine.remote("prepare") for w in r.workers])]
+                 for r in replicas]
         ce = self.config.actor_rollout_ref.rollout.checkpoint_engine
-        stores = ensure_stores(nodes, int(ce.engine_kwargs[ce.backend]["keep_versions"]))
-        checks = {i: {"server": h, "address": a, "store": stores[nodes[i]]}
+        stores = ensure_stores([n for ns in nodes for n in ns], int(ce.engine_kwargs[ce.backend]["keep_versions"]))
+        checks = {i: {"server": h, "address": a, "store": stores[nodes[i][0]]}
                   for i, (a, h) in enumerate(zip(manager.server_addresses, manager.server_handles, strict=True))}
         loaders = {i: list(r.workers) for i, r in enumerate(replicas)}
         # R5 moves abort just the moved request (``abort_request``), not every request of its replica.
         ray.get(self.coordinator.set_loaders.remote(loaders, checks, self.config.actor_rollout_ref.rollout.name,
-                                                    abort_requests=True))
+                                                    abort_requests=True, dtype=ce.engine_kwargs[ce.backend]["dtype"]))
         self.replay_buffer.step_source = self._scheduler_batch
         self.replay_buffer.on_wait = self._service
         if self.global_steps:

@@ -56,13 +56,25 @@ def sample_names(names) -> list[str]:
     return [n for n in names if n.endswith("norm.weight")] or names
 
 
-def checksum(named: dict[str, Any], names: list[str] | None = None) -> str:
+def served_dtype(rollout: Any) -> str:
+    """The dtype the engine holds its weights in: ``dora_cpu`` serves float32 whatever the config
+    says, vLLM and SGLang ``actor_rollout_ref.rollout.dtype`` (default bfloat16)."""
+    if str(rollout.get("name")) == "dora_cpu":
+        return "float32"
+    return str(rollout.get("dtype") or "bfloat16")
+
+
+def checksum(named: dict[str, Any], names: list[str] | None = None, dtype: str | None = None) -> str:
     """sha256 over the float32 values of the sampled tensors of `named` (their first
     ``SAMPLE_ELEMS`` elements), in name order: the same weights give the same digest on the
-    trainer, in the store and read back from an engine."""
+    trainer, in the store and read back from an engine. `dtype` (the engine's, ``served_dtype``):
+    each tensor is first rounded to it, as the engine rounds what it loads (an FSDP actor publishes
+    float32 master weights, a bfloat16 vLLM/SGLang engine holds them rounded)."""
     h = hashlib.sha256()
+    cast = getattr(torch, dtype) if dtype else torch.float32
     for name in sample_names(named) if names is None else names:
-        t = torch.as_tensor(named[name]).detach().to("cpu", torch.float32).reshape(-1)[:SAMPLE_ELEMS].contiguous()
+        t = torch.as_tensor(named[name]).detach().to("cpu").reshape(-1)[:SAMPLE_ELEMS]
+        t = t.to(cast).to(torch.float32).contiguous()
         h.update(name.encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
@@ -152,7 +164,9 @@ class WeightStore:
         if not os.path.exists(path):
             return None
         with open(path) as f:
-            return f.read()
+            text = f.read()
+        os.remove(path)  # read once: a later check that writes nothing cannot pass on this one
+        return text
 
 
 def _store_options(node_id: str, keep_versions: int) -> dict:
@@ -187,45 +201,55 @@ def all_stores(keep_versions: int = 8) -> list:
 
 
 # ---------------------------------------------------------------------- engine-side checksums
-def _vllm_checksum(worker: Any, names: list[str], path: str) -> None:
+def _vllm_checksum(worker: Any, names: list[str], path: str, dtype: str | None = None) -> None:
     """Runs inside each vLLM worker (``collective_rpc``): rank 0 writes the checksum of its model's
     tensors `names` to `path` (verl's ``collective_rpc`` does not return results)."""
     if int(getattr(worker, "rank", 0)) != 0:
         return
-    params = dict(worker.model_runner.model.named_parameters())
+    runner = worker.model_runner  # get_model(): the module under vLLM's CUDA-graph wrapper
+    params = dict((runner.get_model() if hasattr(runner, "get_model") else runner.model).named_parameters())
     missing = [n for n in names if n not in params]
-    out = {"error": f"not in the vLLM model: {missing[:5]}"} if missing else {"checksum": checksum(params, names)}
+    out = {"error": f"not in the vLLM model: {missing[:5]}"} if missing else {"checksum": checksum(params, names, dtype)}
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
     os.replace(path + ".tmp", path)
 
 
 async def engine_checksum(rollout: str, server: Any, address: str, names: list[str], store: Any,
-                          tag: str) -> str:
+                          tag: str, dtype: str | None = None) -> str:
     """The checksum over `names` of the weights the engine behind `server` holds now.
 
     ``dora_cpu``: the replica reads back its model. ``sglang``: ``/get_weights_by_name`` on the
     server's HTTP address. ``vllm``: ``collective_rpc`` runs ``_vllm_checksum`` in the workers,
     which write it to a file the node's store reads. (The GPU branches are not run by CI: no GPU.)"""
     if rollout == "dora_cpu":
-        return await server.weights_checksum.remote(names)
+        return await server.weights_checksum.remote(names, dtype)
     if rollout == "sglang":
+        import urllib.error
         import urllib.request
 
         def get(name):
             body = json.dumps({"name": name, "truncate_size": SAMPLE_ELEMS}).encode()
             req = urllib.request.Request(f"http://{address}/get_weights_by_name", data=body,
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return torch.tensor(json.loads(r.read()), dtype=torch.float32)
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return torch.tensor(json.loads(r.read()), dtype=torch.float32)
+            except urllib.error.HTTPError as exc:
+                # SGLang implements get_weights_by_name per model class (0.5.23: Llama, Granite, OPT,
+                # Exaone4; not Qwen2/Qwen3): without it no load of this model can be checked.
+                raise WeightsMismatch(
+                    f"dora: SGLang cannot read back {name} of the loaded weights (/get_weights_by_name: HTTP "
+                    f"{exc.code} {exc.read()[:200]!r}); its model class for actor_rollout_ref.model.path may not "
+                    "implement get_weights_by_name: use actor_rollout_ref.rollout.name=vllm") from None
 
         named = {n: await asyncio.to_thread(get, n) for n in names}
-        return checksum(named, names)
+        return checksum(named, names, dtype)
     if rollout == "vllm":
         import tempfile
 
         path = os.path.join(os.environ.get("DORA_CHECKSUM_DIR", tempfile.gettempdir()), f"dora_checksum_{tag}.json")
-        await server.collective_rpc.remote(_vllm_checksum, args=(names, path))
+        await server.collective_rpc.remote(_vllm_checksum, args=(names, path, dtype))
         text = await store.read_text.remote(path)
         out = json.loads(text) if text else {"error": f"vLLM worker wrote no checksum to {path}"}
         if "error" in out:
@@ -251,7 +275,9 @@ async def abort_request(rollout: str, server: Any, address: str, request_id: str
                 return {"aborted": 200 <= r.status < 300}
 
         return await asyncio.to_thread(post)
-    out = await server.abort_request.remote(request_id)
+    # verl's vLLMHttpServer.abort_request resets the whole prefix cache by default: the co-resident
+    # requests would lose their cached prefixes at every move.
+    out = await server.abort_request.remote(request_id, reset_prefix_cache=False)
     return out if isinstance(out, dict) else {"aborted": bool(out)}
 
 
@@ -261,8 +287,10 @@ def _register():
     class DoraStoreCheckpointEngine(CheckpointEngineWithCache):
         """See the module docstring."""
 
-        def __init__(self, bucket_size: int = 0, is_master: bool = False, keep_versions: int = 8, **_: Any) -> None:
+        def __init__(self, bucket_size: int = 0, is_master: bool = False, keep_versions: int = 8,
+                     dtype: str | None = None, **_: Any) -> None:
             self.is_master = is_master
+            self.dtype = dtype  # the engine's (``served_dtype``; DoraTrainer sets engine_kwargs.dora_store.dtype)
             self.keep_versions = keep_versions
             self.rank = 0
             self._store = None
@@ -304,7 +332,7 @@ def _register():
                                  "a load names the version it loads, and an unnamed publication could not be "
                                  "told apart from the others")
             names = sample_names(named)
-            digest = checksum(named, names)
+            digest = checksum(named, names, self.dtype)
             boxed = [ray.put(named)]
             fresh = await asyncio.gather(*[s.publish.remote(int(global_steps), boxed, digest, names)
                                            for s in all_stores(self.keep_versions)])

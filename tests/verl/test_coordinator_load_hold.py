@@ -228,7 +228,7 @@ def test_a_load_whose_engine_checksum_differs_from_the_publication_is_refused(en
         coord.step_finished(1)
         for _ in range(10):
             await asyncio.sleep(0)
-        assert store.evidence.calls == [(1,)] and server.weights_checksum.calls == [(["model.norm.weight"],)]
+        assert store.evidence.calls == [(1,)] and server.weights_checksum.calls == [(["model.norm.weight"], None)]
         return coord.versions[1], coord.take_work(), coord.metrics()
 
     version, work, m = asyncio.run(run())

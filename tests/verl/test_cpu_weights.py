@@ -244,3 +244,135 @@ def test_replica_batches_concurrent_requests_aborts_one_and_reads_the_version_at
     assert out_a.extra_fields["global_steps"] == 3
     assert out_b.stop_reason == "length" and len(out_b.token_ids) == 6
     assert out_b.extra_fields["global_steps"] == 4  # read at completion
+
+
+class _LocalStore:
+    """A ``WeightStore`` behind ``.publish.remote`` / ``.read_text.remote`` (its actor handle's shape)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.publish = type("M", (), {"remote": lambda _, *a: store.publish(*a)})()
+        self.read_text = type("M", (), {"remote": lambda _, *a: asyncio.sleep(0, store.read_text(*a))})()
+
+
+@pytest.mark.parametrize("engine", ["rounded_like_the_engine", "other_weights"])
+def test_a_bf16_vllm_engine_holding_the_fp32_publication_passes_its_checksum(engine, tmp_path, monkeypatch):
+    """An FSDP actor publishes float32 master weights; a vLLM/SGLang engine (rollout.dtype bfloat16)
+    holds them rounded. Both checksums round to the engine's dtype (``served_dtype``, set by
+    ``configure``), so the real publisher (``send_weights``) and the real vLLM-worker function
+    (``_vllm_checksum``, run by ``collective_rpc``) agree on correct weights and still differ on
+    wrong ones. Before, every load of a bf16 engine was refused."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from dora_ext.verl import weights as W
+
+    store = W.WeightStore()
+    monkeypatch.setattr(W, "all_stores", lambda *_: [_LocalStore(store)])
+    monkeypatch.setattr(ray, "put", lambda x: x)
+    dtype = W.served_dtype(OmegaConf.create({"name": "vllm", "dtype": "bfloat16"}))
+    assert dtype == "bfloat16" and W.served_dtype(OmegaConf.create({"name": "dora_cpu"})) == "float32"
+    gen = torch.Generator().manual_seed(0)
+    fp32 = {n: 1 + torch.randn(64, generator=gen) * 1e-3 for n in ("model.norm.weight", "model.layers.0.input_layernorm.weight")}
+    publisher = W.DoraStoreCheckpointEngine(is_master=True, dtype=dtype)
+    asyncio.run(publisher.send_weights(iter(fp32.items()), global_steps=1))
+    published, names = store.evidence(1)
+    held = {n: t.to(torch.bfloat16) for n, t in fp32.items()}  # what vLLM copies into its bf16 parameters
+    if engine == "other_weights":
+        held["model.norm.weight"] = (fp32["model.norm.weight"] + 0.05).to(torch.bfloat16)
+    assert W.checksum(held, names) != W.checksum(fp32, names)  # without rounding they never agree
+
+    class Worker:  # vLLM's GPU worker as collective_rpc hands the function to it
+        rank = 0
+        model_runner = type("Runner", (), {"model": type("Model", (), {"named_parameters": lambda _: iter(held.items())})()})()
+
+    async def rpc(fn, args=()):
+        fn(Worker(), *args)
+
+    server = type("Server", (), {"collective_rpc": type("M", (), {"remote": lambda _, fn, args: rpc(fn, args)})()})()
+    monkeypatch.setenv("DORA_CHECKSUM_DIR", str(tmp_path))
+    got = asyncio.run(W.engine_checksum("vllm", server, "addr", names, _LocalStore(store), "1_1", dtype))
+    assert (got == published) == (engine == "rounded_like_the_engine")
+
+
+def test_a_vllm_per_request_abort_keeps_the_prefix_cache_of_the_requests_left_running():
+    """verl 0.9.1's ``vLLMHttpServer.abort_request(request_id, reset_prefix_cache=True)`` resets the
+    replica's whole prefix cache unless told not to; an R5 move aborts one request and must not."""
+    from dora_ext.verl.weights import abort_request
+
+    calls = []
+
+    async def remote(request_id, reset_prefix_cache=True):
+        calls.append((request_id, reset_prefix_cache))
+        return {"aborted": True, "request_id": request_id}
+
+    server = type("Server", (), {"abort_request": type("M", (), {"remote": lambda _, *a, **k: remote(*a, **k)})()})()
+    assert asyncio.run(abort_request("vllm", server, "addr", "r1"))["aborted"]
+    assert calls == [("r1", False)]
+
+
+def test_a_vllm_check_whose_workers_write_nothing_fails_and_never_reads_an_earlier_checksum(tmp_path, monkeypatch):
+    """The vLLM checksum comes back through a file the rank-0 worker writes on its node. A check
+    whose workers write nothing (no rank 0 answered) must fail, also when an earlier check of the
+    same instance and version left its file there; before, that earlier checksum passed it."""
+    from dora_ext.verl import weights as W
+
+    held = {"model.norm.weight": torch.ones(8)}
+    ranks = iter([0, 1])
+
+    class Worker:
+        def __init__(self):
+            self.rank = next(ranks)
+            self.model_runner = type("R", (), {"model": type("M", (), {"named_parameters": lambda _: iter(held.items())})()})()
+
+    async def rpc(fn, args):
+        fn(Worker(), *args)
+
+    server = type("S", (), {"collective_rpc": type("M", (), {"remote": lambda _, fn, args: rpc(fn, args)})()})()
+    monkeypatch.setenv("DORA_CHECKSUM_DIR", str(tmp_path))
+    store = _LocalStore(W.WeightStore())
+    names = ["model.norm.weight"]
+    assert asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3")) == W.checksum(held, names)
+    with pytest.raises(W.WeightsMismatch, match="vLLM worker wrote no checksum"):
+        asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3"))
+
+
+def test_an_sglang_model_without_get_weights_by_name_fails_the_check_naming_what_to_change(monkeypatch):
+    """SGLang answers ``/get_weights_by_name`` with HTTP 400 for a model class that does not implement
+    it (sglang 0.5.23's Qwen2/Qwen3): the check fails naming the rollout key, not with a bare HTTPError."""
+    import io
+    import urllib.error
+    import urllib.request
+
+    from dora_ext.verl import weights as W
+
+    def refuse(req, timeout=None):
+        raise urllib.error.HTTPError(req.full_url, 400, "Bad Request", {}, io.BytesIO(b'{"error": "failed"}'))
+
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    with pytest.raises(W.WeightsMismatch, match=r"model.norm.weight .*HTTP 400.*rollout.name=vllm"):
+        asyncio.run(W.engine_checksum("sglang", None, "127.0.0.1:1", ["model.norm.weight"], None, "t", "bfloat16"))
+
+
+def test_an_sglang_engine_answering_its_bf16_tensor_as_json_matches_the_fp32_publication(monkeypatch):
+    """``/get_weights_by_name`` answers ``param.cpu()[:truncate_size].to(float32).tolist()`` (JSON): the
+    round trip is exact, so a bf16 SGLang engine holding the publication passes."""
+    import io
+    import json
+    import urllib.request
+
+    from dora_ext.verl import weights as W
+
+    fp32 = {"model.norm.weight": 1 + torch.randn(64, generator=torch.Generator().manual_seed(1)) * 1e-3}
+    asked = []
+
+    def answer(req, timeout=None):
+        body = json.loads(req.data)
+        asked.append(body)
+        held = fp32[body["name"]].to(torch.bfloat16)
+        return io.BytesIO(json.dumps(held[: body["truncate_size"]].to(torch.float32).tolist()).encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", answer)
+    got = asyncio.run(W.engine_checksum("sglang", None, "h:1", ["model.norm.weight"], None, "t", "bfloat16"))
+    assert got == W.checksum(fp32, ["model.norm.weight"], "bfloat16") != W.checksum(fp32, ["model.norm.weight"])
+    assert asked == [{"name": "model.norm.weight", "truncate_size": W.SAMPLE_ELEMS}]

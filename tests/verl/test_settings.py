@@ -189,6 +189,8 @@ def test_unset_or_naive_backend_becomes_the_one_weight_path_on_every_platform(mo
         configure(cfg)
         ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
         assert ce.backend == "dora_store" and ce.custom_backend_module == "dora_ext.verl.weights"
+        # Checksums round to the engine's dtype: a vLLM/SGLang engine holds rollout.dtype (bfloat16).
+        assert ce.engine_kwargs.dora_store.dtype == cfg.actor_rollout_ref.rollout.dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("backend, why", [("nccl", "fixed membership"), ("delta_sharded", "diffs against the last"),

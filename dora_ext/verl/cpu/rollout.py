@@ -124,7 +124,7 @@ class ServerCore:
             report("load", **rec)
             return self.checksum_value
 
-    async def weights_checksum(self, names: list[str]) -> str:
+    async def weights_checksum(self, names: list[str], dtype: str | None = None) -> str:
         """:func:`dora_ext.verl.weights.checksum` over `names` of the tensors the model holds now
         (the engine-side evidence the coordinator compares with the publication after a load)."""
         from ..weights import checksum
@@ -135,7 +135,7 @@ class ServerCore:
             missing = [n for n in names if n not in held]
             if missing:
                 raise KeyError(f"dora_cpu rollout: weights {missing[:5]} are not in the served model")
-            return checksum(held, list(names))
+            return checksum(held, list(names), dtype)
 
     def get_load_reports(self) -> list[dict]:
         return list(self.loads)

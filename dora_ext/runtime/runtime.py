@@ -3,41 +3,17 @@
     prepared = prepare(recipe)                      # task, tokenizer, warm-started version 0
     result = run(recipe.with_mode("dora"), prepared)  # -> RunResult (design.md metrics)
 
-Workers (see `workers.py`): one per rollout instance and one for the trainer, processes on CPU
-(threads on CUDA), and the coordinator, the thread that calls `run`. Only the coordinator touches
-the `Scheduler`: workers report on one queue, the coordinator feeds each report to `Scheduler.handle` as an event and executes the actions
-it returns by sending commands to the workers. The coordinator also plays the prompt source
-(`RequestGroups` -> `GroupAdmitted`) and the reward function, and keeps its own ledger of what was
-executed (which version generated each token, which step trained each group) from which C1-C3
-are measured independently of the scheduler's counters.
+Workers (`workers.py`): one per rollout instance and one for the trainer. Only the coordinator,
+the thread that calls `run`, touches the `Scheduler`: it feeds each worker report to
+`Scheduler.handle` and executes the returned actions as worker commands. It also plays the prompt
+source and the reward function, and keeps its own ledger (which version generated each token,
+which step trained each group) from which C1-C3 are measured independently of the scheduler.
 
-What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards (the task's
-checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
-engine, timed), same-version migration (the sequence's KV cache moves between engines; the
-destination's "imported" report is answered to the scheduler with `MigrationLanded`, so R5 may
-move a trajectory again, `_on_imported`), and the core split between rollout and trainer
-(`RuntimeSpec`). Nothing is simulated.
-
-Faults and checkpoints. The coordinator watches its worker processes. Before a dead worker is
-declared failed, every complete report still on its pipe is taken (a trajectory it finished, a
-checkpoint it wrote count); a report that cannot be rebuilt any more (an export read after its
-source died: the KV cache's shared memory went with that process) is named in `reports_lost`.
-An instance that exits is reported to the
-scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned version; a
-sequence it was exporting, or whose export was lost, is retried through `TrajectoryFailed`, which
-uses one of its `max_retries`) and the run goes on with the
-remaining instances while a fresh process takes its place (`runtime.max_instance_restarts` per
-run): pinned like the original, it joins under a new instance id (`InstanceReady`, so a late
-report of the dead one can never be taken for it) and loads the version the scheduler asks for.
-When no instance is left and none is starting, the run ends with `WorkerDied`; a trainer that
-exits ends it with `WorkerDied` naming the `--resume` command (data parallel: naming the rank
-that exited without a report, whichever rank's failed collective is read first; ranks that all
-reported errors of their own end it with those errors, `_ranks_failed`). With
-`checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
-optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
-and the weights of the versions work may still be pinned to; `resume=True` continues from the
-newest complete checkpoint, failing and re-registering every instance so that in-flight
-trajectories are re-issued at their pinned version.
+Faults: a dead worker's complete reports are taken first (`_drain`). A dead instance is reported
+(`InstanceFailed`) and replaced under a new id while `max_instance_restarts` allows; a dead
+trainer, or no instance left, ends the run with `WorkerDied` naming `--resume`. With
+`checkpoint_dir`/`checkpoint_every` the trainer and coordinator save every N steps; `resume=True`
+continues from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -215,15 +191,11 @@ class RunResult:
 class Runtime:
     """Run one mode of `recipe` from `prepared` (see the module docstring). Use `run()`.
 
-    on_step(record) is called in the coordinator after every trainer step with that step's
-    metrics line; keep_versions keeps every published version's weights in the result (tests use
-    them to recompute log-probs under the version each trajectory claims). checkpoint_dir,
-    checkpoint_every: write a checkpoint there every that many steps (a run without `resume`
-    clears an earlier run's checkpoint from the folder); resume: continue from its last complete
-    checkpoint (the recipe must be the run's own). instance_loops: {instance id: InstanceLoop
-    subclass} for some configured instances (tests force orders and inject faults with the classes
-    of `runtime/faults.py`; a replacement process always runs the plain `InstanceLoop`);
-    trainer_loop: likewise for the trainer (a `TrainerLoop` subclass).
+    on_step(record): called after every trainer step with its metrics line. keep_versions: keep
+    every published version's weights in the result. checkpoint_dir/checkpoint_every/resume: see
+    the module docstring (a run without `resume` clears an earlier checkpoint). instance_loops /
+    trainer_loop: `InstanceLoop`/`TrainerLoop` subclasses for tests (`runtime/faults.py`); a
+    replacement process always runs the plain `InstanceLoop`.
     """
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
@@ -369,10 +341,8 @@ class Runtime:
         return f"{rt.rollout_cores}:{rt.trainer_cores}"
 
     def core_assignment(self) -> str:
-        """What each worker really ran on: the CPU affinity each process reported when it started
-        (every CPU of the machine when unpinned), its nice value when not 0 (as it reported it),
-        and the number of trainer ranks, rank 0 first: `trainer 2 rank(s) @1 @0(nice 19)` is a
-        trainer on CPU 1 with a second rank borrowing CPU 0 at nice 19."""
+        """What each worker ran on (reported affinity, nice when not 0, trainer ranks rank 0 first),
+        e.g. `trainer 2 rank(s) @1 @0(nice 19)`."""
         def fmt(cpus: list[int]) -> str:
             return ",".join(map(str, cpus)) if cpus else "?"
 
@@ -502,12 +472,9 @@ class Runtime:
         return time.perf_counter() - self.t0
 
     def _watch(self, trainer: list) -> None:
-        """Find worker processes that exited. What a dead worker still had on its pipe is taken
-        first (`_drain`). A dead instance is reported to the scheduler (`InstanceFailed`: its
-        running trajectories are re-dispatched to their pinned version on the remaining instances)
-        and replaced by a fresh process while restarts are left (`_restart`); the run goes on with
-        fewer instances meanwhile, and after the last restart. A dead trainer, or no instance
-        left and none starting, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
+        """Find worker processes that exited: take what they left (`_drain`), then report a dead
+        instance (`InstanceFailed`) and restart it while restarts are left; a dead trainer, or no
+        instance left, ends the run with `WorkerDied`."""
         if len(trainer) > 1 and any(not t.is_alive() for t in trainer):
             self._ranks_failed({})  # which rank died, and which only failed with it
         for t in trainer:
@@ -558,9 +525,7 @@ class Runtime:
 
     def _drain(self, name: str, fatal: bool = True) -> list[str]:
         """Take every complete report a dead worker left on its pipe, in order, before it is
-        declared failed: what it finished, loaded or checkpointed counts (an export counts if its
-        KV cache can still be fetched; else it reads as ("lost", ...), see `_on_lost`). An "error"
-        report ends the run as it would have (`fatal`), or is returned (with lost ones)."""
+        declared failed. An "error" report ends the run (`fatal`) or is returned (with lost ones)."""
         if not hasattr(self.outbox, "drain"):
             return []
         errors = []
@@ -623,10 +588,8 @@ class Runtime:
         return os.path.join(self.checkpoint_dir, f"{kind}-{version:06d}.pt")
 
     def _save_state(self, version: int) -> None:
-        """The coordinator's half of checkpoint `version`: the scheduler's snapshot, the ledger,
-        the prompt stream's position and the weights of every version work may still be pinned
-        to. The trainer writes its half (model, optimizer) and reports "checkpointed"; only then
-        does `latest` point at this checkpoint."""
+        """The coordinator's half of checkpoint `version` (snapshot, ledger, prompt position, pinned
+        weights); `latest` points at it only once the trainer reports "checkpointed"."""
         import os
 
         os.makedirs(self.checkpoint_dir, exist_ok=True)
@@ -746,15 +709,9 @@ class Runtime:
                                    f"recipe the run started with")
 
     def _restart_from_checkpoint(self) -> None:
-        """Fresh processes hold nothing: every instance of the snapshot is failed (its running
-        trajectories go back to the queue of their pinned version, with a new attempt) and
-        registered again; a step that had started is handed to the trainer again in full.
-
-        The failures first, in one batch: the first re-dispatches its trajectories onto an
-        instance that the snapshot still lists but that fails next, and that `Dispatch` (or a
-        `LoadVersion`) would reach the fresh process registered again under the same id (a void
-        attempt, and a later load refused while it holds KV). Every instance is failed then, so
-        the batch's actions for instances are all void and dropped."""
+        """Fresh processes hold nothing: fail every snapshot instance (re-queueing its trajectories)
+        and register it again; a started step goes to the trainer again in full. All failures go in
+        one batch first, so actions aimed at the old instances are void and dropped."""
         failed = set(self.sched.instances)
         out = self.sched.handle_many([E.InstanceFailed(iid, "resumed from a checkpoint") for iid in failed])
         # Every configured instance has a fresh process now, also one that had failed before the
@@ -859,14 +816,10 @@ class Runtime:
             raise RuntimeError(f"unknown worker report {kind!r}")
 
     def _ranks_failed(self, reports: dict[int, list[str]], traceback: str = "", wait_s: float = 5.0) -> None:
-        """Data parallel: a trainer rank reported an error, or a rank's process exited (`reports`:
-        rank -> what each rank reported so far). Most often a rank's process died (killed) and its
-        peers then fail their collective with it (gloo: "Connection closed by peer"); but a rank
-        that raised an error of its own exits too (after reporting it), and its peers fail the same
-        way. So: the ranks' processes are given `wait_s` to be seen exited, what each exited one
-        left on its pipe is taken, and a rank that exited without reporting anything (killed) ends
-        the run as a dead trainer, `WorkerDied` naming it and `--resume`; otherwise the ranks'
-        own errors end it (`RuntimeError` with every rank's report, whichever was read first)."""
+        """Data parallel: a rank reported an error or exited (`reports`: rank -> its reports so far).
+        Peers of a killed rank fail their collective too, so after `wait_s` a rank that exited
+        without reporting ends the run as a dead trainer (`WorkerDied`); otherwise the ranks' own
+        errors end it (`RuntimeError`)."""
         handles = self.trainer_handles
         drained: set[int] = set()
         deadline = time.perf_counter() + wait_s
@@ -892,11 +845,8 @@ class Runtime:
         raise RuntimeError(f"trainer failed (data-parallel ranks): {said}\n{traceback}")
 
     def _on_lost(self, name: str, why: str) -> None:
-        """A complete report of worker `name` could not be read (`PipeHub`: most often an export
-        whose source died before it was read, its KV cache unreachable). Nothing it said can be
-        taken into the books, so the worker is ended (SIGKILL) if it still lives: `_watch` then
-        handles it as a dead worker (an instance's running trajectories are re-dispatched, what it
-        was exporting is retried; a trainer ends the run naming `--resume`)."""
+        """A report of worker `name` could not be read (e.g. an export whose source died): kill the
+        worker if it still lives, so `_watch` handles it as dead."""
         self.reports_lost.append((name, why))
         if name.startswith("instance-"):
             iid = int(name.rsplit("-", 1)[1])
@@ -919,19 +869,12 @@ class Runtime:
         self._send(dst, ("import", state))
 
     def _on_imported(self, iid: int, rid: tuple) -> None:
-        """Instance `iid` took in a migrated sequence (its engine runs it now): answer the
-        scheduler's `Migrate` with `MigrationLanded`, after which R5 may move the trajectory again.
+        """Instance `iid` took in a migrated sequence: answer the scheduler's `Migrate` with
+        `MigrationLanded` (R5 may then move it again).
 
-        Only for the trajectory's current attempt, still on `iid` in the ledger, not finished, on
-        an instance not declared dead. Orders: a worker's reports keep their order on its pipe, so
-        "imported" is read before that sequence's "finished" there, and a dead worker's reports are
-        all taken (`_drain`) before its `InstanceFailed`; read then (`iid` is in
-        `failed_instances` already) the landing is not sent: the failure re-dispatches the
-        trajectory, and a landing would only let R5 move it off a dead engine (a lost move, a
-        retry). Read before the death is noticed, it is sent and applied; the failure then
-        re-dispatches it (or, moved on meanwhile, `_watch` retries the move off the dead source).
-        A group reported failed meanwhile still holds its running trajectories in the scheduler
-        (they land as any other); one no longer held counts the landing as a stale event."""
+        Only for the trajectory's current attempt, still on `iid`, not finished, and on an instance
+        not declared dead: a dead instance's re-dispatch already handles it, and a landing would
+        only let R5 move it off a dead engine."""
         gid, idx, attempt = rid
         key = (gid, idx)
         self.migrations_landed += 1
@@ -1107,14 +1050,9 @@ class Runtime:
     def _assign(self, gid: Hashable, group: list) -> tuple[int, int]:
         """(trainer rank, position in the batch) for the next group of the current step.
 
-        Positions count the step's groups in the order they are handed out, which is the order a
-        single trainer would add them in; the trainer's PPO minibatches follow them
-        (`Trainer.add_group`), so sharing groups between data-parallel ranks never changes what a
-        minibatch holds. The rank: the one that would finish this group's minibatch share first,
-        at each rank's measured speed (tokens per compute second, from the previous steps'
-        `rank_work`), so that a slow rank (one borrowing a busy core) gets proportionally less and
-        the ranks reach each minibatch's allreduce together. Until every rank was measured, the
-        ranks count as equally fast."""
+        Positions follow hand-out order, the order a single trainer would use, so data parallelism
+        never changes a minibatch. The rank is the one that would finish its share first at its
+        measured tokens per compute second (equal until every rank was measured)."""
         position = self._position
         self._position += 1
         self._order.append(gid)

@@ -1,24 +1,13 @@
 """A small causal transformer with an incremental-decoding KV cache, readable in one sitting.
 
-Two flavours share one code path, chosen by `TinyConfig.arch`:
+`TinyConfig.arch` picks one of two flavours on one code path: ``"gpt"`` (nanoGPT: LayerNorm,
+learned positions, GELU; the CPU recipes' policy) or ``"llama"`` (RMSNorm, rotary, SwiGLU,
+grouped-query attention; runs SmolLM2-135M's converted weights, `dora_ext.models.smollm2`).
 
-- ``"gpt"`` (nanoGPT): LayerNorm, learned absolute positions, GELU MLP. The default tiny policy
-  the CPU recipes train from a random initialisation.
-- ``"llama"``: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention. It exists so that
-  the same rollout engine can run the real pretrained SmolLM2-135M (see `dora_ext.models.smollm2`),
-  whose weights are converted into this module.
-
-The KV cache comes in two forms, both passed as ``past_kv`` and returned as ``new_kv``:
-
-- a tuple with one ``(k, v)`` pair per layer, each ``[B, n_kv_head, T, head_dim]``, every row at
-  the same length. ``forward`` returns new, longer tuples (functional, for reference decoding);
-- a `SlotKV`: the engine's preallocated buffer with one slot per running sequence, rows at
-  different lengths. ``forward`` writes the new keys/values in place and returns the same object.
-  This is what makes continuous batching cheap: a sequence joining or leaving the batch costs no
-  copy of the others' caches.
-
-Nothing here holds global state: several models (one per rollout instance) may live in one
-process and run in different threads.
+``past_kv`` / ``new_kv`` is either a tuple of per-layer ``(k, v)`` ``[B, n_kv_head, T, head_dim]``
+(equal lengths; ``forward`` returns longer tuples) or a `SlotKV`, the engine's preallocated
+per-sequence slots written in place, so joining or leaving the batch copies no other cache.
+No global state: several models may run in one process, in different threads.
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
@@ -37,6 +38,12 @@ from .recipe import Recipe
 from .workers import trainer_name
 
 SEED_STRIDE = 1_000_003
+# The coordinator's books a checkpoint saves and a resume restores (attributes of `Runtime`).
+_LEDGER = ("prompts", "group_version", "results", "token_versions", "finish_reasons", "dispatch",
+           "dispatch_versions", "first_dispatch", "step_groups", "trained", "step_end", "step_records",
+           "failed_groups", "errors", "tokens_trained", "load_seconds", "loads", "migrations", "migration_log",
+           "migrations_landed", "landings_sent", "served_by", "next_instance_id", "step_order", "rank_speed",
+           "rank_tokens", "rank_seconds")
 
 
 class RuntimeStall(RuntimeError):
@@ -123,7 +130,7 @@ def _prepare(recipe: Recipe, dev: torch.device) -> Prepared:
 
     weights = policy_state(model, "cpu" if dev.type == "cpu" else dev)
     warm_s = time.perf_counter() - t0
-    prompts = list(_take(task.prompts(seed=777_777), recipe.eval.prompts))
+    prompts = list(itertools.islice(task.prompts(seed=777_777), recipe.eval.prompts))
     initial = evaluate_policy(task, model.config, weights, prompts, recipe, dev)
     return Prepared(task, model.config, weights, prompts, initial, warm_s, loss, recipe.seed)
 
@@ -131,11 +138,6 @@ def _prepare(recipe: Recipe, dev: torch.device) -> Prepared:
 def _check_fits(max_len: int, prompt_len: int, new_tokens: int) -> None:
     if prompt_len + new_tokens > max_len:
         raise ValueError(f"model.max_len {max_len} < prompt {prompt_len} + max_new_tokens {new_tokens}")
-
-
-def _take(it: Iterable, n: int) -> Iterable:
-    for _, x in zip(range(n), it):
-        yield x
 
 
 def evaluate_policy(task: Any, model_config: Any, weights: dict, prompts: list, recipe: Recipe,
@@ -599,20 +601,7 @@ class Runtime:
             "format": 1, "version": version, "mode": self.mode, "recipe": self.recipe.to_dict(),
             "scheduler": self.sched.snapshot(),
             "next_prompt": max(self.prompts) + 1 if self.prompts else 0,
-            "ledger": {
-                "prompts": self.prompts, "group_version": self.group_version, "results": self.results,
-                "token_versions": self.token_versions, "finish_reasons": self.finish_reasons,
-                "dispatch": self.dispatch, "dispatch_versions": self.dispatch_versions,
-                "first_dispatch": self.first_dispatch, "step_groups": self.step_groups,
-                "trained": self.trained, "step_end": self.step_end, "step_records": self.step_records,
-                "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
-                "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
-                "migration_log": self.migration_log, "migrations_landed": self.migrations_landed,
-                "landings_sent": self.landings_sent,
-                "served_by": self.served_by, "next_instance_id": self.next_instance_id,
-                "step_order": self.step_order, "rank_speed": self.rank_speed, "rank_tokens": self.rank_tokens,
-                "rank_seconds": self.rank_seconds,
-            },
+            "ledger": {k: getattr(self, k) for k in _LEDGER},
             "versions": keep,
         }
         tmp = self._ckpt_path(version, "state") + ".tmp"
@@ -931,7 +920,6 @@ class Runtime:
             self.trained.setdefault(gid, []).append(step)
             tokens += sum(len(tr.response_ids) for tr in self.results[gid])
         self.tokens_trained += tokens
-        v = step + 1
         work = metrics.pop("rank_work", None)
         if work:
             self._update_speeds(work)

@@ -17,6 +17,7 @@ Each worker fixes its core share at start (`claim_cores`). Times are raw `time.p
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -185,10 +186,7 @@ class PackedWeights:
         flat = self.flat.to(device)
         out = {}
         for name, shape, off in self.specs:
-            n = 1
-            for s in shape:
-                n *= s
-            out[name] = flat[off:off + n].view(shape)
+            out[name] = flat[off:off + math.prod(shape)].view(shape)
         return out
 
 

@@ -60,13 +60,17 @@ def register(subparsers: Any) -> None:
 def _recipe(args: argparse.Namespace) -> Any:
     from .recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.set)
-    if getattr(args, "mode", None):
-        recipe = recipe.with_mode(args.mode)
-    if args.steps is not None:
-        recipe = recipe.with_steps(args.steps)
-    if args.seed is not None:
-        recipe = recipe.with_seed(args.seed)
+    return _adjusted(load_recipe(args.recipe, args.set), getattr(args, "mode", None), args.steps, args.seed)
+
+
+def _adjusted(recipe: Any, mode: str | None, steps: int | None, seed: int | None) -> Any:
+    """`recipe` with the command line's mode, steps and seed, where given."""
+    if mode:
+        recipe = recipe.with_mode(mode)
+    if steps is not None:
+        recipe = recipe.with_steps(steps)
+    if seed is not None:
+        recipe = recipe.with_seed(seed)
     return recipe
 
 
@@ -95,13 +99,7 @@ def _resumed_recipe(spec: dict) -> Any:
     path = spec["recipe_path"]
     recipe = recipe_from_dict(spec["recipe_data"], path=path,
                               default_name=os.path.splitext(os.path.basename(path))[0])
-    if spec["mode"]:
-        recipe = recipe.with_mode(spec["mode"])
-    if spec["steps"] is not None:
-        recipe = recipe.with_steps(spec["steps"])
-    if spec["seed"] is not None:
-        recipe = recipe.with_seed(spec["seed"])
-    return recipe
+    return _adjusted(recipe, spec["mode"], spec["steps"], spec["seed"])
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -268,11 +268,11 @@ class InstanceLoop:
         if finished:  # one message per decode iteration, however many finished in it
             self._finished.update(f.request_id for f in finished)
             self.outbox.put(("finished", self.iid, finished, t1))
-        # A forward still pending at the end was for a sequence that finished on its way here.
+
     def stats(self) -> dict[str, Any]:
         import dataclasses
 
-        # A forward still waiting at the end was for a sequence that finished on its way here.
+        # A forward still pending at the end was for a sequence that finished on its way here.
         return {"log": self.log, "steps": self.steps, "engine": dataclasses.asdict(self.engine.stats),
                 "migrations_out": self.migrations_out, "migrations_missed": self.migrations_missed + len(self._forward),
                 "migrations_forwarded": self.migrations_forwarded}

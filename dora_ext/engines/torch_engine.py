@@ -87,11 +87,9 @@ class Finished:
 
 @dataclass
 class SequenceState:
-    """A sequence taken out of an engine (`export_sequence`), to be continued elsewhere.
-
-    `kv` (per layer `(k, v)`, each `[n_kv_head, T, head_dim]`, T = all tokens but the last) is
-    valid only under `version`; None means the importer must prefill.
-    """
+    """A sequence taken out of an engine (`export_sequence`), to be continued elsewhere. `kv` (per
+    layer `(k, v)`, `[n_kv_head, T, head_dim]`, all tokens but the last) is valid only under
+    `version`; None means the importer must prefill."""
 
     request_id: Hashable
     prompt_ids: tuple[int, ...]
@@ -142,10 +140,8 @@ class _Seq:
 class TorchEngine:
     """One rollout instance: a `TinyLM` holding one version, a slot KV cache of `capacity` sequences.
 
-    Driving loop: `submit(...)` requests, call `step()` repeatedly and collect the `Finished`
-    records it returns. Switch weights with `load_version` once nothing is running (R4), or
-    `pause_all()` / `load_version` / `resume()` for mode ``partial``.
-    """
+    `submit(...)` requests and call `step()` for `Finished` records. Switch weights with
+    `load_version` once nothing runs (R4), or `pause_all()` / `load_version` / `resume()` (``partial``)."""
 
     def __init__(
         self,
@@ -200,11 +196,8 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ weights
     def load_version(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
-        """Copy published weights into the model; return the seconds the copy took.
-
-        Refused while a sequence holds KV computed by the current weights (running, or imported
-        and queued): finish them (R4) or `pause_all()` first (mode ``partial``).
-        """
+        """Copy published weights into the model; return the seconds the copy took. Refused while a
+        sequence holds KV of the current weights: finish it (R4) or `pause_all()` first (``partial``)."""
         holding = [s.request_id for s in self._slots] + [s.request_id for s in self._queue if s.pending_kv is not None]
         if holding:
             raise EngineError(f"instance {self.instance_id}: cannot load version {version} while "
@@ -394,10 +387,8 @@ class TorchEngine:
         raise KeyError(request_id)
 
     def export_sequence(self, request_id: Hashable, include_kv: bool = True) -> SequenceState:
-        """Take a sequence out of this engine with its tokens, log-probs, cache and sampler state.
-
-        With `include_kv=False` the importer re-prefills (what an engine that cannot move KV pays).
-        """
+        """Take a sequence out with its tokens, log-probs, cache and sampler state (`include_kv=False`:
+        the importer re-prefills)."""
         try:
             s, kv = self._take(request_id)
         except KeyError:

@@ -25,11 +25,8 @@ ARCHS = ("gpt", "llama")
 
 @dataclass(frozen=True)
 class TinyConfig:
-    """Model shape. `seed` fixes the initial weights (version 0 of a run).
-
-    `n_kv_head` (llama only) defaults to `n_head`; `d_ff` defaults to 4 * d_model.
-    `value_head` adds a scalar head used by value-based algorithms (SAO with GAE).
-    """
+    """Model shape. `seed` fixes the initial weights (version 0). `n_kv_head` (llama) defaults to
+    `n_head`, `d_ff` to 4 * d_model; `value_head` adds the scalar head of value-based algorithms."""
 
     vocab_size: int = 64
     d_model: int = 64
@@ -67,14 +64,11 @@ class TinyConfig:
 
 
 class SlotKV:
-    """Preallocated KV cache: `capacity` slots, each up to `max_len` positions, per layer.
+    """Preallocated KV cache: `capacity` slots of up to `max_len` positions, per layer.
 
-    Before a forward pass the caller `bind`s it to rows: row `b` of the input is slot
-    `start + b`, and that slot already holds `lengths[b]` positions. The forward pass appends the
-    new positions and attends over `[0, lengths[b] + t]` for query `t` of row `b` (other positions
-    are masked). Only a contiguous range of slots is read, which is why the engine keeps its running
-    sequences in slots `0..n-1`.
-    """
+    `bind` maps input row `b` to slot `start + b`, which holds `lengths[b]` positions; the forward
+    appends and attends over `[0, lengths[b] + t]`. Only contiguous slots are read, hence the
+    engine's slots `0..n-1`."""
 
     def __init__(self, config: TinyConfig, capacity: int, device: torch.device | str, dtype: torch.dtype):
         shape = (capacity, config.kv_heads, config.max_len, config.head_dim)

@@ -58,9 +58,8 @@ class WorkerDied(RuntimeError):
 # ---------------------------------------------------------------------------------- preparation
 @dataclass
 class Prepared:
-    """What every mode of one seed shares: the task, version 0 of the policy, the held-out prompts
-    and the initial policy's score on them. Built once per seed and reused, so that modes start
-    from identical weights."""
+    """What every mode of one seed shares (task, version 0, held-out prompts and their initial
+    score), built once per seed so that modes start from identical weights."""
 
     task: Any
     model_config: Any
@@ -193,12 +192,9 @@ class RunResult:
 class Runtime:
     """Run one mode of `recipe` from `prepared` (see the module docstring). Use `run()`.
 
-    on_step(record): called after every trainer step with its metrics line. keep_versions: keep
-    every published version's weights in the result. checkpoint_dir/checkpoint_every/resume: see
-    the module docstring (a run without `resume` clears an earlier checkpoint). instance_loops /
-    trainer_loop: `InstanceLoop`/`TrainerLoop` subclasses for tests (`runtime/faults.py`); a
-    replacement process always runs the plain `InstanceLoop`.
-    """
+    on_step(record): called with each trainer step's metrics line. keep_versions: keep every
+    published version's weights. checkpoint_dir/checkpoint_every/resume: see the module docstring.
+    instance_loops / trainer_loop: loop subclasses for tests (`runtime/faults.py`)."""
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
                  keep_versions: bool = False, device: torch.device | None = None,
@@ -548,9 +544,8 @@ class Runtime:
             inbox.close()
 
     def _restart(self, dead: int) -> None:
-        """Start a fresh process in place of instance `dead`, while restarts are left: same
-        capacity, same core share (threads, CPU affinity), a new instance id. It joins the
-        scheduler when it reports ready (`_on_ready`)."""
+        """Start a fresh process in place of instance `dead` while restarts are left: same capacity
+        and core share, a new id; it joins the scheduler when it reports ready (`_on_ready`)."""
         from .workers import EngineRecipe, start_instances
 
         if self.restarts_left <= 0:
@@ -649,9 +644,8 @@ class Runtime:
         self._clear_checkpoints(keep=version)
 
     def _clear_checkpoints(self, keep: int | None = None) -> None:
-        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`; with
-        `keep`, all but checkpoint `keep` (on resume: what a killed run left half-written, such as a
-        cut `trainer-*.pt.tmp` or the coordinator's half of a checkpoint the trainer never finished)."""
+        """Remove an earlier run's checkpoint files (and only those) from `checkpoint_dir`; with `keep`,
+        all but checkpoint `keep` (what a killed run left half-written)."""
         import os
         import re
 
@@ -847,9 +841,8 @@ class Runtime:
             h.kill()
 
     def _on_export(self, src: int, dst: int, state: Any) -> None:
-        """A migrating sequence left `src` (its KV cache with it): pass it on to `dst`'s inbox, the
-        coordinator being the only writer of every inbox. If its attempt is over (`dst`, or `src`
-        before it exported, failed and the trajectory was re-dispatched) it is dropped."""
+        """A migrating sequence left `src`: pass it on to `dst`'s inbox (the coordinator writes every
+        inbox), or drop it if its attempt is over."""
         gid, idx, attempt = state.request_id
         self.in_transit.pop((gid, idx), None)  # out of `src`: its death can no longer lose it
         if self.dispatch[(gid, idx)][2] != attempt or dst not in self.inboxes:
@@ -1060,9 +1053,8 @@ class Runtime:
         return rank, position
 
     def _update_speeds(self, work: list) -> None:
-        """Each rank's speed (tokens per compute second) from its last step, averaged with the
-        previous estimate. A rank that got nothing to do looks 25% faster each step, so that it is
-        tried again (a busy borrowed core may have become free)."""
+        """Each rank's tokens per compute second, averaged with the previous estimate; a rank that got
+        nothing looks 25% faster each step, so it is tried again."""
         for r, (tokens, seconds, *comm) in enumerate(work):
             self.rank_tokens[r] += tokens
             self.rank_seconds[r][0] += seconds

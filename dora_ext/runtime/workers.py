@@ -125,9 +125,8 @@ class PipeHub:
             return ("lost", self._names.get(r, ""), f"{type(exc).__name__}: {exc}")
 
     def drain(self, name: str) -> list[Any]:
-        """Every report of worker `name` not returned yet, in order: those already read, then the
-        rest of its pipe up to its end. Only for a worker whose process is gone (its pipe then
-        ends; a live writer could keep it open)."""
+        """Every report of worker `name` not returned yet, in order, up to the end of its pipe (only
+        for a worker whose process is gone)."""
         out = [m for n, m in self._pending if n == name]
         self._pending = [(n, m) for n, m in self._pending if n != name]
         for r in [r for r, n in self._names.items() if n == name]:
@@ -368,9 +367,8 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
 
 def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence[int] | None, outbox: Any,
                     backend: str) -> tuple[dict[int, Any], list[Any]]:
-    """Start one worker per instance (also later, for a replacement). Returns (inboxes by instance
-    id, handles to join). Each inbox is written by the coordinator only; each worker reports on its
-    own pipe (named `instance-{iid}` in the `PipeHub`)."""
+    """Start one worker per instance (also a replacement later). Returns (inboxes by instance id,
+    handles); each reports on its own pipe `instance-{iid}`."""
     if backend == "process":
         ctx = process_context()
         inboxes = {iid: ctx.Queue() for iid in specs}

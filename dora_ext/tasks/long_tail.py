@@ -147,11 +147,8 @@ class LongTailTask:
         return Prompt(prompt_id, tuple(self.tokenizer.encode(text)), target, length, text)
 
     def prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
-        """Endless, reproducible stream of prompts with ids start, start+1, ...
-
-        Prompt `i` depends only on `(seed, i)`, so a run restarted from a snapshot can resume the
-        stream where it stopped.
-        """
+        """Endless, reproducible prompts with ids start, start+1, ...; prompt `i` depends only on
+        `(seed, i)`, so a resumed run continues the stream."""
         i = start
         letters = LETTERS[: self.config.alphabet]
         while True:

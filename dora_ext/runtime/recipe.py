@@ -144,9 +144,7 @@ class Recipe:
         return dataclasses.replace(self, steps=steps, dora=_dora(self.dora_raw, steps))
 
     def with_seed(self, seed: int) -> "Recipe":
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError("seed", f"expected an integer >= 0, got {seed!r}")
-        return dataclasses.replace(self, seed=seed)
+        return dataclasses.replace(self, seed=_positive_int(seed, "seed", 0))
 
     def trainer_config(self) -> Any:
         """The `TrainerConfig` (imports torch)."""
@@ -244,9 +242,7 @@ def recipe_from_dict(data: Mapping[str, Any], *, path: str | None = None, defaul
     name = data.get("name", default_name)
     if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
         raise ConfigError("name", f"expected a non-empty name without spaces or slashes, got {name!r}")
-    seed = data.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError("seed", f"expected an integer >= 0, got {seed!r}")
+    seed = _positive_int(data.get("seed", 0), "seed", 0)
     steps = _positive_int(data.get("steps", 20), "steps")
 
     task_name, task = _task(_section(data, "task"))

@@ -18,9 +18,8 @@ from .workers import InstanceLoop, TrainerLoop
 
 
 def die_mid_message(conn: Any, msg: Any) -> None:
-    """Write the first half of `msg` as `Connection.send` would frame it, then SIGKILL the
-    calling process: the state of a writer killed in the middle of a write (its channel holds a
-    length header and part of the bytes it announced)."""
+    """Write the first half of `msg` as `Connection.send` frames it, then SIGKILL the calling
+    process: a writer killed mid-write (a length header and part of the bytes it announced)."""
     from multiprocessing.reduction import ForkingPickler
 
     buf = bytes(ForkingPickler.dumps(msg))
@@ -29,9 +28,8 @@ def die_mid_message(conn: Any, msg: Any) -> None:
 
 
 class _CutOutbox:
-    """Passes reports through until `loop.armed`; the first report of a kind in `loop.kinds` after
-    that is cut in the middle of its write (`loop.cut`) or written in full, and the process dies
-    (SIGKILL)."""
+    """Passes reports through until `loop.armed`; then the first report of a kind in `loop.kinds`
+    is cut mid-write (`loop.cut`) or written in full, and the process is SIGKILLed."""
 
     def __init__(self, loop: "DieMidReport", outbox: Any) -> None:
         self.loop = loop
@@ -49,9 +47,8 @@ class _CutOutbox:
 
 
 class DieMidReport(InstanceLoop):
-    """An instance killed while it writes on its own channel: once it has loaded a version >= 1
-    (mid-run), the first "finished" or "export" report it writes is cut in half and its process
-    gets SIGKILL (process backend: the outbox is a `PipeOutbox`)."""
+    """Once it has loaded a version >= 1, its first "finished" or "export" report is cut in half
+    and its process SIGKILLed (process backend: the outbox is a `PipeOutbox`)."""
 
     kinds = ("finished", "export")
     cut = True
@@ -103,9 +100,8 @@ class HoldForPublish(_HoldsAStartedSequence):
 
 
 class HoldAfterLoad(_HoldsAStartedSequence):
-    """A victim that cannot finish before it is killed: after loading a version >= 1 it decodes
-    until an unfinished sequence has a response token, then stops for good and reports ("held",
-    iid, request_id, tokens). Commands are still taken while it holds."""
+    """A victim that cannot finish before it is killed: after loading a version >= 1 it stops for
+    good once a sequence has a response token, reporting ("held", iid, request_id, tokens)."""
 
     def handle(self, cmd: tuple) -> None:
         super().handle(cmd)
@@ -196,9 +192,8 @@ class StallUntilMigrate(InstanceLoop):
 
 
 class OthersWait:
-    """A `Runtime` mixin (list it before `Runtime`): every command for an instance not in `alone`
-    is held back, in order, until `release()` (the scheduler sees them loading), so what `alone`
-    does first happens before the others take part."""
+    """A `Runtime` mixin (list it before `Runtime`): commands for instances not in `alone` are held
+    back, in order, until `release()`, so what `alone` does first happens before the others join."""
 
     alone: tuple = (0,)
     released = False
@@ -409,9 +404,8 @@ def report_when_told(outbox: Any, go: Any, messages: list) -> None:
 
 
 def report_then_die(outbox: Any, messages: list) -> None:
-    """A worker process that reports each of `messages` in full, then dies (SIGKILL) before any is
-    read. A message holding a tensor is then unreadable: its shared memory is handed over by this
-    process on request, as a migrating sequence's KV cache is."""
+    """A worker process that reports each of `messages` in full, then is SIGKILLed before any is
+    read, so a message holding a tensor (shared memory this process hands over) is unreadable."""
     for msg in messages:
         outbox.put(msg)
     os.kill(os.getpid(), signal.SIGKILL)

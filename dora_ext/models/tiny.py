@@ -1,24 +1,13 @@
 """A small causal transformer with an incremental-decoding KV cache, readable in one sitting.
 
-Two flavours share one code path, chosen by `TinyConfig.arch`:
+`TinyConfig.arch` picks one of two flavours on one code path: ``"gpt"`` (nanoGPT: LayerNorm,
+learned positions, GELU; the CPU recipes' policy) or ``"llama"`` (RMSNorm, rotary, SwiGLU,
+grouped-query attention; runs SmolLM2-135M's converted weights, `dora_ext.models.smollm2`).
 
-- ``"gpt"`` (nanoGPT): LayerNorm, learned absolute positions, GELU MLP. The default tiny policy
-  the CPU recipes train from a random initialisation.
-- ``"llama"``: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention. It exists so that
-  the same rollout engine can run the real pretrained SmolLM2-135M (see `dora_ext.models.smollm2`),
-  whose weights are converted into this module.
-
-The KV cache comes in two forms, both passed as ``past_kv`` and returned as ``new_kv``:
-
-- a tuple with one ``(k, v)`` pair per layer, each ``[B, n_kv_head, T, head_dim]``, every row at
-  the same length. ``forward`` returns new, longer tuples (functional, for reference decoding);
-- a `SlotKV`: the engine's preallocated buffer with one slot per running sequence, rows at
-  different lengths. ``forward`` writes the new keys/values in place and returns the same object.
-  This is what makes continuous batching cheap: a sequence joining or leaving the batch costs no
-  copy of the others' caches.
-
-Nothing here holds global state: several models (one per rollout instance) may live in one
-process and run in different threads.
+``past_kv`` / ``new_kv`` is either a tuple of per-layer ``(k, v)`` ``[B, n_kv_head, T, head_dim]``
+(equal lengths; ``forward`` returns longer tuples) or a `SlotKV`, the engine's preallocated
+per-sequence slots written in place, so joining or leaving the batch copies no other cache.
+No global state: several models may run in one process, in different threads.
 """
 
 from __future__ import annotations
@@ -36,11 +25,8 @@ ARCHS = ("gpt", "llama")
 
 @dataclass(frozen=True)
 class TinyConfig:
-    """Model shape. `seed` fixes the initial weights (version 0 of a run).
-
-    `n_kv_head` (llama only) defaults to `n_head`; `d_ff` defaults to 4 * d_model.
-    `value_head` adds a scalar head used by value-based algorithms (SAO with GAE).
-    """
+    """Model shape. `seed` fixes the initial weights (version 0). `n_kv_head` (llama) defaults to
+    `n_head`, `d_ff` to 4 * d_model; `value_head` adds the scalar head of value-based algorithms."""
 
     vocab_size: int = 64
     d_model: int = 64
@@ -78,14 +64,11 @@ class TinyConfig:
 
 
 class SlotKV:
-    """Preallocated KV cache: `capacity` slots, each up to `max_len` positions, per layer.
+    """Preallocated KV cache: `capacity` slots of up to `max_len` positions, per layer.
 
-    Before a forward pass the caller `bind`s it to rows: row `b` of the input is slot
-    `start + b`, and that slot already holds `lengths[b]` positions. The forward pass appends the
-    new positions and attends over `[0, lengths[b] + t]` for query `t` of row `b` (other positions
-    are masked). Only a contiguous range of slots is read, which is why the engine keeps its running
-    sequences in slots `0..n-1`.
-    """
+    `bind` maps input row `b` to slot `start + b`, which holds `lengths[b]` positions; the forward
+    appends and attends over `[0, lengths[b] + t]`. Only contiguous slots are read, hence the
+    engine's slots `0..n-1`."""
 
     def __init__(self, config: TinyConfig, capacity: int, device: torch.device | str, dtype: torch.dtype):
         shape = (capacity, config.kv_heads, config.max_len, config.head_dim)

@@ -1,7 +1,7 @@
 """The embedded runtime: real torch engines and a real trainer executing the scheduler's actions.
 
 `recipe` (YAML recipes, validated), `runtime` (`prepare`, `Runtime`, `run`, `RunResult`),
-`workers` (instance and trainer threads with fixed core shares), `report` (metrics lines,
+`workers` (instance and trainer processes or threads), `report` (metrics lines,
 comparison tables, plots), `cli` (`dora-ext train` and `dora-ext compare`). Importing this package
 imports torch.
 """

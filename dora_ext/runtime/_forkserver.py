@@ -1,10 +1,7 @@
 """Imported once by the fork server that starts the worker processes (see `workers.process_context`).
 
-Everything a fresh worker would otherwise import or initialise lazily is done here, once, so that
-each worker starts by a plain fork: torch, the engine, the trainer's modules, torch's meta-device
-machinery (an empty model on the meta device first imports sympy and torch's reference ops) and
-the optimizer's first-step imports. Seconds of work that would otherwise be paid by every worker
-of every run.
+It imports and warms up once what every worker would otherwise initialise lazily (torch, the
+engine, the trainer, the meta device, the optimizer's first step), so a worker starts by a fork.
 """
 
 import torch

@@ -5,18 +5,11 @@
     dora-ext train --resume DIR        continue a run that broke (or was killed) from its last checkpoint
     dora-ext compare RECIPE --modes sync,dora[,...] [--seeds K] [--steps N] [--seed S] [--json] [--out DIR]
 
-`train` runs one mode with a progress bar, writes one metrics line per trainer step
-(`metrics.jsonl`, design.md's metric names), and at the end a report (`report.json`, also printed)
-and two plots: `reward.png` (reward per step) and `timeline.png` (what every instance and the
-trainer did, the simulator's picture). `compare` runs the modes one after the other on the same
-seeds and prints a side-by-side table, or with `--json` exactly
-`{"recipe": ..., "modes": {MODE: {throughput_tokens_per_s, speedup_vs_sync, final_reward_mean,
-final_reward_std, staleness_max, c1_ok, c2_ok, c3_ok}}}`; `compare.json`, per-run metrics lines
-and the plots go to `--out` (default `runs/<recipe>-compare`): `reward_vs_time.png` (reward against
-wall time, every seed: does a mode reach the same reward sooner?), `rewards.png` (per step) and
-`timeline.png`.
-
-This module imports no torch until a command runs.
+`train` runs one mode, writing `metrics.jsonl` (one line per trainer step), `report.json` (also
+printed), `reward.png` and `timeline.png`. `compare` runs the modes on the same seeds and prints a
+table, or with `--json` `{"recipe": ..., "modes": {MODE: {throughput_tokens_per_s,
+speedup_vs_sync, final_reward_mean, final_reward_std, staleness_max, c1_ok, c2_ok, c3_ok}}}`;
+its files go to `--out` (default `runs/<recipe>-compare`). No torch import until a command runs.
 """
 
 from __future__ import annotations
@@ -67,13 +60,17 @@ def register(subparsers: Any) -> None:
 def _recipe(args: argparse.Namespace) -> Any:
     from .recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.set)
-    if getattr(args, "mode", None):
-        recipe = recipe.with_mode(args.mode)
-    if args.steps is not None:
-        recipe = recipe.with_steps(args.steps)
-    if args.seed is not None:
-        recipe = recipe.with_seed(args.seed)
+    return _adjusted(load_recipe(args.recipe, args.set), getattr(args, "mode", None), args.steps, args.seed)
+
+
+def _adjusted(recipe: Any, mode: str | None, steps: int | None, seed: int | None) -> Any:
+    """`recipe` with the command line's mode, steps and seed, where given."""
+    if mode:
+        recipe = recipe.with_mode(mode)
+    if steps is not None:
+        recipe = recipe.with_steps(steps)
+    if seed is not None:
+        recipe = recipe.with_seed(seed)
     return recipe
 
 
@@ -102,13 +99,7 @@ def _resumed_recipe(spec: dict) -> Any:
     path = spec["recipe_path"]
     recipe = recipe_from_dict(spec["recipe_data"], path=path,
                               default_name=os.path.splitext(os.path.basename(path))[0])
-    if spec["mode"]:
-        recipe = recipe.with_mode(spec["mode"])
-    if spec["steps"] is not None:
-        recipe = recipe.with_steps(spec["steps"])
-    if spec["seed"] is not None:
-        recipe = recipe.with_seed(spec["seed"])
-    return recipe
+    return _adjusted(recipe, spec["mode"], spec["steps"], spec["seed"])
 
 
 def cmd_train(args: argparse.Namespace) -> int:

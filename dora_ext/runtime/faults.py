@@ -1,11 +1,9 @@
-"""Forced orders and injected faults for the runtime's tests: `InstanceLoop` and `TrainerLoop`
+"""Forced orders and injected faults for the runtime's tests: `InstanceLoop`/`TrainerLoop`
 subclasses, bare report writers, and `Runtime` mixins that hold instances back (`OthersWait`).
 
-A test passes a loop class to `Runtime(..., instance_loops={instance id: class})` or
-`Runtime(..., trainer_loop=class)`; the worker process then runs it instead of the plain loop. They live in the package (not in the tests)
-because a worker process is started from the fork server and must import its class by name.
-They place a fault or a pause at an exact point of the worker's code, so that a test checks an
-order it forced, never one that timing happened to produce.
+Tests pass them as `Runtime(..., instance_loops={iid: class})` or `trainer_loop=class`. They live
+in the package because the fork server's worker imports its class by name. Each places a fault or
+pause at an exact point, so a test checks an order it forced, never one timing produced.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ from .workers import InstanceLoop, TrainerLoop
 
 
 def die_mid_message(conn: Any, msg: Any) -> None:
-    """Write the first half of `msg` as `Connection.send` would frame it, then SIGKILL the
-    calling process: the state of a writer killed in the middle of a write (its channel holds a
-    length header and part of the bytes it announced)."""
+    """Write the first half of `msg` as `Connection.send` frames it, then SIGKILL the calling
+    process: a writer killed mid-write (a length header and part of the bytes it announced)."""
     from multiprocessing.reduction import ForkingPickler
 
     buf = bytes(ForkingPickler.dumps(msg))
@@ -31,9 +28,8 @@ def die_mid_message(conn: Any, msg: Any) -> None:
 
 
 class _CutOutbox:
-    """Passes reports through until `loop.armed`; the first report of a kind in `loop.kinds` after
-    that is cut in the middle of its write (`loop.cut`) or written in full, and the process dies
-    (SIGKILL)."""
+    """Passes reports through until `loop.armed`; then the first report of a kind in `loop.kinds`
+    is cut mid-write (`loop.cut`) or written in full, and the process is SIGKILLed."""
 
     def __init__(self, loop: "DieMidReport", outbox: Any) -> None:
         self.loop = loop
@@ -51,9 +47,8 @@ class _CutOutbox:
 
 
 class DieMidReport(InstanceLoop):
-    """An instance killed while it writes on its own channel: once it has loaded a version >= 1
-    (mid-run), the first "finished" or "export" report it writes is cut in half and its process
-    gets SIGKILL (process backend: the outbox is a `PipeOutbox`)."""
+    """Once it has loaded a version >= 1, its first "finished" or "export" report is cut in half
+    and its process SIGKILLed (process backend: the outbox is a `PipeOutbox`)."""
 
     kinds = ("finished", "export")
     cut = True
@@ -85,12 +80,9 @@ class _HoldsAStartedSequence(InstanceLoop):
 class HoldForPublish(_HoldsAStartedSequence):
     """Makes a sequence span a weight load (mode `partial`), whatever the timing.
 
-    ("hold",) arms the hold. Once armed, the loop decodes until some unfinished sequence has at
-    least one response token, then stops decoding and reports ("held", iid, request_id, tokens);
-    the next ("load", ...) lifts the hold (in `partial` it pauses, loads and resumes that sequence
-    under the new version); a load before the hold is in force leaves it armed. If the engine has
-    no work once the commands waiting are taken, it reports ("hold_missed", iid) and disarms.
-    Commands (and the load) are still taken while it holds."""
+    ("hold",) arms it: decode until an unfinished sequence has a response token, then stop and
+    report ("held", iid, request_id, tokens); the next ("load", ...) lifts the hold. With no work
+    left it reports ("hold_missed", iid) and disarms. Commands are still taken while it holds."""
 
     def handle(self, cmd: tuple) -> None:
         if cmd[0] == "hold":
@@ -108,12 +100,8 @@ class HoldForPublish(_HoldsAStartedSequence):
 
 
 class HoldAfterLoad(_HoldsAStartedSequence):
-    """A victim that cannot finish its work before it is killed: once it has loaded a version >= 1
-    (so after the trainer's first step), the loop decodes until some unfinished sequence has at
-    least one response token, then stops decoding for good and reports ("held", iid, request_id,
-    tokens). That sequence is still running there, whatever the timing, when a test that kills
-    the instance on that report does so. Commands are still taken while it holds (a migrated
-    sequence still leaves it)."""
+    """A victim that cannot finish before it is killed: after loading a version >= 1 it stops for
+    good once a sequence has a response token, reporting ("held", iid, request_id, tokens)."""
 
     def handle(self, cmd: tuple) -> None:
         super().handle(cmd)
@@ -125,10 +113,8 @@ class HoldAfterLoad(_HoldsAStartedSequence):
 
 
 class LateFirstLoad:
-    """An `InstanceLoop` mixin (list it first): the instance sleeps `late_s` seconds before it
-    takes its first ("load", ...) command, an injected delay (a process slow to start its work, as
-    under load): the other instances run ahead of it meanwhile (8 tiny steps take about half a
-    second). A test whose order must not depend on who starts first runs with it on each side."""
+    """An `InstanceLoop` mixin (list it first): sleep `late_s` seconds before the first ("load",
+    ...), so the other instances run ahead; tests run it on each side to rule out start order."""
 
     late_s = 0.5
     _late_done = False
@@ -159,10 +145,8 @@ class DieMidExport(DieMidReport):
 
 
 class DieAfterExport(DieMidReport):
-    """Killed (SIGKILL) at its first ("migrate", ...) command: right after it wrote the "export" in
-    full (the migrating sequence is on its pipe, unread, and its KV cache, shared memory this
-    process hands over on request, can no longer be fetched), or at once when the sequence had
-    finished here first (nothing to export), so that a test awaiting its exit never waits in vain."""
+    """SIGKILLed at its first ("migrate", ...): right after writing the "export" in full (its KV
+    cache then unfetchable), or at once if the sequence already finished here."""
 
     kinds = ("export",)
     cut = False
@@ -178,17 +162,11 @@ class DieAfterExport(DieMidReport):
 
 
 class StallUntilMigrate(InstanceLoop):
-    """A straggler whatever the timing: the instance decodes while a sequence it holds has no
-    response token yet (or it holds fewer than two), and once it holds at least two sequences,
-    each with a token (so with a KV cache to export), it reports ("stalled", iid, [request ids])
-    once and decodes nothing more until its first ("migrate", ...) command; from then on it is a
-    plain instance. Its sequences' groups then gate a step while it holds them, and the
-    scheduler's only way on is R5's spread: an idle instance takes an even share of them
-    (`Migrate` from this instance). Commands are still taken while it stalls.
-
-    That the stall comes before the run ends, and before any other move, is forced by the
-    coordinator (`StalledFirst`): the other instances get no command until the report; a
-    runtime without it does not know the report."""
+    """A straggler whatever the timing: once it holds at least two sequences, each with a response
+    token, it reports ("stalled", iid, [request ids]) and decodes nothing until its first
+    ("migrate", ...), then is a plain instance. Its groups then gate a step, and R5's spread is
+    the scheduler's only way on. Commands are still taken while it stalls. Pair it with
+    `StalledFirst` so that the stall precedes every other move."""
 
     hold_at = 2
 
@@ -214,10 +192,8 @@ class StallUntilMigrate(InstanceLoop):
 
 
 class OthersWait:
-    """A `Runtime` mixin (list it before `Runtime`): every command for an instance not in `alone`
-    is held back, in order, until `release()`; the scheduler meanwhile sees those instances
-    loading their first version. So what the instances in `alone` do first happens before the
-    others take part, whatever the timing (a test forces an order with it, it never waits)."""
+    """A `Runtime` mixin (list it before `Runtime`): commands for instances not in `alone` are held
+    back, in order, until `release()`, so what `alone` does first happens before the others join."""
 
     alone: tuple = (0,)
     released = False
@@ -238,14 +214,8 @@ class OthersWait:
 
 class StalledFirst(OthersWait):
     """`OthersWait` until instance `alone[0]` (`StallUntilMigrate`) reports ("stalled", ...);
-    `self.stalled` gets the request ids it stalls on. So that instance stalls holding sequences
-    of its first dispatches, whatever the timing. Without it a late one (its process slow to take
-    its first load, under load) found the run done by the other (8 tiny steps take about half a
-    second: no stall, no move), or could find an old version's stragglers on the other instance,
-    which R5 may consolidate onto it (a move the other way) before it stalls. Until the report
-    the other instances are loading for the scheduler: no move can target them, and none can
-    leave the staller (R5 consolidates only between two holders of a version and spreads only
-    onto an idle instance)."""
+    `self.stalled` gets its request ids. Until then the other instances are loading, so no move can
+    target them or leave the staller: it stalls on its first dispatches, whatever the timing."""
 
     stalled: list | None = None
 
@@ -259,11 +229,9 @@ class StalledFirst(OthersWait):
 
 
 class StallUntilMigrateThenGo(StallUntilMigrate):
-    """`StallUntilMigrate` stalling on four sequences (each with a token), and after its first
-    ("migrate", ...) command stalling on until ("go",): it exports what it is told to (commands
-    are still taken), decodes nothing. A coordinator that sends "go" decides when the sequences it
-    kept finish, so when the instance runs dry and the scheduler plans it idle (R5 may spread onto
-    it then); the plain loop never gets "go"."""
+    """`StallUntilMigrate` on four sequences, and after its first ("migrate", ...) it stays
+    stalled until ("go",): it exports what it is told, decodes nothing. The coordinator's "go"
+    decides when it runs dry (and R5 may spread onto it)."""
 
     hold_at = 4
 
@@ -282,11 +250,8 @@ class StallUntilMigrateThenGo(StallUntilMigrate):
 
 
 class StallAfterImport(InstanceLoop):
-    """A destination that keeps what it took in: once it imported a migrated sequence it decodes
-    nothing until its first ("migrate", ...) command, from then on it is a plain instance.
-    Commands are still taken while it stalls (a second import, the move that releases it). The
-    sequences it imported then run here only, whatever the timing, until the scheduler moves one
-    of them on: which R5 does only after `MigrationLanded` for it."""
+    """A destination that keeps what it took in: after an import it decodes nothing until its
+    first ("migrate", ...), then is a plain instance. Commands are still taken while it stalls."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -386,10 +351,8 @@ class DieAfterReport(DieMidReport):
 
 
 class DieInAllreduce(TrainerLoop):
-    """Data parallel: trainer rank `victim` is killed (SIGKILL) at its first gradient allreduce of
-    a step >= `at_step`, right before it joins it: its peer is then in that allreduce (or about to
-    enter it) and can only leave it through the failed collective. `FailInAllreduce` raises an
-    error there instead (the rank reports it and exits, as a rank with a bug of its own would)."""
+    """Data parallel: rank `victim` is SIGKILLed right before its first gradient allreduce of a
+    step >= `at_step`, so its peer fails that collective. `FailInAllreduce` raises there instead."""
 
     victim = 1
     at_step = 2
@@ -441,9 +404,8 @@ def report_when_told(outbox: Any, go: Any, messages: list) -> None:
 
 
 def report_then_die(outbox: Any, messages: list) -> None:
-    """A worker process that reports each of `messages` in full, then dies (SIGKILL) before any is
-    read. A message holding a tensor is then unreadable: its shared memory is handed over by this
-    process on request, as a migrating sequence's KV cache is."""
+    """A worker process that reports each of `messages` in full, then is SIGKILLed before any is
+    read, so a message holding a tensor (shared memory this process hands over) is unreadable."""
     for msg in messages:
         outbox.put(msg)
     os.kill(os.getpid(), signal.SIGKILL)

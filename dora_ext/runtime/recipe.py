@@ -12,23 +12,14 @@
     eval:      {prompts: 64, samples: 2}
     dora:      {mode: dora, max_staleness: 2, batch_size: 4, group_size: 4, instances: 2, capacity: 8}
 
-Every section is validated here, before a model is built, and every error is a `ConfigError`
-naming the field (`trainer.lr: expected a number in (0.0, inf), got -1`), so a typo never costs a
-run. The `dora:` section is `DoraConfig.from_dict(..., where="dora")`, the same object every other
-runtime takes.
+Every section is validated before a model is built; errors are `ConfigError`s naming the field
+(`trainer.lr: expected a number in (0.0, inf), got -1`). `dora:` is `DoraConfig.from_dict`.
 
-Cores (`runtime:`). Equal hardware, as in design.md: `sync` is colocated, so its rollout instances
-share all `cores` while they generate and the trainer has all `cores` while it trains (never both
-at once); the other modes split them, `cores - trainer_cores` for the rollout instances and
-`trainer_cores` for the trainer, both busy at the same time. The split sets each worker's torch
-intra-op thread count (capped by `max_threads`). With `trainer_borrow: true` the asynchronous
-modes' trainer also runs a second, low-priority rank on the rollout cores, which takes only the
-time the instances leave idle there. `pin: true` also pins each worker to its cores
-(Linux `sched_setaffinity`), so that neither side can borrow the other's idle core; `pin: false`
-(the CPU recipes' choice) lets the OS place the workers on the same `cores`: with a trainer that is
-idle most of a step, a pinned split would leave its core idle, which no real deployment would do,
-and on a machine shared with other jobs a pinned worker waits for its one core while the other is
-free. Every mode gets the same cores either way.
+Cores (`runtime:`), equal hardware as in design.md: `sync` is colocated (instances and trainer
+each get all `cores`, in turn); the other modes give `cores - trainer_cores` to the instances and
+`trainer_cores` to the trainer at once. `trainer_borrow: true` adds a low-priority trainer rank
+on the rollout cores. `pin: true` pins each worker to its cores; `pin: false` (the CPU recipes)
+lets the OS place them, so an idle trainer's core is not wasted.
 """
 
 from __future__ import annotations
@@ -78,26 +69,15 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    """The core split (see the module docstring). `backend`: how rollout instances are hosted,
-    `process` (own interpreter each; the default on CPU, see `workers.py` for why), `thread`, or
-    `auto` (processes on CPU, threads on CUDA). `max_threads`: a cap on torch's intra-op threads in
-    any worker and in warm start / evaluation (0 = no cap): a tiny model's kernels are too short for
-    intra-op parallelism to pay, and OpenMP teams on a busy machine lose whole scheduler slices at
-    every barrier; the cores are then used by running workers side by side. `stall_timeout_s`: how long the coordinator waits
-    for any report before declaring the run stuck (and naming what was outstanding).
-    `sync_trainer_ranks`: the colocated `sync` baseline's trainer, as that many data-parallel
-    processes (gloo; each rank trains its share of the batch, gradients summed before every
-    optimizer step), so that sync uses every core while it trains as it does while it generates;
-    0 (the default) = one rank per core on the process backend, 1 = a single trainer process.
-    `max_instance_restarts`: how many times one run (or one resume) starts a fresh process in place
-    of a rollout instance process that exited (process backend); after that the run goes on with
-    the instances left, and ends with `WorkerDied` when none is left. 0 = never restart.
-    `trainer_borrow`: the asynchronous modes' trainer gets a second data-parallel rank on the
-    rollout cores, started at a scheduling priority `trainer_borrow_nice` (0-19) below the
-    instances', so that it computes only in the time the instances leave idle; each step's groups
-    are shared between the two ranks by their measured speed (`Runtime._assign`), the minibatches
-    stay the single trainer's (the update is the same). CPU and the process backend only (a
-    run elsewhere has one rank, as `core_assignment` says); sync already trains on every core."""
+    """The core split (see the module docstring). `backend`: `process`, `thread` or `auto`
+    (processes on CPU, threads on CUDA; see `workers.py`). `max_threads`: cap on torch intra-op
+    threads per worker (0 = none; tiny kernels gain nothing from OpenMP teams). `stall_timeout_s`:
+    how long to wait for any report before declaring the run stuck. `sync_trainer_ranks`: sync's
+    trainer as that many gloo data-parallel processes (0 = one per core on the process backend).
+    `max_instance_restarts`: fresh processes per run for exited instances (0 = never).
+    `trainer_borrow`: async modes get a second trainer rank on the rollout cores at
+    `trainer_borrow_nice` (0-19) below the instances, sharing groups by measured speed
+    (`Runtime._assign`) with unchanged minibatches; CPU process backend only."""
 
     cores: int
     trainer_cores: int
@@ -164,9 +144,7 @@ class Recipe:
         return dataclasses.replace(self, steps=steps, dora=_dora(self.dora_raw, steps))
 
     def with_seed(self, seed: int) -> "Recipe":
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError("seed", f"expected an integer >= 0, got {seed!r}")
-        return dataclasses.replace(self, seed=seed)
+        return dataclasses.replace(self, seed=_positive_int(seed, "seed", 0))
 
     def trainer_config(self) -> Any:
         """The `TrainerConfig` (imports torch)."""
@@ -264,9 +242,7 @@ def recipe_from_dict(data: Mapping[str, Any], *, path: str | None = None, defaul
     name = data.get("name", default_name)
     if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
         raise ConfigError("name", f"expected a non-empty name without spaces or slashes, got {name!r}")
-    seed = data.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError("seed", f"expected an integer >= 0, got {seed!r}")
+    seed = _positive_int(data.get("seed", 0), "seed", 0)
     steps = _positive_int(data.get("steps", 20), "steps")
 
     task_name, task = _task(_section(data, "task"))

@@ -3,53 +3,30 @@
     prepared = prepare(recipe)                      # task, tokenizer, warm-started version 0
     result = run(recipe.with_mode("dora"), prepared)  # -> RunResult (design.md metrics)
 
-Workers (see `workers.py`): one per rollout instance and one for the trainer, processes on CPU
-(threads on CUDA), and the coordinator, the thread that calls `run`. Only the coordinator touches
-the `Scheduler`: workers report on one queue, the coordinator feeds each report to `Scheduler.handle` as an event and executes the actions
-it returns by sending commands to the workers. The coordinator also plays the prompt source
-(`RequestGroups` -> `GroupAdmitted`) and the reward function, and keeps its own ledger of what was
-executed (which version generated each token, which step trained each group) from which C1-C3
-are measured independently of the scheduler's counters.
+Workers (`workers.py`): one per rollout instance and one for the trainer. Only the coordinator,
+the thread that calls `run`, touches the `Scheduler`: it feeds each worker report to
+`Scheduler.handle` and executes the returned actions as worker commands. It also plays the prompt
+source and the reward function, and keeps its own ledger (which version generated each token,
+which step trained each group) from which C1-C3 are measured independently of the scheduler.
 
-What is real: generation (`TorchEngine`, KV cache, continuous batching), rewards (the task's
-checker), gradient steps (`Trainer`), weight loading (a copy of the published tensors into each
-engine, timed), same-version migration (the sequence's KV cache moves between engines; the
-destination's "imported" report is answered to the scheduler with `MigrationLanded`, so R5 may
-move a trajectory again, `_on_imported`), and the core split between rollout and trainer
-(`RuntimeSpec`). Nothing is simulated.
-
-Faults and checkpoints. The coordinator watches its worker processes. Before a dead worker is
-declared failed, every complete report still on its pipe is taken (a trajectory it finished, a
-checkpoint it wrote count); a report that cannot be rebuilt any more (an export read after its
-source died: the KV cache's shared memory went with that process) is named in `reports_lost`.
-An instance that exits is reported to the
-scheduler (`InstanceFailed`, its running trajectories re-dispatched to their pinned version; a
-sequence it was exporting, or whose export was lost, is retried through `TrajectoryFailed`, which
-uses one of its `max_retries`) and the run goes on with the
-remaining instances while a fresh process takes its place (`runtime.max_instance_restarts` per
-run): pinned like the original, it joins under a new instance id (`InstanceReady`, so a late
-report of the dead one can never be taken for it) and loads the version the scheduler asks for.
-When no instance is left and none is starting, the run ends with `WorkerDied`; a trainer that
-exits ends it with `WorkerDied` naming the `--resume` command (data parallel: naming the rank
-that exited without a report, whichever rank's failed collective is read first; ranks that all
-reported errors of their own end it with those errors, `_ranks_failed`). With
-`checkpoint_dir` and `checkpoint_every`, every N steps the trainer saves its model, critic and
-optimizer and the coordinator the scheduler's snapshot, its ledger, the prompt stream's position
-and the weights of the versions work may still be pinned to; `resume=True` continues from the
-newest complete checkpoint, failing and re-registering every instance so that in-flight
-trajectories are re-issued at their pinned version.
+Faults: a dead worker's complete reports are taken first (`_drain`). A dead instance is reported
+(`InstanceFailed`) and replaced under a new id while `max_instance_restarts` allows; a dead
+trainer, or no instance left, ends the run with `WorkerDied` naming `--resume`. With
+`checkpoint_dir`/`checkpoint_every` the trainer and coordinator save every N steps; `resume=True`
+continues from the newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
@@ -61,6 +38,12 @@ from .recipe import Recipe
 from .workers import trainer_name
 
 SEED_STRIDE = 1_000_003
+# The coordinator's books a checkpoint saves and a resume restores (attributes of `Runtime`).
+_LEDGER = ("prompts", "group_version", "results", "token_versions", "finish_reasons", "dispatch",
+           "dispatch_versions", "first_dispatch", "step_groups", "trained", "step_end", "step_records",
+           "failed_groups", "errors", "tokens_trained", "load_seconds", "loads", "migrations", "migration_log",
+           "migrations_landed", "landings_sent", "served_by", "next_instance_id", "step_order", "rank_speed",
+           "rank_tokens", "rank_seconds")
 
 
 class RuntimeStall(RuntimeError):
@@ -75,9 +58,8 @@ class WorkerDied(RuntimeError):
 # ---------------------------------------------------------------------------------- preparation
 @dataclass
 class Prepared:
-    """What every mode of one seed shares: the task, version 0 of the policy, the held-out prompts
-    and the initial policy's score on them. Built once per seed and reused, so that modes start
-    from identical weights."""
+    """What every mode of one seed shares (task, version 0, held-out prompts and their initial
+    score), built once per seed so that modes start from identical weights."""
 
     task: Any
     model_config: Any
@@ -147,7 +129,7 @@ def _prepare(recipe: Recipe, dev: torch.device) -> Prepared:
 
     weights = policy_state(model, "cpu" if dev.type == "cpu" else dev)
     warm_s = time.perf_counter() - t0
-    prompts = list(_take(task.prompts(seed=777_777), recipe.eval.prompts))
+    prompts = list(itertools.islice(task.prompts(seed=777_777), recipe.eval.prompts))
     initial = evaluate_policy(task, model.config, weights, prompts, recipe, dev)
     return Prepared(task, model.config, weights, prompts, initial, warm_s, loss, recipe.seed)
 
@@ -155,11 +137,6 @@ def _prepare(recipe: Recipe, dev: torch.device) -> Prepared:
 def _check_fits(max_len: int, prompt_len: int, new_tokens: int) -> None:
     if prompt_len + new_tokens > max_len:
         raise ValueError(f"model.max_len {max_len} < prompt {prompt_len} + max_new_tokens {new_tokens}")
-
-
-def _take(it: Iterable, n: int) -> Iterable:
-    for _, x in zip(range(n), it):
-        yield x
 
 
 def evaluate_policy(task: Any, model_config: Any, weights: dict, prompts: list, recipe: Recipe,
@@ -215,16 +192,9 @@ class RunResult:
 class Runtime:
     """Run one mode of `recipe` from `prepared` (see the module docstring). Use `run()`.
 
-    on_step(record) is called in the coordinator after every trainer step with that step's
-    metrics line; keep_versions keeps every published version's weights in the result (tests use
-    them to recompute log-probs under the version each trajectory claims). checkpoint_dir,
-    checkpoint_every: write a checkpoint there every that many steps (a run without `resume`
-    clears an earlier run's checkpoint from the folder); resume: continue from its last complete
-    checkpoint (the recipe must be the run's own). instance_loops: {instance id: InstanceLoop
-    subclass} for some configured instances (tests force orders and inject faults with the classes
-    of `runtime/faults.py`; a replacement process always runs the plain `InstanceLoop`);
-    trainer_loop: likewise for the trainer (a `TrainerLoop` subclass).
-    """
+    on_step(record): called with each trainer step's metrics line. keep_versions: keep every
+    published version's weights. checkpoint_dir/checkpoint_every/resume: see the module docstring.
+    instance_loops / trainer_loop: loop subclasses for tests (`runtime/faults.py`)."""
 
     def __init__(self, recipe: Recipe, prepared: Prepared, *, on_step: Callable[[dict], None] | None = None,
                  keep_versions: bool = False, device: torch.device | None = None,
@@ -369,10 +339,8 @@ class Runtime:
         return f"{rt.rollout_cores}:{rt.trainer_cores}"
 
     def core_assignment(self) -> str:
-        """What each worker really ran on: the CPU affinity each process reported when it started
-        (every CPU of the machine when unpinned), its nice value when not 0 (as it reported it),
-        and the number of trainer ranks, rank 0 first: `trainer 2 rank(s) @1 @0(nice 19)` is a
-        trainer on CPU 1 with a second rank borrowing CPU 0 at nice 19."""
+        """What each worker ran on (reported affinity, nice when not 0, trainer ranks rank 0 first),
+        e.g. `trainer 2 rank(s) @1 @0(nice 19)`."""
         def fmt(cpus: list[int]) -> str:
             return ",".join(map(str, cpus)) if cpus else "?"
 
@@ -502,12 +470,9 @@ class Runtime:
         return time.perf_counter() - self.t0
 
     def _watch(self, trainer: list) -> None:
-        """Find worker processes that exited. What a dead worker still had on its pipe is taken
-        first (`_drain`). A dead instance is reported to the scheduler (`InstanceFailed`: its
-        running trajectories are re-dispatched to their pinned version on the remaining instances)
-        and replaced by a fresh process while restarts are left (`_restart`); the run goes on with
-        fewer instances meanwhile, and after the last restart. A dead trainer, or no instance
-        left and none starting, ends the run with `WorkerDied`, naming the checkpoint to resume from."""
+        """Find worker processes that exited: take what they left (`_drain`), then report a dead
+        instance (`InstanceFailed`) and restart it while restarts are left; a dead trainer, or no
+        instance left, ends the run with `WorkerDied`."""
         if len(trainer) > 1 and any(not t.is_alive() for t in trainer):
             self._ranks_failed({})  # which rank died, and which only failed with it
         for t in trainer:
@@ -558,9 +523,7 @@ class Runtime:
 
     def _drain(self, name: str, fatal: bool = True) -> list[str]:
         """Take every complete report a dead worker left on its pipe, in order, before it is
-        declared failed: what it finished, loaded or checkpointed counts (an export counts if its
-        KV cache can still be fetched; else it reads as ("lost", ...), see `_on_lost`). An "error"
-        report ends the run as it would have (`fatal`), or is returned (with lost ones)."""
+        declared failed. An "error" report ends the run (`fatal`) or is returned (with lost ones)."""
         if not hasattr(self.outbox, "drain"):
             return []
         errors = []
@@ -581,9 +544,8 @@ class Runtime:
             inbox.close()
 
     def _restart(self, dead: int) -> None:
-        """Start a fresh process in place of instance `dead`, while restarts are left: same
-        capacity, same core share (threads, CPU affinity), a new instance id. It joins the
-        scheduler when it reports ready (`_on_ready`)."""
+        """Start a fresh process in place of instance `dead` while restarts are left: same capacity
+        and core share, a new id; it joins the scheduler when it reports ready (`_on_ready`)."""
         from .workers import EngineRecipe, start_instances
 
         if self.restarts_left <= 0:
@@ -623,10 +585,8 @@ class Runtime:
         return os.path.join(self.checkpoint_dir, f"{kind}-{version:06d}.pt")
 
     def _save_state(self, version: int) -> None:
-        """The coordinator's half of checkpoint `version`: the scheduler's snapshot, the ledger,
-        the prompt stream's position and the weights of every version work may still be pinned
-        to. The trainer writes its half (model, optimizer) and reports "checkpointed"; only then
-        does `latest` point at this checkpoint."""
+        """The coordinator's half of checkpoint `version` (snapshot, ledger, prompt position, pinned
+        weights); `latest` points at it only once the trainer reports "checkpointed"."""
         import os
 
         os.makedirs(self.checkpoint_dir, exist_ok=True)
@@ -636,20 +596,7 @@ class Runtime:
             "format": 1, "version": version, "mode": self.mode, "recipe": self.recipe.to_dict(),
             "scheduler": self.sched.snapshot(),
             "next_prompt": max(self.prompts) + 1 if self.prompts else 0,
-            "ledger": {
-                "prompts": self.prompts, "group_version": self.group_version, "results": self.results,
-                "token_versions": self.token_versions, "finish_reasons": self.finish_reasons,
-                "dispatch": self.dispatch, "dispatch_versions": self.dispatch_versions,
-                "first_dispatch": self.first_dispatch, "step_groups": self.step_groups,
-                "trained": self.trained, "step_end": self.step_end, "step_records": self.step_records,
-                "failed_groups": self.failed_groups, "errors": self.errors, "tokens_trained": self.tokens_trained,
-                "load_seconds": self.load_seconds, "loads": self.loads, "migrations": self.migrations,
-                "migration_log": self.migration_log, "migrations_landed": self.migrations_landed,
-                "landings_sent": self.landings_sent,
-                "served_by": self.served_by, "next_instance_id": self.next_instance_id,
-                "step_order": self.step_order, "rank_speed": self.rank_speed, "rank_tokens": self.rank_tokens,
-                "rank_seconds": self.rank_seconds,
-            },
+            "ledger": {k: getattr(self, k) for k in _LEDGER},
             "versions": keep,
         }
         tmp = self._ckpt_path(version, "state") + ".tmp"
@@ -697,9 +644,8 @@ class Runtime:
         self._clear_checkpoints(keep=version)
 
     def _clear_checkpoints(self, keep: int | None = None) -> None:
-        """Remove the checkpoint files (and only those) of an earlier run in `checkpoint_dir`; with
-        `keep`, all but checkpoint `keep` (on resume: what a killed run left half-written, such as a
-        cut `trainer-*.pt.tmp` or the coordinator's half of a checkpoint the trainer never finished)."""
+        """Remove an earlier run's checkpoint files (and only those) from `checkpoint_dir`; with `keep`,
+        all but checkpoint `keep` (what a killed run left half-written)."""
         import os
         import re
 
@@ -746,15 +692,9 @@ class Runtime:
                                    f"recipe the run started with")
 
     def _restart_from_checkpoint(self) -> None:
-        """Fresh processes hold nothing: every instance of the snapshot is failed (its running
-        trajectories go back to the queue of their pinned version, with a new attempt) and
-        registered again; a step that had started is handed to the trainer again in full.
-
-        The failures first, in one batch: the first re-dispatches its trajectories onto an
-        instance that the snapshot still lists but that fails next, and that `Dispatch` (or a
-        `LoadVersion`) would reach the fresh process registered again under the same id (a void
-        attempt, and a later load refused while it holds KV). Every instance is failed then, so
-        the batch's actions for instances are all void and dropped."""
+        """Fresh processes hold nothing: fail every snapshot instance (re-queueing its trajectories)
+        and register it again; a started step goes to the trainer again in full. All failures go in
+        one batch first, so actions aimed at the old instances are void and dropped."""
         failed = set(self.sched.instances)
         out = self.sched.handle_many([E.InstanceFailed(iid, "resumed from a checkpoint") for iid in failed])
         # Every configured instance has a fresh process now, also one that had failed before the
@@ -859,14 +799,10 @@ class Runtime:
             raise RuntimeError(f"unknown worker report {kind!r}")
 
     def _ranks_failed(self, reports: dict[int, list[str]], traceback: str = "", wait_s: float = 5.0) -> None:
-        """Data parallel: a trainer rank reported an error, or a rank's process exited (`reports`:
-        rank -> what each rank reported so far). Most often a rank's process died (killed) and its
-        peers then fail their collective with it (gloo: "Connection closed by peer"); but a rank
-        that raised an error of its own exits too (after reporting it), and its peers fail the same
-        way. So: the ranks' processes are given `wait_s` to be seen exited, what each exited one
-        left on its pipe is taken, and a rank that exited without reporting anything (killed) ends
-        the run as a dead trainer, `WorkerDied` naming it and `--resume`; otherwise the ranks'
-        own errors end it (`RuntimeError` with every rank's report, whichever was read first)."""
+        """Data parallel: a rank reported an error or exited (`reports`: rank -> its reports so far).
+        Peers of a killed rank fail their collective too, so after `wait_s` a rank that exited
+        without reporting ends the run as a dead trainer (`WorkerDied`); otherwise the ranks' own
+        errors end it (`RuntimeError`)."""
         handles = self.trainer_handles
         drained: set[int] = set()
         deadline = time.perf_counter() + wait_s
@@ -892,11 +828,8 @@ class Runtime:
         raise RuntimeError(f"trainer failed (data-parallel ranks): {said}\n{traceback}")
 
     def _on_lost(self, name: str, why: str) -> None:
-        """A complete report of worker `name` could not be read (`PipeHub`: most often an export
-        whose source died before it was read, its KV cache unreachable). Nothing it said can be
-        taken into the books, so the worker is ended (SIGKILL) if it still lives: `_watch` then
-        handles it as a dead worker (an instance's running trajectories are re-dispatched, what it
-        was exporting is retried; a trainer ends the run naming `--resume`)."""
+        """A report of worker `name` could not be read (e.g. an export whose source died): kill the
+        worker if it still lives, so `_watch` handles it as dead."""
         self.reports_lost.append((name, why))
         if name.startswith("instance-"):
             iid = int(name.rsplit("-", 1)[1])
@@ -908,9 +841,8 @@ class Runtime:
             h.kill()
 
     def _on_export(self, src: int, dst: int, state: Any) -> None:
-        """A migrating sequence left `src` (its KV cache with it): pass it on to `dst`'s inbox, the
-        coordinator being the only writer of every inbox. If its attempt is over (`dst`, or `src`
-        before it exported, failed and the trajectory was re-dispatched) it is dropped."""
+        """A migrating sequence left `src`: pass it on to `dst`'s inbox (the coordinator writes every
+        inbox), or drop it if its attempt is over."""
         gid, idx, attempt = state.request_id
         self.in_transit.pop((gid, idx), None)  # out of `src`: its death can no longer lose it
         if self.dispatch[(gid, idx)][2] != attempt or dst not in self.inboxes:
@@ -919,19 +851,12 @@ class Runtime:
         self._send(dst, ("import", state))
 
     def _on_imported(self, iid: int, rid: tuple) -> None:
-        """Instance `iid` took in a migrated sequence (its engine runs it now): answer the
-        scheduler's `Migrate` with `MigrationLanded`, after which R5 may move the trajectory again.
+        """Instance `iid` took in a migrated sequence: answer the scheduler's `Migrate` with
+        `MigrationLanded` (R5 may then move it again).
 
-        Only for the trajectory's current attempt, still on `iid` in the ledger, not finished, on
-        an instance not declared dead. Orders: a worker's reports keep their order on its pipe, so
-        "imported" is read before that sequence's "finished" there, and a dead worker's reports are
-        all taken (`_drain`) before its `InstanceFailed`; read then (`iid` is in
-        `failed_instances` already) the landing is not sent: the failure re-dispatches the
-        trajectory, and a landing would only let R5 move it off a dead engine (a lost move, a
-        retry). Read before the death is noticed, it is sent and applied; the failure then
-        re-dispatches it (or, moved on meanwhile, `_watch` retries the move off the dead source).
-        A group reported failed meanwhile still holds its running trajectories in the scheduler
-        (they land as any other); one no longer held counts the landing as a stale event."""
+        Only for the trajectory's current attempt, still on `iid`, not finished, and on an instance
+        not declared dead: a dead instance's re-dispatch already handles it, and a landing would
+        only let R5 move it off a dead engine."""
         gid, idx, attempt = rid
         key = (gid, idx)
         self.migrations_landed += 1
@@ -988,7 +913,6 @@ class Runtime:
             self.trained.setdefault(gid, []).append(step)
             tokens += sum(len(tr.response_ids) for tr in self.results[gid])
         self.tokens_trained += tokens
-        v = step + 1
         work = metrics.pop("rank_work", None)
         if work:
             self._update_speeds(work)
@@ -1107,14 +1031,9 @@ class Runtime:
     def _assign(self, gid: Hashable, group: list) -> tuple[int, int]:
         """(trainer rank, position in the batch) for the next group of the current step.
 
-        Positions count the step's groups in the order they are handed out, which is the order a
-        single trainer would add them in; the trainer's PPO minibatches follow them
-        (`Trainer.add_group`), so sharing groups between data-parallel ranks never changes what a
-        minibatch holds. The rank: the one that would finish this group's minibatch share first,
-        at each rank's measured speed (tokens per compute second, from the previous steps'
-        `rank_work`), so that a slow rank (one borrowing a busy core) gets proportionally less and
-        the ranks reach each minibatch's allreduce together. Until every rank was measured, the
-        ranks count as equally fast."""
+        Positions follow hand-out order, the order a single trainer would use, so data parallelism
+        never changes a minibatch. The rank is the one that would finish its share first at its
+        measured tokens per compute second (equal until every rank was measured)."""
         position = self._position
         self._position += 1
         self._order.append(gid)
@@ -1134,9 +1053,8 @@ class Runtime:
         return rank, position
 
     def _update_speeds(self, work: list) -> None:
-        """Each rank's speed (tokens per compute second) from its last step, averaged with the
-        previous estimate. A rank that got nothing to do looks 25% faster each step, so that it is
-        tried again (a busy borrowed core may have become free)."""
+        """Each rank's tokens per compute second, averaged with the previous estimate; a rank that got
+        nothing looks 25% faster each step, so it is tried again."""
         for r, (tokens, seconds, *comm) in enumerate(work):
             self.rank_tokens[r] += tokens
             self.rank_seconds[r][0] += seconds

@@ -1,42 +1,23 @@
 """The workers of the embedded runtime: one per rollout instance, one for the trainer.
 
-Each worker owns its torch objects (an engine, or the trainer) and is the only one that touches
-them; it takes commands from its own inbox and reports on the coordinator's queue. The coordinator
-(`runtime.Runtime`) is the only thread that touches the scheduler. Ownership replaces locking.
+Each worker owns its torch objects (an engine, or the trainer), takes commands from its own inbox
+and reports on its own pipe; only the coordinator (`runtime.Runtime`) touches the scheduler, so
+ownership replaces locking.
 
-Hosting (`runtime.backend`). Workers are processes (`process`, the default on CPU) or threads of
-the coordinator's process (`thread`, the default on CUDA). Why processes on CPU: a small model's
-decode iteration is mostly Python glue between short kernels, and the glue holds the GIL.
-Measured on the 2-core development machine with the default tiny model: with threads, a trainer
-step took 4-8x longer while two decode threads ran, even on the *other* core, so a mode's speed
-would have been the GIL's, not its own. Each process has its own interpreter, and the only shared
-things are messages: published weights travel as one flat shared-memory tensor per version
-(`PackedWeights`, the copy into it is the trainer's broadcast cost), and a migrating sequence's KV
-cache goes from the source process to the coordinator on the source's own report pipe and on to
-the destination's inbox (its tensors in shared memory, so the extra hop copies no cache).
+Hosting (`runtime.backend`): processes on CPU (a small model's decode loop is Python glue that
+holds the GIL, so threads would slow the trainer several-fold), threads on CUDA (asynchronous
+kernels overlap well). Processes come from a pre-warmed fork server (`_forkserver.py`), exit when
+the coordinator dies, and share only messages: weights as one shared-memory tensor per version
+(`PackedWeights`), a migrating KV cache via the coordinator in shared memory.
 
-Channels and faults. Every channel has exactly one writer, so a worker killed in the middle of a
-write can block nobody else: each worker reports on its own pipe (`PipeOutbox`; the coordinator
-reads them all through a `PipeHub`), and each worker's inbox is written by the coordinator only
-(peers never write to each other's inbox: a peer killed while holding a shared queue's lock would
-block that inbox for good). A killed writer can at worst cut its own last message, which reads as
-the end of its pipe, and make its complete messages holding tensors unreadable (their shared memory
-is handed over by the writer's process on request): those read as ("lost", ...), the rest of its
-pipe still counts. Processes come from a
-fork server that imported torch and warmed it up once (`_forkserver.py`), so starting one is a
-fork. A worker process exits by itself when the coordinator dies. On CUDA the kernels are
-asynchronous and threads (each on its own CUDA stream) overlap well, so `auto` picks threads.
-
-Core shares. Each worker fixes its share when it starts (`claim_cores`): torch's intra-op thread
-count, which is per thread under OpenMP, and, with `pin`, its CPU affinity (per thread on Linux,
-inherited by the OpenMP threads it creates later).
-
-Times are raw `time.perf_counter()` values (CLOCK_MONOTONIC, the same in every process); the
-coordinator subtracts its start time.
+Every channel has one writer, so a killed worker can at worst cut its own last message (read as
+the end of its pipe) and make its pending tensor messages unreadable (read as ("lost", ...)).
+Each worker fixes its core share at start (`claim_cores`). Times are raw `time.perf_counter()`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -53,10 +34,8 @@ _init_lock = threading.Lock()
 def claim_cores(threads: int, cpus: Sequence[int] | None) -> int:
     """Give the calling thread `threads` torch intra-op threads, pinned to `cpus` when given.
 
-    ATen initialises a thread's OpenMP thread count lazily, at its first parallel kernel, from the
-    process-wide value that *any* thread set last. So: set the count, run one parallel kernel to
-    trigger that initialisation, set it again, all under a lock so that two workers starting
-    together cannot hand each other their counts. Returns the count torch reports.
+    ATen sets a thread's OpenMP count lazily, at its first parallel kernel, from the process-wide
+    value any thread set last: so set, run one kernel, set again, under a lock. Returns the count.
     """
     with _init_lock:
         if cpus and hasattr(os, "sched_setaffinity"):
@@ -82,12 +61,8 @@ def next_command(inbox: Any, watch_pid: int | None) -> tuple:
 
 # ---------------------------------------------------------------------------------- reports
 class PipeOutbox:
-    """A worker process's own report channel: the write end of a pipe only it writes to.
-
-    Why not one shared `multiprocessing.Queue` for every worker's reports: its writers share one
-    lock, and a worker killed (SIGKILL) while holding it would block every other worker's reports
-    for good. A pipe per worker has no shared lock; a kill can at worst cut that worker's own last
-    message, which the coordinator reads as the end of that pipe."""
+    """A worker process's own report channel: the write end of a pipe only it writes to (a shared
+    `multiprocessing.Queue` lock held by a killed worker would block every other worker)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -98,16 +73,10 @@ class PipeOutbox:
 
 class PipeHub:
     """The coordinator's side of the workers' `PipeOutbox`es: `get(timeout)` returns the next
-    report from any of them (raising `queue.Empty` on timeout), as a queue would. A pipe whose
-    writer is gone (the worker exited or was killed) is dropped; a message its writer was cut off
-    in the middle of reads as that end (its complete messages before it are all delivered).
-    `drain(name)` hands over what a worker that is known to be gone still had on its pipe.
-
-    A complete message that cannot be unpickled is handed over as ("lost", name, why) in its place,
-    and the pipe is read on. That happens to a report holding tensors (an "export": the KV cache
-    of a migrating sequence) whose writer died before the message was read: the tensors' shared
-    memory is handed over by the writer's own process on request (`multiprocessing`'s resource
-    sharer), which is gone. The reports after it on the same pipe still count."""
+    report from any of them (`queue.Empty` on timeout). A pipe whose writer is gone is dropped (a
+    cut last message reads as its end); `drain(name)` hands over what a gone worker still had.
+    A complete message that cannot be unpickled (tensors whose dead writer held their shared
+    memory) is handed over as ("lost", name, why), and the pipe is read on."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -156,9 +125,8 @@ class PipeHub:
             return ("lost", self._names.get(r, ""), f"{type(exc).__name__}: {exc}")
 
     def drain(self, name: str) -> list[Any]:
-        """Every report of worker `name` not returned yet, in order: those already read, then the
-        rest of its pipe up to its end. Only for a worker whose process is gone (its pipe then
-        ends; a live writer could keep it open)."""
+        """Every report of worker `name` not returned yet, in order, up to the end of its pipe (only
+        for a worker whose process is gone)."""
         out = [m for n, m in self._pending if n == name]
         self._pending = [(n, m) for n, m in self._pending if n != name]
         for r in [r for r, n in self._names.items() if n == name]:
@@ -192,11 +160,8 @@ def _started(handles_and_outboxes: list) -> None:
 # ---------------------------------------------------------------------------------- weights
 @dataclass
 class PackedWeights:
-    """A state dict as one flat float tensor plus (name, shape, offset) specs.
-
-    One tensor means one shared-memory segment (one file descriptor) per version when it crosses a
-    process boundary; `unpack()` gives views, so the only copy an instance pays is its own load.
-    """
+    """A state dict as one flat float tensor plus (name, shape, offset) specs: one shared-memory
+    segment per version; `unpack()` gives views, so an instance pays only its own load copy."""
 
     flat: torch.Tensor
     specs: tuple[tuple[str, tuple[int, ...], int], ...]
@@ -220,10 +185,7 @@ class PackedWeights:
         flat = self.flat.to(device)
         out = {}
         for name, shape, off in self.specs:
-            n = 1
-            for s in shape:
-                n *= s
-            out[name] = flat[off:off + n].view(shape)
+            out[name] = flat[off:off + math.prod(shape)].view(shape)
         return out
 
 
@@ -232,30 +194,20 @@ class InstanceLoop:
     """The command loop of one rollout instance, the same whether a thread or a process hosts it.
 
     Commands (tuples on `inbox`):
-      ("load", version, weights, preempt)   copy published weights in (a dict or `PackedWeights`);
-                                            with `preempt` (mode partial) pause the running
-                                            sequences, load, and resume them under the new version
+      ("load", version, weights, preempt)   copy published weights in; `preempt` (mode partial)
+                                            pauses running sequences and resumes them after
       ("submit", rid, prompt_ids, max_new_tokens, sampling, seed)
-      ("migrate", rid, dst)                 export the sequence with its KV cache for instance
-                                            `dst` (same version: no re-prefill there); it travels
-                                            as the report ("export", iid, dst, SequenceState),
-                                            which the coordinator passes on to `dst`
-      ("import", SequenceState)             a migrated sequence arriving (from the coordinator);
-                                            reported ("imported", iid, rid) once the engine runs
-                                            it, which the coordinator answers to the scheduler
-                                            with `MigrationLanded` (R5 may then move it again)
+      ("migrate", rid, dst)                 export the sequence with its KV cache, reported as
+                                            ("export", iid, dst, SequenceState) for `dst`
+      ("import", SequenceState)             a migrated sequence; reported ("imported", iid, rid)
+                                            once the engine runs it
       ("stop",)                             report ("stats", iid, {...}) and return
-      ("batch", [commands])                 several of the above, executed in order (one wake-up)
-    Reports: ("ready", name, torch_threads, cpus, nice), ("loaded", iid, version, seconds), ("imported", iid, rid),
-    ("finished", iid, [Finished, ...], t), ("export", iid, dst, SequenceState),
-    ("error", name, message, traceback).
+      ("batch", [commands])                 several of the above, in order (one wake-up)
+    Other reports: ("ready", name, torch_threads, cpus, nice), ("loaded", iid, version, seconds),
+    ("finished", iid, [Finished, ...], t), ("error", name, message, traceback).
 
-    The instance writes only to its own report channel (`outbox`), never to a peer's inbox.
-    `can_decode()` and `decode()` are the loop's two steps; `runtime/faults.py` overrides them
-    (and `handle`) to force orders and inject faults in tests.
-
-    `log` [(t, code)]: code = version while decoding, -1 while loading, -2 while idle (the
-    simulator's codes); `steps` [(t0, t1, sequences)]: one entry per decode iteration.
+    `can_decode()`, `decode()` and `handle` are what `runtime/faults.py` overrides in tests.
+    `log` [(t, code)]: version while decoding, -1 loading, -2 idle; `steps` [(t0, t1, sequences)].
     """
 
     def __init__(self, iid: int, engine: Any, inbox: Any, outbox: Any,
@@ -319,7 +271,7 @@ class InstanceLoop:
     def stats(self) -> dict[str, Any]:
         import dataclasses
 
-        # A forward still waiting at the end was for a sequence that finished on its way here.
+        # A forward still pending at the end was for a sequence that finished on its way here.
         return {"log": self.log, "steps": self.steps, "engine": dataclasses.asdict(self.engine.stats),
                 "migrations_out": self.migrations_out, "migrations_missed": self.migrations_missed + len(self._forward),
                 "migrations_forwarded": self.migrations_forwarded}
@@ -356,11 +308,8 @@ class InstanceLoop:
             elif rid in self._finished:
                 self.migrations_missed += 1  # finished here first; its result is already reported
             else:
-                # Still on its way here from an earlier move (the scheduler moved it again before it
-                # arrived): send it on when it lands, never import it under a version it may no
-                # longer match. (The runtime's coordinator never does this: it answers a move with
-                # `MigrationLanded` only once this instance reported "imported", and the scheduler
-                # moves a trajectory again only after that. Kept for a coordinator that would.)
+                # Still on its way here from an earlier move: send it on when it lands (the
+                # runtime's coordinator never moves a trajectory before it landed).
                 self._forward[rid] = dst
         elif kind == "import":
             state = cmd[1]
@@ -418,9 +367,8 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
 
 def start_instances(specs: dict[int, EngineRecipe], threads: int, cpus: Sequence[int] | None, outbox: Any,
                     backend: str) -> tuple[dict[int, Any], list[Any]]:
-    """Start one worker per instance (also later, for a replacement). Returns (inboxes by instance
-    id, handles to join). Each inbox is written by the coordinator only; each worker reports on its
-    own pipe (named `instance-{iid}` in the `PipeHub`)."""
+    """Start one worker per instance (also a replacement later). Returns (inboxes by instance id,
+    handles); each reports on its own pipe `instance-{iid}`."""
     if backend == "process":
         ctx = process_context()
         inboxes = {iid: ctx.Queue() for iid in specs}
@@ -528,17 +476,13 @@ class TrainerLoop:
     """The trainer's command loop (thread or process).
 
     Commands: ("group", gid, trajectories, position)  forward/backward now (streamed, R7);
-              `position`: the group's place in the whole batch (data parallel; may be left out);
-              ("checkpoint", path)  save model, critic, optimizer and version (reports ("checkpointed", version));
-              ("step", step, [(gid, trajectories, position), ...])  the groups not streamed yet, then the
-              optimizer step and the new weights;  ("stop",)  report ("stats", "trainer", {...}).
-    Reports: ("step_done", step, metrics, gids, t, weights) with the weights of version step+1,
-    packed into one shared-memory tensor when the instances are processes (that copy is the
-    broadcast, and the trainer pays it, as a real one would). Data parallel, rank 0 reports for
-    every rank, with metrics["rank_work"] = [(tokens, compute seconds, seconds in collectives), ...]
-    per rank for the step.
-    `busy` [(t0, t1)] records when it computed, for the timeline and `trainer_wait_ratio`; `cpu`
-    the CPU seconds of those spans (busy wall minus time spent waiting for a core).
+              ("checkpoint", path)  save model, critic, optimizer (reports ("checkpointed", version));
+              ("step", step, [(gid, trajectories, position), ...])  the groups not streamed yet,
+              then the optimizer step;  ("stop",)  report ("stats", "trainer", {...}).
+    Reports: ("step_done", step, metrics, gids, t, weights) with version step+1's weights (packed
+    when instances are processes: the trainer pays that broadcast copy). Data parallel: rank 0
+    reports for all, with metrics["rank_work"] = [(tokens, compute s, collective s), ...].
+    `busy` [(t0, t1)]: compute spans; `cpu`: their CPU seconds.
     """
 
     def __init__(self, trainer: Any, inbox: Any, outbox: Any, pack: bool, sync: Callable[[], None],
@@ -593,9 +537,8 @@ class TrainerLoop:
                     self._add(*item)
                 metrics = self.trainer.finish_step(step)
                 gids, self._gids = self._gids, []
-                # This rank's work in the step: tokens, wall seconds computing (waits at the
-                # collectives excluded), from which the coordinator shares the next batches by speed,
-                # and wall seconds in the collectives (mostly waiting for the other ranks).
+                # This rank's tokens, compute seconds and collective seconds in the step (the
+                # coordinator shares the next batches by speed).
                 work = (self._tokens, self.trainer.compute_s - self._compute0, self.trainer.comm_s - self._comm0)
                 self._tokens, self._compute0, self._comm0 = 0, self.trainer.compute_s, self.trainer.comm_s
                 if rank > 0:  # data parallel: rank 0 reports the step for every rank
@@ -624,11 +567,8 @@ class TrainerLoop:
 def _serve_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None, inbox: Any, outbox: Any,
                    pack: bool, watch_pid: int | None = None, rank: int = 0, world: int = 1,
                    port: int | None = None, nice: int = 0) -> None:
-    """Body of the trainer worker (thread or process); rank `rank` of `world` data-parallel ranks
-    (gloo over 127.0.0.1:`port`) when world > 1. `nice` > 0 (a process only): lower its scheduling
-    priority by that much first (Linux: per thread, inherited by the threads it starts later, the
-    gloo and OpenMP ones included), so that it only takes the CPU time its cores' other workers
-    leave idle."""
+    """Body of the trainer worker; rank `rank` of `world` (gloo over 127.0.0.1:`port`) when
+    world > 1. `nice` > 0 (a process only) lowers its priority so it takes only idle CPU time."""
     name = trainer_name(rank)
     try:
         if nice:
@@ -678,10 +618,9 @@ def start_trainer(spec: TrainerRecipe, threads: int, cpus: Sequence[int] | None,
                   rank_cpus: Sequence[Sequence[int] | None] | None = None,
                   rank_threads: Sequence[int] | None = None,
                   rank_nice: Sequence[int] | None = None) -> tuple[list[Any], list[Any]]:
-    """Start the trainer worker(s): `ranks` > 1 data-parallel processes (process backend only),
-    rank r pinned to `rank_cpus[r]` when given, with `rank_threads[r]` intra-op threads (else
-    `threads`) and its priority lowered by `rank_nice[r]` (else not). Returns (their inboxes,
-    handles to join), rank 0 first."""
+    """Start the trainer worker(s): `ranks` data-parallel processes, rank r pinned to
+    `rank_cpus[r]` with `rank_threads[r]` (else `threads`) and `rank_nice[r]`. Returns (inboxes,
+    handles), rank 0 first."""
     if backend == "process":
         ctx = process_context()
         port = _free_port() if ranks > 1 else None

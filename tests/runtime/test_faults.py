@@ -687,28 +687,6 @@ def test_an_unreadable_report_of_a_dead_worker_is_named_and_the_rest_of_its_pipe
         assert hub.readers == []
 
 
-def test_a_checkpoint_from_before_a_recipe_field_existed_resumes_at_its_default(tmp_path):
-    """A checkpoint whose saved recipe lacks `runtime.max_instance_restarts` (written before the
-    field existed) resumes with a recipe that leaves it at its default; another value is refused,
-    naming the field and the default. (The check used to compare None with 3 and refuse every
-    such checkpoint, asking for a value no recipe can give.)"""
-    import torch
-
-    from dora_ext.config import ConfigError
-
-    recipe = recipe_from_dict(tiny())
-    prepared = prepare(recipe)
-    rt = _coordinator_checkpoint(recipe, prepared, tmp_path)
-    path = rt._ckpt_path(1, "state")
-    state = torch.load(path, weights_only=False)
-    del state["recipe"]["runtime"]["max_instance_restarts"]
-    torch.save(state, path)
-    Runtime(recipe, prepared, checkpoint_dir=str(tmp_path), resume=True)
-    other = recipe_from_dict(tiny(runtime={"max_instance_restarts": 1}))
-    with pytest.raises(ConfigError, match=r"runtime\.max_instance_restarts.*before .* existed.*default, 3.*has 1"):
-        Runtime(other, prepared, checkpoint_dir=str(tmp_path), resume=True)
-
-
 class KillsTheFirstReplacementAtOnce(KillingRuntime):
     """KillingRuntime, and the first replacement process (instance 2) gets SIGKILL as soon as
     `start()` returns its pid, and the coordinator waits for its exit: it dies before it has built
@@ -1228,24 +1206,3 @@ def test_which_rank_failed_does_not_depend_on_what_is_read_first(first, handles,
         assert "a bug of rank 1" in msg and "Connection closed by peer" in msg
 
 
-@pytest.mark.slow
-def test_a_checkpoint_without_the_step_order_still_resumes(tmp_path):
-    """A checkpoint written before the ledger kept each step's hand-out order (`step_order`) resumes:
-    those steps' orders read as unknown (None), the resumed steps' are recorded."""
-    import torch
-
-    recipe = recipe_from_dict(tiny(steps=4))
-    prepared = prepare(recipe)
-    ckpt = tmp_path / "ckpt"
-    Runtime(recipe, prepared, checkpoint_dir=str(ckpt), checkpoint_every=2).run()  # checkpoint 2 of 4 steps
-    assert (ckpt / "latest").read_text().strip() == "2"
-    state = torch.load(ckpt / "state-000002.pt", weights_only=False)
-    for key in ("step_order", "rank_speed", "rank_tokens", "rank_seconds"):
-        del state["ledger"][key]
-    torch.save(state, ckpt / "state-000002.pt")
-    result = Runtime(recipe, prepared, checkpoint_dir=str(ckpt), resume=True).run()
-    led = result.ledger
-    assert set(led["trained"]) == set(led["prompts"]) and all(len(s) == 1 for s in led["trained"].values())
-    assert len(led["step_order"]) == len(led["step_groups"]) == recipe.steps
-    assert led["step_order"][:2] == [None, None]
-    assert all(sorted(o) == sorted(g) for o, g in zip(led["step_order"][2:], led["step_groups"][2:]))

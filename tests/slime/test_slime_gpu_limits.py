@@ -380,3 +380,28 @@ def test_eval_requests_are_spread_over_the_engines_holding_the_version():
     assert [(ip, port) for _, ip, port, _ in out] == [(b.sglang_router_ip, b.sglang_router_port) for b in bases] * 2
     assert {o for *_, o in out} == {0} and seen == [("eval", 30000)]
     assert len(children) == 6
+
+
+def test_the_guarded_health_check_kills_an_engine_whose_actor_is_gone(monkeypatch):
+    """slime's `_check_engine_health` turns any failure of a check (a dead actor too) into a
+    kill. The guard reads the engine's URL first (`get_url`, a Ray call): a failure there must
+    end the same way, not escape the check (it would end slime's monitor thread: no more checks
+    for the rest of the job)."""
+    health_monitor = pytest.importorskip("slime.utils.health_monitor", reason="needs a slime checkout (DORA_SLIME_PATH)")
+    from dora_ext.slime.engines import guard_slime_health_monitor
+
+    cls = health_monitor.RolloutHealthMonitor
+    monkeypatch.setattr(cls, "_check_engine_health", cls._check_engine_health)  # restored after the test
+
+    def gone(*a, **kw):
+        raise RuntimeError("the actor died")  # ray.exceptions.RayActorError, or a GetTimeoutError
+
+    actor = SimpleNamespace(get_url=SimpleNamespace(remote=gone), health_generate=SimpleNamespace(remote=gone),
+                            shutdown=SimpleNamespace(remote=gone))
+    monkeypatch.setattr(health_monitor, "ray", SimpleNamespace(get=lambda ref, timeout=None: ref, kill=lambda a: None))
+    group = SimpleNamespace(all_engines=[actor], engines=[actor], nodes_per_engine=1)
+    monitor = cls(group, SimpleNamespace(rollout_health_check_interval=1.0, rollout_health_check_timeout=1.0,
+                                         rollout_health_check_first_wait=0.0))
+    guard_slime_health_monitor()
+    monitor._check_engine_health(0, actor)
+    assert group.all_engines == [None]  # killed, as slime's own check does

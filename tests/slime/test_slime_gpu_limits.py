@@ -360,26 +360,28 @@ def test_eval_requests_are_spread_over_the_engines_holding_the_version():
     bases = [SimpleNamespace(sglang_router_ip=f"10.0.0.{i}", sglang_router_port=30000 + i, other=i) for i in range(3)]
     seen: list = []
 
-    async def eval_rollout(args):  # slime's shape: a task per sample reads args when it runs
+    async def one_dataset(args):  # slime's shape: a task per sample reads args when it runs
         async def one(j):
             await asyncio.sleep(0)
             return (j, args.sglang_router_ip, args.sglang_router_port, args.other)
 
         tasks = [asyncio.create_task(one(j)) for j in range(6)]
-        seen.append(("eval", args.sglang_router_port))
         return [await t for t in tasks]
 
-    async def run():
-        import itertools
+    async def eval_rollout(args):  # slime's eval_rollout: the datasets under asyncio.gather
+        seen.append(("eval", args.sglang_router_port))
+        (out,) = await asyncio.gather(one_dataset(args))
+        return out
 
-        task, children = _tracked(asyncio.get_running_loop(), eval_rollout(_spread_args(bases)),
-                                  itertools.cycle(bases).__next__)
+    async def run():
+        children: set = set()
+        task = _tracked(asyncio.get_running_loop(), eval_rollout(_spread_args(bases, children)), children)
         return await task, children
 
     out, children = asyncio.run(run())
     assert [(ip, port) for _, ip, port, _ in out] == [(b.sglang_router_ip, b.sglang_router_port) for b in bases] * 2
     assert {o for *_, o in out} == {0} and seen == [("eval", 30000)]
-    assert len(children) == 6
+    assert len(children) == 7  # the dataset's task and its samples'
 
 
 def test_the_guarded_health_check_kills_an_engine_whose_actor_is_gone(monkeypatch):

@@ -252,7 +252,10 @@ def guard_slime_health_monitor() -> None:
             return check(self, rollout_engine_id, engine)
         key = getattr(engine, "_actor_id", None) or id(engine)
         if key not in urls:
-            urls[key] = str(health_monitor.ray.get(engine.get_url.remote(), timeout=30)).rstrip("/")
+            try:
+                urls[key] = str(health_monitor.ray.get(engine.get_url.remote(), timeout=30)).rstrip("/")
+            except Exception:  # noqa: BLE001 - a dead actor: slime's own check kills it
+                return check(self, rollout_engine_id, engine)
         url = urls[key]
         with _MONITOR_LOCK:
             if url in LOADING_URLS:

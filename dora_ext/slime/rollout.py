@@ -422,8 +422,8 @@ class RolloutSession:
             # then the eval starts again on the engines holding the version.
             # The scheduler does not see eval requests: a load it sends to these engines waits (_load).
             self._eval_on, self._eval_over = set(iids), asyncio.Event()
-            task, children = _tracked(self.loop, eval_rollout(_spread_args(bases), rollout_id),
-                                      itertools.cycle(bases).__next__)
+            children: set = set()
+            task = _tracked(self.loop, eval_rollout(_spread_args(bases, children), rollout_id), children)
             try:
                 while not task.done():
                     await asyncio.wait({task}, timeout=self.settings.engine_check_interval_s)
@@ -857,47 +857,53 @@ class RolloutSession:
             await asyncio.sleep(self.settings.poll_interval_s)
 
 
-#: Inside a tracked task (see `_tracked`): the set its tasks (and theirs) are added to, and the
-#: function that picks the engine of each new one; the engine a task was given (its args).
-_CHILDREN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("dora_children", default=None)
-_ENGINE: contextvars.ContextVar[Any] = contextvars.ContextVar("dora_engine", default=None)
+#: Inside a tracked task (see `_tracked`): the set its tasks (and theirs) are added to.
+_CHILDREN: contextvars.ContextVar[set | None] = contextvars.ContextVar("dora_children", default=None)
 _TRACKING: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
 
 
-def _tracked(loop: asyncio.AbstractEventLoop, coro: Any, pick: Any = None) -> tuple[asyncio.Task, set]:
-    """Run `coro` as a task whose own tasks are known, so that cancelling it cancels them too:
-    slime's `eval_rollout` starts one task per eval sample (`asyncio.create_task`) and awaits
-    them with `as_completed`, which leaves them running when it is cancelled. The loop's task
-    factory records every task created in the tracked task's context (chained to any factory
-    the loop has), and gives each one not yet given an engine `pick()` (read by `_spread_args`)."""
+def _tracked(loop: asyncio.AbstractEventLoop, coro: Any, children: set) -> asyncio.Task:
+    """Run `coro` as a task whose own tasks are known (added to `children`), so that cancelling
+    it cancels them too: slime's `eval_rollout` starts one task per eval sample
+    (`asyncio.create_task`) and awaits them with `as_completed`, which leaves them running when
+    it is cancelled. The loop's task factory records every task created in the tracked task's
+    context (chained to any factory the loop has)."""
     if loop not in _TRACKING:
         prev = loop.get_task_factory()
 
         def factory(loop: asyncio.AbstractEventLoop, c: Any, **kw: Any) -> asyncio.Future:
-            tracked = _CHILDREN.get()
-            if tracked is not None and tracked[1] is not None and _ENGINE.get() is None and kw.get("context") is None:
-                kw["context"] = ctx = contextvars.copy_context()
-                ctx.run(_ENGINE.set, tracked[1]())
             task = prev(loop, c, **kw) if prev is not None else asyncio.Task(c, loop=loop, **kw)
+            tracked = _CHILDREN.get()
             if tracked is not None:
-                tracked[0].add(task)
+                tracked.add(task)
             return task
 
         loop.set_task_factory(factory)
         _TRACKING.add(loop)
-    children: set = set()
     ctx = contextvars.copy_context()
-    ctx.run(_CHILDREN.set, (children, pick))
-    return loop.create_task(coro, context=ctx), children
+    ctx.run(_CHILDREN.set, children)
+    return loop.create_task(coro, context=ctx)
 
 
-def _spread_args(bases: list) -> Any:
+def _spread_args(bases: list, children: set) -> Any:
     """slime's args for an evaluation spread over engines: `bases[i]` aims at engine i (slime's
-    generate builds its URL from `sglang_router_ip/port`); each eval task reads the engine
-    `_tracked` gave it, the eval's own code the first engine."""
+    generate builds its URL from `sglang_router_ip/port`). Each task of the evaluation (one of
+    `children`) that reads them is given the next engine, once, when it first reads them: slime
+    starts its per-dataset tasks (`asyncio.gather`) before their per-sample ones, so an engine
+    chosen when a task is created would be one per dataset. The eval's own task reads the first."""
+    chosen: "weakref.WeakKeyDictionary[asyncio.Task, Any]" = weakref.WeakKeyDictionary()
+    turn = itertools.cycle(bases)
+
+    def base() -> Any:
+        task = asyncio.current_task()
+        if task is None or task not in children:
+            return bases[0]
+        if task not in chosen:
+            chosen[task] = next(turn)
+        return chosen[task]
 
     def aimed(name: str) -> property:
-        return property(lambda self: getattr(_ENGINE.get() or bases[0], name))
+        return property(lambda self: getattr(base(), name))
 
     spread = type("DoraEvalArgs", (type(bases[0]),), {"sglang_router_ip": aimed("sglang_router_ip"),
                                                       "sglang_router_port": aimed("sglang_router_port")})

@@ -139,7 +139,8 @@ def eval_fleet_session(tmp_path: Path, standins: Any, port: int, *, check_interv
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
     args.dora_slime["engine_check_interval_s"] = check_interval_s
     args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
-    fleet = standins.FakeSglangFleet(2, capacity=2, base_port=port)
+    # The fleet's capacity check (at each load) allows the eval's request too, as the requests' own check does.
+    fleet = standins.FakeSglangFleet(2, capacity=args.standin_capacity, base_port=port)
     ds = DoraDataSource(args)
     return args, fleet, ds, install_fleet_session(args, ds, fleet, first_step=0)
 

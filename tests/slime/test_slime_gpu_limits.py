@@ -360,23 +360,50 @@ def test_eval_requests_are_spread_over_the_engines_holding_the_version():
     bases = [SimpleNamespace(sglang_router_ip=f"10.0.0.{i}", sglang_router_port=30000 + i, other=i) for i in range(3)]
     seen: list = []
 
-    async def eval_rollout(args):  # slime's shape: a task per sample reads args when it runs
+    async def one_dataset(args):  # slime's shape: a task per sample reads args when it runs
         async def one(j):
             await asyncio.sleep(0)
             return (j, args.sglang_router_ip, args.sglang_router_port, args.other)
 
         tasks = [asyncio.create_task(one(j)) for j in range(6)]
-        seen.append(("eval", args.sglang_router_port))
         return [await t for t in tasks]
 
-    async def run():
-        import itertools
+    async def eval_rollout(args):  # slime's eval_rollout: the datasets under asyncio.gather
+        seen.append(("eval", args.sglang_router_port))
+        (out,) = await asyncio.gather(one_dataset(args))
+        return out
 
-        task, children = _tracked(asyncio.get_running_loop(), eval_rollout(_spread_args(bases)),
-                                  itertools.cycle(bases).__next__)
+    async def run():
+        children: set = set()
+        task = _tracked(asyncio.get_running_loop(), eval_rollout(_spread_args(bases, children)), children)
         return await task, children
 
     out, children = asyncio.run(run())
     assert [(ip, port) for _, ip, port, _ in out] == [(b.sglang_router_ip, b.sglang_router_port) for b in bases] * 2
     assert {o for *_, o in out} == {0} and seen == [("eval", 30000)]
-    assert len(children) == 6
+    assert len(children) == 7  # the dataset's task and its samples'
+
+
+def test_the_guarded_health_check_kills_an_engine_whose_actor_is_gone(monkeypatch):
+    """slime's `_check_engine_health` turns any failure of a check (a dead actor too) into a
+    kill. The guard reads the engine's URL first (`get_url`, a Ray call): a failure there must
+    end the same way, not escape the check (it would end slime's monitor thread: no more checks
+    for the rest of the job)."""
+    health_monitor = pytest.importorskip("slime.utils.health_monitor", reason="needs a slime checkout (DORA_SLIME_PATH)")
+    from dora_ext.slime.engines import guard_slime_health_monitor
+
+    cls = health_monitor.RolloutHealthMonitor
+    monkeypatch.setattr(cls, "_check_engine_health", cls._check_engine_health)  # restored after the test
+
+    def gone(*a, **kw):
+        raise RuntimeError("the actor died")  # ray.exceptions.RayActorError, or a GetTimeoutError
+
+    actor = SimpleNamespace(get_url=SimpleNamespace(remote=gone), health_generate=SimpleNamespace(remote=gone),
+                            shutdown=SimpleNamespace(remote=gone))
+    monkeypatch.setattr(health_monitor, "ray", SimpleNamespace(get=lambda ref, timeout=None: ref, kill=lambda a: None))
+    group = SimpleNamespace(all_engines=[actor], engines=[actor], nodes_per_engine=1)
+    monitor = cls(group, SimpleNamespace(rollout_health_check_interval=1.0, rollout_health_check_timeout=1.0,
+                                         rollout_health_check_first_wait=0.0))
+    guard_slime_health_monitor()
+    monitor._check_engine_health(0, actor)
+    assert group.all_engines == [None]  # killed, as slime's own check does

@@ -306,6 +306,8 @@ def test_recipe_scale_run_retires_no_healthy_engine(patched_slime, tmp_path, fau
         by_engine[e["port"]].append(e["version"])
     assert all(len(v) == len(set(v)) for v in by_engine.values()), by_engine  # no engine rejoined and reloaded
     assert len(ev.evals) == 3 and all(e["metrics"]["dora/eval_version"] == e["rollout_id"] + 1 for e in ev.evals)
+    if any(e["metrics"]["dora/eval_engines"] > 1 for e in ev.evals):  # slime's own eval_rollout, spread
+        assert len({r["port"] for r in ev.requests if detok(r["input_ids"]) in ev.eval_prompts}) > 1
     ev.trained_groups(1)  # C1, C2 (nothing twice), C3
     assert ev.violations == []
     assert max(len(r["output_ids"]) for r in ev.requests) == 200

@@ -245,7 +245,9 @@ def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp
     """The engine slime's eval is pinned to is restarted at its address under the eval (its
     request answered by the successor with its launch version, the old registration kept): the
     eval used to end slime's job ("saw versions ['default']"); it now runs again on another
-    engine holding the newest version, and the successor joins under a fresh id."""
+    engine holding the newest version, and the successor joins under a fresh id. The successor's
+    load may run while the second eval's request is on top of the scheduler's 2 (the test was
+    flaky: the fleet's check allowed 2): forced here, the fleet is checked at that moment."""
     # no periodic refresh during the run
     args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31700, check_interval_s=600)
     seen = collections.defaultdict(list)
@@ -257,7 +259,12 @@ def test_eval_engine_restarted_at_the_same_address_evaluates_again_elsewhere(tmp
         calls.append(port)
         if len(calls) == 1:
             fleet.restart_engine(port, reregister=False)
-        return await probe_eval(standins, eval_args)
+            return await probe_eval(standins, eval_args)
+        request = asyncio.ensure_future(probe_eval(standins, eval_args))
+        while not request.done() and standins.ENGINES[port].running < 3:
+            await asyncio.sleep(0)
+        fleet.observe()  # what a load on another engine records now
+        return await request
 
     install_eval_rollout(monkeypatch, eval_rollout)
     outs, ev = train_eval_train(args, ds, standins)

@@ -2,8 +2,7 @@
 
 One `Preset` = hardware (`accelerators` G, accelerators per rollout instance), an engine cost
 model, a trainer cost model, a workload and a batch. Every mode of a comparison runs with the
-same preset: a baseline is never given worse constants (issue 3, "All modes share one cost
-model"); modes differ only in what the real `dora_ext.core.Scheduler` decides.
+same preset, so modes differ only in what the real `dora_ext.core.Scheduler` decides.
 
 Where a constant comes from is said next to it. Three kinds of source:
   [paper]  a figure quoted in design.md (DORA, verl docs, Seer, RolloutPipe, ...);
@@ -41,21 +40,16 @@ class EngineCost:
     Moving a running trajectory between instances (R5) costs `context * kv_bytes_per_token /
     migrate_bytes_per_s` seconds during which it does not advance; with `migrate_bytes_per_s = 0`
     the engine cannot move KV and the destination re-prefills the context instead.
-    `resume_reprefill`: after a weight update with preempted trajectories (mode `partial`), the KV
-    cache computed by the old weights is dropped and the context re-prefilled, as AReaL's
-    interruptible generation and verl fully_async's partial rollout do.
+    `resume_reprefill`: after a weight update preempts trajectories (mode `partial`), the old KV
+    is dropped and the context re-prefilled (AReaL, verl fully_async partial rollout).
 
-    MoE expert-load imbalance: an expert-parallel decode iteration waits for its most loaded
-    expert, and which experts a batch loads shifts as its sequences come and go, so instances run
-    at different and changing speeds. With `moe_imbalance = m > 0` every instance's iteration cost
-    is multiplied by `1 + m * |z|` (z standard normal), drawn per instance and per period of
-    `moe_period_s` seconds (keyed by seed, instance and period: every mode sees the same speeds).
-    A balanced load (factor 1) is the best case, so the ideal is unchanged; the mean factor is
-    `1 + 0.8 m`.
+    MoE expert-load imbalance: with `moe_imbalance = m > 0` every instance's iteration cost is
+    multiplied by `1 + m * |z|` (z standard normal), drawn per instance and per `moe_period_s`
+    period, keyed by seed so every mode sees the same speeds. Factor 1 is the best case, so the
+    ideal is unchanged; the mean factor is `1 + 0.8 m`.
 
-    `kv_budget_tokens` (hosts with `kv_memory`, see `hosts.py`): the running sequences' contexts
-    must fit it; when the next iteration would not, the newest sequence is preempted and later
-    recomputed (re-prefilled) from its context, as vLLM does by default.
+    `kv_budget_tokens` (hosts with `kv_memory`): the running contexts must fit it; otherwise the
+    newest sequence is preempted and later re-prefilled, as vLLM does by default.
     """
 
     decode_a_s: float
@@ -85,14 +79,11 @@ class TrainerCost:
     """Cost model of the trainer (FSDP/Megatron), work expressed in accelerator-seconds.
 
     A trained token (prompt + response, forward + backward + log-prob recomputation) costs
-    `train_acc_s_per_token`; the optimizer step costs `optimizer_acc_s` per step whatever the
-    batch. Both divide by the trainer's accelerator count (perfect data-parallel scaling, which
-    favours no mode: every mode trains the same tokens). Publishing a version (gathering and
-    broadcasting the weights) takes `broadcast_s` of trainer time.
+    `train_acc_s_per_token`; the optimizer step costs `optimizer_acc_s` per step. Both divide by
+    the trainer's accelerator count (perfect scaling favours no mode). Publishing a version takes
+    `broadcast_s` of trainer time. Elastic colocation: joining the trainer costs `join_s`, leaving
+    it `leave_s` (then the rollout weights load, `weight_load_s`).
 
-    Elastic colocation (`DoraConfig.elastic`): an accelerator joining the trainer spends `join_s`
-    loading its optimizer-state shard and rebuilding the data-parallel group; one leaving it
-    spends `leave_s` offloading its shard, then loads the rollout weights (`weight_load_s`).
     """
 
     train_acc_s_per_token: float

@@ -11,11 +11,9 @@ budget (`--max-staleness`, default 2) it optimises the rollout:trainer split on 
 and prints the choice with the highest efficiency that keeps C1-C3, the runner-up, and what each
 costs. `--elastic` also evaluates elastic colocation (accelerators lent between the roles).
 
-`--host` (default `ideal`, the cost model of the presets alone) charges what a host's
-implementation pays: its weight path (on the trainer and per instance load), migrations that
-re-prefill where the engine cannot move KV, and a KV-token budget with recompute preemption
-(see dora_ext/sim/hosts.py and docs/simulator.md). Every host but `ideal` adds
-`trainer_weight_sync_s_per_step`, `reprefilled_tokens` and `preemptions` to the output.
+`--host` (default `ideal`, the presets' cost model alone) charges what a host's implementation
+pays (see dora_ext/sim/hosts.py and docs/simulator.md).
+
 
 Imports no torch: the simulator is pure Python; matplotlib is imported only for `--plot`.
 """

@@ -144,7 +144,6 @@ def truncated_is_weights(
     Re-weights tokens sampled from pi_behav to PPO's expectation under pi_old; truncating at C
     bounds the variance at a small bias (Espeholt et al. 2018; Yao et al. 2025).
 
-
     Metrics: `is_weight_mean`, `is_truncated_frac` (share of tokens with ratio > C).
     """
     if cap <= 0:
@@ -294,7 +293,6 @@ def sao_policy_loss(
 
     Unlike PPO's one-sided clip, every token whose ratio against pi_rollout leaves the band is
     zeroed whatever the sign of A, so staleness itself pushes tokens out of the band.
-
 
     Metrics: `pg_loss`, `masked_frac` (share of real tokens zeroed), `ratio_mean`.
     """

@@ -14,7 +14,6 @@ costs. `--elastic` also evaluates elastic colocation (accelerators lent between 
 `--host` (default `ideal`, the presets' cost model alone) charges what a host's implementation
 pays (see dora_ext/sim/hosts.py and docs/simulator.md).
 
-
 Imports no torch: the simulator is pure Python; matplotlib is imported only for `--plot`.
 """
 

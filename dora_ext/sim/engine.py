@@ -18,7 +18,6 @@ KV memory (`kv`, a host's KV-token budget; 0 = unbounded): the iteration at whic
 longer fits is closed-form too, an event like a finish. There the newest sequence is preempted
 and waits at the head of `waiting`; waiting sequences join first come first served when they fit
 under a 1% watermark, re-prefilling (vLLM's recompute preemption).
-
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ spends it. Four profiles (`HOSTS`), selectable per run (`simulate(..., host=...)
 - `embedded`: `dora_ext.runtime`: the semantics of `ideal` (the trainer packs the weights, each
   engine copies them in, migrations move KV); its JSON also reports the costs below.
 
-
 Every profile but `ideal` adds `trainer_weight_sync_s_per_step`, `reprefilled_tokens` (from
 migrations), `preemptions` (KV budget) and `host` to the JSON.
 """

@@ -74,7 +74,6 @@ def latency_floor(preset: Preset, max_staleness: int, seed: int = 0, records: An
     `(longest lone latency + optimizer + broadcast) / (K + 1)`. `ideal_step_s` is the step time at
     `ideal_throughput`; `efficiency_cap` = `min(1, ideal / floor)`. An estimate for reading
     results, not a metric of a run.
-
     """
     from .runner import ideal_step_work
 

@@ -83,7 +83,6 @@ class TrainerCost:
     the trainer's accelerator count (perfect scaling favours no mode). Publishing a version takes
     `broadcast_s` of trainer time. Elastic colocation: joining the trainer costs `join_s`, leaving
     it `leave_s` (then the rollout weights load, `weight_load_s`).
-
     """
 
     train_acc_s_per_token: float

@@ -326,8 +326,7 @@ class Trainer:
             groups.append({"params": self.value_params, "lr": c.value_lr or c.lr})
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
         self.device = self.policy_params[0].device
-        # Wall seconds spent computing (forwards, backwards) and in collectives (data parallel), since
-        # construction: what a host needs to share a batch between ranks by their speed.
+        # Wall seconds computing and in collectives since construction (to share a batch by speed).
         self.compute_s = 0.0
         self.comm_s = 0.0
         self.ref_policy: nn.Module | None = None
@@ -572,8 +571,7 @@ class Trainer:
         items = self._stored
         if self._batch_groups is not None:
             # Data parallel with positions: minibatch i is the groups at positions bounds[i] ..
-            # bounds[i+1] - 1 of the whole batch, wherever they were trained: the single trainer's
-            # chunks of its arrival order, however the groups were shared between ranks.
+            # bounds[i+1] - 1 of the whole batch, the single trainer's i-th chunk.
             n = self._batch_groups
             m = min(c.ppo_minibatches, n)
             bounds = minibatch_bounds(n, m)
@@ -828,9 +826,8 @@ class Trainer:
 
     def _sao_keep(self, logp: Tensor, batch: _Batch) -> Tensor:
         """SAO's keep-mask of this forward's tokens (pi_theta / pi_rollout inside the band). The
-        entropy bonus acts on these tokens only: on a token the mask drops it would be the only
-        force, pushing the policy towards uniform where nothing pulls it back (a review's diagnosis
-        of SAO's collapse at lr 1e-3, where a stale batch's tokens leave the band)."""
+        entropy bonus acts on these tokens only: on a dropped token it would be the only force,
+        pushing the policy towards uniform."""
         c = self.config
         ratio = torch.exp((logp.detach() - batch.rollout_logp).clamp(max=20.0))
         return double_side_mask(ratio, batch.mask, c.sao_eps_low, c.sao_eps_high)

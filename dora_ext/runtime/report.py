@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .runtime import RunResult
 
-#: per-mode keys of `compare --json`: issue 4's, and the mean trained staleness (issue 25)
+#: per-mode keys of `compare --json`
 JSON_KEYS = ("throughput_tokens_per_s", "speedup_vs_sync", "final_reward_mean", "final_reward_std",
              "staleness_max", "staleness_mean", "c1_ok", "c2_ok", "c3_ok")
 

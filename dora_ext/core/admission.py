@@ -9,12 +9,10 @@ newest version, a step that just finished asks for the next batch only once its 
 published, not one version earlier.
 
 - `ahead`: `look = B`, one batch beyond the step being formed.
-- `adaptive`: starts at R2's `K * B` (it admits no less than `fill` before it has seen a
-  surplus); each time a step finishes and batch formation has run, it grows `look` by the groups
-  missing from the next step if that one cannot start (the trainer waits for them), or, if it
-  started and the step before it had started at once too, shrinks it by half the surplus (the
-  completed groups left in the pool wait a step), within [B, K * B]. Newer groups that completed
-  while the trainer waited for an older straggler are no surplus: the rollout is the bottleneck.
+- `adaptive`: starts at R2's `K * B`; after each step it grows `look` by the groups missing from
+  the next step if that one cannot start, or, if it and the step before started at once, shrinks
+  it by half the surplus left in the pool, within [B, K * B]. Groups that completed while the
+  trainer waited for an older straggler are no surplus (the rollout is the bottleneck).
 
 Sans-I/O like the scheduler: the scheduler feeds it its counters (`limit`, `step_finished`,
 `step_formed`).

@@ -132,11 +132,9 @@ def optimise_split(
 ) -> SplitSearch:
     """The integer split with the highest throughput for `mode` (see the module docstring).
 
-    `start` (rollout instances) seeds the search, e.g. the best split of a neighbouring K; by
-    default the balance point of the workload. A cluster with at most `exhaustive` possible
-    rollout instance counts is scanned whole (exact). A colocated mode (`sync` on a colocated
-    preset) has no split: it runs once. `cache` (a dict the caller keeps) reuses runs with the
-    same preset, mode, steps, seed, K and config across calls.
+    `start` (rollout instances) seeds the search (default: the workload's balance point). A
+    cluster with at most `exhaustive` rollout instance counts is scanned whole (exact). A
+    colocated mode has no split: it runs once. `cache` (a caller's dict) reuses identical runs.
     """
     run_one = runner or simulate
     tp, g = preset.engine.accelerators, preset.accelerators
@@ -355,11 +353,9 @@ def recommend(
     """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`;
     within `EFFICIENCY_TIE` of it, the one with the lowest mean trained staleness.
 
-    Every candidate's split is optimised (`optimise_split`) on full-length runs; a candidate's
-    search starts from the best split of the previous K of the same mode. With `elastic`, the
-    modes of `ELASTIC_MODES` are also evaluated with elastic colocation. `exhaustive`: clusters
-    with at most that many rollout instance counts have every split scanned (exact even where the
-    throughput is not unimodal in the split; see `optimise_split`).
+    Every candidate's split is optimised (`optimise_split`), starting from the best split of the
+    previous K of the same mode. With `elastic`, `ELASTIC_MODES` are also evaluated elastic.
+    `exhaustive`: as in `optimise_split`.
     """
     cands: list[Candidate] = []
     hint: dict[tuple[str, bool], int] = dict(start or {})

@@ -27,11 +27,9 @@ class _Migration:
     def _maybe_consolidate(self, v: int) -> None:
         """R5: when an old version's running work is spread thin, move it onto fewer instances.
 
-        Called on every release of an old-version trajectory, so every test before the plan is
-        O(1): the version must not gate the step being formed, its running work must fill at
-        most `migrate_threshold` of its slots, it must run on more instances than the work needs
-        when each is filled to `migrate_threshold` (the occupancy levels `_levels` count holders),
-        and the newest version must be able to use the freed instances.
+        Called on every old-version release, so every test before the plan is O(1): the version
+        does not gate the step being formed, fills at most `migrate_threshold` of its slots on
+        more instances than that needs (`_levels`), and the newest version can use the freed ones.
         """
         if self._queued.get(v, 0) > 0 or v + self.K <= self.step:
             # A version the step being formed must take gates the trainer: its stragglers keep
@@ -220,9 +218,8 @@ class _Migration:
         version `v`'s running trajectories: from the most loaded holders, only what they run
         above the even share, never a trajectory that moved and has not landed.
 
-        The even share counts `inst` and the instances already loading `v` to spread; those
-        come first: each will take up to `room` of the same candidates, so `inst` gets the
-        candidates after theirs (none when they take them all, and then it does not load)."""
+        The even share counts `inst` and the instances already loading `v` to spread; those come
+        first, so `inst` gets the candidates after theirs (maybe none: then it does not load)."""
         nh = self._holders.get(v, 0)
         if nh == 0:
             return []

@@ -163,11 +163,9 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
     def handle_many(self, events: Iterable[Any]) -> list:
         """Feed events in order; returns the actions for all of them.
 
-        Equivalent to calling `handle` on each event, except that admission, batch formation
-        and idle-instance planning run once at the end instead of after every event (so, e.g.,
-        one `RequestGroups` may ask for what several calls would have asked for one by one). A
-        batch that fails instances may return actions for them decided before their failure
-        (void: their trajectories were re-queued); hosts drop those with `actions.without_failed`.
+        Like `handle` on each event, except that admission, batch formation and idle-instance
+        planning run once at the end. A batch that fails instances may return actions for them
+        decided before their failure (void); hosts drop those with `actions.without_failed`.
         """
         return self._run(self._handle_each, events)
 

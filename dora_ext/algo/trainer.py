@@ -345,10 +345,8 @@ class Trainer:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def _merge_ranks(self) -> None:
-        """Data parallel (torch.distributed initialised by the host, e.g. gloo on CPU): every rank
-        streamed its own share of the batch; after this every rank holds the whole batch's
-        bookkeeping (divisors, metric sums), so the step below is the same on every rank. The
-        gradients are summed over ranks in `_apply`."""
+        """Data parallel: every rank streamed its own share; after this every rank holds the whole
+        batch's bookkeeping, so the step is the same on every rank (gradients summed in `_apply`)."""
         import torch.distributed as dist
 
         mine = (self._groups, self._units_total, self._tokens, self._rewards, self._staleness, self._sums,
@@ -377,9 +375,8 @@ class Trainer:
     def _allreduce(self, units: float) -> float:
         """Sum the gradients (and the divisor) over data-parallel ranks; returns the total divisor.
 
-        A parameter that has no gradient on any rank (the policy during SAO's critic warm-up, a
-        module the loss never reached) keeps none, as on a single trainer: AdamW then skips it
-        (no weight decay, no step count), where a summed zero gradient would move it."""
+        A parameter with no gradient on any rank keeps none, as on a single trainer, so AdamW
+        skips it (a summed zero gradient would move it by weight decay)."""
         import torch.distributed as dist
 
         params = self.policy_params + self.value_params
@@ -412,10 +409,9 @@ class Trainer:
     def add_group(self, group: Any, position: int | None = None) -> dict[str, float]:
         """Forward and backward one complete group now; gradients accumulate until `finish_step`.
 
-        `position`: data parallel, the group's place in the whole batch's order (0, 1, ... over
-        every rank), which decides its PPO minibatch as the single trainer's arrival order does
-        (see `_inner_loop`); every group of a step gives one, or none does. Returns the group's
-        own metrics (its per-token means), for logging.
+        `position`: data parallel, the group's place in the whole batch (0, 1, ... over every
+        rank), which decides its PPO minibatch (`_inner_loop`); every group of a step gives one, or
+        none does. Returns the group's own metrics (per-token means).
         """
         t_start = time.perf_counter()
         if position is not None and (isinstance(position, bool) or not isinstance(position, int) or position < 0):
@@ -645,9 +641,8 @@ class Trainer:
     def batch_loss(self, groups: Iterable[Any]) -> tuple[Tensor, dict[str, float]]:
         """The whole batch at once: one padded forward, the losses' own batch means.
 
-        It does not touch the accumulated gradients or the optimizer; call `.backward()` on the
-        loss yourself. It is the reference the streaming path is tested against, and serves a host
-        that only ever sees whole batches.
+        It does not touch the accumulated gradients or the optimizer; call `.backward()` yourself.
+        The reference the streaming path is tested against.
         """
         all_traj: list[Trajectory] = []
         adv_parts = []

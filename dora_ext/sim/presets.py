@@ -144,15 +144,13 @@ DAPO_28K = Preset(
         kv_budget_tokens=55_000_000_000 // _KV7,  # [hw] 80 GB - 15 GB weights - ~10 GB activations = 55 GB / 57 KB: 959K tokens
     ),
     trainer=TrainerCost(
-        # [calib] sync rollout share ~70% of the step (verl docs, DAPO-32B; issue 3). The [hw]
-        # estimate, 12*7.6e9 FLOP/token at 35% MFU = 2.6e-4, is lower: attention over 28K
-        # contexts and FSDP communication are not in it; calibration puts the rest on the trainer.
+        # [calib] sync rollout share ~70% of the step (verl docs, DAPO-32B); above the [hw]
+        # estimate (2.6e-4 at 35% MFU), which leaves out attention over 28K contexts and FSDP comms.
         train_acc_s_per_token=5.8e-4,
         optimizer_acc_s=128.0,  # [hw] ~1 s FSDP AdamW step at 128 accelerators
         broadcast_s=2.0,  # [hw] gather + NCCL broadcast of 15 GB
-        # [hw] fp32 AdamW state + master weights, 16 B/param = 122 GB, resharded over the new
-        # data-parallel group at ~5 GB/s per accelerator (~1.5 GB each) plus a communicator
-        # rebuild of a few seconds; leaving offloads the shard the same way
+        # [hw] 16 B/param of AdamW state resharded at ~5 GB/s per accelerator plus a communicator
+        # rebuild; leaving offloads the shard the same way
         join_s=5.0,
         leave_s=5.0,
     ),
@@ -346,18 +344,15 @@ MOE_IMBALANCE = Preset(
 )
 
 # --------------------------------------------------------------------------- cpu-main-job
-# The README's main job (recipes/cpu/long-tail.yaml) in the simulator: a tiny transformer on 2 CPU
-# cores, 2 instances sharing the rollout core (here each its own accelerator at half the core's
-# speed), the trainer on the other. There the trainer is the bottleneck: dora's trainer waits ~6%,
-# its rollout slots sit ~71% idle (issue 25), which is what this preset is calibrated to.
+# The README's main job (recipes/cpu/long-tail.yaml): a tiny transformer on 2 CPU cores, 2
+# instances on the rollout core (here each its own accelerator at half speed), the trainer on the
+# other. Trainer-bound: calibrated to dora's rollout slots sitting ~71% idle.
 CPU_MAIN_JOB = Preset(
     name="cpu-main-job",
     summary="The CPU main job (tiny model, long-tail counting task, 2 instances x 64 + 1 trainer core): trainer-bound",
     accelerators=3,
     engine=EngineCost(
-        # [calib] benchmarks/decode_cost.py measured 0.52 ms per decode step at 1 sequence and 1.25 ms
-        # at 64 on a whole core; with the instances and the coordinator sharing the core, set so
-        # that dora K=2 with `fill` admission leaves ~71% of the slots idle
+        # [calib] set so that dora K=2 with `fill` admission leaves ~71% of the slots idle
         decode_a_s=0.7e-3,
         decode_b_s=1.6e-5,
         decode_c_s=0.0,  # [hw] a 2-layer d_model=64 model: KV reads are negligible
@@ -369,9 +364,7 @@ CPU_MAIN_JOB = Preset(
         accelerators=1,
     ),
     trainer=TrainerCost(
-        # [calib] ~90 ms of trainer CPU per step of ~3,000 tokens (the recipe's measurements); the
-        # real job's ~6% trainer wait is jitter of a shared machine, which this model has not: here
-        # dora K=2 with `fill` never waits
+        # [calib] ~90 ms of trainer CPU per step of ~3,000 tokens (the recipe's measurements)
         train_acc_s_per_token=3.2e-5,
         optimizer_acc_s=0.004,  # [paper] two AdamW steps ~4 ms (the recipe)
         broadcast_s=0.001,  # [paper] publishing and packing the weights ~1 ms (the recipe)
@@ -400,11 +393,9 @@ CPU_MAIN_JOB = Preset(
 )
 
 # --------------------------------------------------------------------------- cpu-long-tail
-# The embedded runtime's main job (recipes/cpu/long-tail.yaml) on a 2-core machine: the tiny model
-# (d_model 64, 2 layers, fp32), 2 instances of 64 sequences, batch 8 x 16. [meas] constants come
-# from one run of benchmarks/sim_vs_runtime.py on the shared 2-core development machine (load
-# average ~10: times several-fold the recipe's unloaded ones); the benchmark re-measures them
-# (`calibrate` there) before it compares, so this preset is the shape, the benchmark the numbers.
+# The embedded runtime's main job (recipes/cpu/long-tail.yaml) on 2 cores: the tiny model (d_model
+# 64, 2 layers, fp32), 2 instances of 64 sequences, batch 8 x 16. [meas] constants come from
+# benchmarks/sim_vs_runtime.py, which re-measures them (`calibrate`) before it compares.
 _KVT = 2 * 64 * 2 * 4  # 2 layers x d_model 64 x (K, V) x fp32
 
 CPU_LONG_TAIL = Preset(

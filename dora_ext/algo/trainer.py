@@ -83,8 +83,7 @@ class TrainerConfig:
     """Trainer settings (plain values, nanoGPT style). Invalid values raise `ConfigError`.
 
     algorithm: "grpo" (group-normalised advantages, PPO clip) or "sao" (single rollout with a
-      value head, GAE, double-side mask). SAO is meant for n = 1 but accepts any n, since each
-      trajectory is its own baseline problem.
+      value head, GAE, double-side mask; any n is accepted).
     lr, value_lr (default lr), weight_decay, betas: AdamW; policy and value head get one group each.
     grad_clip: max global L2 norm, applied separately to the policy and the value head; None = off.
     clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high] (clip_high None = clip_low).
@@ -96,8 +95,7 @@ class TrainerConfig:
     ppo_epochs, ppo_minibatches: optimizer steps per batch = epochs x minibatches (consecutive
       chunks of groups; data parallel, by the positions given to `add_group`, else per rank).
     kl_coef: weight of the k3 KL penalty to the initial policy (0 = no reference model).
-    critic_warmup: SAO: the first steps train only the value head (the policy is published
-      unchanged), so that the fresh critic's advantages are not noise when the policy starts moving.
+    critic_warmup: SAO: the first steps train only the value head (the policy is published unchanged).
     sao_eps_low, sao_eps_high: SAO's band [1 - eps_low, 1 + eps_high] on pi_theta / pi_rollout.
     gamma, lam: GAE. value_coef: weight of the value loss. value_clip: value clip range (None = off).
     entropy_coef: entropy bonus (0 = only reported); under SAO's mask only on the tokens it keeps.

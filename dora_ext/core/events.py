@@ -149,9 +149,8 @@ class MigrationLanded:
 class TrainerIdle:
     """The trainer has processed everything delivered to it and waits for groups.
 
-    Only elastic colocation uses it: the scheduler gives trainer accelerators to the rollout
-    (`SwitchToRollout`) only after this report, and forgets it at the next `DeliverGroup` or
-    `StartStep`. A runtime that never sends it never has accelerators taken from its trainer.
+    Only elastic colocation uses it: `SwitchToRollout` comes only after this report, forgotten at
+    the next `DeliverGroup` or `StartStep`. Without it no accelerators leave the trainer.
     """
 
 

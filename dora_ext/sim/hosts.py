@@ -4,9 +4,8 @@ A preset's constants describe the hardware; a host profile says how the host's i
 spends it. Four profiles (`HOSTS`), selectable per run (`simulate(..., host=...)`,
 `dora-ext simulate --host NAME[:field=value,...]`):
 
-- `ideal` (the default, today's model): the trainer pays the preset's `broadcast_s` per version,
-  each load costs its instance `weight_load_s`, a migration moves the KV cache at the preset's
-  `migrate_bytes_per_s`, and capacity is a sequence count.
+- `ideal` (the default): the preset's `broadcast_s` per version on the trainer, `weight_load_s`
+  per load, KV moved at `migrate_bytes_per_s`, capacity a sequence count.
 - `verl`: the verl adapter's rollout-side weight store: one trainer->store transfer per version
   (`publish_*`), then every replica load reads the store without the trainer (`load_*`). A
   migration re-prefills on the destination (vLLM/SGLang cannot move KV); KV memory is the
@@ -14,8 +13,7 @@ spends it. Four profiles (`HOSTS`), selectable per run (`simulate(..., host=...)
 - `verl-gather`: verl's older path: every subset load is an FSDP gather + broadcast on the
   trainer thread (`load_on_trainer`): the trainer is blocked for each instance load.
 - `slime`: slime's dora twin: a full HF checkpoint written per version on the trainer's critical
-  path (`publish_bytes_per_s`: the disk's write rate, a parameter), then each engine reloads it
-  from disk; migration and KV memory as in verl.
+  path (`publish_bytes_per_s`), reloaded from disk by each engine; migration and KV as in verl.
 - `embedded`: `dora_ext.runtime`: the semantics of `ideal` (the trainer packs the weights, each
   engine copies them in, migrations move KV); its JSON also reports the costs below.
 

@@ -708,7 +708,6 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                 f"last failure: {reason}"
             )
 
-    # ------------------------------------------------------------------ instance planning (R4, R5)
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
         left = self._adm.limit(self.newest) - self._admitted - self._outstanding
@@ -892,7 +891,6 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                 if inst is not None and not inst.nrun and inst.loading is None:
                     self._plan_instance(inst)
 
-    # ------------------------------------------------------------------ snapshot / restore
     # ------------------------------------------------------------------ pump
     def _finish(self) -> list:
         if self._orphaned:
@@ -908,5 +906,3 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         if self._halted is not None:
             raise self._storm(out)
         return out
-
-    # ------------------------------------------------------------------ elastic colocation

@@ -4,13 +4,9 @@ One `Preset` = hardware (`accelerators` G, accelerators per rollout instance), a
 model, a trainer cost model, a workload and a batch. Every mode of a comparison runs with the
 same preset, so modes differ only in what the real `dora_ext.core.Scheduler` decides.
 
-Where a constant comes from is said next to it. Three kinds of source:
-  [paper]  a figure quoted in design.md (DORA, verl docs, Seer, RolloutPipe, ...);
-  [hw]     derived from public hardware/model sizes (H100-class: 989 TFLOP/s dense bf16,
-           3.35 TB/s HBM, 80 GB; the model's parameter count and KV layout), with the assumed
-           utilisation stated;
-  [calib]  chosen so that a simulated figure matches a [paper] figure; `calibration()` measures
-           it again and the tests check it still holds.
+Where a constant comes from is said next to it: [paper] a figure quoted in design.md; [hw]
+derived from public hardware/model sizes (H100-class) at a stated utilisation; [calib] chosen so
+that a simulated figure matches a [paper] one (`calibration()` measures it, the tests check it).
 
 A trained token costs 12*N FLOP for an N-parameter model: 2N for the old-policy log-probs, 2N for
 the reference log-probs, 8N for forward + backward with activation recomputation.
@@ -262,9 +258,8 @@ AGENTIC_LONG_TAIL = Preset(
         leave_s=10.0,
     ),
     workload=Workload(
-        # Multi-turn episodes: the summed generation over turns has a heavier tail than one
-        # reasoning answer; p99 ~ 20x the median (Seer: the last 10% of requests take up to
-        # 50% of rollout time) and long accumulated contexts (tool outputs) as the prompt.
+        # Multi-turn episodes: a heavier tail than one answer (p99 ~ 20x the median, Seer) and
+        # long accumulated contexts (tool outputs) as the prompt.
         response_median=4000.0,
         response_cv=2.0,
         response_cap=65536,
@@ -307,15 +302,13 @@ MOE_IMBALANCE = Preset(
         accelerators=2,
         weight_bytes=2 * _P30,
         kv_budget_tokens=100_000_000_000 // _KV30,  # [hw] 2 x 80 GB - 61 GB weights - activations = ~100 GB / 98 KB: 1.02M tokens
-        # [assumed] expert-load skew: DORA reports long tails are worse with MoE; an EP iteration
-        # waits for the most loaded expert. Factor 1 + 0.3 |z| (mean 1.24, 1.6 at 2 sigma),
-        # redrawn every 30 s per instance.
+        # [assumed] expert-load skew (an EP iteration waits for the most loaded expert): factor
+        # 1 + 0.3 |z| (mean 1.24), redrawn every 30 s per instance.
         moe_imbalance=0.3,
         moe_period_s=30.0,
     ),
     trainer=TrainerCost(
-        # [hw] 12 * active parameters FLOP per token at 20% MFU (MoE training: all-to-all and
-        # grouped GEMMs run well below dense MFU)
+        # [hw] 12 * active parameters FLOP per token at 20% MFU (all-to-all, grouped GEMMs)
         train_acc_s_per_token=12 * _A3 / (0.2 * _FLOPS),
         optimizer_acc_s=32.0,  # [hw] ~1 s AdamW over 30.5e9 parameters sharded over 32 accelerators
         broadcast_s=8.0,  # [hw] 61 GB gather + broadcast

@@ -15,13 +15,7 @@ from torch import Tensor
 
 from dora_ext.algo.losses import agg_loss
 
-__all__ = [
-    "grpo_advantages",
-    "token_rewards",
-    "gae",
-    "masked_whiten",
-    "value_loss",
-]
+__all__ = ["grpo_advantages", "token_rewards", "gae", "masked_whiten", "value_loss"]
 
 
 def grpo_advantages(rewards: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:

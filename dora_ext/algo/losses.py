@@ -22,20 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = [
-    "LOSS_AGG_MODES",
-    "masked_mean",
-    "agg_loss",
-    "ppo_policy_loss",
-    "truncated_is_weights",
-    "tis_ppo_loss",
-    "decoupled_ppo_loss",
-    "truncated_is_pg_loss",
-    "double_side_mask",
-    "sao_policy_loss",
-    "entropy_from_logits",
-    "kl_penalty",
-]
+__all__ = ["LOSS_AGG_MODES", "masked_mean", "agg_loss", "ppo_policy_loss", "truncated_is_weights",
+           "tis_ppo_loss", "decoupled_ppo_loss", "truncated_is_pg_loss", "double_side_mask",
+           "sao_policy_loss", "entropy_from_logits", "kl_penalty"]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 

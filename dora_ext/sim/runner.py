@@ -1,14 +1,11 @@
 """The discrete-event executor: runs the real `dora_ext.core.Scheduler` on a virtual clock.
 
-The simulator never decides anything a mode decides. It feeds the scheduler events, executes the
-actions it returns with the cost models of `presets.py`, and turns their costs into future events
-on one heap (next finish of an instance, a weight load done, a migration landed, a trainer work
-item done). What it measures is therefore the scheduling code users run.
+The simulator decides nothing a mode decides: it feeds the scheduler events, executes the actions
+it returns with the cost models of `presets.py`, and turns their costs into future events on one
+heap, so what it measures is the scheduling code users run.
 
-It also checks the scheduler from the outside: an action that the hardware could not execute
-(a dispatch beyond capacity or onto an instance holding another version, a load over running
-work outside `partial`, trainer and rollout on colocated accelerators at once) raises `SimError`,
-a run that stops making progress raises `SimDeadlock`, and C1-C3 are measured from what the
+It also checks the scheduler from the outside: an action the hardware could not execute raises
+`SimError`, a run that stops making progress `SimDeadlock`, and C1-C3 are measured from what the
 simulator itself executed (`sim_checks`), independently of the scheduler's own counters.
 """
 

@@ -67,8 +67,7 @@ class Workload:
 class GroupDraw:
     """The lengths of one admitted group: its prompt and each trajectory's response.
 
-    `truncated`: how many of its responses were cut at the response cap (a drawn length above
-    the cap, or a replayed length at or above it; a replayed one above it is cut to it too).
+    `truncated`: how many of its responses were cut at the response cap.
     """
 
     prompt_tokens: int

@@ -71,9 +71,8 @@ class _Fleet:
 
     def _stale_instance(self, iid: int) -> bool:
         """A late event from an instance declared failed: counted and ignored. An id at or below
-        the largest ever registered (`_id_max`) that is neither registered now nor on the
-        trainer's side has failed: every host gives a restarted engine a fresh, larger id, so
-        failed ids need not be remembered one by one."""
+        `_id_max` neither registered now nor on the trainer's side has failed (hosts give a
+        restarted engine a fresh, larger id)."""
         if iid in self.instances or not isinstance(iid, numbers.Integral) or iid > self._id_max:
             return False
         if iid in self._trainer_side or iid in self._to_trainer or iid in self._to_rollout:
@@ -167,11 +166,9 @@ class _Fleet:
         self._r5_stuck.pop(b, None)
 
     def _pick(self, b: int, lv: dict, work: int, share_of: int) -> _Instance | None:
-        """The instance of bucket `b` that takes the next trajectory: the least loaded one (the
-        first to arrive at that level), unless it is full or at its fair share of the bucket's
-        work (`work` running + queued, shared in proportion to capacity, counting instances still
-        loading the version: otherwise the first instance to finish loading would take a whole
-        batch and leave the others idle)."""
+        """The instance of bucket `b` that takes the next trajectory: the least loaded (first to
+        arrive at its level), unless full or at its fair share of `work` (by capacity, counting
+        instances still loading, so the first one loaded does not take a whole batch)."""
         lo = self._low_level[b]
         while lo not in lv:
             lo += 1

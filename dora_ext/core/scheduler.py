@@ -320,8 +320,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                 elif (vs := tvm[h])[-1] != v:
                     vs.append(v)
             if v < self.newest:
-                # A newer version was published while this one loaded: load it too (the
-                # instance stays in the loading state throughout).
+                # A newer version was published while this one loaded: load it too.
                 self._start_load(inst, self.newest, preempt=True)
                 return
         inst.loading = None
@@ -416,8 +415,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
         self._n_active += 1
         self._form_dirty = True
-        # `_enqueue(g, n)` and `_bucket`, inlined (once per admitted group): a fresh group has all
-        # its trajectories pending, so it joins its version's queue
+        # `_enqueue(g, n)` and `_bucket`, inlined: a fresh group joins its version's queue
         n = self.n
         b = v if self._pinned else _ANY
         self._queued[b] = self._queued.get(b, 0) + n

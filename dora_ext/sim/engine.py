@@ -159,8 +159,7 @@ class SimInstance:
         self._join(key, remaining, context, t, prefill_tokens)
 
     def _fits(self, context: float) -> bool:
-        # vLLM's watermark: a sequence joins only if 1% of the budget stays free after it, so
-        # that a preempted one is not taken straight back in (thrash)
+        # vLLM's watermark: join only if 1% of the budget stays free (no preemption thrash)
         r = self.r
         return not r or self.S + r * self.it + context + r + 1 <= 0.99 * self.kv
 

@@ -51,9 +51,8 @@ class SwitchedToTrainer:
 class GroupAdmitted:
     """The runtime bound a prompt to a new group (answer to `RequestGroups`).
 
-    `meta` is optional JSON data, usually a mapping (e.g. prompt length), handed to admission
-    hooks; it must come back unchanged from a JSON round trip (the snapshot is JSON data: lists,
-    str keys, finite floats), else it is a `ProtocolError` naming `GroupAdmitted.meta`.
+    `meta` is optional JSON data (e.g. prompt length) handed to admission hooks; it must survive
+    a JSON round trip unchanged, else it is a `ProtocolError` naming `GroupAdmitted.meta`.
     """
 
     group_id: GroupId

@@ -74,10 +74,8 @@ class _Groups(Mapping):
 
 
 class TrajectoryView:
-    """A read-only view of one live trajectory's state (`Scheduler.trajectory`), for tests and
-    debugging; it reads the scheduler's arrays when accessed. Once its group leaves the
-    scheduler (and its slot may hold another group's trajectories), reading it raises
-    `LookupError` naming the trajectory."""
+    """A read-only view of one live trajectory (`Scheduler.trajectory`), for tests and debugging.
+    Once its group leaves the scheduler, reading it raises `LookupError` naming the trajectory."""
 
     __slots__ = ("_s", "_h", "_q", "_gid")
 

@@ -148,9 +148,8 @@ class SimInstance:
     def add(self, key: Hashable, remaining: float, context: float, t: float, prefill_tokens: float) -> None:
         """A sequence joins at time `t` with `remaining` tokens to go and `context` tokens of KV.
 
-        `prefill_tokens` of prefill stall decoding first (the prompt for a new trajectory, the
-        whole context for a re-prefill, 0 when the KV arrived by migration). With a KV budget, a
-        sequence that does not fit waits (behind any earlier waiting one)."""
+        `prefill_tokens` of prefill stall decoding first (0 when the KV arrived by migration).
+        With a KV budget, a sequence that does not fit waits behind any earlier waiting one."""
         self.advance(t)
         if self.kv and (self.waiting or not self._fits(context)):
             self.waiting.append((key, remaining, context, prefill_tokens, False))

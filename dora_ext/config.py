@@ -2,11 +2,9 @@
 
 `DoraConfig` is built from a dict (`from_dict`), a YAML file (`from_yaml`), CLI-style overrides
 (`with_overrides(["max_staleness=2"])`) or directly (`DoraConfig(mode="dora", max_staleness=2)`,
-`dataclasses.replace`): the constructor checks every field, so each of these paths runs the same
-checks. Every invalid value raises `ConfigError`, whose message
-names the field and says what is accepted, so that a typo in a recipe fails before any GPU time is
-spent. Integer fields take an `int` and nothing else: a float (even 2.0), a bool or a numeric
-string is refused, never converted.
+`dataclasses.replace`); the constructor checks every field. An invalid value raises `ConfigError`
+naming the field and what is accepted, so a typo fails before any GPU time is spent. Integer
+fields take an `int` only: a float (even 2.0), a bool or a numeric string is refused.
 """
 
 from __future__ import annotations
@@ -18,9 +16,7 @@ from typing import Any, Mapping, Sequence
 MODES = ("sync", "one_step_off", "partial", "pipeline", "dora")
 
 #: Modes that take `elastic` colocation: pinned versions with a streamed trainer, where single
-#: instances drain and can change role one at a time. (`sync` time-shares every accelerator when
-#: colocated; `one_step_off` admits a batch for the whole fleet at once; `partial` preempts
-#: instead of draining. The option is not implemented for them.)
+#: instances drain and can change role one at a time.
 ELASTIC_MODES = ("pipeline", "dora")
 
 #: The staleness bound each mode takes when `max_staleness` is not given.
@@ -65,33 +61,27 @@ class DoraConfig:
         instances, or a list of `{"capacity": c}` mappings (each may give its `"id"`; default its
         position in the list).
       capacity (`from_dict` only): sequences an instance runs at once when `instances` is a number.
-      max_retries: how often a failed trajectory is re-dispatched before its group is reported
-        failed.
-      max_steps: optional cap on trainer steps; admission stops at `max_steps * batch_size`
-        groups so that every admitted group is trained.
+      max_retries: how often a failed trajectory is re-dispatched before its group is reported failed.
+      max_steps: optional cap on trainer steps; admission stops at `max_steps * batch_size` groups.
       migrate: R5 same-version migration in mode `dora`.
       migrate_threshold: R5 fires when an old version's running trajectories fill at most this
         share of the slots of the instances holding it, and fit on fewer of them.
       spread: in mode `dora` with `migrate`, an idle instance with nothing else to do takes an even
         share of the running trajectories of the version the trainer waits for (R5 the other
         way: stragglers decode faster when fewer share an instance).
-      elastic: elastic colocation (modes `dora` and `pipeline`): idle rollout instances are lent
-        to the trainer while the staleness budget is spent (the trainer is the bottleneck), and
-        trainer accelerators serve as rollout instances while the trainer waits for a long tail
-        (actions `SwitchToTrainer` / `SwitchToRollout`).
+      elastic: elastic colocation (modes `dora`, `pipeline`): idle rollout instances are lent to
+        the trainer while the staleness budget is spent, and trainer accelerators serve as rollout
+        instances while the trainer waits (`SwitchToTrainer` / `SwitchToRollout`).
       elastic_spare: with `elastic`, how many more instances the trainer's accelerators can form
-        (they start on the trainer side, with ids after the configured instances and the
-        capacity of the first instance).
-      elastic_max_lent: with `elastic`, the largest share of the configured instances lent to the
-        trainer at once.
+        (starting on the trainer side, ids after the configured ones, the first one's capacity).
+      elastic_max_lent: with `elastic`, the largest share of the configured instances lent at once.
       admission: how far admission runs ahead of the trainer within R2 (modes `dora`, `partial`;
         the others admit a batch at a time): `fill` (every free slot), `ahead` (one batch beyond
         the step being formed) or `adaptive` (a look-ahead in [B, K * B] that grows when the
         trainer starts a step short); None: the mode's default (`DEFAULT_ADMISSION`).
-      max_failed_group_share: the circuit breaker. Once at least `max(batch_size, 4)` groups have
-        failed and failed groups exceed this share of all groups that ended (completed or failed),
-        the scheduler stops with `FailureStorm` instead of replacing failed groups forever.
-        In [0, 1]; 1 disables the breaker.
+      max_failed_group_share: the circuit breaker: once at least `max(batch_size, 4)` groups failed
+        and they exceed this share of the groups that ended, the scheduler raises `FailureStorm`.
+        In [0, 1]; 1 disables it.
     """
 
     mode: str = "dora"
@@ -113,9 +103,7 @@ class DoraConfig:
     admission: str | None = None
 
     def __post_init__(self) -> None:
-        # Built directly (`DoraConfig(mode="dora", ...)`), through `dataclasses.replace` or by
-        # `from_dict`: every path runs these checks (the one place they live).
-        _check(self)
+        _check(self)  # every construction path (direct, `replace`, `from_dict`) runs the checks
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -185,23 +173,9 @@ class DoraConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, JSON-serialisable dict that `from_dict` accepts."""
-        return {
-            "mode": self.mode,
-            "max_staleness": self.max_staleness,
-            "batch_size": self.batch_size,
-            "group_size": self.group_size,
-            "instances": [{"id": s.id, "capacity": s.capacity} for s in self.instances],
-            "max_retries": self.max_retries,
-            "max_steps": self.max_steps,
-            "migrate": self.migrate,
-            "migrate_threshold": self.migrate_threshold,
-            "spread": self.spread,
-            "elastic": self.elastic,
-            "elastic_spare": self.elastic_spare,
-            "elastic_max_lent": self.elastic_max_lent,
-            "max_failed_group_share": self.max_failed_group_share,
-            "admission": self.admission,
-        }
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["instances"] = [{"id": s.id, "capacity": s.capacity} for s in self.instances]
+        return data
 
     def with_overrides(self, overrides: Sequence[str] | Mapping[str, Any]) -> "DoraConfig":
         """Apply `key=value` strings (values parsed as YAML scalars) or a mapping, and re-validate."""

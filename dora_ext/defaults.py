@@ -23,7 +23,5 @@ def dora_batch_key(group_id: Any, version: int, complete_seq: int, mode: str) ->
 def dora_plan_migration(
     version: int, instances: list[dict[str, Any]], newest_version: int, fill: float
 ) -> None:
-    # None: the scheduler applies its built-in plan incrementally on its occupancy levels (empty
-    # the least loaded holders into the most loaded ones below `fill`), the one R5 algorithm
-    # whether or not another plugin is registered and declines.
+    # None: the scheduler applies its built-in plan incrementally on its occupancy levels.
     return None

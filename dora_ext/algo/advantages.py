@@ -4,13 +4,8 @@ Shapes: `[G, n]` for per-trajectory rewards (G groups of n trajectories), `[B, T
 quantities of B sequences right-padded to T response tokens, with a 0/1 `mask` of the same shape
 (1 = a real response token). Nothing here reads a config or owns state: the trainer passes numbers.
 
-Two estimators are shipped, matching the two algorithms the trainer runs:
-
-* GRPO (n > 1, no critic): every token of trajectory i in a group gets the same advantage, its
-  reward standardised within the group. Dr.GRPO drops the division by the std because it
-  up-weights groups whose rewards barely differ (too easy or too hard prompts).
-* SAO (n = 1, with a value model): a single rollout has no group to compare against, so the baseline
-  comes from a learned value V(s_t) and the advantage from GAE over the response tokens.
+GRPO (n > 1, no critic) standardises each reward within its group (Dr.GRPO skips the division by
+the std); SAO (n = 1) takes its baseline from a learned value V(s_t) and advantages from GAE.
 """
 
 from __future__ import annotations
@@ -20,13 +15,7 @@ from torch import Tensor
 
 from dora_ext.algo.losses import agg_loss
 
-__all__ = [
-    "grpo_advantages",
-    "token_rewards",
-    "gae",
-    "masked_whiten",
-    "value_loss",
-]
+__all__ = ["grpo_advantages", "token_rewards", "gae", "masked_whiten", "value_loss"]
 
 
 def grpo_advantages(rewards: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
@@ -35,9 +24,8 @@ def grpo_advantages(rewards: Tensor, *, norm_by_std: bool = True, eps: float = 1
         A[g, i] = (r[g, i] - mean_j r[g, j]) / (std_j r[g, j] + eps)     (GRPO)
         A[g, i] =  r[g, i] - mean_j r[g, j]                              (Dr.GRPO)
 
-    `std` is the unbiased sample standard deviation (divisor n - 1), as in the GRPO paper and
-    verl's `grpo` estimator. A group whose rewards are all equal gets advantages of exactly 0: it
-    carries no learning signal, and `eps` keeps the division finite.
+    `std` is the unbiased sample std (divisor n - 1), as in verl's `grpo` estimator. A group of
+    equal rewards gets advantages of exactly 0 (`eps` keeps the division finite).
 
     Args:
       rewards: `[G, n]` scalar rewards, one row per group, n >= 2.
@@ -91,13 +79,10 @@ def gae(
         A_t     = delta_t + gamma * lam * A_{t+1}
         R_t     = A_t + V_t                       (the value target, "returns")
 
-    where t runs over the positions with mask = 1 only: a masked position (padding, or a tool
-    output inside an agentic trajectory) is skipped, so the next real token's value and advantage
-    are carried across it. After the last real token V_{t+1} = 0 and A_{t+1} = 0 (the episode
-    ends). Masked positions get A = R = 0.
-
-    With gamma = lam = 1 and an outcome reward on the last token this reduces to
-    A_t = R - V_t: the Monte-Carlo return minus the value baseline.
+    where t runs over the positions with mask = 1 only: masked positions (padding, tool outputs)
+    are skipped, carrying the next real token's value and advantage across, and get A = R = 0.
+    After the last real token V_{t+1} = A_{t+1} = 0. With gamma = lam = 1 and an outcome reward
+    this is A_t = R - V_t.
 
     Args:
       rewards, values, mask: `[B, T]`. `values[b, t]` is V of the state before response token t.
@@ -131,8 +116,7 @@ def gae(
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(x - mean) / (std + eps) over the positions where mask = 1; zero elsewhere.
 
-    Batch-level whitening of GAE advantages is common in PPO, but it needs the whole batch, so the
-    streaming trainer (R7) does not apply it; use it in a host that trains on whole batches.
+    It needs the whole batch, so the streaming trainer (R7) does not apply it.
     """
     mask = mask.float()
     count = mask.sum().clamp(min=1.0)
@@ -157,9 +141,7 @@ def value_loss(
         loss_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
         loss   = agg(loss_t, mask)            (`loss_agg_mode` and `denom` as in `losses.agg_loss`)
 
-    Clipping keeps the critic from moving further than `c` from the values the advantages were
-    computed with; `clip_range=None` gives the plain squared error. `denom` lets a streaming
-    caller sum over part of a batch and divide by the whole batch's divisor later.
+    `clip_range=None` gives the plain squared error.
 
     Returns:
       (loss, {"value_loss", "value_clipfrac", "value_mean"}).

@@ -4,23 +4,17 @@ Every loss takes per-token tensors `[B, T]` (log-probs of the sampled response t
 policies involved, and a 0/1 `mask` of real response tokens), advantages `[B, T]` or `[B]`, and
 returns `(loss, metrics)`: a scalar tensor to back-propagate and a dict of plain floats.
 
-Names of the policies, as in the asynchronous-RL literature:
-
-* pi_theta: the policy being trained (`logp`, the only tensor that carries gradients);
-* pi_behav / pi_rollout: the policy that generated the tokens, i.e. the version the rollout engine
-  held (`behaviour_logp` / `rollout_logp`, reported by the engine per token);
-* pi_old / pi_prox: the trainer's weights before this update (the PPO anchor). On-policy data has
-  pi_old = pi_behav; for stale data (DORA's bounded staleness K >= 1) they differ, and the gap is
-  what the corrections below account for.
+Policies: pi_theta is trained (`logp`, the only tensor with gradients); pi_behav / pi_rollout
+generated the tokens (`behaviour_logp` / `rollout_logp`, from the engine); pi_old / pi_prox is the
+trainer's weights before this update (the PPO anchor), which differs from pi_behav for stale data.
 
 Aggregation (`loss_agg_mode`):
 
 * "token-mean":           sum_{b,t} l[b,t] m[b,t] / sum_{b,t} m[b,t]
 * "seq-mean-token-mean":  mean over sequences b (with >= 1 token) of sum_t l[b,t] m[b,t] / sum_t m[b,t]
 
-`denom` replaces the divisor of the outer mean (total tokens, or number of sequences). A streaming
-trainer (R7) passes `denom=1` to get the plain sum of its part of the batch and divides the
-accumulated gradient by the whole batch's divisor at the end; the result equals the batch mean.
+`denom` replaces the outer mean's divisor: a streaming trainer (R7) passes `denom=1` and divides
+the accumulated gradient by the whole batch's divisor at the end, which equals the batch mean.
 """
 
 from __future__ import annotations
@@ -28,20 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = [
-    "LOSS_AGG_MODES",
-    "masked_mean",
-    "agg_loss",
-    "ppo_policy_loss",
-    "truncated_is_weights",
-    "tis_ppo_loss",
-    "decoupled_ppo_loss",
-    "truncated_is_pg_loss",
-    "double_side_mask",
-    "sao_policy_loss",
-    "entropy_from_logits",
-    "kl_penalty",
-]
+__all__ = ["LOSS_AGG_MODES", "masked_mean", "agg_loss", "ppo_policy_loss", "truncated_is_weights",
+           "tis_ppo_loss", "decoupled_ppo_loss", "truncated_is_pg_loss", "double_side_mask",
+           "sao_policy_loss", "entropy_from_logits", "kl_penalty"]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
@@ -113,14 +96,10 @@ def ppo_policy_loss(
         l_t    = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
         loss   = agg(l, mask)
 
-    `clip_high` defaults to `clip_low` (symmetric); a larger `clip_high` is DAPO's clip-higher.
-    The clip only binds on the side that would move the policy further in the advantage's
-    direction: with A > 0 a token stops contributing once r > 1 + clip_high, with A < 0 once
-    r < 1 - clip_low. `w_t` are optional detached per-token importance weights (off-policy
-    corrections below); `w = 1` without them.
+    `clip_high` defaults to `clip_low`; a larger `clip_high` is DAPO's clip-higher. `w_t` are
+    optional detached per-token importance weights (1 without them).
 
-    Metrics: `pg_loss`, `pg_clipfrac` (share of tokens where the clipped term is the active one),
-    `ratio_mean`.
+    Metrics: `pg_loss`, `pg_clipfrac` (share of tokens where the clipped term is active), `ratio_mean`.
     """
     advantages = _check(logp, mask, advantages, old_logp=old_logp)
     if clip_high is None:
@@ -151,10 +130,8 @@ def truncated_is_weights(
 
         w_t = min(pi_old(a_t) / pi_behav(a_t), C)
 
-    Tokens were sampled from pi_behav (an older version, or the engine's numerics) but PPO's
-    surrogate is an expectation under pi_old; w re-weights them. Truncating at C bounds the
-    variance that a rare token with a huge ratio would add, at the price of a small bias
-    (Espeholt et al. 2018's rho-bar; Yao et al. 2025 for LLM RL).
+    Re-weights tokens sampled from pi_behav to PPO's expectation under pi_old; truncating at C
+    bounds the variance at a small bias (Espeholt et al. 2018; Yao et al. 2025).
 
     Metrics: `is_weight_mean`, `is_truncated_frac` (share of tokens with ratio > C).
     """
@@ -214,17 +191,12 @@ def decoupled_ppo_loss(
         w_t  = sg(pi_prox(a_t) / pi_behav(a_t))                  (off-policy correction)
         l_t  = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
 
-    The two roles PPO's pi_old plays are split: the proximal policy pi_prox (the trainer's
-    current weights before the update) anchors the clip, so a stale batch still gets a full trust
-    region instead of having most tokens clipped away; the behaviour policy pi_behav (the version
-    that generated the tokens) only enters through the importance weight.
+    pi_prox anchors the clip, so a stale batch still gets a full trust region; pi_behav only
+    enters through the importance weight. `cap` bounds w: `cap_mode="truncate"` uses min(w, cap)
+    (= `tis_ppo_loss` with pi_old = pi_prox); `cap_mode="mask"` drops tokens with w > cap (AReaL's
+    `behav_imp_weight_cap`). `cap=None` keeps w untouched.
 
-    `cap` bounds w: `cap_mode="truncate"` uses min(w, cap) (then this equals `tis_ppo_loss` with
-    pi_old = pi_prox); `cap_mode="mask"` drops tokens with w > cap from the sum instead (AReaL's
-    `behav_imp_weight_cap`), trading bias for a smaller sample. `cap=None` keeps w untouched.
-
-    Metrics: those of `ppo_policy_loss`, plus `is_weight_mean` and `is_truncated_frac` (share of
-    tokens over the cap, truncated or masked).
+    Metrics: those of `ppo_policy_loss`, plus `is_weight_mean` and `is_truncated_frac`.
     """
     if cap_mode not in ("truncate", "mask"):
         raise ValueError(f"cap_mode: unknown mode {cap_mode!r}; accepted: truncate, mask")
@@ -259,10 +231,8 @@ def truncated_is_pg_loss(
         w_t  = sg(min(pi_theta(a_t) / pi_behav(a_t), C))
         l_t  = -w_t * A_t * log pi_theta(a_t)
 
-    Its gradient is min(r_t, C) * A_t * grad log pi_theta: the exact off-policy gradient
-    (grad of -A r) while r <= C, and a bounded one beyond. Unlike the PPO variants no token is ever
-    silenced: truncation caps a token's weight instead of zeroing its gradient (the V-trace /
-    CISPO choice).
+    The gradient is exact while r <= C and bounded beyond; no token is ever silenced (V-trace /
+    CISPO).
 
     Metrics: `pg_loss`, `is_weight_mean`, `is_truncated_frac`.
     """
@@ -310,13 +280,8 @@ def sao_policy_loss(
         l_t  = -A_t * r_t * M_t
         loss = agg(l, mask)                                       (masked tokens stay in the divisor)
 
-    PPO's clip silences a token only when moving it further would help the objective (r too high
-    for A > 0, too low for A < 0), so a token far outside the trust region in the *other*
-    direction keeps a gradient proportional to r, which with stale asynchronous samples can be
-    huge. SAO zeroes every token whose ratio against the policy that actually generated it leaves
-    the band, whatever the sign of A: the update only uses tokens on which the current policy
-    still agrees with the rollout policy. The ratio is against pi_rollout (not a recomputed
-    pi_old), so staleness itself is what pushes tokens out of the band.
+    Unlike PPO's one-sided clip, every token whose ratio against pi_rollout leaves the band is
+    zeroed whatever the sign of A, so staleness itself pushes tokens out of the band.
 
     Metrics: `pg_loss`, `masked_frac` (share of real tokens zeroed), `ratio_mean`.
     """

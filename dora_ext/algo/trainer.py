@@ -7,46 +7,28 @@ batch, weights out.
     metrics = trainer.finish_step(k)          # AdamW step on the batch-mean gradient -> version k+1
     weights = trainer.publish()               # a copy of the new weights for the engines
 
-Why streaming is exact (one update per batch; several updates store the groups instead, see
-below): every loss here is a sum over tokens (or sequences) divided by the
-batch's token (or sequence) count. `add_group` back-propagates the *sum* over its own tokens and
-remembers how many there were; `finish_step` divides the accumulated gradient by the batch total
-before clipping and stepping. Gradients are linear, so this equals the gradient of the batch
-mean, however the batch was split (tested against `batch_loss`, the all-at-once path). GRPO's
-advantages only need the group itself, and SAO's GAE only the trajectory, so nothing else in a
-step depends on the whole batch (which is also why batch-level advantage whitening is not done).
+Streaming is exact: every loss is a token (or sequence) sum divided by the batch's count;
+`add_group` back-propagates its own sum and `finish_step` divides the accumulated gradient by the
+batch total, which equals the batch-mean gradient however the batch was split (tested against
+`batch_loss`). Advantages need only the group (GRPO) or trajectory (SAO), so no batch whitening.
 
-Three policies (the asynchronous-RL names, see `losses.py`):
-  * pi_behav (pi_rollout): the version that generated the tokens; its log-probs come from the
-    engine with the trajectory (`rollout_logprobs`);
-  * pi_prox (PPO's pi_old): the trainer's weights before this step's first update, scored by a
-    pre-update pass over the group when it arrives (no gradient). With one update per batch
-    (`ppo_epochs = ppo_minibatches = 1`) that pass is the update's own forward, so it costs
-    nothing extra and the ratio pi_theta / pi_prox is exactly 1; with several minibatch updates
-    per batch (PPO's inner loop) the ratio moves away from 1 and the clip acts;
-  * pi_theta: the weights being updated.
-The staleness correction (`correction`) decides how pi_behav enters: "none" anchors the clip at
-pi_behav (stale tokens fall out of the trust region, the naive baseline); "tis" and "decoupled"
-anchor it at pi_prox and weight each token by pi_prox / pi_behav, truncated at `is_cap` (or
-masked beyond it, decoupled's `is_cap_mode="mask"`); "sao" drops every token whose ratio
-pi_theta / pi_behav leaves [1 - sao_eps_low, 1 + sao_eps_high] (SAO's double-side mask) with no
-PPO clip. `kl_coef` > 0 adds a k3 KL penalty to a frozen copy of the initial policy (the reference).
+Policies (see `losses.py`): pi_behav (pi_rollout, the engine's `rollout_logprobs`); pi_prox
+(PPO's pi_old, scored by a no-grad pass when the group arrives; with one update per batch the
+ratio pi_theta / pi_prox is exactly 1); pi_theta (the weights being updated). `correction`:
+"none" anchors the clip at pi_behav; "tis"/"decoupled" anchor it at pi_prox and weight tokens by
+pi_prox / pi_behav, truncated at `is_cap` (or masked, `is_cap_mode="mask"`); "sao" drops tokens
+whose pi_theta / pi_behav leaves [1 - sao_eps_low, 1 + sao_eps_high], with no PPO clip.
+`kl_coef` > 0 adds a k3 KL penalty to a frozen copy of the initial policy.
 
-Several updates per batch (`ppo_epochs` x `ppo_minibatches`): `add_group` stores the group with
-its advantages and pi_prox log-probs; `finish_step` splits the batch into `ppo_minibatches`
-consecutive chunks of groups and takes one optimizer step per chunk, `ppo_epochs` times. The
-version advances once per batch. With `micro_tokens` > 0 every forward runs over length-sorted
-micro-batches of the rows (of a group, or of a chunk) instead of one padded forward per group:
-a long-tailed group pads every short answer to its longest, and the sums are the same.
-Data parallel (torch.distributed initialised by the host), each rank adds its own share of the
-groups; with `add_group(group, position=p)` (p = the group's place in the whole batch) minibatch
-i is the same groups as the single trainer's i-th chunk however unevenly the groups were shared,
-so the summed update equals the single trainer's (a host may share them by each rank's speed).
-SAO always measures its ratio against pi_rollout: staleness is what its mask guards against.
+Several updates per batch (`ppo_epochs` x `ppo_minibatches`): `add_group` stores groups and
+`finish_step` steps once per consecutive chunk of groups, `ppo_epochs` times; the version advances
+once per batch. `micro_tokens` > 0 forwards length-sorted micro-batches instead of one padded
+forward per group (same sums, less padding). Data parallel, `add_group(group, position=p)` makes
+minibatch i the single trainer's i-th chunk however the groups were shared between ranks.
 
-Rollout log-probs must come from the same temperature-scaled distribution the engine sampled
-from; `TrainerConfig.temperature` applies the same scaling to the trainer's logits. The policy's
-train/eval mode is left as the caller set it (dropout would make pi_theta differ from pi_rollout).
+Rollout log-probs must come from the temperature-scaled distribution the engine sampled;
+`TrainerConfig.temperature` scales the trainer's logits the same. The policy's train/eval mode is
+left as the caller set it (dropout would make pi_theta differ from pi_rollout).
 """
 
 from __future__ import annotations
@@ -101,8 +83,7 @@ class TrainerConfig:
     """Trainer settings (plain values, nanoGPT style). Invalid values raise `ConfigError`.
 
     algorithm: "grpo" (group-normalised advantages, PPO clip) or "sao" (single rollout with a
-      value head, GAE, double-side mask). SAO is meant for n = 1 but accepts any n, since each
-      trajectory is its own baseline problem.
+      value head, GAE, double-side mask; any n is accepted).
     lr, value_lr (default lr), weight_decay, betas: AdamW; policy and value head get one group each.
     grad_clip: max global L2 norm, applied separately to the policy and the value head; None = off.
     clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high] (clip_high None = clip_low).
@@ -111,22 +92,17 @@ class TrainerConfig:
     correction: off-policy correction for stale GRPO groups: "none", "tis", "decoupled", "sao"
       (the module docstring says what each does).
     is_cap: C of the importance weight. is_cap_mode: "truncate" or "mask" (decoupled only).
-    ppo_epochs, ppo_minibatches: optimizer steps per batch = epochs x minibatches (PPO's inner loop).
-      Minibatches are consecutive chunks of groups; data parallel, by the groups' positions in the
-      whole batch when `add_group` is given them (the single trainer's chunks), else each rank
-      chunks its own share (minibatch i = every rank's i-th chunk).
+    ppo_epochs, ppo_minibatches: optimizer steps per batch = epochs x minibatches (consecutive
+      chunks of groups; data parallel, by the positions given to `add_group`, else per rank).
     kl_coef: weight of the k3 KL penalty to the initial policy (0 = no reference model).
-    critic_warmup: SAO: the first steps train only the value head (the policy is published
-      unchanged), so that the fresh critic's advantages are not noise when the policy starts moving.
+    critic_warmup: SAO: the first steps train only the value head (the policy is published unchanged).
     sao_eps_low, sao_eps_high: SAO's band [1 - eps_low, 1 + eps_high] on pi_theta / pi_rollout.
     gamma, lam: GAE. value_coef: weight of the value loss. value_clip: value clip range (None = off).
     entropy_coef: entropy bonus (0 = only reported); under SAO's mask only on the tokens it keeps.
     temperature: the engine's sampling temperature.
     pad_id: the token used to pad batches (any valid id; padded positions are masked).
-    micro_tokens: forward in length-sorted micro-batches of at most this many padded tokens
-      (rows x longest row; a longer row goes alone), so that a long-tailed batch does not pad every
-      short answer to its group's longest: the same sums, far less padding. 0 = one forward per
-      group (its rows padded to the group's longest).
+    micro_tokens: forward in length-sorted micro-batches of at most this many padded tokens (rows x
+      longest row; a longer row goes alone): same sums, less padding. 0 = one forward per group.
     """
 
     algorithm: str = "grpo"
@@ -348,8 +324,7 @@ class Trainer:
             groups.append({"params": self.value_params, "lr": c.value_lr or c.lr})
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
         self.device = self.policy_params[0].device
-        # Wall seconds spent computing (forwards, backwards) and in collectives (data parallel), since
-        # construction: what a host needs to share a batch between ranks by their speed.
+        # Wall seconds computing and in collectives since construction (to share a batch by speed).
         self.compute_s = 0.0
         self.comm_s = 0.0
         self.ref_policy: nn.Module | None = None
@@ -368,10 +343,8 @@ class Trainer:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def _merge_ranks(self) -> None:
-        """Data parallel (torch.distributed initialised by the host, e.g. gloo on CPU): every rank
-        streamed its own share of the batch; after this every rank holds the whole batch's
-        bookkeeping (divisors, metric sums), so the step below is the same on every rank. The
-        gradients are summed over ranks in `_apply`."""
+        """Data parallel: every rank streamed its own share; after this every rank holds the whole
+        batch's bookkeeping, so the step is the same on every rank (gradients summed in `_apply`)."""
         import torch.distributed as dist
 
         mine = (self._groups, self._units_total, self._tokens, self._rewards, self._staleness, self._sums,
@@ -400,9 +373,8 @@ class Trainer:
     def _allreduce(self, units: float) -> float:
         """Sum the gradients (and the divisor) over data-parallel ranks; returns the total divisor.
 
-        A parameter that has no gradient on any rank (the policy during SAO's critic warm-up, a
-        module the loss never reached) keeps none, as on a single trainer: AdamW then skips it
-        (no weight decay, no step count), where a summed zero gradient would move it."""
+        A parameter with no gradient on any rank keeps none, as on a single trainer, so AdamW
+        skips it (a summed zero gradient would move it by weight decay)."""
         import torch.distributed as dist
 
         params = self.policy_params + self.value_params
@@ -435,10 +407,9 @@ class Trainer:
     def add_group(self, group: Any, position: int | None = None) -> dict[str, float]:
         """Forward and backward one complete group now; gradients accumulate until `finish_step`.
 
-        `position`: data parallel, the group's place in the whole batch's order (0, 1, ... over
-        every rank), which decides its PPO minibatch as the single trainer's arrival order does
-        (see `_inner_loop`); every group of a step gives one, or none does. Returns the group's
-        own metrics (its per-token means), for logging.
+        `position`: data parallel, the group's place in the whole batch (0, 1, ... over every
+        rank), which decides its PPO minibatch (`_inner_loop`); every group of a step gives one, or
+        none does. Returns the group's own metrics (per-token means).
         """
         t_start = time.perf_counter()
         if position is not None and (isinstance(position, bool) or not isinstance(position, int) or position < 0):
@@ -594,8 +565,7 @@ class Trainer:
         items = self._stored
         if self._batch_groups is not None:
             # Data parallel with positions: minibatch i is the groups at positions bounds[i] ..
-            # bounds[i+1] - 1 of the whole batch, wherever they were trained: the single trainer's
-            # chunks of its arrival order, however the groups were shared between ranks.
+            # bounds[i+1] - 1 of the whole batch, the single trainer's i-th chunk.
             n = self._batch_groups
             m = min(c.ppo_minibatches, n)
             bounds = minibatch_bounds(n, m)
@@ -669,9 +639,8 @@ class Trainer:
     def batch_loss(self, groups: Iterable[Any]) -> tuple[Tensor, dict[str, float]]:
         """The whole batch at once: one padded forward, the losses' own batch means.
 
-        It does not touch the accumulated gradients or the optimizer; call `.backward()` on the
-        loss yourself. It is the reference the streaming path is tested against, and serves a host
-        that only ever sees whole batches.
+        It does not touch the accumulated gradients or the optimizer; call `.backward()` yourself.
+        The reference the streaming path is tested against.
         """
         all_traj: list[Trajectory] = []
         adv_parts = []
@@ -850,9 +819,8 @@ class Trainer:
 
     def _sao_keep(self, logp: Tensor, batch: _Batch) -> Tensor:
         """SAO's keep-mask of this forward's tokens (pi_theta / pi_rollout inside the band). The
-        entropy bonus acts on these tokens only: on a token the mask drops it would be the only
-        force, pushing the policy towards uniform where nothing pulls it back (a review's diagnosis
-        of SAO's collapse at lr 1e-3, where a stale batch's tokens leave the band)."""
+        entropy bonus acts on these tokens only: on a dropped token it would be the only force,
+        pushing the policy towards uniform."""
         c = self.config
         ratio = torch.exp((logp.detach() - batch.rollout_logp).clamp(max=20.0))
         return double_side_mask(ratio, batch.mask, c.sao_eps_low, c.sao_eps_high)

@@ -13,11 +13,10 @@ from .errors import ProtocolError, _brief
 
 
 class _Instance:
-    """A rollout instance. What it runs is an append-only log of (handle, placement stamp) pairs
-    in one array; an entry is live while the handle's stamp (`_traj_stamp[h]`) is still that one
-    (a move gives a new stamp, a release `_NO_STAMP`), and `nrun` counts the live entries, so a
-    departure touches no per-instance table. The log is cleared when `nrun` reaches 0 and
-    compacted before a placement into a log over three times its live entries + 32 (`_place`)."""
+    """A rollout instance. What it runs is an append-only log of (handle, placement stamp) pairs;
+    an entry is live while the handle's stamp (`_traj_stamp[h]`) is still that one, and `nrun`
+    counts live entries, so a departure touches no per-instance table. The log is cleared at
+    `nrun` 0 and compacted when over three times its live entries + 32 (`_place`)."""
 
     __slots__ = ("id", "capacity", "version", "loading", "nrun", "log", "_traj_stamp")
 
@@ -72,9 +71,8 @@ class _Fleet:
 
     def _stale_instance(self, iid: int) -> bool:
         """A late event from an instance declared failed: counted and ignored. An id at or below
-        the largest ever registered (`_id_max`) that is neither registered now nor on the
-        trainer's side has failed: every host gives a restarted engine a fresh, larger id, so
-        failed ids need not be remembered one by one."""
+        `_id_max` neither registered now nor on the trainer's side has failed (hosts give a
+        restarted engine a fresh, larger id)."""
         if iid in self.instances or not isinstance(iid, numbers.Integral) or iid > self._id_max:
             return False
         if iid in self._trainer_side or iid in self._to_trainer or iid in self._to_rollout:
@@ -168,11 +166,9 @@ class _Fleet:
         self._r5_stuck.pop(b, None)
 
     def _pick(self, b: int, lv: dict, work: int, share_of: int) -> _Instance | None:
-        """The instance of bucket `b` that takes the next trajectory: the least loaded one (the
-        first to arrive at that level), unless it is full or at its fair share of the bucket's
-        work (`work` running + queued, shared in proportion to capacity, counting instances still
-        loading the version: otherwise the first instance to finish loading would take a whole
-        batch and leave the others idle)."""
+        """The instance of bucket `b` that takes the next trajectory: the least loaded (first to
+        arrive at its level), unless full or at its fair share of `work` (by capacity, counting
+        instances still loading, so the first one loaded does not take a whole batch)."""
         lo = self._low_level[b]
         while lo not in lv:
             lo += 1
@@ -216,10 +212,8 @@ class _Fleet:
         level = up = None  # lv[lo] (None: look it up) and lv[up_of + 1] (up_of -1: look it up)
         up_of = -1
         sent = 0
-        # The head group's slot (-1: read the heap's head again). While a group is the head, its
-        # re-queued stack, next fresh index and count of trajectories started here are kept in
-        # locals (`retry`, `nxt`, `added`) and written back when it leaves the head or the loop
-        # ends: nothing else reads them meanwhile.
+        # The head group's slot (-1: read the heap's head again); its state is kept in locals
+        # (`retry`, `nxt`, `added`) and written back when it leaves the head or the loop ends.
         g = -1
         retry = None
         nxt = added = 0
@@ -243,12 +237,9 @@ class _Fleet:
                 glive[g] += added
                 g = -1
                 continue
-            # `_pick`, inlined for the common case (equal capacities): the least loaded instance,
-            # the first to arrive at its level, taken out of its level at once (`popitem`: the id
-            # and the instance in one call) and put back in front if it takes nothing. `level` (the
-            # level `lo`) and `up` (the level `up_of + 1`) are kept across trajectories while no
-            # other code touches the levels: a group's trajectories go one by one from the lowest
-            # level to the one above, so the two dict lookups per trajectory are mostly saved.
+            # `_pick`, inlined for equal capacities: the least loaded, first-arrived instance is
+            # popped from its level (put back in front if it takes nothing); `level` and `up` are
+            # cached across trajectories while no other code touches the levels.
             if level is None:
                 while lo not in lv:
                     lo += 1
@@ -347,8 +338,8 @@ class _Fleet:
         self._occupied[b] -= 1
         n_run = inst.nrun
         self._set_level(b, inst.id, n_run + 1, n_run)
-        # The rest only when the instance emptied, or its version has queued work, or (R5) it runs
-        # an old version; otherwise each step below would only test and return.
+        # The rest only when the instance emptied, its version has queued work, or (R5) it runs an
+        # old version.
         if not n_run or self._queue.get(b) or (self._migrate and v < self.newest):
             self._release_rest(inst, v, b, n_run)
 
@@ -365,8 +356,7 @@ class _Fleet:
               and self._queued.get(v, 0) <= 0 and self._holders.get(v, 0) >= 2
               and self._occupied.get(v, 0) <= self.config.migrate_threshold * self._cap.get(v, 0)
               and (self._budget_left() > 0 or self._queued.get(self._bucket(self.newest), 0) > 0)):
-            # (`_maybe_consolidate`'s first O(1) tests: this runs on every finish of an old
-            # version, and each test there only returns)
+            # (`_maybe_consolidate`'s first O(1) tests, inlined: this runs on every old finish)
             self._maybe_consolidate(v)
 
     def _move(self, v: int, h: int, s: _Instance, d: _Instance) -> None:
@@ -429,8 +419,7 @@ class _Fleet:
         if want is None:
             if inst.version is not None and self._queued.get(self._bucket(inst.version), 0) > 0:
                 return  # its own version still has queued work
-            # (`_maybe_spread`'s first O(1) test, inlined: an instance that is not loading to
-            # spread does so only when no admission is outstanding)
+            # (`_maybe_spread`'s first O(1) test, inlined)
             if self._spread and (not self._outstanding or inst.id in self._spreading) and self._maybe_spread(inst):
                 return
             if lend and self._elastic and self._should_lend():

@@ -16,10 +16,9 @@ class _Migration:
     def _init_migration(self) -> None:
         """R5's records (derived state, except `_r5_tried`)."""
         self._r5_tried: dict[int, tuple[int, int]] = {}  # R5: version -> (occupied, holders) of a fruitless try
-        # R5: version -> (holder, dispatches, landings) when that holder, the first the plan would
-        # empty, ran only trajectories that moved already. Until a trajectory is dispatched or a
-        # move lands it still does (releases and moves only take trajectories away from it, or
-        # bring moved ones), so the plan would move nothing again. Derived state: not snapshotted.
+        # R5: version -> (holder, dispatches, landings) when the holder the plan would empty first
+        # ran only moved trajectories: until a dispatch or landing the plan would move nothing
+        # again. Derived state: not snapshotted.
         self._r5_stuck: dict[int, tuple[int, int, int]] = {}
         self._n_sent = 0  # trajectories dispatched (only `_r5_stuck` reads it)
         self._n_landed = 0  # moves landed (only `_r5_stuck` reads it)
@@ -28,11 +27,9 @@ class _Migration:
     def _maybe_consolidate(self, v: int) -> None:
         """R5: when an old version's running work is spread thin, move it onto fewer instances.
 
-        Called on every release of an old-version trajectory, so every test before the plan is
-        O(1): the version must not gate the step being formed, its running work must fill at
-        most `migrate_threshold` of its slots, it must run on more instances than the work needs
-        when each is filled to `migrate_threshold` (the occupancy levels `_levels` count holders),
-        and the newest version must be able to use the freed instances.
+        Called on every old-version release, so every test before the plan is O(1): the version
+        does not gate the step being formed, fills at most `migrate_threshold` of its slots on
+        more instances than that needs (`_levels`), and the newest version can use the freed ones.
         """
         if self._queued.get(v, 0) > 0 or v + self.K <= self.step:
             # A version the step being formed must take gates the trainer: its stragglers keep
@@ -73,9 +70,8 @@ class _Migration:
             lv = self._levels.get(v)
             if not lv or self._holders.get(v, 0) <= -(-self._occupied.get(v, 0) // top):
                 break
-            # The lowest non-empty level above 0: walked up from the hint `_low_level[v]` (at or below
-            # the lowest level) for a few steps, else a min over every level (with capacity 1,000
-            # a version has hundreds of levels, and this runs for every instance R5 empties).
+            # The lowest non-empty level above 0: a few steps up from the hint `_low_level[v]`,
+            # else a min over every level (a version may have hundreds).
             low = lo_of[v]
             if not low:
                 low = 1
@@ -102,11 +98,8 @@ class _Migration:
                     # The most loaded holder still below the threshold (the previous destination
                     # stays the best until it reaches it, so this search runs once per filled one).
                     dst = None
-                    # The levels below `top`, highest first. Mostly the highest level of all is
-                    # below `top` and holds an instance other than `src`: that one is tried first
-                    # (a max over the levels, no list built and sorted); else the levels are
-                    # walked in order, counted down when that is the shorter walk, else sorted
-                    # (the same order either way; the highest level, tried again, takes nothing).
+                    # The levels below `top`, highest first: the highest level is tried first (no
+                    # sort); else they are walked down or sorted, whichever is shorter.
                     hi = max(lv)
                     if 0 < hi < top:
                         for iid, inst in lv[hi].items():  # (a level maps id -> instance)
@@ -145,9 +138,7 @@ class _Migration:
         """A plugin's `dora_plan_migration`: hand it the holders, validate and apply its plan
         (False: every plugin declined, the built-in plan applies).
 
-        O(view + moves): the view is built once, and each move is checked in O(1) against the
-        state as the earlier moves of the plan left it (`_traj_instance[h]` names the instance a trajectory
-        runs on: it is `src` only while it runs there)."""
+        O(view + moves): each move is checked in O(1) against the state the earlier moves left."""
         instances = self.instances
         holders = [instances[i] for n, level in self._levels.get(v, {}).items() if n for i in level]
         holders.sort(key=lambda i: i.id)
@@ -196,17 +187,11 @@ class _Migration:
     def _maybe_spread(self, inst: _Instance) -> bool:
         """R5 the other way: spread the gating version's stragglers onto an idle instance.
 
-        Only when the instance has nothing else to do (the staleness budget is spent and no work
-        is queued). A decode iteration costs more with every running sequence and every context
-        token on the instance, so stragglers the trainer waits for finish sooner when fewer share
-        an instance. The idle instance loads the gating version if it holds another (R4 allows
-        it: it runs nothing), and takes an even share of that version's running trajectories.
-
-        A switch costs a weight load, so an instance loads the gating version only when, in the
-        state of now, it would take at least one trajectory (`_spread_plan`), counting the other
-        instances already loading it to spread as holders of their share: a load that moves
-        nothing (the stragglers already sit evenly, or every one of the excess moved once and has
-        not landed) would be followed by a load back to the newest version, a switch thrash.
+        Only when the instance has nothing else to do (budget spent, nothing queued): stragglers
+        decode faster when fewer share an instance. The idle instance loads the gating version if
+        needed (R4: it runs nothing) and takes an even share of its running trajectories. It loads
+        only when it would take at least one trajectory (`_spread_plan`, counting instances already
+        loading to spread), so a load that moves nothing cannot cause a switch thrash.
         """
         chosen = self._spreading.pop(inst.id, None)
         if chosen is None:
@@ -233,9 +218,8 @@ class _Migration:
         version `v`'s running trajectories: from the most loaded holders, only what they run
         above the even share, never a trajectory that moved and has not landed.
 
-        The even share counts `inst` and the instances already loading `v` to spread; those
-        come first: each will take up to `room` of the same candidates, so `inst` gets the
-        candidates after theirs (none when they take them all, and then it does not load)."""
+        The even share counts `inst` and the instances already loading `v` to spread; those come
+        first, so `inst` gets the candidates after theirs (maybe none: then it does not load)."""
         nh = self._holders.get(v, 0)
         if nh == 0:
             return []
@@ -250,9 +234,8 @@ class _Migration:
             return []  # O(1): no holder runs more than its share
         room = min(inst.capacity, keep)
         want = (pending + 1) * room
-        # The holders above the share, most loaded first, then by id: level by level (a loaded
-        # instance's level is its running count), so that only the levels the plan reaches are
-        # sorted, not every holder.
+        # The holders above the share, most loaded first, then by id, level by level (only the
+        # levels the plan reaches are sorted).
         plan = []
         tm = self._traj_moved
         instances = self.instances

@@ -23,9 +23,8 @@ class _Snapshot:
         """The whole live state as JSON-serialisable data; `restore` rebuilds an identical
         scheduler (same actions for the same events from then on).
 
-        Small and bounded: it holds live groups and instances only (never the run's history),
-        so its size does not grow with the number of steps. `format` is `SNAPSHOT_FORMAT`.
-        Runtimes store it in their own checkpoints and resume from it.
+        It holds live groups and instances only, so its size does not grow with the steps.
+        `format` is `SNAPSHOT_FORMAT`. Runtimes store it in their checkpoints and resume from it.
         """
         self._check_broken()  # (a halted scheduler's state may be half changed)
         groups = []
@@ -36,10 +35,8 @@ class _Snapshot:
             v = self._group_version[g]
             b0 = g * n
             key = self._group_key.get(g)
-            # Compact (delta-coded, so the size does not grow with the counters' digits): version,
-            # seq, step and completion order relative to the scheduler's own counters, the
-            # admission key only when it is not the default `(seq,)`, trajectory versions
-            # relative to the group's version (almost always `[0]`).
+            # Delta-coded against the scheduler's counters and the group's version; the admission
+            # key only when it is not the default `(seq,)`.
             groups.append([
                 gid, self.newest - v, self._seq - self._group_seq[g], None if key is None else list(key), _json_data(self._group_meta.get(g), "meta"),
                 _STATES[gst[g]], None if gstep[g] < 0 else self.step - gstep[g],

@@ -23,13 +23,10 @@ class _Table:
 
     def _init_table(self) -> None:
         """The empty table (group size `self.n`)."""
-        # Live groups only. A group is an integer slot `g`: its fields are per-slot arrays and
-        # dicts keyed by slot, its trajectories the integer handles `g * n + index`. No object
-        # per group or per trajectory: the cyclic GC walks nothing per group or trajectory (the
-        # dicts below hold ints and strings, which the GC does not track), and no tuple is built
-        # per event. Slots are reused once their group leaves (`_free`), so every array is as
-        # long as the most groups ever live at once. Group ids map to slots only at the event
-        # boundary (`_slot_of`) and back in actions (`_gid_of`).
+        # Live groups only. A group is an integer slot `g` (per-slot arrays and dicts), its
+        # trajectories the handles `g * n + index`: no object per group or trajectory for the GC
+        # to walk. Slots are reused once their group leaves (`_free`); ids map to slots only at
+        # the event boundary (`_slot_of`) and back in actions (`_gid_of`).
         self._slot_of: dict[Any, int] = {}  # group id -> slot
         self._gid_of: dict[int, Any] = {}  # slot -> group id
         self._group_version = array("q")  # version it was admitted under

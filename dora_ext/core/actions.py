@@ -87,10 +87,9 @@ class StartStep:
 class SwitchToTrainer:
     """Elastic colocation: lend idle instance `instance_id`'s accelerators to the trainer.
 
-    The instance runs nothing and the rollout is ahead of the trainer (the staleness budget is
-    spent), so the trainer is the bottleneck. The runtime drops the instance's weights and KV
-    cache, has the trainer take the accelerators (load its optimizer-state shard, join the
-    data-parallel group) and answers `SwitchedToTrainer`.
+    The instance runs nothing and the staleness budget is spent (the trainer is the bottleneck).
+    The runtime drops its weights and KV cache, has the trainer take the accelerators and answers
+    `SwitchedToTrainer`.
     """
 
     instance_id: int
@@ -100,9 +99,8 @@ class SwitchToTrainer:
 class SwitchToRollout:
     """Elastic colocation: give the trainer's accelerators of `instance_id` to the rollout.
 
-    The trainer waits for trajectories while the rollout has more work than slots (the long
-    tail). The runtime takes the accelerators out of the trainer (offloading its optimizer-state
-    shard) and answers `InstanceReady(instance_id, capacity)`; the scheduler then loads a version.
+    The trainer waits while the rollout has more work than slots (the long tail). The runtime
+    answers `InstanceReady(instance_id, capacity)`; the scheduler then loads a version.
     """
 
     instance_id: int

@@ -1,20 +1,15 @@
 """How far admission runs ahead of the trainer within R2 (config `admission`): staleness as a cost.
 
 R2 lets the groups admitted at versions `<= v` reach `(v + K + 1) * B`. `fill` uses all of it
-whenever slots are free; where the trainer is the bottleneck the rollout then runs ahead to the
-bound and every group waits in the pool until it is K steps old. The look-ahead policies cap the
-same count at `(v + 1) * B + look`: the groups of the newest version's own step plus `look` more
-(in [B, K * B]: `look = K * B` is R2 itself, so K stays the hard bound). Counted against the
-newest version, a step that just finished asks for the next batch only once its version is
-published, not one version earlier.
+whenever slots are free (a trainer-bound run then keeps every group waiting until it is K steps
+old). The look-ahead policies cap the count at `(v + 1) * B + look`, `look` in [B, K * B]
+(`K * B` is R2 itself), counted against the newest published version.
 
 - `ahead`: `look = B`, one batch beyond the step being formed.
-- `adaptive`: starts at R2's `K * B` (it admits no less than `fill` before it has seen a
-  surplus); each time a step finishes and batch formation has run, it grows `look` by the groups
-  missing from the next step if that one cannot start (the trainer waits for them), or, if it
-  started and the step before it had started at once too, shrinks it by half the surplus (the
-  completed groups left in the pool wait a step), within [B, K * B]. Newer groups that completed
-  while the trainer waited for an older straggler are no surplus: the rollout is the bottleneck.
+- `adaptive`: starts at R2's `K * B`; after each step it grows `look` by the groups missing from
+  the next step if that one cannot start, or, if it and the step before started at once, shrinks
+  it by half the surplus left in the pool, within [B, K * B]. Groups that completed while the
+  trainer waited for an older straggler are no surplus (the rollout is the bottleneck).
 
 Sans-I/O like the scheduler: the scheduler feeds it its counters (`limit`, `step_finished`,
 `step_formed`).

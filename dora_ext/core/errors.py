@@ -9,9 +9,8 @@ class ProtocolError(RuntimeError):
     """The runtime broke the event protocol (unknown id, event in the wrong state, ...), or a plugin
     gave what the scheduler cannot keep (a key JSON does not give back, an infeasible plan).
 
-    As h11's, it halts the scheduler: the event may be half applied, so every later `handle`,
-    `handle_many` or `snapshot` raises a `ProtocolError` saying why, and the host resumes from its
-    last snapshot. "Don't subclass these."
+    It halts the scheduler (the event may be half applied): every later `handle`, `handle_many`
+    or `snapshot` raises a `ProtocolError` saying why; the host resumes from its last snapshot.
     """
 
 

@@ -51,9 +51,8 @@ class SwitchedToTrainer:
 class GroupAdmitted:
     """The runtime bound a prompt to a new group (answer to `RequestGroups`).
 
-    `meta` is optional JSON data, usually a mapping (e.g. prompt length), handed to admission
-    hooks; it must come back unchanged from a JSON round trip (the snapshot is JSON data: lists,
-    str keys, finite floats), else it is a `ProtocolError` naming `GroupAdmitted.meta`.
+    `meta` is optional JSON data (e.g. prompt length) handed to admission hooks; it must survive
+    a JSON round trip unchanged, else it is a `ProtocolError` naming `GroupAdmitted.meta`.
     """
 
     group_id: GroupId
@@ -149,9 +148,8 @@ class MigrationLanded:
 class TrainerIdle:
     """The trainer has processed everything delivered to it and waits for groups.
 
-    Only elastic colocation uses it: the scheduler gives trainer accelerators to the rollout
-    (`SwitchToRollout`) only after this report, and forgets it at the next `DeliverGroup` or
-    `StartStep`. A runtime that never sends it never has accelerators taken from its trainer.
+    Only elastic colocation uses it: `SwitchToRollout` comes only after this report, forgotten at
+    the next `DeliverGroup` or `StartStep`. Without it no accelerators leave the trainer.
     """
 
 

@@ -19,24 +19,16 @@ Only live state is kept: a group leaves the scheduler when its trainer step fini
 reported failed, when none of its trajectories runs any more); totals live on in `metrics()`.
 So memory, snapshot size and per-event cost do not grow with the length of a run.
 
-Every per-event path is O(1) in the number of groups and instances (amortised), except where a
-whole fleet must act (a publish in `partial` preempts every instance):
+Every per-event path is O(1) amortised in groups and instances, except where a whole fleet must
+act (a publish in `partial`): queued work is one heap per version (R6, group-major); loaded
+instances are bucketed per version by load (`_levels`), so dispatch and R5 are O(1); completed
+groups are one heap per version, formed only when an input changed (`_form_dirty`); idle
+instances are a set, so a publish plans only those.
 
-- queued work: one heap per version of groups with pending trajectories (R6, group-major);
-- occupancy levels: per version, the loaded instances bucketed by how many trajectories they run
-  (`_levels`), so dispatch takes the least loaded instance within its fair share in O(1) (`_dispatch`,
-  `_pick`), and R5 is considered in O(1) on every release and acts only when the version runs on
-  more instances than its work needs (`_maybe_consolidate`);
-- completed groups: one heap per version (R3 looks at each live version's head only), and batch
-  formation runs only when one of its inputs changed (`_form_dirty`);
-- idle instances: a set, so that a publish or a re-queued old trajectory plans only those.
-
-A note on R3. Taking "the mandatory set, then the oldest completed groups" is not enough to keep
-C3: a step that takes a newer group while two older ones still run can leave the next step with
-more mandatory groups than slots. Each group has a deadline (`version + K`); the scheduler takes a
-group only if, afterwards, for every future step `k + j` the unassigned groups due by then still
-fit into the remaining slots (`r + j * B`), an earliest-deadline-first feasibility test. R2
-guarantees such a schedule exists, so waiting always ends when the engines make progress.
+R3: "the mandatory set, then the oldest completed groups" can break C3 (a newer group taken now
+can leave the next step more mandatory groups than slots). Each group is due by `version + K`; a
+group is taken only if, for every future step `k + j`, the unassigned groups due by then still fit
+in `r + j * B` slots (earliest-deadline-first). R2 guarantees such a schedule exists.
 """
 
 from __future__ import annotations
@@ -98,10 +90,8 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._seq = 0
         self._complete_seq = 0
         self._n_active = 0  # admitted groups neither complete nor failed
-        # The largest instance id ever registered. Instead of a set of failed ids, one entry per
-        # crash for the whole run: a report from an id at or below it that is not registered now
-        # (nor on the trainer's side) comes from an instance declared failed and is stale
-        # (`_stale_instance`); hosts give a restarted engine a fresh, larger id.
+        # The largest instance id ever registered: a report from an id at or below it that is not
+        # registered now is from a failed instance and stale (`_stale_instance`).
         self._id_max = _NO_INSTANCE
         self._orphaned = False  # work was queued for a version no instance holds
         self._halted: str | None = None  # the circuit breaker's message once it tripped
@@ -119,11 +109,9 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._occupied: dict[int, int] = {}  # bucket -> running on instances targeting it
         self._pools: dict[int, list] = {}  # version -> heap of (batch key, complete_seq, gid)
         self._pool_n = 0  # completed groups not yet in a step
-        # `_form` takes the smallest key among the versions that can be taken now; in mode dora
-        # with the built-in keys (oldest version first) the global head, or waits for it: when
-        # the oldest pooled version cannot be taken, no newer one can (EDF). A plugin's batch key
-        # may order a newer version first: waiting for that head, while the older group it waits
-        # for sits in the pool behind it, was a deadlock.
+        # `_form` takes the smallest key among the versions that can be taken now; dora with the
+        # built-in keys (oldest first) waits for the global head (EDF). A plugin's key may order a
+        # newer version first, where waiting for the head would deadlock.
         self._pool_fifo = self.mode != "dora" or not self._builtin_batch
         self.m = {
             "staleness_hist": {}, "trajectories_trained": 0, "multi_version_trajectories": 0,
@@ -175,11 +163,9 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
     def handle_many(self, events: Iterable[Any]) -> list:
         """Feed events in order; returns the actions for all of them.
 
-        Equivalent to calling `handle` on each event, except that admission, batch formation
-        and idle-instance planning run once at the end instead of after every event (so, e.g.,
-        one `RequestGroups` may ask for what several calls would have asked for one by one). A
-        batch that fails instances may return actions for them decided before their failure
-        (void: their trajectories were re-queued); hosts drop those with `actions.without_failed`.
+        Like `handle` on each event, except that admission, batch formation and idle-instance
+        planning run once at the end. A batch that fails instances may return actions for them
+        decided before their failure (void); hosts drop those with `actions.without_failed`.
         """
         return self._run(self._handle_each, events)
 
@@ -318,8 +304,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             raise ProtocolError(
                 f"instance {inst.id} reported version {ev.version} loaded, but was asked for {inst.loading}"
             )
-        # The scheduler's own int, not the event's equal value (a host may report a numpy integer):
-        # a trajectory keeps the version it ran under unboxed (`_traj_version`), as an int.
+        # The scheduler's own int, not the event's value (a host may report a numpy integer).
         v = inst.loading
         inst.version = v
         self.m["weight_loads"] += 1
@@ -335,8 +320,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                 elif (vs := tvm[h])[-1] != v:
                     vs.append(v)
             if v < self.newest:
-                # A newer version was published while this one loaded: load it too (the
-                # instance stays in the loading state throughout).
+                # A newer version was published while this one loaded: load it too.
                 self._start_load(inst, self.newest, preempt=True)
                 return
         inst.loading = None
@@ -368,9 +352,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         elif inst.version is not None:
             self._set_level(self._bucket(inst.version), inst.id, inst.nrun, None)
         self._idle.pop(inst.id, None)
-        # Its reason to load the gating version died with it: left behind, it would count as a
-        # holder of that version's even share (`_spread_plan`) and, when a host registers an engine
-        # under the same id again, let it skip `_maybe_spread`'s "nothing else to do" test.
+        # Left behind, it would count as a holder of the gating version's share (`_spread_plan`).
         self._spreading.pop(inst.id, None)
         del self.instances[inst.id]  # from now on its id reads as failed (`_stale_instance`)
         touched = set()
@@ -398,9 +380,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
     def _on_group_admitted(self, ev: E.GroupAdmitted) -> None:
         gid = ev.group_id
         if not isinstance(gid, (int, str)) or isinstance(gid, bool):
-            # The id travels in actions and snapshots: `snapshot()` is JSON data, and a tuple
-            # came back from a JSON round trip as a list (unhashable: `restore` failed), a float
-            # or numpy integer not at all, and True is the same key as group 1.
+            # The id must survive the snapshot's JSON round trip (True is the same key as 1).
             raise ProtocolError(
                 f"GroupAdmitted.group_id {_brief(gid)} ({type(gid).__name__}): a group id must be an int "
                 f"or a str (a JSON scalar that survives the snapshot's JSON round trip), not a bool"
@@ -435,8 +415,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._unassigned[v] = self._unassigned.get(v, 0) + 1
         self._n_active += 1
         self._form_dirty = True
-        # `_enqueue(g, n)` and `_bucket`, inlined (once per admitted group): a fresh group has all
-        # its trajectories pending, so it joins its version's queue
+        # `_enqueue(g, n)` and `_bucket`, inlined: a fresh group joins its version's queue
         n = self.n
         b = v if self._pinned else _ANY
         self._queued[b] = self._queued.get(b, 0) + n
@@ -555,8 +534,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
 
     def _on_published(self, ev: E.VersionPublished) -> None:
         if not isinstance(ev.version, numbers.Integral):
-            # (a float would pass the test below and then fail the int arrays that hold versions,
-            # half-way through admitting the next group)
+            # (a float would pass the test below, then fail the int arrays that hold versions)
             raise ProtocolError(f"version {ev.version!r} published: expected an integer")
         if ev.version != self.newest + 1:
             raise ProtocolError(f"version {ev.version} published, expected {self.newest + 1}")
@@ -728,7 +706,6 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                 f"last failure: {reason}"
             )
 
-    # ------------------------------------------------------------------ instance planning (R4, R5)
     # ------------------------------------------------------------------ admission (R2)
     def _budget_left(self) -> int:
         left = self._adm.limit(self.newest) - self._admitted - self._outstanding
@@ -803,11 +780,8 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         pools = self._pools
         fifo = self._pool_fifo
         dora = self.mode == "dora"
-        # The version just taken when its next group is known to pass `_feasible` without the
-        # test: it passed for a version `vg` that was the oldest unassigned one; taking one of its
-        # groups lowers both `cum` (at every version, all >= vg) and the bound `r - 1` by one, so
-        # the test passes again for `vg` while it stays unassigned (then still the oldest) and
-        # nothing else is taken (None: test).
+        # A version whose next group passes `_feasible` without the test: it passed for the oldest
+        # unassigned `vg`, and taking its group lowers `cum` and `r` by one alike (None: test).
         sure = None
         while r > 0 and self._pool_n:
             # Each version's pool is ordered by the batch key, and feasibility depends only on
@@ -824,10 +798,8 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                         best = (heap[0], v)
                     elif low is None or heap[0] < low:
                         low = heap[0]
-                # A wait: in dora (a plugin's keys), when the smallest key of all cannot be taken
-                # (it is checked whatever the pools' order: every head below the best is), as the
-                # global-head path counts it; a head that cannot be taken behind a smaller one that
-                # can is no wait. The other modes count any head found untakeable, as they did.
+                # A wait: in dora, when the smallest key of all cannot be taken; the other modes
+                # count any head found untakeable.
                 waited = low is not None and (not dora or best is None or low < best[0])
             else:
                 # dora with the built-in keys: the global head (oldest version first), or wait for it.
@@ -917,7 +889,6 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
                 if inst is not None and not inst.nrun and inst.loading is None:
                     self._plan_instance(inst)
 
-    # ------------------------------------------------------------------ snapshot / restore
     # ------------------------------------------------------------------ pump
     def _finish(self) -> list:
         if self._orphaned:
@@ -933,5 +904,3 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         if self._halted is not None:
             raise self._storm(out)
         return out
-
-    # ------------------------------------------------------------------ elastic colocation

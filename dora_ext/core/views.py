@@ -11,10 +11,9 @@ from ._state import _LETTERS, _NO_INSTANCE, _STATES
 class GroupView:
     """A read-only view of one live group (`Scheduler.groups[gid]`): `gid`, `version`, `state`
     ("active", "complete", "assigned", "trained", "failed"), `step`, `meta`, `seq`, `key`,
-    `done`, `live`, `complete_seq`, `in_queue`. It reads the scheduler's per-group arrays when
-    accessed. Once the group leaves the scheduler (trained, or failed and retired) its slot is
-    reused by another group, so reading the view then raises `LookupError` naming the group
-    (`gid` stays readable) instead of reporting the other group's state."""
+    `done`, `live`, `complete_seq`, `in_queue`, read from the scheduler's arrays when accessed.
+    Once the group leaves the scheduler its slot is reused, so reading the view then raises
+    `LookupError` naming the group (`gid` stays readable)."""
 
     __slots__ = ("_s", "_g", "_q", "_gid")
 
@@ -75,10 +74,8 @@ class _Groups(Mapping):
 
 
 class TrajectoryView:
-    """A read-only view of one live trajectory's state (`Scheduler.trajectory`), for tests and
-    debugging; it reads the scheduler's arrays when accessed. Once its group leaves the
-    scheduler (and its slot may hold another group's trajectories), reading it raises
-    `LookupError` naming the trajectory."""
+    """A read-only view of one live trajectory (`Scheduler.trajectory`), for tests and debugging.
+    Once its group leaves the scheduler, reading it raises `LookupError` naming the trajectory."""
 
     __slots__ = ("_s", "_h", "_q", "_gid")
 

@@ -1,9 +1,7 @@
 """Run modes side by side (same recipe, same seeds) and write what a run leaves behind.
 
-Modes run one after the other, seed-major: for each seed every mode runs once, starting from the
-same version 0 (one warm start per seed, shared) and the same prompt stream, so that a ratio of
-two modes compares scheduling and nothing else, and slow drifts of a shared machine hit every
-mode alike.
+Modes run one after the other, seed-major: for each seed every mode starts from the same version 0
+and prompt stream, so a ratio of two modes compares scheduling only and drifts hit every mode alike.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Reports of the embedded runtime: the side-by-side table, the JSON of `compare`, and the plots.
 
-The timeline is drawn like the simulator's (`dora_ext.sim.plot`, whose lane and trainer helpers it
-reuses): one lane per rollout instance coloured by the version it serves, black while it loads
-weights, grey while idle; a trainer lane on top; the staleness histogram beside it. Real runs have
-few instances, so every instance gets its own lane.
+The timeline is drawn like the simulator's (`dora_ext.sim.plot`, whose helpers it reuses), with
+one lane per instance (real runs have few).
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from typing import Any, Sequence
 
 from .runtime import RunResult
 
-#: per-mode keys of `compare --json`: issue 4's, and the mean trained staleness (issue 25)
+#: per-mode keys of `compare --json`
 JSON_KEYS = ("throughput_tokens_per_s", "speedup_vs_sync", "final_reward_mean", "final_reward_std",
              "staleness_max", "staleness_mean", "c1_ok", "c2_ok", "c3_ok")
 

@@ -4,10 +4,8 @@
     result = simulate(get_preset("dapo-28k"), "dora", steps=20, seed=0)
     result.metrics["throughput_tokens_per_s"], result.metrics["efficiency"]
 
-`compare` runs several modes side by side (optionally optimising the rollout/trainer split per
-mode) and fills `speedup_vs_sync`; `optimize.optimise_split` finds the best integer split and
-`optimize.recommend` the mode, K and split with the highest efficiency that keeps C1-C3. The CLI is
-`dora-ext simulate` (`--recommend`).
+`compare` runs several modes side by side and fills `speedup_vs_sync`; `optimize.optimise_split`
+finds the best split, `optimize.recommend` the best mode, K and split. CLI: `dora-ext simulate`.
 """
 
 from .presets import PRESETS, EngineCost, Preset, TrainerCost, get_preset

@@ -11,11 +11,8 @@ budget (`--max-staleness`, default 2) it optimises the rollout:trainer split on 
 and prints the choice with the highest efficiency that keeps C1-C3, the runner-up, and what each
 costs. `--elastic` also evaluates elastic colocation (accelerators lent between the roles).
 
-`--host` (default `ideal`, the cost model of the presets alone) charges what a host's
-implementation pays: its weight path (on the trainer and per instance load), migrations that
-re-prefill where the engine cannot move KV, and a KV-token budget with recompute preemption
-(see dora_ext/sim/hosts.py and docs/simulator.md). Every host but `ideal` adds
-`trainer_weight_sync_s_per_step`, `reprefilled_tokens` and `preemptions` to the output.
+`--host` (default `ideal`, the presets' cost model alone) charges what a host's implementation
+pays (see dora_ext/sim/hosts.py and docs/simulator.md).
 
 Imports no torch: the simulator is pure Python; matplotlib is imported only for `--plot`.
 """
@@ -29,7 +26,7 @@ from typing import Any
 
 from ..config import ADMISSIONS, MODES, ConfigError
 
-#: per-mode keys of `--json`, in issue 3's order
+#: per-mode keys of `--json`
 JSON_KEYS = (
     "throughput_tokens_per_s", "speedup_vs_sync", "efficiency", "trainer_wait_ratio",
     "rollout_bubble_ratio", "rollout_to_train_end_s", "staleness_max", "staleness_mean",
@@ -189,7 +186,7 @@ def _warn_short(args: argparse.Namespace, modes: list[str]) -> None:
 
 
 def to_json(preset: str, seed: int, steps: int, results: dict) -> dict[str, Any]:
-    """The `--json` object of issue 3 (with `host` and `JSON_HOST` for a host but `ideal`)."""
+    """The `--json` object (with `host` and `JSON_HOST` for a host but `ideal`)."""
     host = next(iter(results.values())).metrics.get("host", "ideal")
     keys = JSON_KEYS + JSON_EXTRA + (() if host == "ideal" else JSON_HOST)
     out = {"preset": preset, "seed": seed, "steps": steps}
@@ -309,9 +306,7 @@ def _stop_or_resume(args: argparse.Namespace) -> int:
                 raise WorkloadError(f"--elastic: mode {modes[0]} does not take it; accepted: {', '.join(ELASTIC_MODES)}")
             split = parse_split(args.split)
             preset = get_preset(args.preset)
-            # The same run as without a checkpoint: the same default steps for this K (they grow
-            # with K) and elastic colocation when asked (both were dropped here: a "resumed"
-            # run was not the run the user asked for).
+            # The same run as without a checkpoint: the default steps for this K, elastic if asked.
             steps = args.steps or default_steps(preset, _staleness(modes[0], args.max_staleness))
             sim = Simulation(preset, modes[0], steps=steps, seed=args.seed,
                              max_staleness=args.max_staleness, split=split if isinstance(split, tuple) else None,

@@ -65,13 +65,9 @@ def compare(
 def calibration(preset: Preset, *, seed: int = 0, steps: int = 3, groups: int = 2000) -> dict[str, float]:
     """Measure the figures a preset is calibrated against (design.md, "Workloads").
 
-    - `rollout_share_sync`: rollout time / step time of mode `sync` (DORA: 50-80%; verl DAPO-32B
-      ~70%; Seer 63-84%).
-    - `p99_over_median`: response-length p99 / median (design.md: about 10x).
-    - `longest_of_group_over_mean`: mean over groups of the group's longest response / the
-      mean response (design.md: ~5x for 16 samples).
-    - `tail10_time_share`: share of a sync rollout taken by its last 10% of trajectories (Seer:
-      up to 50%).
+    `rollout_share_sync` (rollout / step time of `sync`), `p99_over_median` (response lengths),
+    `longest_of_group_over_mean` (a group's longest response / the mean response) and
+    `tail10_time_share` (share of a sync rollout taken by its last 10% of trajectories).
     """
     sampler = LengthSampler(preset.workload, seed)
     lengths: list[int] = []

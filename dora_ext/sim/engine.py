@@ -1,28 +1,23 @@
 """One simulated rollout instance: continuous batching on a virtual clock, in closed form.
 
-Simulating every decode iteration as an event would cost 1000 instances x 30K iterations x 100
-steps. Instead, between two membership changes (a trajectory joins, finishes, migrates, is
-preempted) every running sequence advances by the same number of iterations `m`, and iteration `j`
-(counted from the last change) costs
+Instead of an event per decode iteration: between two membership changes (a trajectory joins,
+finishes, migrates, is preempted) every running sequence advances by the same number of
+iterations `m`, and iteration `j` (counted from the last change) costs
 
     alpha + beta * j,   alpha = a + b * r + c * C0,   beta = c * r
 
 because the total context `C` grows by `r` tokens per iteration. `m` iterations therefore take
-the arithmetic series `T(m) = alpha * m + beta * m * (m - 1) / 2`, and the inverse (how many
-iterations fit in `dt`) is the positive root of a quadratic. The polynomial composes exactly
-(`T` over `m1 + m2` equals `T(m1)` followed by `T(m2)` from the advanced state), so advancing at
-arbitrary times for bookkeeping never changes the outcome.
+the arithmetic series `T(m) = alpha * m + beta * m * (m - 1) / 2`; its inverse is a quadratic's
+positive root. `T` composes exactly, so advancing at arbitrary times never changes the outcome.
 
 Per-sequence state is kept relative to an instance-wide iteration counter `it`: a sequence
 finishes when `it` reaches its `finish` mark, and its context is `offset + it`. A membership
 change is O(log r); the time of the next finish is the heap's minimum.
 
-KV memory (`kv`, a host's KV-token budget; 0 = unbounded): the total context grows by `r` per
-iteration, so the iteration at which the next one would not fit is closed-form too, and is an
-event like a finish. There the newest running sequence is preempted (its KV dropped) and waits at
-the head of `waiting`; waiting sequences (also new ones that did not fit) join, first come first
-served, when their context fits again under a 1% watermark, re-prefilling it (vLLM's recompute
-preemption).
+KV memory (`kv`, a host's KV-token budget; 0 = unbounded): the iteration at which the context no
+longer fits is closed-form too, an event like a finish. There the newest sequence is preempted
+and waits at the head of `waiting`; waiting sequences join first come first served when they fit
+under a 1% watermark, re-prefilling (vLLM's recompute preemption).
 """
 
 from __future__ import annotations
@@ -153,9 +148,8 @@ class SimInstance:
     def add(self, key: Hashable, remaining: float, context: float, t: float, prefill_tokens: float) -> None:
         """A sequence joins at time `t` with `remaining` tokens to go and `context` tokens of KV.
 
-        `prefill_tokens` of prefill stall decoding first (the prompt for a new trajectory, the
-        whole context for a re-prefill, 0 when the KV arrived by migration). With a KV budget, a
-        sequence that does not fit waits (behind any earlier waiting one)."""
+        `prefill_tokens` of prefill stall decoding first (0 when the KV arrived by migration).
+        With a KV budget, a sequence that does not fit waits behind any earlier waiting one."""
         self.advance(t)
         if self.kv and (self.waiting or not self._fits(context)):
             self.waiting.append((key, remaining, context, prefill_tokens, False))
@@ -164,8 +158,7 @@ class SimInstance:
         self._join(key, remaining, context, t, prefill_tokens)
 
     def _fits(self, context: float) -> bool:
-        # vLLM's watermark: a sequence joins only if 1% of the budget stays free after it, so
-        # that a preempted one is not taken straight back in (thrash)
+        # vLLM's watermark: join only if 1% of the budget stays free (no preemption thrash)
         r = self.r
         return not r or self.S + r * self.it + context + r + 1 <= 0.99 * self.kv
 

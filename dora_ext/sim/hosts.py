@@ -4,23 +4,18 @@ A preset's constants describe the hardware; a host profile says how the host's i
 spends it. Four profiles (`HOSTS`), selectable per run (`simulate(..., host=...)`,
 `dora-ext simulate --host NAME[:field=value,...]`):
 
-- `ideal` (the default, today's model): the trainer pays the preset's `broadcast_s` per version,
-  each load costs its instance `weight_load_s`, a migration moves the KV cache at the preset's
-  `migrate_bytes_per_s`, and capacity is a sequence count.
-- `verl`: verl with the rollout-side weight store (the verl adapter's weight path): one
-  trainer->store transfer per version on the trainer (FSDP gather + copy into the store,
-  `publish_*`), then every replica load reads the store without the trainer (`load_*`).
-  vLLM/SGLang cannot move a KV cache, so a migration re-prefills the context on the destination;
-  KV memory is the preset's KV-token budget with recompute preemption (vLLM's default).
+- `ideal` (the default): the preset's `broadcast_s` per version on the trainer, `weight_load_s`
+  per load, KV moved at `migrate_bytes_per_s`, capacity a sequence count.
+- `verl`: the verl adapter's rollout-side weight store: one trainer->store transfer per version
+  (`publish_*`), then every replica load reads the store without the trainer (`load_*`). A
+  migration re-prefills on the destination (vLLM/SGLang cannot move KV); KV memory is the
+  preset's KV-token budget with recompute preemption.
 - `verl-gather`: verl's older path: every subset load is an FSDP gather + broadcast on the
   trainer thread (`load_on_trainer`): the trainer is blocked for each instance load.
 - `slime`: slime's dora twin: a full HF checkpoint written per version on the trainer's critical
-  path (`publish_bytes_per_s`: the disk's write rate, a parameter), then each engine reloads it
-  from disk; migration and KV memory as in verl.
-- `embedded`: `dora_ext.runtime`: the trainer packs the published weights (its `publish`), each
-  engine copies them in, a migration moves the sequence's KV cache, capacity is a sequence
-  count: the semantics of `ideal`, with the preset's constants (the `cpu-long-tail` preset's are
-  measured on that runtime); its JSON also reports the costs below.
+  path (`publish_bytes_per_s`), reloaded from disk by each engine; migration and KV as in verl.
+- `embedded`: `dora_ext.runtime`: the semantics of `ideal` (the trainer packs the weights, each
+  engine copies them in, migrations move KV); its JSON also reports the costs below.
 
 Every profile but `ideal` adds `trainer_weight_sync_s_per_step`, `reprefilled_tokens` (from
 migrations), `preemptions` (KV budget) and `host` to the JSON.

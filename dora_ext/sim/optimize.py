@@ -4,23 +4,17 @@
 the G accelerators) with the highest throughput for one mode and K, every candidate evaluated by
 a full-length simulation of the real scheduler (`steps` as given, by default the preset's).
 
-It relies on the throughput being unimodal in the rollout instance count: too few instances and
-the rollout is the bottleneck (throughput rises with each one), too many and the trainer is
-(throughput falls with each one taken from it). On that assumption it brackets the maximum by
-stepping out from the balance point (doubling steps), then narrows the bracket by golden-section
-search and finally checks the neighbours of the best point (within two instances, or 1/32 of the
-range on large clusters), climbing on if one is better, so a small non-unimodal wiggle next to
-the maximum is still caught. It does not trust the assumption
-blindly: `SplitSearch.unimodal` says whether the evaluated points rise then fall (within
-`tolerance`), and the tests compare it against a brute-force scan of every split on small presets.
+It assumes throughput is unimodal in the rollout instance count (rollout-bound below the balance,
+trainer-bound above): it brackets the maximum by doubling steps from the balance point, narrows it
+by golden-section search, then climbs among the best point's neighbours (two instances, or 1/32
+of the range) to catch a small wiggle. `SplitSearch.unimodal` says whether the evaluated points
+rise then fall (within `tolerance`); the tests compare it with a brute-force scan.
 
 `recommend` answers "which mode, K and split": for each candidate (mode, K) up to a staleness
 budget it optimises the split, keeps the runs that hold C1-C3, and ranks them by efficiency
-(throughput over the preset's physical limit), weighing staleness: among the candidates within
-`EFFICIENCY_TIE` (1%) of the best it picks the lowest mean trained staleness (so a larger K whose
-admission keeps the staleness low may win, and a smaller K that costs under 1% too). Modes that break C1 (`partial`) are evaluated and
-shown with what they cost (multi-version share, re-prefilled tokens) but never picked, also on a
-replay where they happened to hold C1 (`UNPICKED_MODES`: they do not keep it by construction).
+(throughput over the preset's physical limit); among those within `EFFICIENCY_TIE` (1%) of the
+best it picks the lowest mean trained staleness. Modes that break C1 by construction (`partial`,
+`UNPICKED_MODES`) are evaluated and shown with their costs but never picked.
 """
 
 from __future__ import annotations
@@ -73,18 +67,13 @@ def latency_floor(preset: Preset, max_staleness: int, seed: int = 0, records: An
                   batches: int = 8) -> dict[str, float]:
     """How far a staleness bound `K` lets any schedule get on this workload: a step-time floor.
 
-    A group admitted at version `v` cannot start before `v` is published and must be trained in
-    step `v + K` at the latest, so the `K + 1` steps from publishing `v` to publishing `v + K + 1`
-    last at least the longest of its trajectories run *alone* on an instance (its prefill, then
-    one decode iteration per token at `a + b + c * context`: no schedule decodes it faster), plus
-    the optimizer step on the whole cluster and a broadcast. Assuming each version's groups carry
-    their share of the longest episodes (versions of `B` groups in admission order, the first
-    `batches` batches of the workload), the mean step lasts at least the mean of
-    `(longest lone latency + optimizer + broadcast) / (K + 1)`. `ideal_step_s` is the step time
-    at `ideal_throughput` for the same groups; `efficiency_cap` = `min(1, ideal / floor)` says how
-    much of the ideal the bound `K` leaves reachable (the ideal itself ignores latency).
-    This is an estimate for reading results (it assumes the longest episodes spread over the
-    versions), not a metric of a run.
+    A group admitted at version `v` must be trained by step `v + K`, so the `K + 1` steps from
+    publishing `v` to `v + K + 1` last at least its longest trajectory run alone on an instance
+    (prefill, then `a + b + c * context` per token), plus an optimizer step and a broadcast. Over
+    the first `batches` versions of `B` groups, the mean step lasts at least the mean of
+    `(longest lone latency + optimizer + broadcast) / (K + 1)`. `ideal_step_s` is the step time at
+    `ideal_throughput`; `efficiency_cap` = `min(1, ideal / floor)`. An estimate for reading
+    results, not a metric of a run.
     """
     from .runner import ideal_step_work
 
@@ -143,11 +132,9 @@ def optimise_split(
 ) -> SplitSearch:
     """The integer split with the highest throughput for `mode` (see the module docstring).
 
-    `start` (rollout instances) seeds the search, e.g. the best split of a neighbouring K; by
-    default the balance point of the workload. A cluster with at most `exhaustive` possible
-    rollout instance counts is scanned whole (exact). A colocated mode (`sync` on a colocated
-    preset) has no split: it runs once. `cache` (a dict the caller keeps) reuses runs with the
-    same preset, mode, steps, seed, K and config across calls.
+    `start` (rollout instances) seeds the search (default: the workload's balance point). A
+    cluster with at most `exhaustive` rollout instance counts is scanned whole (exact). A
+    colocated mode has no split: it runs once. `cache` (a caller's dict) reuses identical runs.
     """
     run_one = runner or simulate
     tp, g = preset.engine.accelerators, preset.accelerators
@@ -366,11 +353,9 @@ def recommend(
     """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`;
     within `EFFICIENCY_TIE` of it, the one with the lowest mean trained staleness.
 
-    Every candidate's split is optimised (`optimise_split`) on full-length runs; a candidate's
-    search starts from the best split of the previous K of the same mode. With `elastic`, the
-    modes of `ELASTIC_MODES` are also evaluated with elastic colocation. `exhaustive`: clusters
-    with at most that many rollout instance counts have every split scanned (exact even where the
-    throughput is not unimodal in the split; see `optimise_split`).
+    Every candidate's split is optimised (`optimise_split`), starting from the best split of the
+    previous K of the same mode. With `elastic`, `ELASTIC_MODES` are also evaluated elastic.
+    `exhaustive`: as in `optimise_split`.
     """
     cands: list[Candidate] = []
     hint: dict[tuple[str, bool], int] = dict(start or {})

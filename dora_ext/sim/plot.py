@@ -1,13 +1,11 @@
 """Timeline plot of a comparison: one panel per mode, read at a glance.
 
-Each panel shows one lane per rollout instance, coloured by the version it serves (versions cycle
-through ten colours), black while it loads weights and grey while it is idle; a lane for the
-trainer (busy/idle) on top; and, to the right, the staleness histogram of the trained groups.
-All panels share the time axis, so a mode that finishes its steps sooner is visibly shorter.
+Each panel shows one lane per rollout instance, coloured by the version it serves (ten colours
+cycling), black while loading weights, grey while idle; a trainer lane on top; the staleness
+histogram of the trained groups to the right. All panels share the time axis.
 
-The data are downsampled before drawing: time into `bins` columns (state at each column's centre)
-and instances into at most `max_lanes` lanes (each lane shows the most common state of the
-instances it stands for), so 1,000 instances plot as fast as ten.
+The data are downsampled: time into `bins` columns and instances into at most `max_lanes` lanes
+(each the most common state of its instances), so 1,000 instances plot as fast as ten.
 """
 
 from __future__ import annotations

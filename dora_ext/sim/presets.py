@@ -2,16 +2,11 @@
 
 One `Preset` = hardware (`accelerators` G, accelerators per rollout instance), an engine cost
 model, a trainer cost model, a workload and a batch. Every mode of a comparison runs with the
-same preset: a baseline is never given worse constants (issue 3, "All modes share one cost
-model"); modes differ only in what the real `dora_ext.core.Scheduler` decides.
+same preset, so modes differ only in what the real `dora_ext.core.Scheduler` decides.
 
-Where a constant comes from is said next to it. Three kinds of source:
-  [paper]  a figure quoted in design.md (DORA, verl docs, Seer, RolloutPipe, ...);
-  [hw]     derived from public hardware/model sizes (H100-class: 989 TFLOP/s dense bf16,
-           3.35 TB/s HBM, 80 GB; the model's parameter count and KV layout), with the assumed
-           utilisation stated;
-  [calib]  chosen so that a simulated figure matches a [paper] figure; `calibration()` measures
-           it again and the tests check it still holds.
+Where a constant comes from is said next to it: [paper] a figure quoted in design.md; [hw]
+derived from public hardware/model sizes (H100-class) at a stated utilisation; [calib] chosen so
+that a simulated figure matches a [paper] one (`calibration()` measures it, the tests check it).
 
 A trained token costs 12*N FLOP for an N-parameter model: 2N for the old-policy log-probs, 2N for
 the reference log-probs, 8N for forward + backward with activation recomputation.
@@ -41,21 +36,16 @@ class EngineCost:
     Moving a running trajectory between instances (R5) costs `context * kv_bytes_per_token /
     migrate_bytes_per_s` seconds during which it does not advance; with `migrate_bytes_per_s = 0`
     the engine cannot move KV and the destination re-prefills the context instead.
-    `resume_reprefill`: after a weight update with preempted trajectories (mode `partial`), the KV
-    cache computed by the old weights is dropped and the context re-prefilled, as AReaL's
-    interruptible generation and verl fully_async's partial rollout do.
+    `resume_reprefill`: after a weight update preempts trajectories (mode `partial`), the old KV
+    is dropped and the context re-prefilled (AReaL, verl fully_async partial rollout).
 
-    MoE expert-load imbalance: an expert-parallel decode iteration waits for its most loaded
-    expert, and which experts a batch loads shifts as its sequences come and go, so instances run
-    at different and changing speeds. With `moe_imbalance = m > 0` every instance's iteration cost
-    is multiplied by `1 + m * |z|` (z standard normal), drawn per instance and per period of
-    `moe_period_s` seconds (keyed by seed, instance and period: every mode sees the same speeds).
-    A balanced load (factor 1) is the best case, so the ideal is unchanged; the mean factor is
-    `1 + 0.8 m`.
+    MoE expert-load imbalance: with `moe_imbalance = m > 0` every instance's iteration cost is
+    multiplied by `1 + m * |z|` (z standard normal), drawn per instance and per `moe_period_s`
+    period, keyed by seed so every mode sees the same speeds. Factor 1 is the best case, so the
+    ideal is unchanged; the mean factor is `1 + 0.8 m`.
 
-    `kv_budget_tokens` (hosts with `kv_memory`, see `hosts.py`): the running sequences' contexts
-    must fit it; when the next iteration would not, the newest sequence is preempted and later
-    recomputed (re-prefilled) from its context, as vLLM does by default.
+    `kv_budget_tokens` (hosts with `kv_memory`): the running contexts must fit it; otherwise the
+    newest sequence is preempted and later re-prefilled, as vLLM does by default.
     """
 
     decode_a_s: float
@@ -85,14 +75,10 @@ class TrainerCost:
     """Cost model of the trainer (FSDP/Megatron), work expressed in accelerator-seconds.
 
     A trained token (prompt + response, forward + backward + log-prob recomputation) costs
-    `train_acc_s_per_token`; the optimizer step costs `optimizer_acc_s` per step whatever the
-    batch. Both divide by the trainer's accelerator count (perfect data-parallel scaling, which
-    favours no mode: every mode trains the same tokens). Publishing a version (gathering and
-    broadcasting the weights) takes `broadcast_s` of trainer time.
-
-    Elastic colocation (`DoraConfig.elastic`): an accelerator joining the trainer spends `join_s`
-    loading its optimizer-state shard and rebuilding the data-parallel group; one leaving it
-    spends `leave_s` offloading its shard, then loads the rollout weights (`weight_load_s`).
+    `train_acc_s_per_token`; the optimizer step costs `optimizer_acc_s` per step. Both divide by
+    the trainer's accelerator count (perfect scaling favours no mode). Publishing a version takes
+    `broadcast_s` of trainer time. Elastic colocation: joining the trainer costs `join_s`, leaving
+    it `leave_s` (then the rollout weights load, `weight_load_s`).
     """
 
     train_acc_s_per_token: float
@@ -154,15 +140,13 @@ DAPO_28K = Preset(
         kv_budget_tokens=55_000_000_000 // _KV7,  # [hw] 80 GB - 15 GB weights - ~10 GB activations = 55 GB / 57 KB: 959K tokens
     ),
     trainer=TrainerCost(
-        # [calib] sync rollout share ~70% of the step (verl docs, DAPO-32B; issue 3). The [hw]
-        # estimate, 12*7.6e9 FLOP/token at 35% MFU = 2.6e-4, is lower: attention over 28K
-        # contexts and FSDP communication are not in it; calibration puts the rest on the trainer.
+        # [calib] sync rollout share ~70% of the step (verl docs, DAPO-32B); above the [hw]
+        # estimate (2.6e-4 at 35% MFU), which leaves out attention over 28K contexts and FSDP comms.
         train_acc_s_per_token=5.8e-4,
         optimizer_acc_s=128.0,  # [hw] ~1 s FSDP AdamW step at 128 accelerators
         broadcast_s=2.0,  # [hw] gather + NCCL broadcast of 15 GB
-        # [hw] fp32 AdamW state + master weights, 16 B/param = 122 GB, resharded over the new
-        # data-parallel group at ~5 GB/s per accelerator (~1.5 GB each) plus a communicator
-        # rebuild of a few seconds; leaving offloads the shard the same way
+        # [hw] 16 B/param of AdamW state resharded at ~5 GB/s per accelerator plus a communicator
+        # rebuild; leaving offloads the shard the same way
         join_s=5.0,
         leave_s=5.0,
     ),
@@ -274,9 +258,8 @@ AGENTIC_LONG_TAIL = Preset(
         leave_s=10.0,
     ),
     workload=Workload(
-        # Multi-turn episodes: the summed generation over turns has a heavier tail than one
-        # reasoning answer; p99 ~ 20x the median (Seer: the last 10% of requests take up to
-        # 50% of rollout time) and long accumulated contexts (tool outputs) as the prompt.
+        # Multi-turn episodes: a heavier tail than one answer (p99 ~ 20x the median, Seer) and
+        # long accumulated contexts (tool outputs) as the prompt.
         response_median=4000.0,
         response_cv=2.0,
         response_cap=65536,
@@ -319,15 +302,13 @@ MOE_IMBALANCE = Preset(
         accelerators=2,
         weight_bytes=2 * _P30,
         kv_budget_tokens=100_000_000_000 // _KV30,  # [hw] 2 x 80 GB - 61 GB weights - activations = ~100 GB / 98 KB: 1.02M tokens
-        # [assumed] expert-load skew: DORA reports long tails are worse with MoE; an EP iteration
-        # waits for the most loaded expert. Factor 1 + 0.3 |z| (mean 1.24, 1.6 at 2 sigma),
-        # redrawn every 30 s per instance.
+        # [assumed] expert-load skew (an EP iteration waits for the most loaded expert): factor
+        # 1 + 0.3 |z| (mean 1.24), redrawn every 30 s per instance.
         moe_imbalance=0.3,
         moe_period_s=30.0,
     ),
     trainer=TrainerCost(
-        # [hw] 12 * active parameters FLOP per token at 20% MFU (MoE training: all-to-all and
-        # grouped GEMMs run well below dense MFU)
+        # [hw] 12 * active parameters FLOP per token at 20% MFU (all-to-all, grouped GEMMs)
         train_acc_s_per_token=12 * _A3 / (0.2 * _FLOPS),
         optimizer_acc_s=32.0,  # [hw] ~1 s AdamW over 30.5e9 parameters sharded over 32 accelerators
         broadcast_s=8.0,  # [hw] 61 GB gather + broadcast
@@ -356,18 +337,15 @@ MOE_IMBALANCE = Preset(
 )
 
 # --------------------------------------------------------------------------- cpu-main-job
-# The README's main job (recipes/cpu/long-tail.yaml) in the simulator: a tiny transformer on 2 CPU
-# cores, 2 instances sharing the rollout core (here each its own accelerator at half the core's
-# speed), the trainer on the other. There the trainer is the bottleneck: dora's trainer waits ~6%,
-# its rollout slots sit ~71% idle (issue 25), which is what this preset is calibrated to.
+# The README's main job (recipes/cpu/long-tail.yaml): a tiny transformer on 2 CPU cores, 2
+# instances on the rollout core (here each its own accelerator at half speed), the trainer on the
+# other. Trainer-bound: calibrated to dora's rollout slots sitting ~71% idle.
 CPU_MAIN_JOB = Preset(
     name="cpu-main-job",
     summary="The CPU main job (tiny model, long-tail counting task, 2 instances x 64 + 1 trainer core): trainer-bound",
     accelerators=3,
     engine=EngineCost(
-        # [calib] benchmarks/decode_cost.py measured 0.52 ms per decode step at 1 sequence and 1.25 ms
-        # at 64 on a whole core; with the instances and the coordinator sharing the core, set so
-        # that dora K=2 with `fill` admission leaves ~71% of the slots idle
+        # [calib] set so that dora K=2 with `fill` admission leaves ~71% of the slots idle
         decode_a_s=0.7e-3,
         decode_b_s=1.6e-5,
         decode_c_s=0.0,  # [hw] a 2-layer d_model=64 model: KV reads are negligible
@@ -379,9 +357,7 @@ CPU_MAIN_JOB = Preset(
         accelerators=1,
     ),
     trainer=TrainerCost(
-        # [calib] ~90 ms of trainer CPU per step of ~3,000 tokens (the recipe's measurements); the
-        # real job's ~6% trainer wait is jitter of a shared machine, which this model has not: here
-        # dora K=2 with `fill` never waits
+        # [calib] ~90 ms of trainer CPU per step of ~3,000 tokens (the recipe's measurements)
         train_acc_s_per_token=3.2e-5,
         optimizer_acc_s=0.004,  # [paper] two AdamW steps ~4 ms (the recipe)
         broadcast_s=0.001,  # [paper] publishing and packing the weights ~1 ms (the recipe)
@@ -410,11 +386,9 @@ CPU_MAIN_JOB = Preset(
 )
 
 # --------------------------------------------------------------------------- cpu-long-tail
-# The embedded runtime's main job (recipes/cpu/long-tail.yaml) on a 2-core machine: the tiny model
-# (d_model 64, 2 layers, fp32), 2 instances of 64 sequences, batch 8 x 16. [meas] constants come
-# from one run of benchmarks/sim_vs_runtime.py on the shared 2-core development machine (load
-# average ~10: times several-fold the recipe's unloaded ones); the benchmark re-measures them
-# (`calibrate` there) before it compares, so this preset is the shape, the benchmark the numbers.
+# The embedded runtime's main job (recipes/cpu/long-tail.yaml) on 2 cores: the tiny model (d_model
+# 64, 2 layers, fp32), 2 instances of 64 sequences, batch 8 x 16. [meas] constants come from
+# benchmarks/sim_vs_runtime.py, which re-measures them (`calibrate`) before it compares.
 _KVT = 2 * 64 * 2 * 4  # 2 layers x d_model 64 x (K, V) x fp32
 
 CPU_LONG_TAIL = Preset(

@@ -1,14 +1,11 @@
 """The discrete-event executor: runs the real `dora_ext.core.Scheduler` on a virtual clock.
 
-The simulator never decides anything a mode decides. It feeds the scheduler events, executes the
-actions it returns with the cost models of `presets.py`, and turns their costs into future events
-on one heap (next finish of an instance, a weight load done, a migration landed, a trainer work
-item done). What it measures is therefore the scheduling code users run.
+The simulator decides nothing a mode decides: it feeds the scheduler events, executes the actions
+it returns with the cost models of `presets.py`, and turns their costs into future events on one
+heap, so what it measures is the scheduling code users run.
 
-It also checks the scheduler from the outside: an action that the hardware could not execute
-(a dispatch beyond capacity or onto an instance holding another version, a load over running
-work outside `partial`, trainer and rollout on colocated accelerators at once) raises `SimError`,
-a run that stops making progress raises `SimDeadlock`, and C1-C3 are measured from what the
+It also checks the scheduler from the outside: an action the hardware could not execute raises
+`SimError`, a run that stops making progress `SimDeadlock`, and C1-C3 are measured from what the
 simulator itself executed (`sim_checks`), independently of the scheduler's own counters.
 """
 
@@ -542,10 +539,8 @@ class Simulation:
         si.t_last = self.now
         si.slot_time = old.slot_time
         si.log = old.log
-        # Events of the instance's earlier life may still be on the heap (a finish computed before
-        # its last trajectory migrated away, a superseded load): they are told apart by `gen` and
-        # `load_token`, so both carry on instead of restarting at 0, where a stale finish could
-        # match the new counter and finish a trajectory early (or, with none running, crash).
+        # Stale events of its earlier life are told apart by `gen` and `load_token`, so both carry
+        # on (restarting at 0 could let a stale finish match the new counter).
         si.gen = old.gen + 1
         si.load_token = old.load_token
         si.preemptions, si.recomputed = old.preemptions, old.recomputed
@@ -566,9 +561,8 @@ class Simulation:
             raise SimError(f"migration of {key!r} from instance {src.id} while its previous move is in flight")
         if not src.holds(key):
             if key in self.finished:
-                # It finished on `src` at this instant and its report is still queued: a host sees
-                # the same race and the trajectory simply finished where it was (the scheduler's
-                # slot accounting follows its report).
+                # It finished on `src` at this instant and its report is still queued (a host sees
+                # the same race): it simply finished where it was.
                 self.migrations_after_finish += 1
                 return
             raise SimError(f"migration of {key!r} from instance {src.id}, where it does not run")
@@ -800,9 +794,8 @@ class Simulation:
             "staleness_hist": dict(sorted(hist.items())),
             "c3_violations": c3,
             "dropped": dropped,
-            # Responses cut at the response cap, counted from the workload's draws. C2 is not
-            # broken by them: the cap is the run's max length, the same in every mode, not a
-            # cut the scheduler made.
+            # Responses cut at the response cap (the run's max length, the same in every mode:
+            # no C2 break).
             "truncated": sum(self.cut.get(g, 0) for g in self.trained_step),
             "duplicated": self.duplicated,
             "c1_ok": multi_trained == 0,
@@ -833,18 +826,16 @@ def default_steps(preset: Preset, max_staleness: int) -> int:
 def min_steps(max_staleness: int) -> int:
     """The fewest steps whose steady-state window measures a steady state for staleness `K`.
 
-    With fewer, the window (`window`) holds a step or two right after a long trajectory that
-    gated the trainer: the groups of the next K versions, rolled out meanwhile, are trained back
-    to back, and the window's throughput exceeded `ideal_throughput` (1.29x and 1.5x at 10 steps
-    and K = 3 on a small preset; thousands of times on a long tail). Decisions taken on such runs
-    (`optimise_split`, `recommend`) refuse them."""
+    With fewer, the window may hold the burst of groups trained back to back after a gating
+    straggler, and its throughput can exceed `ideal_throughput`; `optimise_split` and
+    `recommend` refuse such runs."""
     return 5 * (max_staleness + 2)
 
 
 def window(steps: int, max_staleness: int = 0) -> tuple[int, int]:
     """Steady-state steps `[w, e)`: the first fifth (at least K + 1 steps, while the rollout builds
-    its lead) is warm-up, the last fifth (at least the last `K + 2` steps) is drain: admission stops at `max_steps * B` groups, so in the last K + 1 steps
-    the rollout has less and less to do, and with elastic colocation its accelerators would train.
+    its lead) is warm-up, the last fifth (at least the last `K + 2` steps) is drain: admission
+    stops at `max_steps * B` groups, so the rollout runs dry in the last K + 1 steps.
     """
     w = max(steps // 5, max_staleness + 1) if max_staleness else steps // 5
     e = steps - max(steps // 5, max_staleness + 2) if max_staleness else steps - w

@@ -1,14 +1,11 @@
 """Simulated workloads: how long each prompt and each response is.
 
-Reasoning-RL response lengths are long-tailed (design.md, "Workloads for the simulator"): a
-log-normal with a coefficient of variation near 1, capped at the maximum response length, gives
-"the longest of 16 samples about 5x the mean" and a p99 several times the median. Samples of one
-group share a per-prompt *difficulty* factor, because a hard prompt makes all of its samples long;
-`difficulty_share` is the part of the log-variance that the prompt explains.
+Reasoning-RL response lengths are long-tailed (design.md): a capped log-normal with a coefficient
+of variation near 1. Samples of one group share a per-prompt *difficulty* factor (a hard prompt
+makes all its samples long); `difficulty_share` is the part of the log-variance it explains.
 
-Every trajectory's length is a pure function of `(seed, group_id, index)`, drawn when the group is
-admitted. All modes therefore see exactly the same workload for a seed, whatever order they admit
-and dispatch in, which is what makes `speedup_vs_sync` a like-for-like ratio.
+Every trajectory's length is a pure function of `(seed, group_id, index)`, so all modes see the
+same workload for a seed whatever order they run in: `speedup_vs_sync` is like for like.
 
 A user replays a real run with `lengths_file`: one integer per line, or JSONL objects with a
 `response_length` field (and optionally `prompt_length`). Trajectory `(g, i)` takes record
@@ -35,9 +32,8 @@ class Workload:
     Fields:
       response_median: median response length in tokens (before the cap).
       response_cv: coefficient of variation of the uncapped log-normal (0 = constant lengths).
-      response_cap: maximum response length; longer draws stop at the cap (a normal
-        max-length finish, the same in every mode; the simulator reports how many responses
-        were cut there as `truncated`).
+      response_cap: maximum response length; longer draws stop at the cap (reported as
+        `truncated`, the same in every mode).
       prompt_median, prompt_cv, prompt_cap: the same for prompt lengths (one per group).
       group_size: n, trajectories per group.
       difficulty_share: share of the response log-variance shared by a group (0..1).
@@ -71,8 +67,7 @@ class Workload:
 class GroupDraw:
     """The lengths of one admitted group: its prompt and each trajectory's response.
 
-    `truncated`: how many of its responses were cut at the response cap (a drawn length above
-    the cap, or a replayed length at or above it; a replayed one above it is cut to it too).
+    `truncated`: how many of its responses were cut at the response cap.
     """
 
     prompt_tokens: int
@@ -113,9 +108,7 @@ class LengthSampler:
                 out.append(resp)
                 if i == 0 and p is not None:
                     prompt = p
-            # A replayed length at the preset's cap counts as cut there (the run hit its max
-            # length); one above it (a log of a run with a larger cap) is cut at the preset's cap
-            # like a drawn one: it used to run at its full length while counted as cut.
+            # A replayed length at or above the preset's cap is cut there and counted as cut.
             cap = w.response_cap
             return GroupDraw(prompt, tuple(min(cap, x) for x in out), sum(1 for x in out if x >= cap))
         base = self._mu + self._sd * rng.gauss(0.0, 1.0)

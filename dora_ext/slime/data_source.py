@@ -3,19 +3,11 @@ a resumed run lose and repeat nothing.
 
     --data-source-path dora_ext.slime.data_source.DoraDataSource
 
-With streaming rollout a prompt leaves the data source long before it is trained: at the moment
-slime checkpoints step `r`, groups are still generating, waiting complete, or already chosen for
-step `r + 1`. slime's own data source saves only its cursor, so a run resumed from that
-checkpoint would skip all of them. `DoraDataSource` wraps slime's data source (prompt loading,
-shuffling, cursor and its checkpoint file stay slime's) and keeps a ledger of every group it
-handed out and the step it went to. `save(r)` writes, next to slime's file, the groups not
-trained by step `r`, as they were handed out (prompts, before any generation); `load(r)` puts
-them back at the front of the queue, oldest first. Groups the scheduler reported failed are not
-re-queued (they were reported, C2).
-
-The rollout function tells the ledger what happened through three methods (`dora_assign`,
-`dora_fail`, `dora_forget_before`); any other data source works too, without the resume
-guarantee.
+With streaming rollout, groups handed out are not yet trained when slime checkpoints step `r`, and
+slime's data source saves only its cursor. `DoraDataSource` wraps it and keeps a ledger of handed
+out groups: `save(r)` writes the groups not trained by step `r` (as prompts) next to slime's file,
+`load(r)` re-queues them first, oldest first; groups reported failed (C2) are not re-queued.
+The rollout function updates the ledger (`dora_assign`, `dora_fail`, `dora_forget_before`).
 """
 
 from __future__ import annotations

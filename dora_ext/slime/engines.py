@@ -1,72 +1,22 @@
 """The rollout instances, as slime runs them: SGLang engines behind slime's router.
 
-The scheduler pins every trajectory to one instance (R1), so requests go to an engine directly
-rather than through the router, which would spread them over engines holding other versions.
-Generation still goes through slime's own functions with `args_i`, a copy of `args` whose router
-address is that engine's address: slime's `generate` (or the user's
-`--custom-generate-function-path`), its rollout sample hooks and its reward models run unchanged
-and never notice. What is not slime's is the concurrency bound: slime's `generate_and_rm` takes
-a process-wide semaphore (`--sglang-server-concurrency` x engines) that the scheduler's
-per-engine capacity already enforces; taking it too would make slime's evaluation queue behind
-training rollouts. `generate_and_reward` is slime's `generate_and_rm` without that semaphore.
-Weights are loaded with SGLang's `/update_weights_from_disk`, tagged with the version so that
-SGLang reports it in every response (`Sample.weight_versions`).
+Trajectories are pinned to one instance (R1), so requests go to an engine directly, through slime's
+own `generate`/hooks/reward models with `args_i` (a copy of `args` whose router address is that
+engine's). `generate_and_reward` is slime's `generate_and_rm` without its process-wide semaphore
+(the scheduler's per-engine capacity bounds concurrency). Weights load with SGLang's
+`/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`).
 
-Control plane. slime's HTTP client (`http_utils.init_http_client`) allows
-`--sglang-server-concurrency` x engines connections with no timeout, and generation holds all of
-them at the default capacity. Everything that is not generation (the router read, `/health_generate`,
-`/server_info`, `/model_info`, weight loads) therefore goes through the adapter's own client
-(`ControlHttp`, its own pool) with a bound on every call, so it never queues behind generation.
-Each generate request is bounded too (`request_timeout_s`): a request that times out is
-cancelled (closing its connection makes SGLang abort it) and its engine probed at once.
+Everything that is not generation goes through `ControlHttp` (own pool, bounded calls) so it never
+queues behind slime's HTTP client; generate requests are bounded by `request_timeout_s`.
 
-Engines come and go: `refresh()` re-reads slime's router and probes each engine with
-`/health_generate` (all engines at once; every answer is in before anything changes, so a refresh
-that raises or is cancelled part-way changes nothing), so an engine that died or is stuck leaves
-(its trajectories go back to the same version elsewhere, and its requests are cancelled) and one
-that slime's fault tolerance restarted and registered again joins as a new instance. `/health` is
-not asked: slime launches SGLang with `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`, so it
-answers 200 without touching the scheduler; `/health_generate` (what slime's own
-`RolloutHealthMonitor` asks) succeeds as soon as the scheduler produces any output, so a busy
-engine answers at once and a stuck one times out. An engine loading weights is not asked (the
-probe waits behind SGLang's writer lock), and under `--use-fault-tolerance` slime's health
-monitor skips exactly those engines too (`guard_slime_health_monitor`).
+`refresh()` re-reads slime's router and probes every engine with `/health_generate` (all answers in
+before anything changes): a dead or stuck engine leaves, one slime's fault tolerance restarted joins
+as a new instance. Loading engines are not probed, nor by slime's monitor (`guard_slime_health_monitor`).
+slime restarts an engine at the same address (`ServerGroup.start_engines`, `get_free_port`), so a
+restart is told by a new router worker id or by the engine reporting a version other than the one
+loaded (`reported_version`); it retires the instance (`InstanceFailed`) and joins under a new id.
 
-Why not slime's own liveness code: `RolloutHealthMonitor` exists only with
-`--use-fault-tolerance` and answers a failed check by killing the engine's actor (it tells no one
-which requests to move), and `ServerGroup.recover` restarts dead engines only before slime's own
-reload of every engine, which the patch replaces. The adapter needs, per engine, "gone or not" to
-send its trajectories back to their version (`InstanceFailed`), so it asks itself; it lets slime's
-monitor and restarts act and notices them (below).
-
-slime restarts an engine at the address it had: `ServerGroup.start_engines` (slime/ray/rollout.py)
-scans for a free port from 15000 again (`get_free_port`), as at launch, so a dead engine's port is
-found again (engine 0's is the first one free). slime's HTTP client retries a dead engine's
-request at that URL for a minute, so the successor answers it. Seeing the address leave the
-router between two refreshes is therefore timing, not evidence. What tells a restarted engine
-from the one the adapter knew, whenever it is looked at:
-
-* the router's worker id: sglang-router gives every registration a fresh id (slime's
-  `SGLangEngine.shutdown` deletes the dead engine's registration, its successor registers anew);
-* the weight version the engine's scheduler reports (SGLang's `/server_info`, `internal_states`):
-  a restarted server reports its launch version (SGLang's `--weight-version`, "default"), not the
-  one the adapter loaded. This also catches a restart whose old registration was never deleted
-  (the router then keeps the old id and refuses the duplicate). `/model_info` is not asked first:
-  with `--tokenizer-worker-num` > 1 it answers from one tokenizer worker's copy of the version,
-  which only the worker that ran the weight update changes (SGLang 0.5.23,
-  `tokenizer_control_mixin._update_weight_version_if_provided`; only pause/continue is broadcast
-  to the workers), so it reports the launch version for a healthy engine. It is asked only where
-  `/server_info` carries no version and the engine runs one tokenizer worker, or where the engine
-  has no `/server_info` (404); a `/server_info` that fails otherwise gives no verdict (see
-  `reported_version`).
-
-Either one retires the instance id (`InstanceFailed`) and the engine joins under a fresh, larger
-id (`InstanceReady`), so the scheduler loads a version onto it before sending it work. The rollout
-worker asks at once when a trajectory comes back with a weight version other than its pin, not
-only at the next periodic refresh.
-
-`SglangEngines` takes its HTTP client and its `generate_and_rm` as arguments: slime's by default,
-a stand-in in tests (where no SGLang server can exist).
+`SglangEngines` takes its HTTP client and `generate_and_rm` as arguments (stand-ins in tests).
 """
 
 from __future__ import annotations
@@ -380,24 +330,9 @@ class SglangEngines:
     async def reported_version(self, url: str, expected: str | None = None) -> str | None:
         """The weight version the engine's scheduler holds, None where the engine gives no verdict.
 
-        SGLang keeps the version in two places: its scheduler (set by a successful weight update,
-        and what every finished request's `meta_info["weight_version"]` is computed from), and
-        each tokenizer worker's config (set only in the worker whose HTTP handler ran the update).
-        `/model_info` answers from whichever tokenizer worker took the request, so with
-        `--tokenizer-worker-num` > 1 it can report a worker's stale version (the launch one) for a
-        healthy engine. `/server_info`'s `internal_states` are read back from the scheduler (one
-        per data-parallel rank), so they are asked first; `/model_info` only where the engine
-        says it runs one tokenizer worker (an SGLang whose internal states carry no version), or
-        where it has no `/server_info` at all (HTTP 404). A `/server_info` that fails otherwise
-        (times out, refuses, an error status) gives no verdict: the tokenizer-worker count is
-        then unknown, and `/model_info` could be a stale worker's copy.
-
-        `expected` (the version the adapter loaded): SGLang releases whose scheduler reads back
-        its own copy of the launch arguments (`vars(get_global_server_args())`) and whose
-        weight update sets the version in the tokenizer manager alone report the launch version
-        in `internal_states` for a healthy engine, and the loaded one on top of `/server_info`
-        (the tokenizer manager's arguments). A fresh process reports its launch version in both
-        places, so the expected version on top means the engine holds it.
+        `/server_info`'s `internal_states` first (`/model_info` can be a stale tokenizer worker's copy),
+        `/model_info` only with one tokenizer worker or no `/server_info` (404); other failures give
+        no verdict. `expected` on top of `/server_info` also means the engine holds it.
         """
         try:
             info = await asyncio.wait_for(self.control.get(f"{url}/server_info"), self.health_timeout_s)

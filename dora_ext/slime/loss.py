@@ -3,20 +3,11 @@
     --loss-type custom_loss --custom-loss-function-path dora_ext.slime.loss.sao_loss
     --use-tis --custom-tis-function-path dora_ext.slime.loss.staleness_tis   (staleness_correction: mask)
 
-Correction `tis` is slime's own `--use-tis` (`vanilla_tis_function`: pg_loss * clamp(w, 0, C)
-with `--tis-clip C --tis-clip-low 0`), which `dora-ext slime-args` prints; no copy of it here.
-`mask` has no slime twin: slime's `icepop_function` zeroes tokens outside the band but weighs the
-kept ones by w, while `mask` keeps them at weight 1 (SAO's band, in the ratio pi_old / pi_rollout).
-
-slime's tensors are per-sample 1-D lists concatenated along tokens (`[sum_i T_i]`), reduced by the
-`sum_of_sample_mean` slime builds for the micro-batch. The maths is `dora_ext.algo.losses`
-(`double_side_mask`, `kl_penalty`); this module only adapts shapes and reads slime's
-flags: SAO's band is slime's `--eps-clip` / `--eps-clip-high`; the correction's cap is
-`dora_slime.is_cap` from the `--custom-config-path` YAML.
-
-Both functions compute on tensors they are given, except `sao_loss`'s first line, which asks
-slime's Megatron backend for the log-probabilities of the current policy (it needs Megatron, like
-every slime loss); `sao_loss_from_log_probs` is the part that does not.
+Correction `tis` is slime's own `--use-tis` (`vanilla_tis_function`); `mask` keeps in-band tokens at
+weight 1 (unlike slime's `icepop_function`, which weighs them by w). The maths is
+`dora_ext.algo.losses` (`double_side_mask`, `kl_penalty`); this module adapts slime's `[sum_i T_i]`
+tensors and `sum_of_sample_mean`, and reads `--eps-clip`/`--eps-clip-high` and `dora_slime.is_cap`.
+Only `sao_loss`'s first line needs Megatron (current log-probs); `sao_loss_from_log_probs` does not.
 """
 
 from __future__ import annotations

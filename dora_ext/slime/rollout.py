@@ -2,33 +2,10 @@
 
     --rollout-function-path dora_ext.slime.rollout.generate_rollout
 
-slime calls `generate_rollout(args, rollout_id, data_source, evaluation=False)` once per trainer
-step and trains on the `RolloutFnTrainOutput.samples` it returns (a list of groups of
-`n_samples_per_prompt` samples). Here that call only *collects*: a background worker, started by
-the first call and living in slime's `RolloutManager` process, runs `dora_ext.core.Scheduler`
-against slime's SGLang engines the whole time:
-
-* it keeps every engine full within the staleness budget (R2), admitting prompts from the data
-  source as slots free up, and dispatches trajectories group-major (R6, FGD);
-* every trajectory runs on one engine holding its group's version (R1); the version is checked
-  against what the engine reports for the sample (`Sample.weight_versions`), so a group that
-  mixes versions is never handed to the trainer in mode `dora` (the trajectory is retried);
-* engines switch to a new version only after draining their older work (R4), by loading the
-  checkpoint that slime's disk weight sync wrote (see `weights.py` and `patches/slime/`);
-* call `k` returns batch `k` as R3 chose it: every group that would otherwise exceed the
-  staleness bound, then the oldest complete groups; nothing is dropped.
-
-Mapping to slime's loop: step `k` of the scheduler is slime's `rollout_id = first_id + k` and
-version `v` is what slime's engines report as weight version `first_id + v`. slime hands a batch
-to the trainer when this function returns; a request for batch `k + 1` therefore tells the
-scheduler that batch `k` is consumed (`TrainerStepFinished(k)`), and the publication of version
-`k + 1` tells it too, whichever comes first (`train_async.py` asks before training, `train.py`
-after the weight update). With K = 0 (modes `sync`, `pipeline`) use `train.py`: `train_async.py`
-waits for batch `k + 1` before it publishes the version that batch needs.
-
-slime's trainer takes whole batches, so complete-group pipelining (R7) cannot start the trainer
-on a group early; the adapter still selects and orders groups as R3/R7 say and reports
-`dora/delivered_groups`.
+Call `k` collects batch `k` (rollout_id = first_id + k) from a background worker that runs
+`dora_ext.core.Scheduler` against slime's SGLang engines (R1-R4, R6; version v is weight version
+first_id + v). A request for batch k + 1 or the publication of version k + 1 means batch k is
+consumed. With K = 0 use `train.py` (`train_async.py` asks for k + 1 before publishing it).
 """
 
 from __future__ import annotations
@@ -89,8 +66,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         load_object(path)(args, groups)
     path = getattr(args, "rollout_all_samples_process_path", None)
     if path:
-        # slime hands this hook every sample of the rollout, kept or filtered; nothing is
-        # filtered out of a dora batch, so that is the batch (slime's call: (args, groups, data_source)).
+        # slime hands this hook every sample of the rollout; a dora batch filters none out.
         from .engines import load_object
 
         load_object(path)(args, groups, data_source)
@@ -102,8 +78,7 @@ def _evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
 
     if args is not None:
         return _session_for(args, data_source, rollout_id).evaluate(rollout_id)
-    # args=None: slime's contract harness, no engines. Report one data-source batch as it is,
-    # refusing samples that would need generating (see PassThroughEngines).
+    # args=None: slime's contract harness, no engines: report one data-source batch as it is.
     samples = [s for group in data_source.get_samples(1) for s in group]
     for s in samples:
         status = getattr(s.status, "value", s.status)
@@ -172,8 +147,7 @@ class _LoopThread:
 
 
 def _event_loop() -> tuple[asyncio.AbstractEventLoop, _LoopThread | None]:
-    # Share slime's background loop when slime is there: its GenerateState semaphore (taken by
-    # generate_and_rm, also during slime's own evaluation) binds to the loop that first uses it.
+    # Share slime's background loop: its GenerateState semaphore binds to the loop that first uses it.
     try:
         from slime.utils.async_utils import get_async_loop
     except ImportError:
@@ -281,20 +255,15 @@ class RolloutSession:
         self._fatal: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
-        # Trajectory tasks whose request is in flight, per instance: cancelled when the instance
-        # is retired (closing the connection makes SGLang abort the request and frees the slot
-        # in slime's connection pool); the scheduler has re-dispatched them already.
+        # In-flight trajectory tasks per instance: cancelled (request aborted) when it is retired.
         self._requests: dict[int, set[asyncio.Task]] = {}
         self._params: dict | None = None
         self._started = False
         self._closed = False
         self._next_step = 0  # the step slime asks for next (relative to first_step)
-        #: Test probe: called on the worker loop as probe(name, value) at "request" (a rollout
-        #: id was asked for), "published" (a version was fed to the scheduler) and "batch"
-        #: (a batch was formed). Tests use it to force event orders without sleeping.
+        #: Test probe(name, value), called on the worker loop at "request", "published" and "batch".
         self.probe: Any = None
-        # The instance slime's evaluation runs on, and the event set when it ends: the scheduler
-        # does not see eval requests, so a load it asks for on that instance waits for them.
+        # The instance slime's eval runs on and its end event: scheduler loads there wait for it.
         self._eval_on: set[int] = set()
         self._eval_over: asyncio.Event | None = None
         # Engine refreshes: the pass callers wait for next, and the task running the passes.
@@ -418,9 +387,7 @@ class RolloutSession:
             tag = str(self.first_step + newest)
             bases = [self.engines.args_for_instance(i) for i in iids]
             self._probe("eval_start", (rollout_id, iid, tag))
-            # slime's eval retries a dead engine for a minute; the engine watcher notices sooner:
-            # then the eval starts again on the engines holding the version.
-            # The scheduler does not see eval requests: a load it sends to these engines waits (_load).
+            # slime's eval retries a dead engine; the watcher notices sooner and the eval restarts elsewhere.
             self._eval_on, self._eval_over = set(iids), asyncio.Event()
             children: set = set()
             task = _tracked(self.loop, eval_rollout(_spread_args(bases, children), rollout_id), children)
@@ -435,9 +402,7 @@ class RolloutSession:
                     logger.warning("dora: engine %s died during evaluation of rollout %d; evaluating again",
                                    iid, rollout_id)
                     continue
-                # The engine is judged while it is still the eval's: a load waiting on it (_load)
-                # would otherwise start first, and a refresh gives no verdict on an engine that
-                # is loading (the eval then ended slime's job although its engine was restarted).
+                # Judge the engine while it is still the eval's, before a waiting load (_load) starts.
                 try:
                     out, _ = task.result()
                 except Exception:
@@ -447,8 +412,7 @@ class RolloutSession:
                     continue
                 seen = {str(v) for d in out.data.values() for s in d["samples"] for v in s.weight_versions}
                 if seen - {tag}:
-                    # A restarted engine at the same address (see _run_trajectory): evaluate again
-                    # elsewhere once the refresh has retired it; otherwise the mismatch is an error.
+                    # A restarted engine at the same address: evaluate elsewhere after the refresh; else an error.
                     await self._refresh()
                     if set(iids) <= set(self.sched.instances):
                         raise AdapterError(
@@ -498,9 +462,7 @@ class RolloutSession:
             )
         busy = sched.trainer_busy
         if busy is not None and busy < step:
-            # slime asks for the next batch: the previous one is the trainer's now. (In train.py's
-            # order the weight push may have told the scheduler first; then it may already have
-            # formed this batch, and busy == step.)
+            # slime asks for the next batch: the previous one is the trainer's now (may already be formed).
             self._feed(TrainerStepFinished(busy))
         self._probe("request", rollout_id)
         forget = getattr(self.data_source, "dora_forget_before", None)
@@ -659,8 +621,7 @@ class RolloutSession:
         except Exception as exc:  # noqa: BLE001 - one failed request is retried by the scheduler
             inflight.discard(asyncio.current_task())
             if d.instance_id in self.sched.instances:
-                # Did the engine die? Then its trajectories (this one too) go back to the same
-                # version through InstanceFailed, and this failure is stale.
+                # Did the engine die? Then InstanceFailed re-dispatches its trajectories; this failure is stale.
                 await self._refresh()
             self._feed(TrajectoryFailed(gid, idx, reason=repr(exc), attempt=d.attempt))
             return
@@ -668,13 +629,11 @@ class RolloutSession:
             inflight.discard(asyncio.current_task())
         samples = _flat(out)
         if self._attempt.get((gid, idx)) != d.attempt:
-            # Superseded (its engine was declared dead and the trajectory re-dispatched): the
-            # scheduler ignores the stale event; the newer attempt owns the slot.
+            # Superseded (engine declared dead, trajectory re-dispatched): the scheduler ignores it.
             self._feed(TrajectoryFinished(gid, idx, tokens=0, reward=None, attempt=d.attempt))
             return
         if gid not in self._groups:
-            # A sibling failed for good and the group was reported (C2) while this one ran: the
-            # scheduler only needs the slot back.
+            # A sibling failed for good and the group was reported (C2): the scheduler needs the slot back.
             self._feed(TrajectoryFinished(gid, idx, tokens=0, reward=None, attempt=d.attempt))
             return
         self._groups[gid][idx] = out
@@ -693,10 +652,7 @@ class RolloutSession:
             if mismatch:
                 self._probe("version_mismatch", (gid, idx, d.instance_id))
             if mismatch and d.instance_id in self.sched.instances:
-                # The engine does not hold what the scheduler loaded onto it: slime's fault
-                # tolerance may have restarted it at the same address (slime's HTTP client
-                # retries a request until the successor answers). The refresh asks the router
-                # and the engine now; then this attempt is stale and the trajectory goes back.
+                # The engine does not hold what was loaded (restarted at the same address?): refresh, retry.
                 await self._refresh()
             self._feed(TrajectoryFailed(gid, idx, reason=reason, attempt=d.attempt))
             return
@@ -728,9 +684,7 @@ class RolloutSession:
         while self.board.poll() <= a.version:
             await asyncio.sleep(self.settings.poll_interval_s)
         while a.instance_id in self._eval_on:
-            # slime's evaluation runs on this engine (requests the scheduler does not see): an
-            # idle-looking engine sent back to an older version (its trajectories lost their
-            # engine) would load under them (R4) and mix versions in the eval. Load after it.
+            # slime's eval runs on this engine: load after it, so eval versions are not mixed (R4).
             self._probe("load_waits_for_eval", (a.instance_id, self.first_step + a.version))
             await self._eval_over.wait()
         try:
@@ -746,8 +700,7 @@ class RolloutSession:
             return
         self._feed(InstanceLoaded(a.instance_id, a.version))
         self._probe("loaded", (a.instance_id, self.first_step + a.version))
-        # A version older than every instance's and every unfinished group's is never loaded
-        # again (an idle instance may go back to an old version that still has queued work).
+        # A version older than every instance's and unfinished group's is never loaded again.
         sched = self.sched
         needed = sched.live_versions() + [g.version for g in sched.groups.values() if g.state == "active"]
         floor = min(needed + [sched.newest_version])
@@ -813,8 +766,7 @@ class RolloutSession:
         except Exception:  # noqa: BLE001 - the router itself unreachable: try again next time
             logger.warning("dora: could not re-read slime's router", exc_info=True)
             return
-        # One batch: a trajectory re-dispatched from one gone engine onto another engine that is
-        # also gone in this refresh is then not sent there (`without_failed` drops it).
+        # One batch, so a trajectory moved onto another gone engine is dropped (`without_failed`).
         events: list = []
         reasons = getattr(self.engines, "reasons", {})
         for iid in gone:

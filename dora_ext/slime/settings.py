@@ -48,11 +48,9 @@ class SlimeSettings:
       capacity: sequences one SGLang engine runs at once; default `--sglang-server-concurrency`.
       poll_interval_s: how often the rollout worker looks for a newly published version.
       base_data_source_path: the data source whose prompts `DoraDataSource` hands out
-        (default slime's own `RolloutDataSourceWithBuffer`, so prompt loading, shuffling and its
-        cursor checkpoint stay slime's).
+        (default slime's own `RolloutDataSourceWithBuffer`).
       delete_old_weights: remove a version's directory once no engine can need it again
-        (slime deletes each version after its push; with slime's `--update-weight-disk-keep-files`
-        nothing is deleted, whatever this says).
+        (nothing is deleted with slime's `--update-weight-disk-keep-files`).
       loss: `slime` keeps slime's policy loss; `sao` selects SAO's double-side masked loss
         (`dora-ext slime-args` then prints `--loss-type custom_loss`).
       staleness_correction: `none`, `tis` (truncated importance weights pi_old / pi_rollout, cap
@@ -60,17 +58,11 @@ class SlimeSettings:
         `--use-tis --custom-tis-function-path`.
       is_cap: the cap C of the correction (> 1).
       engine_check_interval_s: how often the rollout worker re-reads slime's router and checks
-        each engine's `/health` and the weight version it reports (a dead engine's trajectories
-        go back to the same version on other engines; an engine restarted by
-        `--use-fault-tolerance` joins again under a new instance id, also when slime brought it
-        back at the same address between two checks: its new router registration or its weight
-        version tells). Engines loading weights are skipped (SGLang's `/health` waits for the
-        load). A trajectory answered with another weight version than its pin triggers a check
-        at once.
+        each engine's health and reported weight version (dead engines leave, restarted ones join
+        under a new instance id); a trajectory answered with another version checks at once.
       probe_timeout_s: bound on each control call to an engine (`/health_generate`,
         `/server_info`, `/model_info`); an engine whose `/health_generate` takes longer is stuck.
-      shared_weights_dir: the weights directory is on a filesystem every node of the Ray cluster
-        sees (the trainer writes each version there, every engine loads it from there); a
+      shared_weights_dir: the weights directory is on a filesystem every Ray node sees; a
         cluster of more than one node refuses to start until this says so.
       request_timeout_s: bound on one generate request (then it is cancelled, its engine probed,
         and the trajectory retried); above the longest response's decode time.

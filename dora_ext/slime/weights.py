@@ -1,26 +1,12 @@
 """Multi-version weights on slime: the trainer publishes, drained engines load.
 
-slime's weight update bumps its version, pauses every engine (SGLang's default pause aborts the
-requests in flight), pushes the weights into all of them and resumes. DORA's R4 needs the
-opposite: a version is written once and each engine loads it when it has drained its older work.
-
-The smallest change that allows this is in slime's disk weight sync (`--update-weight-transport
-disk`), which already writes each version as a complete HF checkpoint under
-`--update-weight-disk-dir` and then reloads the engines from the driver
-(`RayTrainGroup._reload_rollout_weights_from_disk`). `patches/slime/` adds one plug point there,
-in slime's own style (a function loaded by dotted path, named by the attribute
-`custom_rollout_weight_reload_path` that `--custom-config-path` sets): when it is set, slime calls
-it instead of pausing and reloading every engine. Our function, `publish_weights`, only records
-that the version exists. The rollout worker (in the `RolloutManager` process) reads that record
-and loads the version onto each engine as the scheduler drains it, over SGLang's own HTTP
-endpoint `/update_weights_from_disk`, tagging it with the version so every sample reports it in
-`Sample.weight_versions`.
-
-Why a patch rather than a driver module: a driver would re-implement `train.py`/`train_async.py`
-(eval, critic, saving, fault tolerance) and reach into `RayTrainGroup` internals to write
-weights without reloading; the patch changes eight lines at one place, keeps slime's loops, and
-is the plug point upstream proposals ask for. NCCL weight sync cannot serve several versions at
-all: its broadcast is collective over every engine.
+slime's weight update pauses every engine and pushes each version into all of them; DORA's R4
+needs a version written once and loaded by each engine when it has drained its older work.
+`patches/slime/` adds one plug point to slime's disk weight sync
+(`RayTrainGroup._reload_rollout_weights_from_disk`), named by `custom_rollout_weight_reload_path`:
+slime calls it instead of reloading every engine. `publish_weights` only records that the version
+exists; the rollout worker loads it onto each engine as it drains (`/update_weights_from_disk`,
+tagged so samples report it in `Sample.weight_versions`). NCCL sync cannot serve several versions.
 
 The record is a JSON-lines file in the weights directory, appended once per publication:
 `{"run": <driver process token>, "n": <publication number in this run>, "path": <checkpoint>}`.

@@ -16,6 +16,14 @@ slime restarts an engine at the same address (`ServerGroup.start_engines`, `get_
 restart is told by a new router worker id or by the engine reporting a version other than the one
 loaded (`reported_version`); it retires the instance (`InstanceFailed`) and joins under a new id.
 
+`/health` is not asked: slime launches SGLang with `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`,
+so it answers 200 without touching the scheduler; `/health_generate` answers once any output is made.
+Why not slime's own liveness code: `RolloutHealthMonitor` runs only with `--use-fault-tolerance`
+and answers a failed check by killing the engine's actor without saying which requests to move, and
+`ServerGroup.recover` restarts engines only before slime's own reload of every engine, which the
+patch replaces. The adapter needs, per engine, "gone or not" to send its trajectories back to their
+version, so it probes itself and lets slime's monitor and restarts act beside it.
+
 `SglangEngines` takes its HTTP client and `generate_and_rm` as arguments (stand-ins in tests).
 """
 

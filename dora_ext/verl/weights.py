@@ -28,8 +28,10 @@ against the last weights *sent*, wrong after a subset or old-version load).
 
 The transport is the same code on every machine (Ray's object store, then a copy to the device);
 on CPU nothing else differs. The store keeps the newest ``keep_versions`` versions
-(``engine_kwargs.dora_store.keep_versions``; ``DoraTrainer`` sets ``max(8, K + 2)`` when unset
-and refuses a value below ``K + 2``). Both sides must name the version (``global_steps``).
+(``engine_kwargs.dora_store.keep_versions``; ``DoraTrainer`` sets ``K + 2`` when unset, every
+version a load can still ask for, and refuses less). Both sides must name the version
+(``global_steps``); a fetch of a version not published within ``fetch_timeout_s`` (default
+1800 s) fails, naming the version and the node.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ BACKEND = "dora_store"
 MODULE = "dora_ext.verl.weights"
 STORE_PREFIX = "dora_weight_store_"
 SAMPLE_ELEMS = 4096  # elements of each sampled tensor in the checksum (its flattened head)
+FETCH_TIMEOUT_S = 1800.0  # default engine_kwargs.dora_store.fetch_timeout_s
+TIMEOUT_KEY = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.fetch_timeout_s"
 
 
 def sample_names(names) -> list[str]:
@@ -87,8 +91,10 @@ class WeightsMismatch(RuntimeError):
 class WeightStore:
     """Published weight versions on one rollout node (a Ray actor, ``dora_weight_store_<node>``)."""
 
-    def __init__(self, keep_versions: int = 8) -> None:
+    def __init__(self, keep_versions: int = 8, node_id: str = "", timeout_s: float | None = None) -> None:
         self.keep = max(1, int(keep_versions))
+        self.node_id = node_id
+        self.timeout_s = float(timeout_s or FETCH_TIMEOUT_S)
         self.versions: dict[int, tuple[list, str]] = {}  # version -> ([object ref or dict], checksum)
         self.checksums: dict[int, str] = {}
         self.names: dict[int, list[str]] = {}
@@ -136,7 +142,13 @@ class WeightStore:
                              f"integer), got {version!r}; held: {sorted(self.versions)}") from None
         if version not in self.versions:
             self._missing(version)  # raises unless it may still be published
-        await self._event(version).wait()
+        try:
+            await asyncio.wait_for(self._event(version).wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"dora weight store of node {self.node_id or '?'}: version {version} was not published within "
+                f"{self.timeout_s:g} s (held: {sorted(self.versions)}; a store created after the publication, e.g. "
+                f"on a restarted node, never receives it): raise {TIMEOUT_KEY} if publishing is that slow") from None
         if version not in self.versions:  # published, and already evicted by newer ones
             self._missing(version)
         boxed, digest = self.versions[version]
@@ -169,24 +181,24 @@ class WeightStore:
         return text
 
 
-def _store_options(node_id: str, keep_versions: int) -> dict:
+def _store_options(node_id: str) -> dict:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return dict(name=STORE_PREFIX + node_id, get_if_exists=True, num_cpus=0, max_concurrency=1000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
-def node_store(node_id: str | None = None, keep_versions: int = 8) -> Any:
+def node_store(node_id: str | None = None, keep_versions: int = 8, timeout_s: float | None = None) -> Any:
     """The weight store of `node_id` (default: this process's node), created if missing."""
     import ray
 
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    return ray.remote(WeightStore).options(**_store_options(node_id, keep_versions)).remote(keep_versions)
+    return ray.remote(WeightStore).options(**_store_options(node_id)).remote(keep_versions, node_id, timeout_s)
 
 
-def ensure_stores(node_ids, keep_versions: int = 8) -> dict[str, Any]:
+def ensure_stores(node_ids, keep_versions: int = 8, timeout_s: float | None = None) -> dict[str, Any]:
     """One store per rollout node (``DoraTrainer`` calls this once, before the first publication)."""
-    return {n: node_store(n, keep_versions) for n in sorted(set(node_ids))}
+    return {n: node_store(n, keep_versions, timeout_s) for n in sorted(set(node_ids))}
 
 
 def all_stores(keep_versions: int = 8) -> list:
@@ -288,16 +300,17 @@ def _register():
         """See the module docstring."""
 
         def __init__(self, bucket_size: int = 0, is_master: bool = False, keep_versions: int = 8,
-                     dtype: str | None = None, **_: Any) -> None:
+                     dtype: str | None = None, fetch_timeout_s: float | None = None, **_: Any) -> None:
             self.is_master = is_master
             self.dtype = dtype  # the engine's (``served_dtype``; DoraTrainer sets engine_kwargs.dora_store.dtype)
             self.keep_versions = keep_versions
+            self.fetch_timeout_s = fetch_timeout_s
             self.rank = 0
             self._store = None
 
         def _local_store(self):
             if self._store is None:
-                self._store = node_store(None, self.keep_versions)
+                self._store = node_store(None, self.keep_versions, self.fetch_timeout_s)
             return self._store
 
         def prepare(self) -> dict[str, Any]:

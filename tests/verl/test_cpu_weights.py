@@ -153,6 +153,17 @@ def test_a_load_of_a_version_the_store_does_not_hold_raises_naming_it_and_never_
     assert (version, digest, named[0]["x"].tolist()) == (4, "c4", [4.0, 4.0])
 
 
+def test_a_load_of_a_version_never_published_on_its_node_fails_after_the_timeout_naming_it():
+    """A fresh store (a restarted node's) never receives a version published before it existed: the
+    load waited forever. It now fails after ``fetch_timeout_s``, naming the version, node and key."""
+    from dora_ext.verl.weights import WeightStore
+
+    store = WeightStore(keep_versions=3, node_id="node-b", timeout_s=0.01)
+    with pytest.raises(TimeoutError, match=r"node node-b: version 4 was not published within 0.01 s \(held: \[\]"
+                                           r".*engine_kwargs\.dora_store\.fetch_timeout_s"):
+        asyncio.run(asyncio.wait_for(store.fetch(4), 30))  # the outer bound catches a hang, not timing
+
+
 def test_a_version_evicted_while_its_load_waits_raises():
     """A load waiting for version 7 (not published yet) when 7 is published and, before the load
     resumes, evicted by newer ones (keep 1): it raises, it does not take the newest weights."""

@@ -19,9 +19,9 @@ against the last weights *sent*, wrong after a subset or old-version load).
   copy; on CPU a no-op). ``DoraTrainer`` lets its coordinator run the loads of drained replicas,
   off the trainer thread. ``get_weights()`` (the ``CheckpointEngineWithCache`` method) yields the
   newest version held by the node's store.
-* **Evidence, not labels.** Each publication carries ``checksum`` over sampled tensors (every
-  ``*norm.weight``: replicated under tensor parallelism in vLLM and SGLang, trained, and under the
-  same names as in Hugging Face). After each load the coordinator asks the *engine* for the same
+* **Evidence, not labels.** Each publication carries ``checksum`` over strided samples of
+  every tensor (on vLLM and SGLang of every ``*norm.weight``: the tensors replicated under tensor
+  parallelism and held under their Hugging Face names; ``sample_names``). After each load the coordinator asks the *engine* for the same
   checksum over what it now holds (``engine_checksum``: the CPU replica reads its model; SGLang
   through ``/get_weights_by_name``; vLLM through ``collective_rpc``) and refuses a mismatch
   (``WeightsMismatch``, the run stops with the message).
@@ -49,14 +49,19 @@ import torch
 BACKEND = "dora_store"
 MODULE = "dora_ext.verl.weights"
 STORE_PREFIX = "dora_weight_store_"
-SAMPLE_ELEMS = 4096  # elements of each sampled tensor in the checksum (its flattened head)
+SAMPLE_POINTS = 64  # values of each tensor in the checksum, strided across all of it
+REPLICATED = ("vllm", "sglang")  # engines that shard/fuse most tensors: only *norm.weight reads back as published
 FETCH_TIMEOUT_S = 1800.0  # default engine_kwargs.dora_store.fetch_timeout_s
 TIMEOUT_KEY = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.fetch_timeout_s"
 
 
-def sample_names(names) -> list[str]:
-    """The tensors a checksum covers: every ``*norm.weight`` (all names if there is none)."""
+def sample_names(names, rollout: str | None = None) -> list[str]:
+    """The tensors a checksum covers: every one, except on vLLM and SGLang (`rollout`), which hold
+    most tensors sharded under tensor parallelism and fused under other names: there every
+    ``*norm.weight`` (replicated, trained, under its Hugging Face name; all names if none)."""
     names = sorted(names)
+    if rollout not in REPLICATED:
+        return names
     return [n for n in names if n.endswith("norm.weight")] or names
 
 
@@ -69,17 +74,20 @@ def served_dtype(rollout: Any) -> str:
 
 
 def checksum(named: dict[str, Any], names: list[str] | None = None, dtype: str | None = None) -> str:
-    """sha256 over the float32 values of the sampled tensors of `named` (their first
-    ``SAMPLE_ELEMS`` elements), in name order: the same weights give the same digest on the
-    trainer, in the store and read back from an engine. `dtype` (the engine's, ``served_dtype``):
+    """sha256 over the sampled tensors of `named` in name order: each one's name, size and
+    ``SAMPLE_POINTS`` float32 values strided across the whole tensor (a tensor left stale or
+    corrupted anywhere but between the sampled points changes it); the same weights give the same
+    digest on the trainer, in the store and read back from an engine (the same function runs in a
+    vLLM worker, on SGLang's answers and on the CPU replica). `dtype` (the engine's, ``served_dtype``):
     each tensor is first rounded to it, as the engine rounds what it loads (an FSDP actor publishes
     float32 master weights, a bfloat16 vLLM/SGLang engine holds them rounded)."""
     h = hashlib.sha256()
     cast = getattr(torch, dtype) if dtype else torch.float32
     for name in sample_names(named) if names is None else names:
-        t = torch.as_tensor(named[name]).detach().to("cpu").reshape(-1)[:SAMPLE_ELEMS]
-        t = t.to(cast).to(torch.float32).contiguous()
-        h.update(name.encode())
+        t = torch.as_tensor(named[name]).detach().reshape(-1)
+        size = t.numel()
+        t = t[:: max(1, size // SAMPLE_POINTS)][:SAMPLE_POINTS].to("cpu").to(cast).to(torch.float32).contiguous()
+        h.update(f"{name}:{size}".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -241,7 +249,7 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
         import urllib.request
 
         def get(name):
-            body = json.dumps({"name": name, "truncate_size": SAMPLE_ELEMS}).encode()
+            body = json.dumps({"name": name, "truncate_size": 1 << 20}).encode()  # a whole norm weight
             req = urllib.request.Request(f"http://{address}/get_weights_by_name", data=body,
                                          headers={"Content-Type": "application/json"})
             try:
@@ -300,11 +308,13 @@ def _register():
         """See the module docstring."""
 
         def __init__(self, bucket_size: int = 0, is_master: bool = False, keep_versions: int = 8,
-                     dtype: str | None = None, fetch_timeout_s: float | None = None, **_: Any) -> None:
+                     dtype: str | None = None, fetch_timeout_s: float | None = None, rollout: str | None = None,
+                     **_: Any) -> None:
             self.is_master = is_master
             self.dtype = dtype  # the engine's (``served_dtype``; DoraTrainer sets engine_kwargs.dora_store.dtype)
             self.keep_versions = keep_versions
             self.fetch_timeout_s = fetch_timeout_s
+            self.rollout = rollout  # the engine (actor_rollout_ref.rollout.name): what sample_names covers
             self.rank = 0
             self._store = None
 
@@ -344,7 +354,7 @@ def _register():
                 raise ValueError("dora_store: send_weights needs the version it publishes (global_steps), got None: "
                                  "a load names the version it loads, and an unnamed publication could not be "
                                  "told apart from the others")
-            names = sample_names(named)
+            names = sample_names(named, self.rollout)
             digest = checksum(named, names, self.dtype)
             boxed = [ray.put(named)]
             fresh = await asyncio.gather(*[s.publish.remote(int(global_steps), boxed, digest, names)

@@ -378,6 +378,11 @@ class DoraCoordinator:
                 "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store and check that the rollout "
                 "(actor_rollout_ref.rollout.name) serves actor_rollout_ref.model.path")
 
+    async def check_loaded(self, verl_version: int) -> None:
+        """Every checked engine must hold `verl_version` (verl's first sync, ``on_init_end``, loads
+        all replicas itself): raises ``WeightsMismatch`` naming the first instance that does not."""
+        await asyncio.gather(*[self._check_load(i, int(verl_version)) for i in sorted(self.checks)])
+
     async def start(self, base_version: int = 0, preloaded: bool = True) -> None:
         """Start the scheduler. `preloaded`: verl already loaded `base_version` on every replica."""
         self._loop = asyncio.get_running_loop()

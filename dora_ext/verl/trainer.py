@@ -389,6 +389,7 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         super().on_init_end()
         self._base_version = self._actor_version = int(self.global_steps)
         ray.get(self.coordinator.start.remote(self._base_version))
+        ray.get(self.coordinator.check_loaded.remote(self._base_version))  # that first sync is checked too
         self._service()
 
     def on_train_begin(self) -> None:

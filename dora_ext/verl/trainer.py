@@ -207,7 +207,8 @@ def _check_weight_store(config: Any, max_staleness: int) -> None:
         ce.engine_kwargs = {}
     # The checksums round to the engine's dtype (a bf16 engine holds the actor's fp32 weights rounded).
     rollout = config.actor_rollout_ref.rollout
-    kwargs = {**(ce.engine_kwargs.get(CPU_BACKEND) or {}), "dtype": served_dtype(rollout), "rollout": str(rollout.get("name"))}
+    kwargs = {**(ce.engine_kwargs.get(CPU_BACKEND) or {}), "dtype": served_dtype(rollout),
+              "rollout": str(rollout.get("name"))}
     keep = kwargs.setdefault("keep_versions", need)
     ce.engine_kwargs[CPU_BACKEND] = kwargs
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < need:

@@ -21,9 +21,10 @@ against the last weights *sent*, wrong after a subset or old-version load).
   newest version held by the node's store.
 * **Evidence, not labels.** Each publication carries ``checksum`` over strided samples of
   every tensor (on vLLM and SGLang of every ``*norm.weight``: the tensors replicated under tensor
-  parallelism and held under their Hugging Face names; ``sample_names``). After each load the coordinator asks the *engine* for the same
-  checksum over what it now holds (``engine_checksum``: the CPU replica reads its model; SGLang
-  through ``/get_weights_by_name``; vLLM through ``collective_rpc``) and refuses a mismatch
+  parallelism and held under their Hugging Face names; ``sample_names``). After each load, and
+  after verl's first sync, the coordinator asks the *engine* for the same checksum over what it
+  now holds (``engine_checksum``: the CPU replica reads its model; SGLang through
+  ``/get_weights_by_name``; vLLM through ``collective_rpc``) and refuses a mismatch
   (``WeightsMismatch``, the run stops with the message).
 
 The transport is the same code on every machine (Ray's object store, then a copy to the device);

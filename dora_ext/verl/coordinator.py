@@ -360,7 +360,7 @@ class DoraCoordinator:
         self._record(("abort_request", instance, request_id, bool(out.get("aborted"))))
         _report("abort_request", instance=instance, request_id=request_id, aborted=bool(out.get("aborted")))
 
-    async def _check_load(self, instance: int, verl_version: int) -> None:
+    async def _check_load(self, instance: int, verl_version: int, initial: bool = False) -> None:
         from .weights import WeightsMismatch, engine_checksum
 
         c = self.checks[instance]
@@ -369,7 +369,8 @@ class DoraCoordinator:
                                     f"{instance}_{verl_version}_{uuid.uuid4().hex[:12]}", self.dtype)
         newest = self.sched.newest_version + self.base
         _report("load_checked", instance=instance, version=verl_version, checksum=got, published=published,
-                newest=newest, replicas=len(self.server_ids), loading=sorted(self.loading), tensors=len(names))
+                newest=newest, replicas=len(self.server_ids), loading=sorted(self.loading), tensors=len(names),
+                initial=initial)
         if got != published:
             raise WeightsMismatch(
                 f"the engine of instance {instance} holds weights with checksum {got} after loading version "
@@ -377,6 +378,11 @@ class DoraCoordinator:
                 "replica is not marked loaded. The engine did not apply the weights it was sent: keep "
                 "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store and check that the rollout "
                 "(actor_rollout_ref.rollout.name) serves actor_rollout_ref.model.path")
+
+    async def check_loaded(self, verl_version: int) -> None:
+        """Every checked engine must hold `verl_version` (verl's first sync, ``on_init_end``, loads
+        all replicas itself): raises ``WeightsMismatch`` naming the first instance that does not."""
+        await asyncio.gather(*[self._check_load(i, int(verl_version), initial=True) for i in sorted(self.checks)])
 
     async def start(self, base_version: int = 0, preloaded: bool = True) -> None:
         """Start the scheduler. `preloaded`: verl already loaded `base_version` on every replica."""

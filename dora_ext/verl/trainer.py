@@ -194,19 +194,22 @@ def _check_resume(config: Any, migrate: bool) -> None:
 
 def _check_weight_store(config: Any, max_staleness: int) -> None:
     """The weight stores must keep every version a load can ask for: the newest K + 1 and the
-    one being published (K + 2). Unset: ``max(8, K + 2)``; a smaller user value fails here."""
+    one being published (K + 2). Unset: ``K + 2`` (each is a full copy of the weights in host
+    memory, per node); a smaller user value fails here."""
     from dora_ext.config import ConfigError
 
     from .weights import BACKEND as CPU_BACKEND
-    from .weights import served_dtype
+    from .weights import FETCH_TIMEOUT_S, served_dtype
 
     ce = config.actor_rollout_ref.rollout.checkpoint_engine
     need = int(max_staleness) + 2
     if ce.get("engine_kwargs") is None:
         ce.engine_kwargs = {}
     # The checksums round to the engine's dtype (a bf16 engine holds the actor's fp32 weights rounded).
-    kwargs = {**(ce.engine_kwargs.get(CPU_BACKEND) or {}), "dtype": served_dtype(config.actor_rollout_ref.rollout)}
-    keep = kwargs.setdefault("keep_versions", max(8, need))
+    rollout = config.actor_rollout_ref.rollout
+    kwargs = {**(ce.engine_kwargs.get(CPU_BACKEND) or {}), "dtype": served_dtype(rollout),
+              "rollout": str(rollout.get("name"))}
+    keep = kwargs.setdefault("keep_versions", need)
     ce.engine_kwargs[CPU_BACKEND] = kwargs
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < need:
         raise ConfigError(
@@ -214,6 +217,10 @@ def _check_weight_store(config: Any, max_staleness: int) -> None:
             f"is {keep!r}; with dora.max_staleness={max_staleness} the weight store must keep at least "
             f"{need} versions (K + 1 loadable and the one being published): set it to >= {need} or leave it unset",
         )
+    wait = kwargs.get("fetch_timeout_s")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0):
+        raise ConfigError(f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{CPU_BACKEND}.fetch_timeout_s",
+                          f"expected seconds > 0 (default {FETCH_TIMEOUT_S}), got {wait!r}")
 
 
 def _check_manager(fqn: str) -> None:
@@ -319,7 +326,8 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         nodes = [[m["node_id"] for m in ray.get([w.execute_checkpoint_engine.remote("prepare") for w in r.workers])]
                  for r in replicas]
         ce = self.config.actor_rollout_ref.rollout.checkpoint_engine
-        stores = ensure_stores([n for ns in nodes for n in ns], int(ce.engine_kwargs[ce.backend]["keep_versions"]))
+        kw = ce.engine_kwargs[ce.backend]
+        stores = ensure_stores([n for ns in nodes for n in ns], int(kw["keep_versions"]), kw.get("fetch_timeout_s"))
         checks = {i: {"server": h, "address": a, "store": stores[nodes[i][0]]}
                   for i, (a, h) in enumerate(zip(manager.server_addresses, manager.server_handles, strict=True))}
         loaders = {i: list(r.workers) for i, r in enumerate(replicas)}
@@ -382,6 +390,7 @@ class DoraTrainer(PPOTrainerSeparateAsync):
         super().on_init_end()
         self._base_version = self._actor_version = int(self.global_steps)
         ray.get(self.coordinator.start.remote(self._base_version))
+        ray.get(self.coordinator.check_loaded.remote(self._base_version))  # that first sync is checked too
         self._service()
 
     def on_train_begin(self) -> None:

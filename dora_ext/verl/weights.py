@@ -19,17 +19,20 @@ against the last weights *sent*, wrong after a subset or old-version load).
   copy; on CPU a no-op). ``DoraTrainer`` lets its coordinator run the loads of drained replicas,
   off the trainer thread. ``get_weights()`` (the ``CheckpointEngineWithCache`` method) yields the
   newest version held by the node's store.
-* **Evidence, not labels.** Each publication carries ``checksum`` over sampled tensors (every
-  ``*norm.weight``: replicated under tensor parallelism in vLLM and SGLang, trained, and under the
-  same names as in Hugging Face). After each load the coordinator asks the *engine* for the same
-  checksum over what it now holds (``engine_checksum``: the CPU replica reads its model; SGLang
-  through ``/get_weights_by_name``; vLLM through ``collective_rpc``) and refuses a mismatch
+* **Evidence, not labels.** Each publication carries ``checksum`` over strided samples of
+  every tensor (on vLLM and SGLang of every ``*norm.weight``: the tensors replicated under tensor
+  parallelism and held under their Hugging Face names; ``sample_names``). After each load, and
+  after verl's first sync, the coordinator asks the *engine* for the same checksum over what it
+  now holds (``engine_checksum``: the CPU replica reads its model; SGLang through
+  ``/get_weights_by_name``; vLLM through ``collective_rpc``) and refuses a mismatch
   (``WeightsMismatch``, the run stops with the message).
 
 The transport is the same code on every machine (Ray's object store, then a copy to the device);
 on CPU nothing else differs. The store keeps the newest ``keep_versions`` versions
-(``engine_kwargs.dora_store.keep_versions``; ``DoraTrainer`` sets ``max(8, K + 2)`` when unset
-and refuses a value below ``K + 2``). Both sides must name the version (``global_steps``).
+(``engine_kwargs.dora_store.keep_versions``; ``DoraTrainer`` sets ``K + 2`` when unset, every
+version a load can still ask for, and refuses less). Both sides must name the version
+(``global_steps``); a fetch of a version not published within ``fetch_timeout_s`` (default
+1800 s) fails, naming the version and the node.
 """
 
 from __future__ import annotations
@@ -47,12 +50,19 @@ import torch
 BACKEND = "dora_store"
 MODULE = "dora_ext.verl.weights"
 STORE_PREFIX = "dora_weight_store_"
-SAMPLE_ELEMS = 4096  # elements of each sampled tensor in the checksum (its flattened head)
+SAMPLE_POINTS = 64  # values of each tensor in the checksum, strided across all of it
+REPLICATED = ("vllm", "sglang")  # engines that shard/fuse most tensors: only *norm.weight reads back as published
+FETCH_TIMEOUT_S = 1800.0  # default engine_kwargs.dora_store.fetch_timeout_s
+TIMEOUT_KEY = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.fetch_timeout_s"
 
 
-def sample_names(names) -> list[str]:
-    """The tensors a checksum covers: every ``*norm.weight`` (all names if there is none)."""
+def sample_names(names, rollout: str | None = None) -> list[str]:
+    """The tensors a checksum covers: every one, except on vLLM and SGLang (`rollout`), which hold
+    most tensors sharded under tensor parallelism and fused under other names: there every
+    ``*norm.weight`` (replicated, trained, under its Hugging Face name; all names if none)."""
     names = sorted(names)
+    if rollout not in REPLICATED:
+        return names
     return [n for n in names if n.endswith("norm.weight")] or names
 
 
@@ -65,17 +75,20 @@ def served_dtype(rollout: Any) -> str:
 
 
 def checksum(named: dict[str, Any], names: list[str] | None = None, dtype: str | None = None) -> str:
-    """sha256 over the float32 values of the sampled tensors of `named` (their first
-    ``SAMPLE_ELEMS`` elements), in name order: the same weights give the same digest on the
-    trainer, in the store and read back from an engine. `dtype` (the engine's, ``served_dtype``):
+    """sha256 over the sampled tensors of `named` in name order: each one's name, size and
+    ``SAMPLE_POINTS`` float32 values strided across the whole tensor (a tensor left stale or
+    corrupted anywhere but between the sampled points changes it); the same weights give the same
+    digest on the trainer, in the store and read back from an engine (the same function runs in a
+    vLLM worker, on SGLang's answers and on the CPU replica). `dtype` (the engine's, ``served_dtype``):
     each tensor is first rounded to it, as the engine rounds what it loads (an FSDP actor publishes
     float32 master weights, a bfloat16 vLLM/SGLang engine holds them rounded)."""
     h = hashlib.sha256()
     cast = getattr(torch, dtype) if dtype else torch.float32
     for name in sample_names(named) if names is None else names:
-        t = torch.as_tensor(named[name]).detach().to("cpu").reshape(-1)[:SAMPLE_ELEMS]
-        t = t.to(cast).to(torch.float32).contiguous()
-        h.update(name.encode())
+        t = torch.as_tensor(named[name]).detach().reshape(-1)
+        size = t.numel()
+        t = t[:: max(1, size // SAMPLE_POINTS)][:SAMPLE_POINTS].to("cpu").to(cast).to(torch.float32).contiguous()
+        h.update(f"{name}:{size}".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -87,8 +100,10 @@ class WeightsMismatch(RuntimeError):
 class WeightStore:
     """Published weight versions on one rollout node (a Ray actor, ``dora_weight_store_<node>``)."""
 
-    def __init__(self, keep_versions: int = 8) -> None:
+    def __init__(self, keep_versions: int = 8, node_id: str = "", timeout_s: float | None = None) -> None:
         self.keep = max(1, int(keep_versions))
+        self.node_id = node_id
+        self.timeout_s = float(timeout_s or FETCH_TIMEOUT_S)
         self.versions: dict[int, tuple[list, str]] = {}  # version -> ([object ref or dict], checksum)
         self.checksums: dict[int, str] = {}
         self.names: dict[int, list[str]] = {}
@@ -136,7 +151,13 @@ class WeightStore:
                              f"integer), got {version!r}; held: {sorted(self.versions)}") from None
         if version not in self.versions:
             self._missing(version)  # raises unless it may still be published
-        await self._event(version).wait()
+        try:
+            await asyncio.wait_for(self._event(version).wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"dora weight store of node {self.node_id or '?'}: version {version} was not published within "
+                f"{self.timeout_s:g} s (held: {sorted(self.versions)}; a store created after the publication, e.g. "
+                f"on a restarted node, never receives it): raise {TIMEOUT_KEY} if publishing is that slow") from None
         if version not in self.versions:  # published, and already evicted by newer ones
             self._missing(version)
         boxed, digest = self.versions[version]
@@ -169,24 +190,24 @@ class WeightStore:
         return text
 
 
-def _store_options(node_id: str, keep_versions: int) -> dict:
+def _store_options(node_id: str) -> dict:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return dict(name=STORE_PREFIX + node_id, get_if_exists=True, num_cpus=0, max_concurrency=1000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
-def node_store(node_id: str | None = None, keep_versions: int = 8) -> Any:
+def node_store(node_id: str | None = None, keep_versions: int = 8, timeout_s: float | None = None) -> Any:
     """The weight store of `node_id` (default: this process's node), created if missing."""
     import ray
 
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    return ray.remote(WeightStore).options(**_store_options(node_id, keep_versions)).remote(keep_versions)
+    return ray.remote(WeightStore).options(**_store_options(node_id)).remote(keep_versions, node_id, timeout_s)
 
 
-def ensure_stores(node_ids, keep_versions: int = 8) -> dict[str, Any]:
+def ensure_stores(node_ids, keep_versions: int = 8, timeout_s: float | None = None) -> dict[str, Any]:
     """One store per rollout node (``DoraTrainer`` calls this once, before the first publication)."""
-    return {n: node_store(n, keep_versions) for n in sorted(set(node_ids))}
+    return {n: node_store(n, keep_versions, timeout_s) for n in sorted(set(node_ids))}
 
 
 def all_stores(keep_versions: int = 8) -> list:
@@ -229,7 +250,7 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
         import urllib.request
 
         def get(name):
-            body = json.dumps({"name": name, "truncate_size": SAMPLE_ELEMS}).encode()
+            body = json.dumps({"name": name, "truncate_size": 1 << 20}).encode()  # a whole norm weight
             req = urllib.request.Request(f"http://{address}/get_weights_by_name", data=body,
                                          headers={"Content-Type": "application/json"})
             try:
@@ -288,16 +309,19 @@ def _register():
         """See the module docstring."""
 
         def __init__(self, bucket_size: int = 0, is_master: bool = False, keep_versions: int = 8,
-                     dtype: str | None = None, **_: Any) -> None:
+                     dtype: str | None = None, fetch_timeout_s: float | None = None, rollout: str | None = None,
+                     **_: Any) -> None:
             self.is_master = is_master
             self.dtype = dtype  # the engine's (``served_dtype``; DoraTrainer sets engine_kwargs.dora_store.dtype)
             self.keep_versions = keep_versions
+            self.fetch_timeout_s = fetch_timeout_s
+            self.rollout = rollout  # the engine (actor_rollout_ref.rollout.name): what sample_names covers
             self.rank = 0
             self._store = None
 
         def _local_store(self):
             if self._store is None:
-                self._store = node_store(None, self.keep_versions)
+                self._store = node_store(None, self.keep_versions, self.fetch_timeout_s)
             return self._store
 
         def prepare(self) -> dict[str, Any]:
@@ -331,7 +355,7 @@ def _register():
                 raise ValueError("dora_store: send_weights needs the version it publishes (global_steps), got None: "
                                  "a load names the version it loads, and an unnamed publication could not be "
                                  "told apart from the others")
-            names = sample_names(named)
+            names = sample_names(named, self.rollout)
             digest = checksum(named, names, self.dtype)
             boxed = [ray.put(named)]
             fresh = await asyncio.gather(*[s.publish.remote(int(global_steps), boxed, digest, names)

@@ -240,6 +240,28 @@ def test_a_load_whose_engine_checksum_differs_from_the_publication_is_refused(en
         assert "checkpoint_engine.backend=dora_store" in work["error"]
 
 
+@pytest.mark.parametrize("engine_checksum", ["c0", "other"])
+def test_the_first_sync_is_checked_on_every_engine(engine_checksum):
+    """verl's ``on_init_end`` loads every replica itself (not through the coordinator's loads):
+    ``check_loaded`` compares each engine's checksum with the publication of that version too."""
+    from dora_ext.verl.weights import WeightsMismatch
+
+    async def run():
+        coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+        store = type("Store", (), {"evidence": _Remote(("c0", ["model.norm.weight"]))})()
+        server = type("Server", (), {"weights_checksum": _Remote(engine_checksum)})()
+        checks = {i: {"server": server, "address": f"s{i}", "store": store} for i in (0, 1)}
+        coord.set_loaders({0: [_Worker([])], 1: [_Worker([])]}, checks, "dora_cpu")
+        await coord.check_loaded(0)
+        return store.evidence.calls
+
+    if engine_checksum == "c0":
+        assert asyncio.run(run()) == [(0,), (0,)]
+    else:
+        with pytest.raises(WeightsMismatch, match="checksum other after loading version 0, published with c0"):
+            asyncio.run(run())
+
+
 def _readded() -> DoraCoordinator:
     """Instance 1 (address s1) runs g0/1 when verl removes s1 and adds it again: instance 2, which
     loads version 0 and takes the trajectories instance 1 had (re-dispatched by the scheduler)."""

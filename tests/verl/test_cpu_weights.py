@@ -76,6 +76,23 @@ def test_replica_checksum_is_read_back_and_catches_a_corrupted_load(server, monk
     assert checksum_check(reports) == (True, [])
 
 
+def test_checksum_covers_every_tensor_and_all_of_each_on_the_cpu_replica(server):
+    """The checksum sampled only ``*norm.weight`` (their first 4096 values): a weight matrix the
+    load left stale, or changed past its head, passed. Every tensor is now sampled across its
+    whole length; vLLM and SGLang keep the norms (the tensors they hold as published)."""
+    from dora_ext.verl.weights import checksum, sample_names
+
+    core, _ = server
+    held = {n: p.detach().clone() for n, p in core.model.named_parameters()}
+    matrix = max((n for n in held if not n.endswith("norm.weight")), key=lambda n: held[n].numel())
+    assert checksum(dict(held, **{matrix: held[matrix] + 0.5})) != checksum(held)
+    tail = torch.zeros(3 * 4096)
+    tail[4096:] = 1.0
+    assert checksum({"w": tail}) != checksum({"w": torch.zeros(3 * 4096)})
+    assert sample_names(held, "dora_cpu") == sorted(held)
+    assert all(n.endswith("norm.weight") for n in sample_names(held, "vllm"))
+
+
 def test_reference_checksum_of_the_model_on_disk(server):
     from dora_ext.verl.cpu.evidence import reference_checksum
     from dora_ext.verl.weights import checksum
@@ -151,6 +168,17 @@ def test_a_load_of_a_version_the_store_does_not_hold_raises_naming_it_and_never_
             asyncio.run(fetch(bad))
     version, named, digest = asyncio.run(fetch(4))
     assert (version, digest, named[0]["x"].tolist()) == (4, "c4", [4.0, 4.0])
+
+
+def test_a_load_of_a_version_never_published_on_its_node_fails_after_the_timeout_naming_it():
+    """A fresh store (a restarted node's) never receives a version published before it existed: the
+    load waited forever. It now fails after ``fetch_timeout_s``, naming the version, node and key."""
+    from dora_ext.verl.weights import WeightStore
+
+    store = WeightStore(keep_versions=3, node_id="node-b", timeout_s=0.01)
+    with pytest.raises(TimeoutError, match=r"node node-b: version 4 was not published within 0.01 s \(held: \[\]"
+                                           r".*engine_kwargs\.dora_store\.fetch_timeout_s"):
+        asyncio.run(asyncio.wait_for(store.fetch(4), 30))  # the outer bound catches a hang, not timing
 
 
 def test_a_version_evicted_while_its_load_waits_raises():
@@ -375,4 +403,4 @@ def test_an_sglang_engine_answering_its_bf16_tensor_as_json_matches_the_fp32_pub
     monkeypatch.setattr(urllib.request, "urlopen", answer)
     got = asyncio.run(W.engine_checksum("sglang", None, "h:1", ["model.norm.weight"], None, "t", "bfloat16"))
     assert got == W.checksum(fp32, ["model.norm.weight"], "bfloat16") != W.checksum(fp32, ["model.norm.weight"])
-    assert asked == [{"name": "model.norm.weight", "truncate_size": W.SAMPLE_ELEMS}]
+    assert asked == [{"name": "model.norm.weight", "truncate_size": 1 << 20}]

@@ -241,7 +241,7 @@ def _cpu_pool(*extra):
 
 
 def test_weight_store_keeps_every_version_the_staleness_bound_can_ask_for():
-    """The weight store keeps ``keep_versions`` (default 8) versions; the scheduler may load any
+    """The weight store keeps ``keep_versions`` (default K + 2) versions; the scheduler may load any
     of the newest K + 1. With K >= 8 and the default, a load of version newest-8 raised KeyError in
     the middle of training (``dora: weight loads failed``). The default now covers K + 1 (plus the
     version being published), and a user's smaller value fails first, naming the key."""
@@ -269,10 +269,14 @@ def test_weight_store_keeps_every_version_the_staleness_bound_can_ask_for():
     with pytest.raises(ConfigError) as err:
         configure(cfg)
     assert err.value.field == "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.keep_versions"
-    # Small K keeps the default.
+    # Unset, it keeps exactly K + 2 (not 8 full copies: ~224 GB of host memory per node for a 7B model).
     cfg = _bare(*_cpu_pool("+dora.max_staleness=1"))
     configure(cfg)
-    assert int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.keep_versions) == 8
+    assert int(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.keep_versions) == 3
+    cfg = _bare(*_cpu_pool("+dora.max_staleness=1",
+                           "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.dora_store.fetch_timeout_s=0"))
+    with pytest.raises(ConfigError, match="expected seconds > 0"):
+        configure(cfg)
 
 
 def test_resume_reads_dora_state_from_the_folder_verl_resumed_from(tmp_path, monkeypatch):

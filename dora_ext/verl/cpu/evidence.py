@@ -195,8 +195,9 @@ def load_checks(reports: list[dict]) -> dict[str, Any]:
     for r in checked:  # in report order: the versions the replicas hold after each checked load
         if not held:  # before it, every replica holds the base version verl's first sync loaded
             held = {i: base for i in range(int(r["replicas"]))}
-        # A partial-subset load: some replica not loading then keeps serving another version.
-        subset += any(i not in r["loading"] and v != r["version"] for i, v in held.items())
+        # A partial-subset load: some replica not loading then keeps serving another version (not
+        # the check of verl's first sync, which loaded every replica).
+        subset += not r.get("initial") and any(i not in r["loading"] and v != r["version"] for i, v in held.items())
         held[r["instance"]] = r["version"]
         at_once = max(at_once, len(set(held.values())))
     return {

@@ -175,7 +175,7 @@ class RandomDriver:
                 on = [k for k, r in self.running.items() if r[0] == act.instance_id]
                 assert set(on) == set(act.preempt), (act, on, "load over running work")
                 # A weight store keeping the newest K + 2 versions (verl's dora_store) still holds it.
-                assert act.version >= self.sched.newest_version - self.sched.K, (act, "older than newest - K")
+                assert act.version >= self.sched.newest_version - self.sched.K - 1, (act, "older than newest - K - 1")
                 self.loading[act.instance_id] = act.version
                 self.loaded.pop(act.instance_id, None)
                 for key in act.preempt:

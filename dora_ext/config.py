@@ -1,11 +1,9 @@
 """One validated configuration object for every runtime (simulator, embedded runtime, hosts).
 
 `DoraConfig` is built from a dict (`from_dict`), a YAML file (`from_yaml`), CLI-style overrides
-(`with_overrides(["max_staleness=2"])`) or directly (`DoraConfig(mode="dora", max_staleness=2)`,
-`dataclasses.replace`); the constructor checks every field. An invalid value raises `ConfigError`
-naming the field and what is accepted, so a typo fails before any GPU time is spent. Integer
-fields take an `int` only: a float (even 2.0), a bool or a numeric string is refused.
-"""
+(`with_overrides(["max_staleness=2"])`) or directly (`DoraConfig(mode="dora")`, `dataclasses.replace`);
+the constructor checks every field: an invalid value raises `ConfigError` naming the field and what
+is accepted, so a typo fails before any GPU time is spent; integer fields take an `int` only."""
 
 from __future__ import annotations
 
@@ -75,8 +73,8 @@ class DoraConfig:
       elastic_spare: with `elastic`, how many more instances the trainer's accelerators can form
         (starting on the trainer side, ids after the configured ones, the first one's capacity).
       elastic_max_lent: with `elastic`, the largest share of the configured instances lent at once.
-      admission: how far admission runs ahead of the trainer within R2 (modes `dora`, `partial`;
-        the others admit a batch at a time): `fill` (every free slot), `ahead` (one batch beyond
+      admission: how far admission runs ahead of the trainer within R2 (modes `dora`, `partial`
+        only; the others admit a batch at a time): `fill` (every free slot), `ahead` (one batch beyond
         the step being formed) or `adaptive` (a look-ahead in [B, K * B] that grows when the
         trainer starts a step short); None: the mode's default (`DEFAULT_ADMISSION`).
       max_failed_group_share: the circuit breaker: once at least `max(batch_size, 4)` groups failed
@@ -108,12 +106,9 @@ class DoraConfig:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "") -> "DoraConfig":
-        """Validate `data` and build a config. Unknown keys are errors. `where` prefixes field names.
-
-        `data` takes what a recipe file holds: `instances` as a count (with `capacity`, which
-        is no field of the config) or as a list of `{capacity, id}` mappings, `max_staleness`
-        defaulting to the mode's (`DEFAULT_STALENESS`). The fields themselves are checked by
-        the constructor, as for a config built directly."""
+        """Validate `data`, what a recipe's `dora:` holds (`instances`, `capacity`: see the class),
+        and build a config; `max_staleness` defaults to the mode's (`DEFAULT_STALENESS`). Unknown
+        keys are errors; `where` prefixes field names; the constructor checks the fields."""
         if not isinstance(data, Mapping):
             raise ConfigError(where or "config", f"expected a mapping, got {type(data).__name__}")
         pre = f"{where}." if where else ""
@@ -192,8 +187,10 @@ class DoraConfig:
                 key, value = item.split("=", 1)
                 items.append((key.strip(), yaml.safe_load(value)))
         for key, value in items:
-            if key in ("mode",) and "max_staleness" not in dict(items):
+            if key == "mode" and "max_staleness" not in dict(items):
                 data.pop("max_staleness", None)
+            if key == "mode" and value not in ADMISSION_MODES and "admission" not in dict(items):
+                data.pop("admission", None)  # (a mode that takes no admission policy)
             if key == "capacity":
                 data["instances"] = [{"id": s["id"], "capacity": value} for s in data["instances"]]
                 continue
@@ -205,11 +202,8 @@ class DoraConfig:
     # ------------------------------------------------------------------ derived
     @property
     def admission_policy(self) -> str:
-        """The admission policy the scheduler runs: `admission`, or the mode's default; `fill`
-        (R2 alone) in the modes that admit a batch at a time."""
-        if self.mode not in ADMISSION_MODES:
-            return "fill"
-        return self.admission or DEFAULT_ADMISSION[self.mode]
+        """`admission`, or the mode's default; `fill` (R2 alone) where a batch is admitted at a time."""
+        return self.admission or DEFAULT_ADMISSION.get(self.mode, "fill")
 
     @property
     def total_capacity(self) -> int:
@@ -223,9 +217,8 @@ def _int(data: Mapping[str, Any], key: str, default: Any, pre: str, *, minimum: 
 
 
 def _integer(value: Any, name: str, *, minimum: int, maximum: int | None = None) -> int:
-    """`value` as an `int` if it is one in range (a subclass, an IntEnum, as the plain int it holds,
-    checked as that). A float (even 2.0), a bool, a numeric string or None is refused, never
-    converted: 1.5 must not become 1."""
+    """`value` as a plain `int` if it is one (an IntEnum too) in range; anything else (None, 2.0,
+    True, "3") is refused, never converted: 1.5 must not become 1."""
     if maximum is None:
         accepted = f"an integer >= {minimum}"
     elif maximum == 2**63 - 1:
@@ -267,10 +260,9 @@ def _check_mode(mode: Any, name: str) -> str:
 
 
 def _check(cfg: DoraConfig) -> None:
-    """Check every field of `cfg` (in field order; the first bad one raises `ConfigError`
-    naming it and what is accepted) and normalise in place what has one spelling: `instances`
-    becomes a tuple, the shares floats, and a subclass of str or int (an Enum member) the plain
-    value it holds, so a config reads, prints and compares as one built from a recipe file."""
+    """Check every field in order (the first bad one raises `ConfigError`) and normalise in place:
+    `instances` a tuple, the shares floats, a str or int subclass (an Enum member) the plain value
+    it holds, so that a config reads, prints and compares as one built from a recipe file."""
     put = object.__setattr__  # (the dataclass is frozen)
     mode = _check_mode(cfg.mode, "mode")
     put(cfg, "mode", mode)
@@ -326,4 +318,7 @@ def _check(cfg: DoraConfig) -> None:
         if not isinstance(adm, str) or str.__str__(adm) not in ADMISSIONS:
             raise ConfigError("admission", f"unknown policy {adm!r}; accepted: {', '.join(ADMISSIONS)} "
                               f"(or leave it unset for the mode's default)")
+        if mode not in ADMISSION_MODES:
+            raise ConfigError("admission", f"mode {mode!r} admits a batch at a time and takes no admission policy; "
+                              f"accepted modes: {', '.join(ADMISSION_MODES)} (leave it unset for the others)")
         put(cfg, "admission", str.__str__(adm))

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..config import MODES, ConfigError, DoraConfig
+from ..config import ADMISSION_MODES, MODES, ConfigError, DoraConfig
 
 TASKS = ("long_tail", "count")
 MODEL_TYPES = ("tiny", "smollm2")
@@ -128,8 +128,8 @@ class Recipe:
     path: str | None = None
 
     def with_mode(self, mode: str) -> "Recipe":
-        """The same recipe in another mode. `sync`/`pipeline` take K=0 and `one_step_off` K=1; `dora`
-        and `partial` keep the recipe's K when it suits them, else take their default."""
+        """The same recipe in another mode: `sync`/`pipeline` take K=0, `one_step_off` K=1, `dora` and
+        `partial` keep the recipe's K if it suits them (else their default) and `admission`."""
         if mode not in MODES:
             raise ConfigError("mode", f"unknown mode {mode!r}; accepted: {', '.join(MODES)}")
         data = dict(self.dora_raw)
@@ -137,6 +137,8 @@ class Recipe:
         k = data.get("max_staleness")
         if mode in ("sync", "pipeline", "one_step_off") or (mode == "dora" and (k is None or k < 1)):
             data.pop("max_staleness", None)
+        if mode not in ADMISSION_MODES:
+            data.pop("admission", None)
         return dataclasses.replace(self, dora=_dora(data, self.steps), dora_raw=data)
 
     def with_steps(self, steps: int) -> "Recipe":

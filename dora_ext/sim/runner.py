@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import MODES, DEFAULT_STALENESS, DoraConfig
+from ..config import ADMISSION_MODES, MODES, DEFAULT_STALENESS, DoraConfig
 from ..core import actions as A
 from ..core import events as E
 from ..core import Scheduler
@@ -172,6 +172,8 @@ class Simulation:
         self.weight_sync_s = 0.0  # trainer seconds spent publishing and loading weights
         self.migration_reprefill = 0.0  # context re-prefilled by migrations
         extra = dict(config or {})  # other scheduler settings, e.g. {"migrate": False}
+        if mode not in ADMISSION_MODES:  # (one config serves the modes `compare` runs side by side)
+            extra.pop("admission", None)
         if extra.get("elastic") and "elastic_spare" not in extra:
             if self.layout.colocated:
                 raise WorkloadError(f"elastic: mode {mode!r} runs colocated here; elastic colocation needs split pools")
@@ -976,8 +978,8 @@ def simulate(
     config: dict[str, Any] | None = None,
     host: HostProfile | str | None = None,
 ) -> RunResult:
-    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields; `host` a
-    host profile (`hosts.py`; default `ideal`).
+    """Run one mode on `preset`; see `Simulation`. `config` adds `DoraConfig` fields (`admission`
+    in the modes that take one); `host` a host profile (`hosts.py`; default `ideal`).
 
     `steps` defaults to `default_steps(preset, K)`."""
     return Simulation(

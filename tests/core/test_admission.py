@@ -127,7 +127,14 @@ def test_admission_is_checked_and_applies_where_it_means_something():
         DoraConfig(admission="eager")
     assert DoraConfig().admission_policy == "adaptive"
     assert DoraConfig(mode="partial").admission_policy == "fill"
-    # Modes that admit a batch at a time run R2 alone whatever is asked (sync, pipeline: K = 0).
+    # Modes that admit a batch at a time run R2 alone: asking them for a policy is an error.
     for mode in ("sync", "pipeline", "one_step_off"):
-        assert DoraConfig.from_dict({"mode": mode, "admission": "ahead"}).admission_policy == "fill"
+        assert DoraConfig(mode=mode, max_staleness=int(mode == "one_step_off")).admission_policy == "fill"
+        with pytest.raises(ConfigError, match=f"admission: mode '{mode}' .* accepted modes: partial, dora"):
+            DoraConfig.from_dict({"mode": mode, "admission": "ahead"})
+        # switching a config's mode drops the policy where the new mode takes none (as it resets K)
+        assert DoraConfig(admission="ahead").with_overrides([f"mode={mode}"]).admission is None
+    assert DoraConfig(admission="ahead").with_overrides(["mode=partial"]).admission == "ahead"
+    with pytest.raises(ConfigError, match="admission: mode 'sync'"):
+        DoraConfig(admission="ahead").with_overrides(["mode=sync", "admission=fill"])
     assert DoraConfig.from_dict(DoraConfig(admission="ahead").to_dict()).admission == "ahead"

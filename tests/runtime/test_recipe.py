@@ -97,6 +97,11 @@ def test_with_mode_sets_the_staleness_each_mode_needs():
     with pytest.raises(ConfigError, match="mode"):
         recipe.with_mode("turbo")
     assert recipe.with_steps(7).dora.max_steps == 7
+    # a recipe's admission policy is for the modes that take one: compare runs sync beside it
+    ahead = recipe_from_dict(tiny(dora={"admission": "ahead"}))
+    assert ahead.with_mode("sync").dora.admission is None and ahead.with_mode("partial").dora.admission == "ahead"
+    with pytest.raises(ConfigError, match="dora.admission: mode 'sync'"):
+        recipe_from_dict(tiny(dora={"mode": "sync", "max_staleness": 0, "admission": "ahead"}))
 
 
 def test_overrides_and_file_errors(tmp_path):

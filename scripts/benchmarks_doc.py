@@ -37,6 +37,7 @@ with `python scripts/benchmarks_doc.py` after re-running a benchmark. No benchma
 | `benchmarks/core_events.py` | scheduler events per CPU second, K = 1..3, 1k to 1M slots |
 | `benchmarks/sim_modes.py` | every simulator preset and mode: split and K as answers, C1-C3, goals |
 | `benchmarks/decode_cost.py` | CPU decode step time against running sequences |
+| `benchmarks/convergence.py` | the main job over seeds: final reward with 95% CI, time to target, staleness, throughput |
 | `benchmarks/cpu_compare.py` | real engines on the CPU: sync against dora K=1, K=2; reward, time to reward, throughput |
 | `benchmarks/sao_vs_grpo.py` | SAO (n=1, value model) against GRPO at the same K |
 | `benchmarks/verl_cpu_compare.py` | verl's `main_ppo` on the CPU: dora, separate_async, sync |
@@ -182,12 +183,40 @@ def decode_cost(d: dict) -> str:
                                 ("ms_per_sequence", "ms per sequence"), ("vs_smallest", "vs smallest batch")]))
 
 
+def convergence(d: dict) -> str:
+    def row(m: str, a: dict) -> dict:
+        lo, hi = a["final_reward_ci95"] or (None, None)
+        fill = a.get("tokens_per_s_ratio_to_fill")
+        return {"mode": m, "K": a["max_staleness"], "final reward": cell(a["final_reward_mean"]),
+                "95% CI": f"[{cell(lo)}, {cell(hi)}]", "per seed": cell(a["final_reward"]),
+                "time to target (median s)": a["time_to_target_median_s"],
+                "reached": f"{a.get('time_to_target_reached', '-')}/{len(a['final_reward'])}",
+                "staleness mean": a["staleness_mean"], "tokens/s": a["tokens_per_s"],
+                "vs sync (median)": a["tokens_per_s_ratio_to_sync_median"],
+                "vs fill (mean)": sum(fill) / len(fill) if fill else None,
+                "C1-C3": "yes" if a["c1_ok"] and a["c2_ok"] and a["c3_ok"] else "NO"}
+
+    noise = d["eval_noise_sd"]
+    parts = [f"Recipe `{d['recipe']}`, {d['steps']} steps, seeds {cell(d['seeds'])} (ABBA order per seed), default "
+             f"K = {d['default_k']}; held-out {d['eval']['prompts']} prompts x {d['eval']['samples']} samples, "
+             f"evaluation noise sd {cell(noise)}. Target: sync's mean final training reward "
+             f"{cell(d['target_train_reward'])} ({d['window']}-step mean).",
+             table([row(m, a) for m, a in d["modes"].items()]),
+             "\n".join(f"- {n}" for n in [*d.get("notes", []), *([d["run_note"]] if d.get("run_note") else [])])]
+    if d.get("not_run"):
+        parts.append("Not run: " + ", ".join(d["not_run"]) + ".")
+    if d.get("plot"):
+        parts.append(f"![reward against wall time, every seed]({d['plot']})")
+    return "\n\n".join(p for p in parts if p)
+
+
 #: file-name stem (or prefix ending in "-") -> (title, command that writes the file, renderer)
 KNOWN: dict[str, tuple[str, str, Callable[[dict], str]]] = {
     "sim_modes": ("Simulator: presets and modes side by side", "python benchmarks/sim_modes.py --json benchmarks/results/sim_modes.json", sim_modes),
     "sim_modes-": ("Simulator: presets and modes side by side ({stem})", "python benchmarks/sim_modes.py --json benchmarks/results/{stem}.json", sim_modes),
     "simulate-": ("`dora-ext simulate --preset {preset}`", "dora-ext simulate --preset {preset} --json > benchmarks/results/{stem}.json", simulate),
     "core_events": ("Scheduler events per CPU second", "python benchmarks/core_events.py --json > benchmarks/results/core_events.json", core_events),
+    "convergence": ("Convergence: sync and dora over seeds", "python benchmarks/convergence.py --out benchmarks/results", convergence),
     "decode_cost": ("CPU decode cost of the default recipe's model", "python benchmarks/decode_cost.py --json benchmarks/results/decode_cost.json", decode_cost),
 }
 

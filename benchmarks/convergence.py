@@ -27,7 +27,8 @@ Reported per mode (`--json` prints it, `--out` also writes it):
 `eval_noise_sd`: the standard deviation of `--eval-repeats` evaluations of one final policy (seed
 0's sync run) with different sampling seeds: the part of a final reward that is measurement.
 `dora_fill`: when the dora config has an `admission` key, dora at its default K with
-`admission: fill` runs too, and `dora` gets `tokens_per_s_ratio_to_fill`.
+`admission: fill` runs too, and `dora` gets `tokens_per_s_ratio_to_fill` (paired per seed), its
+mean and median.
 Throughput on a machine shared with other jobs is noisy: only ratios of runs side by side mean
 anything. Nothing is asserted; the plot (`--plot`) is reward against wall time, every seed.
 """
@@ -202,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, other in same.items():
             modes[name] = modes[other]
         if "dora_fill" in modes:
-            modes["dora"]["tokens_per_s_ratio_to_fill"] = [
+            modes["dora"]["tokens_per_s_ratio_to_fill"] = r = [
                 a / b for a, b in zip(modes["dora"]["tokens_per_s_per_seed"],
                                       modes["dora_fill"]["tokens_per_s_per_seed"])]
+            modes["dora"]["tokens_per_s_ratio_to_fill_mean"] = statistics.mean(r)
+            modes["dora"]["tokens_per_s_ratio_to_fill_median"] = statistics.median(r)
         return {
             "default_k": default_k,
             "modes": {m: modes[m] for m in variants},

@@ -37,6 +37,7 @@ with `python scripts/benchmarks_doc.py` after re-running a benchmark. No benchma
 | `benchmarks/core_events.py` | scheduler events per CPU second, K = 1..3, 1k to 1M slots |
 | `benchmarks/sim_modes.py` | every simulator preset and mode: split and K as answers, C1-C3, goals |
 | `benchmarks/decode_cost.py` | CPU decode step time against running sequences |
+| `benchmarks/admission_cpu.py` | the CPU main job: dora's default admission against `fill`, in adjacent pairs |
 | `benchmarks/convergence.py` | the main job over seeds: final reward with 95% CI, time to target, staleness, throughput |
 | `benchmarks/cpu_compare.py` | real engines on the CPU: sync against dora K=1, K=2; reward, time to reward, throughput |
 | `benchmarks/sao_vs_grpo.py` | SAO (n=1, value model) against GRPO at the same K |

@@ -80,17 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="candidates run in parallel processes")
     ap.add_argument("--splits", default=None, metavar="R:T,...",
                     help="evaluate only these splits (the best of them per mode) instead of optimising")
+    ap.add_argument("--mode-splits", default=None, metavar="LABEL=R:T/R:T;...",
+                    help="per candidate label (sync, one_step_off, pipeline, dora, partial, dora-nomigrate): "
+                         "evaluate only these splits for it (overrides --splits)")
     ap.add_argument("--json", default=os.path.join(here, "results", "sim_hosts.json"))
     args = ap.parse_args(argv)
     hosts = args.hosts.split(",")
     ks = [int(k) for k in args.ks.split(",")]
     splits = [tuple(int(x) for x in sp.split(":")) for sp in args.splits.split(",")] if args.splits else None
+    per = {}
+    for item in (args.mode_splits or "").split(";"):
+        if item.strip():
+            label, _, sps = item.partition("=")
+            per[label.strip()] = [tuple(int(x) for x in sp.split(":")) for sp in sps.split("/")]
     jobs = [(h, label, k) for h in hosts for label, k in _candidates(ks)]
     with ProcessPoolExecutor(args.jobs) as pool:
-        futs = {(h, label, k): pool.submit(_run, args.preset, h, label, k, args.seed, splits) for h, label, k in jobs}
+        futs = {(h, label, k): pool.submit(_run, args.preset, h, label, k, args.seed, per.get(label, splits))
+                for h, label, k in jobs}
         rows = {h: {f"{label} K={f.result()['K']}": f.result() for (hh, label, k), f in futs.items() if hh == h}
                 for h in hosts}
     out = {"preset": args.preset, "seed": args.seed, "ks": ks, "splits": args.splits or "optimised",
+           "mode_splits": args.mode_splits,
            "hosts": {h: _summary(rows[h]) for h in hosts}}
     print(f"{args.preset}: dora at its best split and K, against the best peer at theirs")
     for h, r in out["hosts"].items():

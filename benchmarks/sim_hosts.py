@@ -56,6 +56,8 @@ def _run(preset_name: str, host: str, label: str, k: int | None, seed: int, spli
         "weight_loads_per_step": m["weight_loads"] / steps, "migrations": m["migrations"],
         "reprefilled_tokens": m["reprefilled_tokens"], "preemptions": m["preemptions"],
         "preemption_recomputed_tokens": m["preemption_recomputed_tokens"], "split_runs": s.runs,
+        "efficiency_by_split": {f"{r}:{t}": v * m["efficiency"] / m["throughput_tokens_per_s"]
+                                for (r, t), v in (s.evaluated or {}).items()},
         "wall_s": time.perf_counter() - t0}
 
 

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 for h, label, k in jobs}
         rows = {h: {f"{label} K={f.result()['K']}": f.result() for (hh, label, k), f in futs.items() if hh == h}
                 for h in hosts}
-    out = {"preset": args.preset, "seed": args.seed, "ks": ks, "splits": args.splits or "optimised",
+    out = {"preset": args.preset, "seed": args.seed, "ks": ks,
+           "splits": args.splits or ("per mode: mode_splits" if args.mode_splits else "optimised"),
            "mode_splits": args.mode_splits,
            "hosts": {h: _summary(rows[h]) for h in hosts}}
     print(f"{args.preset}: dora at its best split and K, against the best peer at theirs")

@@ -88,7 +88,7 @@ class TrainerCost:
     leave_s: float = 5.0
     step_acc_s_per_token: float = 0.0  # work at the optimizer step per batch token (not streamed)
     dp_comm_s: float = 0.0  # per step, data-parallel collectives when the trainer has > 1 accelerator
-    report_s: float = 0.0  # a step's report reaching the scheduler and its answer the trainer (idle)
+    report_s: float = 0.0  # the coordinator hop: a step report -> the next command, a finished group -> the trainer
 
 
 @dataclass(frozen=True)

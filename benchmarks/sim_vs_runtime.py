@@ -48,7 +48,7 @@ def _fit_decode(steps: list, others: list) -> tuple[float, float]:
     xs, ys = [], []
     for a, b, n in steps:
         i = bisect.bisect_left(starts, b)
-        overlap = sum(max(0.0, min(b, ob) - max(a, oa)) for oa, ob in ends[max(0, i - 8):i])
+        overlap = sum(max(0.0, min(b, ob) - max(a, oa)) for oa, ob in ends[max(0, bisect.bisect_right(starts, a) - 1):i])
         xs.append(n)
         ys.append(b - a - overlap / 2)
     b_, a_ = np.polyfit(np.array(xs, float), np.array(ys, float), 1)

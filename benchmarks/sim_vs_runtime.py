@@ -33,10 +33,10 @@ import sys
 import time
 
 
-def _fit_decode(steps: list, others: list) -> tuple[float, float]:
+def _fit_decode(steps: list, others: list, c: float = 0.0) -> tuple[float, float]:
     """a + b * n from an instance's decode-step log [(t0, t1, n)]. `others`: the other instance's
-    steps on the same core; while both decode, each runs at half speed (the OS shares the core),
-    so a step's cost is its duration less half of its overlap with them. (Keeping only the steps
+    steps on the same core; the simulator runs each of the k decoding there at 1 / (k + c) (`c` the
+    coordinator's share), so a step's cost is its lone time / (1 + c) + its overlap / (2 + c). (Keeping only the steps
     that overlap nothing fits the tail, where few sequences run, and underestimates the cost per
     sequence at full occupancy: pipeline's rollout then came out ~30% faster than measured.)"""
     import bisect
@@ -50,7 +50,7 @@ def _fit_decode(steps: list, others: list) -> tuple[float, float]:
         i = bisect.bisect_left(starts, b)
         overlap = sum(max(0.0, min(b, ob) - max(a, oa)) for oa, ob in ends[max(0, bisect.bisect_right(starts, a) - 1):i])
         xs.append(n)
-        ys.append(b - a - overlap / 2)
+        ys.append((b - a - overlap) / (1 + c) + overlap / (2 + c))  # (the simulator's 1 / (k + c))
     b_, a_ = np.polyfit(np.array(xs, float), np.array(ys, float), 1)
     return max(float(a_), 1e-6), max(float(b_), 0.0)
 
@@ -85,7 +85,8 @@ def calibrate(run: dict, preset, report_s: float):
     w, e = window(len(se))
     t0, t1 = (se[w - 1] if w else 0.0), se[e - 1]
     logs = {iid: [x for x in st if t0 < x[0] < t1] for iid, st in run["instances"].items()}
-    fits = [_fit_decode(log, [] if run["colocated"] else [x for j, o in logs.items() if j != iid for x in o])
+    share = 0.0 if run["colocated"] else run["coordinator_cpu_s"] / run["t_end"]  # of the rollout core
+    fits = [_fit_decode(log, [] if run["colocated"] else [x for j, o in logs.items() if j != iid for x in o], share)
             for iid, log in logs.items()]
     a = sum(f[0] for f in fits) / len(fits)
     b = sum(f[1] for f in fits) / len(fits)
@@ -110,7 +111,6 @@ def calibrate(run: dict, preset, report_s: float):
     load = metrics["weight_load_s"] / max(1, metrics["weight_loads"])
     ec = dataclasses.replace(preset.engine, decode_a_s=a, decode_b_s=b, decode_c_s=0.0, prefill_s_per_token=0.0,
                              weight_load_s=load)
-    share = 0.0 if run["colocated"] else run["coordinator_cpu_s"] / run["t_end"]  # of the rollout core
     costs = {"decode_a_ms": a * 1e3, "decode_b_ms_per_seq": b * 1e3, "weight_load_ms": load * 1e3,
              "train_ms_per_ktoken": tc.train_acc_s_per_token * 1e6, "step_ms_per_ktoken": tc.step_acc_s_per_token * 1e6,
              "dp_comm_ms_per_step": tc.dp_comm_s * 1e3, "report_ms": report_s * 1e3}

@@ -7,7 +7,7 @@
 Each mode of recipes/cpu/long-tail.yaml runs once (reduced steps) on the embedded runtime. From
 each run the benchmark measures the component costs the simulator takes as inputs (`calibrate`):
 a decode step against the running sequences (least squares over the instance's decode-step log,
-steps where it ran alone on its core; the short prompts' prefill folded in), the trainer's time per
+every step, its overlap with the other instance on the core discounted, see `_fit_decode`; the short prompts' prefill folded in), the trainer's time per
 token of a streamed group and of the optimizer step (its busy spans; a span ending at a step's end
 is the step), the collectives of sync's two gloo ranks, a weight load, the coordinator's share of
 the rollout core (its CPU time over the run) and round trip after a step (the trainer's idle gap

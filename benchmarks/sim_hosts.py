@@ -56,6 +56,8 @@ def _run(preset_name: str, host: str, label: str, k: int | None, seed: int, spli
         "weight_loads_per_step": m["weight_loads"] / steps, "migrations": m["migrations"],
         "reprefilled_tokens": m["reprefilled_tokens"], "preemptions": m["preemptions"],
         "preemption_recomputed_tokens": m["preemption_recomputed_tokens"], "split_runs": s.runs,
+        "efficiency_by_split": {f"{r}:{t}": v * m["efficiency"] / m["throughput_tokens_per_s"]
+                                for (r, t), v in (s.evaluated or {}).items()},
         "wall_s": time.perf_counter() - t0}
 
 
@@ -80,17 +82,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="candidates run in parallel processes")
     ap.add_argument("--splits", default=None, metavar="R:T,...",
                     help="evaluate only these splits (the best of them per mode) instead of optimising")
+    ap.add_argument("--mode-splits", default=None, metavar="LABEL=R:T/R:T;...",
+                    help="per candidate label (sync, one_step_off, pipeline, dora, partial, dora-nomigrate): "
+                         "evaluate only these splits for it (overrides --splits)")
     ap.add_argument("--json", default=os.path.join(here, "results", "sim_hosts.json"))
     args = ap.parse_args(argv)
     hosts = args.hosts.split(",")
     ks = [int(k) for k in args.ks.split(",")]
     splits = [tuple(int(x) for x in sp.split(":")) for sp in args.splits.split(",")] if args.splits else None
+    per = {}
+    for item in (args.mode_splits or "").split(";"):
+        if item.strip():
+            label, _, sps = item.partition("=")
+            per[label.strip()] = [tuple(int(x) for x in sp.split(":")) for sp in sps.split("/")]
     jobs = [(h, label, k) for h in hosts for label, k in _candidates(ks)]
     with ProcessPoolExecutor(args.jobs) as pool:
-        futs = {(h, label, k): pool.submit(_run, args.preset, h, label, k, args.seed, splits) for h, label, k in jobs}
+        futs = {(h, label, k): pool.submit(_run, args.preset, h, label, k, args.seed, per.get(label, splits))
+                for h, label, k in jobs}
         rows = {h: {f"{label} K={f.result()['K']}": f.result() for (hh, label, k), f in futs.items() if hh == h}
                 for h in hosts}
-    out = {"preset": args.preset, "seed": args.seed, "ks": ks, "splits": args.splits or "optimised",
+    out = {"preset": args.preset, "seed": args.seed, "ks": ks,
+           "splits": args.splits or ("per mode: mode_splits" if args.mode_splits else "optimised"),
+           "mode_splits": args.mode_splits,
            "hosts": {h: _summary(rows[h]) for h in hosts}}
     print(f"{args.preset}: dora at its best split and K, against the best peer at theirs")
     for h, r in out["hosts"].items():

@@ -88,7 +88,7 @@ class TrainerCost:
     leave_s: float = 5.0
     step_acc_s_per_token: float = 0.0  # work at the optimizer step per batch token (not streamed)
     dp_comm_s: float = 0.0  # per step, data-parallel collectives when the trainer has > 1 accelerator
-    report_s: float = 0.0  # a step's report reaching the scheduler and its answer the trainer (idle)
+    report_s: float = 0.0  # the coordinator hop: a step report -> the next command, a finished group -> the trainer
 
 
 @dataclass(frozen=True)
@@ -336,55 +336,6 @@ MOE_IMBALANCE = Preset(
     ),
 )
 
-# --------------------------------------------------------------------------- cpu-main-job
-# The README's main job (recipes/cpu/long-tail.yaml): a tiny transformer on 2 CPU cores, 2
-# instances on the rollout core (here each its own accelerator at half speed), the trainer on the
-# other. Trainer-bound: calibrated to dora's rollout slots sitting ~71% idle.
-CPU_MAIN_JOB = Preset(
-    name="cpu-main-job",
-    summary="The CPU main job (tiny model, long-tail counting task, 2 instances x 64 + 1 trainer core): trainer-bound",
-    accelerators=3,
-    engine=EngineCost(
-        # [calib] set so that dora K=2 with `fill` admission leaves ~71% of the slots idle
-        decode_a_s=0.7e-3,
-        decode_b_s=1.6e-5,
-        decode_c_s=0.0,  # [hw] a 2-layer d_model=64 model: KV reads are negligible
-        prefill_s_per_token=2e-5,
-        weight_load_s=0.005,  # [hw] ~100k parameters packed and unpacked
-        kv_bytes_per_token=512.0,
-        migrate_bytes_per_s=1e9,
-        capacity=64,  # [paper] the recipe: 2 instances x 64 slots hold one batch of 8 x 16
-        accelerators=1,
-    ),
-    trainer=TrainerCost(
-        # [calib] ~90 ms of trainer CPU per step of ~3,000 tokens (the recipe's measurements)
-        train_acc_s_per_token=3.2e-5,
-        optimizer_acc_s=0.004,  # [paper] two AdamW steps ~4 ms (the recipe)
-        broadcast_s=0.001,  # [paper] publishing and packing the weights ~1 ms (the recipe)
-        join_s=0.01,
-        leave_s=0.01,
-    ),
-    workload=Workload(
-        response_median=9.0,  # [paper] responses 2L+1 tokens, L log-normal median 4, cv 1.2, cap 40
-        response_cv=1.2,
-        response_cap=81,
-        prompt_median=8.0,
-        prompt_cv=0.3,
-        prompt_cap=16,
-        group_size=16,  # [paper] the recipe: 16 trajectories per prompt
-        difficulty_share=0.0,
-    ),
-    batch_size=8,
-    default_split=(2, 1),
-    sync_colocated=True,  # [paper] sync alternates on both cores (the recipe's "Equal hardware")
-    default_steps=40,
-    sources=(
-        "recipes/cpu/long-tail.yaml: tiny model, 8 prompts x 16 per step, 2 instances x 64, 1 trainer core",
-        "issue 25: dora K=2 on that job waits ~6% with ~71% of the rollout slots idle (trainer-bound)",
-    ),
-    targets={"rollout_bubble_dora_k2_fill": 0.71},
-)
-
 # --------------------------------------------------------------------------- cpu-long-tail
 # The embedded runtime's main job (recipes/cpu/long-tail.yaml) on 2 cores: the tiny model (d_model
 # 64, 2 layers, fp32), 2 instances of 64 sequences, batch 8 x 16. [meas] constants come from
@@ -430,7 +381,7 @@ CPU_LONG_TAIL = Preset(
 )
 
 PRESETS: dict[str, Preset] = {
-    p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL, MOE_IMBALANCE, CPU_LONG_TAIL, CPU_MAIN_JOB)
+    p.name: p for p in (DAPO_28K, ROLLOUTPIPE_8K, AGENTIC_LONG_TAIL, MOE_IMBALANCE, CPU_LONG_TAIL)
 }
 
 

@@ -26,7 +26,7 @@ from .hosts import HostProfile, get_host
 from .presets import Preset
 from .workload import LengthSampler, WorkloadError
 
-_FINISH, _LOADED, _ARRIVE, _TRAINER, _ROLE, _SPEED = 0, 1, 2, 3, 4, 5
+_FINISH, _LOADED, _ARRIVE, _TRAINER, _ROLE, _SPEED, _HANDOFF = 0, 1, 2, 3, 4, 5, 6
 
 #: `Simulation.save` writes this checkpoint format; `Simulation.load` reads only this one.
 CHECKPOINT_FORMAT = 1
@@ -297,6 +297,8 @@ class Simulation:
                 self._on_role(x, y)
             elif kind == _SPEED:
                 self._on_speed(x)
+            elif kind == _HANDOFF:
+                self._tq.append(("group", x))
             else:
                 self._on_trainer_done(x)
             self._drain()
@@ -643,7 +645,10 @@ class Simulation:
             self.duplicated += 1
             return
         self._delivered.add(gid)
-        self._tq.append(("group", gid))
+        if self.tc.report_s:  # it reaches the trainer through the coordinator too
+            self._push(self.now + self.tc.report_s, _HANDOFF, gid, None)
+        else:
+            self._tq.append(("group", gid))
 
     def _start_step(self, act: A.StartStep) -> None:
         k = act.step

@@ -192,7 +192,7 @@ class DoraCoordinator:
                     # between two turns nothing is in flight and its next acquire lands.
                     req = self.request_of.get(key)
                     if req is not None and req[0] == self.server_of.get(act.src):
-                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, *req), self._loop)
+                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, *req, key), self._loop)
                 elif act.src not in self.aborts:
                     self.aborts.append(act.src)
             elif isinstance(act, A.StartStep):
@@ -350,7 +350,7 @@ class DoraCoordinator:
             return
         self.loaded([instance], verl_version)
 
-    async def _abort_request(self, instance: int, sid: str, request_id: str) -> None:
+    async def _abort_request(self, instance: int, sid: str, request_id: str, key: tuple = ()) -> None:
         from .weights import abort_request
 
         try:
@@ -358,7 +358,7 @@ class DoraCoordinator:
         except Exception as exc:  # the request then runs to its end on the source: the move does not land
             out = {"aborted": False, "error": repr(exc)[:300]}
         self._record(("abort_request", instance, request_id, bool(out.get("aborted"))))
-        _report("abort_request", instance=instance, request_id=request_id, aborted=bool(out.get("aborted")))
+        _report("abort_request", instance=instance, request_id=request_id, aborted=bool(out.get("aborted")), key=key)
 
     async def _check_load(self, instance: int, verl_version: int, initial: bool = False) -> None:
         from .weights import WeightsMismatch, engine_checksum

@@ -8,8 +8,8 @@ GPU recipe resolves to (``dora_store``: the same classes; only Ray's transport t
 differs). Three replicas. Injected on purpose: the GPU decode shape (``DORA_CPU_STEP_S``: a
 decode step of the whole batch costs at least 0.05 s, generation slow next to training, as with
 long responses on GPUs), a straggler replica (``DORA_CPU_SLOW_REPLICAS``: replica 0's steps cost
-10 times that, so replicas drain at different times; in the K=2 run ``0:hold``: replica 0
-advances no request it shares, so that run finishes only through R5 moves off it), reward
+10 times that, so replicas drain at different times; in the dora runs ``0:hold``: replica 0
+advances no request it shares, so they finish only through R5 moves off it), reward
 failures for chosen prompts (``dora_ext.verl.cpu.tiny.compute_score``), and a SIGKILL of verl's
 TaskRunner after the step-3 checkpoint.
 
@@ -218,7 +218,7 @@ def test_dora_k1_six_steps(assets, tmp_path):
     from dora_ext.verl.cpu.evidence import analyze, load_run, published_checksums, reference_checksum
 
     work = _work(assets, tmp_path)
-    rc, log = _run(work, "dora", env={"K": "1", "STEPS": "6"})
+    rc, log = _run(work, "dora", env={"K": "1", "STEPS": "6", "DORA_CPU_SLOW_REPLICAS": "0:hold"})
     assert rc == 0, _tail(log)
     metrics, reports = load_run(work, "dora")
     res = analyze(metrics, reports, mode="dora", max_staleness=1)
@@ -234,6 +234,7 @@ def test_dora_k1_six_steps(assets, tmp_path):
     print(f"max live versions generating at once: {res['max_live_versions']}")
     _assert_moves(metrics, reports)
     _assert_weight_path(reports)
+    _assert_moved_off(reports, reports, held=0)
     # Version 0 as published by the actor is the model on disk (a reference the publisher did not write).
     assert published_checksums(reports)[0] == reference_checksum(os.path.join(work, "model"))
     # The scheduler admitted exactly what was trained (no failures injected here).

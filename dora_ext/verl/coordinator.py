@@ -30,20 +30,16 @@ A weight load never overtakes a request routed to its instance (C1). ``acquire_s
 request in flight on its server the moment it routes it, before the request has crossed the Ray
 hop to the server; ``release_server`` (verl's client calls it in a ``finally`` once the server
 answered, also on an abort or an error) uncounts it, matched to its acquire by ``request_id``
-(a late release of an instance removed since, its address serving again, uncounts nothing). A ``LoadVersion`` the scheduler decides
-while its instance still counts requests in flight (a trajectory R5 moved off it, or whose end
-was reported before its release arrived) is *held*: not handed out (``take_work``, or the
-loaders) until the count reaches 0, then handed out from that ``release_server``.
-Otherwise the request could reach the server behind the load (parked behind the load's abort,
-or queued behind it) and run under the new version: a resumed trajectory would span two
-versions. Ungrouped requests go to an instance with no load pending whenever one is loaded, so
-they do not keep a held load waiting. verl's ``generate`` releases in a ``finally`` entered only
-once the acquire's answer reached it: a caller cancelled while it waits for that answer (the
-coordinator's acquire runs on, cancelling a wait on a Ray ``ObjectRef`` does not cancel the actor
-task) would never release, and its instance's load would stay held for good.
-``DoraLLMServerClient._acquire_server`` releases such an acquire once it answers. A request never
-released for another reason (a caller that is not dora's client) keeps its instance's load held;
-``loads_held_now`` in the metrics shows such a load.
+(a late release of an instance removed since, its address serving again, uncounts nothing). A
+``LoadVersion`` decided while its instance still counts requests in flight (a trajectory R5
+moved off it, or whose end was reported before its release arrived) is *held* (not handed out)
+until the count reaches 0, then handed out from that ``release_server``. Otherwise the request
+could reach the server behind the load and run under the new version: a resumed trajectory would
+span two versions. Ungrouped requests go to an instance with no load pending whenever one is
+loaded, so they do not keep a held load waiting. A caller cancelled while its acquire is answered
+never releases (verl's ``finally`` starts after the answer): ``DoraLLMServerClient`` releases such
+an acquire once it answers. A request never released for another reason (a caller that is not
+dora's client) keeps its instance's load held; ``loads_held_now`` in the metrics shows it.
 """
 
 from __future__ import annotations
@@ -183,16 +179,15 @@ class DoraCoordinator:
                     self._moved(key, act.dst)
                 else:
                     self._unlanded(key, "removed")
-                    # Decided in a `remove_servers` batch before its destination was removed in
-                    # it: the scheduler re-queued the trajectory, its request waits for the new
-                    # Dispatch (routed to the removed server, it failed on its in-flight count).
+                    # Decided in a `remove_servers` batch before its destination was removed in it:
+                    # re-queued, its request waits for the new Dispatch (not the removed server).
                     self.route.pop(key, None)
                 if self.abort_requests and self._loop is not None:
                     # Abort only the moved trajectory's request on its source (the others there run on);
                     # between two turns nothing is in flight and its next acquire lands.
                     req = self.request_of.get(key)
                     if req is not None and req[0] == self.server_of.get(act.src):
-                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, *req), self._loop)
+                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, *req, key), self._loop)
                 elif act.src not in self.aborts:
                     self.aborts.append(act.src)
             elif isinstance(act, A.StartStep):
@@ -203,8 +198,14 @@ class DoraCoordinator:
                 self.failed[act.group_id] = act.reason
                 self.admitted.pop(act.group_id, None)
                 for idx in range(self.config.group_size):
-                    self._drop_move((act.group_id, idx), "group_failed")
-                    self.route.pop((act.group_id, idx), None)  # its acquires raise GroupFailedError
+                    key = (act.group_id, idx)
+                    self._drop_move(key, "group_failed")
+                    self.route.pop(key, None)  # its acquires raise GroupFailedError
+                    # A sibling still generating is wasted and delays verl's failure record (the refill).
+                    req = self.request_of.get(key)
+                    if req is not None and self.abort_requests and self._loop is not None:
+                        coro = self._abort_request(self.instance_of.get(req[0], -1), *req, key)
+                        asyncio.run_coroutine_threadsafe(coro, self._loop)
                 _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
                 for key in [k for k in self.waiters if k[0] == act.group_id]:
@@ -350,7 +351,7 @@ class DoraCoordinator:
             return
         self.loaded([instance], verl_version)
 
-    async def _abort_request(self, instance: int, sid: str, request_id: str) -> None:
+    async def _abort_request(self, instance: int, sid: str, request_id: str, key: tuple = ()) -> None:
         from .weights import abort_request
 
         try:
@@ -358,7 +359,7 @@ class DoraCoordinator:
         except Exception as exc:  # the request then runs to its end on the source: the move does not land
             out = {"aborted": False, "error": repr(exc)[:300]}
         self._record(("abort_request", instance, request_id, bool(out.get("aborted"))))
-        _report("abort_request", instance=instance, request_id=request_id, aborted=bool(out.get("aborted")))
+        _report("abort_request", instance=instance, request_id=request_id, aborted=bool(out.get("aborted")), key=key)
 
     async def _check_load(self, instance: int, verl_version: int, initial: bool = False) -> None:
         from .weights import WeightsMismatch, engine_checksum

@@ -274,6 +274,39 @@ def test_replica_batches_concurrent_requests_aborts_one_and_reads_the_version_at
     assert out_b.extra_fields["global_steps"] == 4  # read at completion
 
 
+def test_a_held_replica_advances_no_request_it_shares_until_one_is_aborted(server, monkeypatch):
+    """``DORA_CPU_SLOW_REPLICAS=<rank>:hold``: a lone request decodes; once a second one runs beside
+    it neither advances (however many loop iterations pass), until ``abort_request`` ends one with
+    its partial tokens and the other then runs alone to its length."""
+    from dora_ext.verl.cpu.rollout import ServerCore
+
+    monkeypatch.setenv("DORA_CPU_SLOW_REPLICAS", "1:3,0:hold")
+    monkeypatch.setenv("DORA_CPU_STEP_S", "0")
+    core = ServerCore()
+    core._init_server(type("ModelConfig", (), {"local_path": server[1]})(), 0)
+    assert core.hold and core.step_s == 0
+    core.eos_ids = set()
+
+    async def run():
+        params = {"max_tokens": 6, "temperature": 0}
+        a = asyncio.ensure_future(core.generate("a", [1, 2, 3], params))
+        while not core._running or not core._running[0].tokens:
+            await asyncio.sleep(0)
+        b = asyncio.ensure_future(core.generate("b", [4, 5], params))
+        while len(core._running) < 2:
+            await asyncio.sleep(0)
+        held = [len(r.tokens) for r in core._running]
+        for _ in range(50):  # the decode loop yields once per step (its step time is 0)
+            await asyncio.sleep(0)
+        assert [len(r.tokens) for r in core._running] == held and held[0] < 6, held
+        assert (await core.abort_request("b"))["aborted"]
+        return await a, await b
+
+    out_a, out_b = asyncio.run(run())
+    assert out_b.stop_reason == "aborted" and out_b.token_ids == []
+    assert out_a.stop_reason == "length" and len(out_a.token_ids) == 6
+
+
 class _LocalStore:
     """A ``WeightStore`` behind ``.publish.remote`` / ``.read_text.remote`` (its actor handle's shape)."""
 

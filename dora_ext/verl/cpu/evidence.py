@@ -26,7 +26,7 @@ trusts the scheduler's own bookkeeping:
   checksum after the load) equals the publication's; ``subset_loads``: those checked loads made
   while a replica with no load running kept serving another version (a partial subset);
   ``old_version_loads``: those of a version older than the newest published then;
-  ``requests_aborted_alone``: R5 aborts of one request (``abort_request``); ``aborted_unasked``:
+  ``requests_aborted_alone``: per-request aborts (R5 moves, a failed group's siblings); ``aborted_unasked``:
   requests that came back aborted though no per-request abort named them (0: co-resident
   requests of a migration's source were not aborted).
 """

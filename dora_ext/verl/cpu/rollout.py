@@ -26,11 +26,10 @@ rollout side uses with vLLM/SGLang:
   decode does on a GPU (the step sleeps the remainder). The requests of a step are computed one
   after the other (each keeps its own KV cache): on CPU a step's compute grows with the batch.
   ``DORA_CPU_SLOW_REPLICAS="<rank>:<factor>,..."`` makes chosen replicas' steps cost `factor`
-  times that (injected stragglers).
-* Every weight load records the checksum of the weights now in the model
-  (:func:`dora_ext.verl.weights.checksum`), and every finished request its version; with
-  ``DORA_CPU_REPORT_DIR`` set both go to JSON lines there (one file per process), which the tests
-  and ``benchmarks/verl_cpu_compare.py`` read.
+  times that (injected stragglers); factor ``hold``: that replica advances a request only while
+  it runs no other (a straggler that finishes nothing it shares: R5 must move work off it).
+* Every weight load reports the checksum of the weights now in the model, every finished request
+  its version (``DORA_CPU_REPORT_DIR``: JSON lines, read by the tests and the CPU benchmark).
 """
 
 from __future__ import annotations
@@ -88,12 +87,12 @@ class ServerCore:
         self.loads: list[dict] = []
         self.served = 0
         self.step_s = float(os.environ.get("DORA_CPU_STEP_S", "0") or 0)
-        # Injected stragglers (DORA_CPU_SLOW_REPLICAS="<rank>:<factor>,..."): that replica's steps
-        # cost `factor` times DORA_CPU_STEP_S, as a replica full of long contexts decodes slower.
+        self.hold = False  # injected stragglers (DORA_CPU_SLOW_REPLICAS, module docstring)
         for item in filter(None, os.environ.get("DORA_CPU_SLOW_REPLICAS", "").split(",")):
             rank, factor = item.split(":")
             if int(rank) == self.replica_rank:
-                self.step_s *= float(factor)
+                self.hold = factor == "hold"
+                self.step_s *= 1.0 if self.hold else float(factor)
 
     # ------------------------------------------------------------------ weights
     async def load_named_weights(self, named: dict, version: int | None) -> str:
@@ -171,7 +170,7 @@ class ServerCore:
                 while self._queue and len(self._running) < self.max_running:
                     self._running.append(self._queue.pop(0))
                 for req in list(self._running):
-                    reason = "aborted" if req.aborted else req.step()
+                    reason = "aborted" if req.aborted else None if self.hold and len(self._running) > 1 else req.step()
                     if reason is not None:
                         self._running.remove(req)
                         req.done.set_result((req.tokens, req.logprobs, reason))

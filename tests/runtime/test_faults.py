@@ -726,8 +726,9 @@ class KillsBothAtOnce(KillsWhenHeld):
     is still live there. `room` forces what that work does, by which one goes first: False, the
     one whose peer has no free slot (it waits for the replacements); True, one whose peer has
     free slots at the version both hold (some of it is dispatched there, `placed`, and re-queued
-    again at the peer's failure). The capacity makes each state sure: 2, a group of 4 fills both;
-    16, R2 admits at most (K + 1) * B = 6 groups at a version past step 1, so one runs <= 12."""
+    again at the peer's failure). Until the kill the trainer gets no step past the first, so both
+    hold version 1 (one of them could load 2 first). The capacity makes each state sure: 2, a
+    group of 4 fills both; 16, R2 admits at most 6 groups at version 1, so one runs <= 12."""
 
     victims = (0, 1)
     room = False
@@ -747,6 +748,12 @@ class KillsBothAtOnce(KillsWhenHeld):
             return out
 
         self.sched.handle = spy
+
+    def _send_step(self, step, rest):
+        if self.step_end and not getattr(self, "killed", False):
+            self._steps_waiting.append((step, rest))  # sent once a replacement is ready (`_on_ready`)
+        else:
+            super()._send_step(step, rest)
 
     def _kill(self):
         s = self.sched

@@ -757,10 +757,12 @@ class KillsBothAtOnce(KillsWhenHeld):
 
     def _on_message(self, msg):
         super()._on_message(msg)
-        if self.room and self.held and not getattr(self, "killed", False):
+        if self.room and self.held:
             self._kill()
 
     def _kill(self):
+        if getattr(self, "killed", False):
+            return  # (a "held" the peer wrote just before it died, drained)
         s = self.sched
         first = next(iter(self.held))
         peer = 1 - first

@@ -62,9 +62,9 @@ class KillingRuntime(Runtime):
             super()._send_step(step, rest)
 
 
-def _kill_recipe(mode, seed, restarts):
+def _kill_recipe(mode, seed, restarts, capacity=4):
     data = tiny(steps=8, seed=seed, task={"median": 8, "cap": 16, "cv": 1.0},
-                dora={"batch_size": 2, "group_size": 4, "instances": 2, "capacity": 4},
+                dora={"batch_size": 2, "group_size": 4, "instances": 2, "capacity": capacity},
                 runtime={"max_instance_restarts": restarts})
     return recipe_from_dict(data).with_mode(mode)
 
@@ -720,39 +720,95 @@ def test_a_replacement_killed_before_it_is_ready_is_replaced_in_turn():
 
 
 class KillsBothAtOnce(KillsWhenHeld):
-    """KillsWhenHeld with both instances as victims: once both hold an unfinished sequence, both
-    get SIGKILL; the coordinator waits for both exits and only then looks at its workers, so both
-    deaths are found in one pass (forced)."""
+    """KillsWhenHeld with both instances as victims, both killed at once; the coordinator waits for
+    both exits, then finds both dead in one pass and hands the scheduler one failure after the
+    other: the first re-queues its work while the other (its peer), dead, is still live there.
+    Until the kill the trainer gets no step past the first, so both load version 1 (not 2).
+    `room` forces what that work does. False (capacity 2: a group of 4 fills both): the kill
+    comes once both hold; the peer is full, the work waits for the replacements. True (capacity
+    24): the kill comes once one holds and its peer (which may have nothing to run) has loaded
+    version 1; R2 admits at most 6 groups at version 1, so the peer has free slots: some of the
+    work is dispatched onto it (`placed`), re-queued again at the peer's failure."""
 
     victims = (0, 1)
+    room = False
+
+    def __init__(self, *args, **kwargs):
+        from dora_ext.core.actions import Dispatch
+
+        super().__init__(*args, **kwargs)
+        self.placed: set = set()
+        handle = self.sched.handle
+
+        def spy(event):
+            out = handle(event)
+            if isinstance(event, InstanceFailed):
+                self.placed.update((a.group_id, a.index) for a in out
+                                   if isinstance(a, Dispatch) and a.instance_id in self.victims)
+            return out
+
+        self.sched.handle = spy
+
+    def _send_step(self, step, rest):
+        if self.step_end and not getattr(self, "killed", False):
+            self._steps_waiting.append((step, rest))  # sent once a replacement is ready (`_on_ready`)
+        else:
+            super()._send_step(step, rest)
+
+    def _on_message(self, msg):
+        super()._on_message(msg)
+        if self.room and self.held:
+            self._kill()
+
+    def _kill(self):
+        if getattr(self, "killed", False):
+            return  # (a "held" the peer wrote just before it died, drained)
+        s = self.sched
+        first = next(iter(self.held))
+        peer = 1 - first
+        if self.room and (s.instances[peer].version != s.instances[first].version or s.instances[peer].loading):
+            return  # not yet: the peer loads version 1 first
+        free = {v: self.capacity_of[v] - len(s.running_on(v)) for v in self.victims}
+        if (free[peer] > 0) != self.room:
+            pytest.fail(f"room={self.room}, but the victims have {free} free slots")
+        handles = self.instance_handles
+        handles[peer] = handles.pop(peer)  # `_watch` handles the other one first
+        super()._kill()
 
 
 @pytest.mark.slow
-def test_two_instances_killed_at_once_are_both_replaced():
-    """Both instances die at once, each holding an unfinished sequence (no instance is left in the
-    scheduler until a replacement is ready); their trajectories wait, re-dispatched to their
-    pinned version once instances 2 and 3 join; the books are kept (the run could not finish
-    without the replacements). One run."""
-    recipe = _kill_recipe("dora", 0, 2)
+@pytest.mark.parametrize("room", [False, True])
+def test_two_instances_killed_at_once_are_both_replaced(room):
+    """Both instances die at once, one (`room`) or both holding an unfinished sequence (no
+    instance is left in the scheduler until a replacement is ready); their trajectories wait,
+    re-dispatched to their pinned version once instances 2 and 3 join; the books are kept (the
+    run could not finish without the replacements). What the first failure dispatched onto the
+    other one (`room`) is re-dispatched twice (attempt 2)."""
+    recipe = _kill_recipe("dora", 0, 2, capacity=24 if room else 2)
     prepared = prepare(recipe)
     rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
+    rt.room = room
     at_failure = _running_at_each_failure(rt)
     result = rt.run()
     assert getattr(rt, "killed", False), "the two instances never both held an unfinished sequence"
-    assert rt.failed_instances.keys() == {0, 1} and len(at_failure) == 2
-    assert sorted(result.ledger["instance_restarts"]) == [(0, 2), (1, 3)]
-    # what ran on both (less what they had reported finished before dying) was re-dispatched;
-    # what was moving between them (R5 may move while only one of them holds) was retried; each
-    # exactly once, and nothing else was redone. A held sequence is in one of the two.
+    first, second = rt.failed_instances  # in the order handled
+    assert {first, second} == {0, 1} and len(at_failure) == 2
+    assert result.ledger["instance_restarts"] == [(first, 2), (second, 3)]
+    # what ran on each at its failure (less what it had reported finished before dying) was
+    # re-dispatched, what the first failure placed on the other instance twice; what was moving
+    # between them (R5 may move while only one of them holds) was retried; nothing else redone.
     ran = at_failure[0] | at_failure[1]
+    twice = at_failure[0] & at_failure[1]
+    assert bool(twice) == room and twice == rt.placed & at_failure[0] and rt.placed <= at_failure[1], (at_failure, rt.placed)
     m = result.core_metrics
-    assert m["redispatched"] == len(ran) == sum(map(len, at_failure))
+    assert m["redispatched"] == sum(map(len, at_failure)) == len(ran) + len(twice)
     assert set(result.ledger["served_by"].values()) <= {0, 1, 2, 3}
     redone = set(_check_books(result, recipe, prepared))
     retried = redone - ran
     assert ran <= redone and retried <= rt.moved and m["retries"] == len(retried), (ran, retried, rt.moved)
     for key in redone:
-        assert result.ledger["dispatch"][key][2] == 1 and result.ledger["served_by"][key] in (2, 3), key
+        assert result.ledger["dispatch"][key][2] == 1 + (key in twice), key
+        assert result.ledger["served_by"][key] in (2, 3), key
     for gid, idx, attempt in rt.held.values():
         assert attempt == 0 and (gid, idx) in redone
 

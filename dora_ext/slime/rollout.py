@@ -447,6 +447,7 @@ class RolloutSession:
                     await self.engines.load(iids[0], str(self.first_step + newest), self.board.path(newest))
                 if iids:
                     return iids, newest
+            self._probe("eval_waits", newest)
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:

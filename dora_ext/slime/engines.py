@@ -1,11 +1,10 @@
 """The rollout instances, as slime runs them: SGLang engines behind slime's router.
 
-Trajectories are pinned to one instance (R1), so requests go to an engine directly, through slime's
-own `generate`/hooks/reward models with `args_i` (a copy of `args` whose router address is that
-engine's), through slime's own `generate_and_rm`: its semaphore (`--sglang-server-concurrency` x
-engines, the size of slime's HTTP pool, so it binds no sooner than the pool would), dp-rank context,
-spans, hooks and reward models apply. Weights load with SGLang's `/update_weights_from_disk`,
-tagged with the version (`Sample.weight_versions`).
+Trajectories are pinned to one instance (R1), so requests go to an engine directly: slime's own
+`generate_and_rm` with `args_i`, a copy of `args` whose router address is that engine's. Its
+semaphore (`--sglang-server-concurrency` x engines, the size of slime's HTTP pool, so it binds no
+sooner than the pool would), dp-rank context, spans, hooks and reward models apply. Weights load
+with SGLang's `/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`).
 
 Everything that is not generation goes through `ControlHttp` (own pool, bounded calls) so it never
 queues behind slime's HTTP client; generate requests are bounded by `request_timeout_s`.

@@ -1,10 +1,10 @@
 """The rollout instances, as slime runs them: SGLang engines behind slime's router.
 
-Trajectories are pinned to one instance (R1), so requests go to an engine directly, through slime's
-own `generate`/hooks/reward models with `args_i` (a copy of `args` whose router address is that
-engine's). `generate_and_reward` is slime's `generate_and_rm` without its process-wide semaphore
-(the scheduler's per-engine capacity bounds concurrency). Weights load with SGLang's
-`/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`).
+Trajectories are pinned to one instance (R1), so requests go to an engine directly: slime's own
+`generate_and_rm` with `args_i`, a copy of `args` whose router address is that engine's. Its
+semaphore (`--sglang-server-concurrency` x engines, the size of slime's HTTP pool, so it binds no
+sooner than the pool would), dp-rank context, spans, hooks and reward models apply. Weights load
+with SGLang's `/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`).
 
 Everything that is not generation goes through `ControlHttp` (own pool, bounded calls) so it never
 queues behind slime's HTTP client; generate requests are bounded by `request_timeout_s`.
@@ -68,52 +68,14 @@ GenerateAndRm = Callable[..., Awaitable[Any]]
 
 
 def slime_generate_and_rm() -> GenerateAndRm:
-    """slime's per-sample generate + reward step, or (slime absent) the custom-generate call alone.
-
-    Without slime there is no reward hub and no default SGLang client: the sample must be produced
-    by `args.custom_generate_function_path`, with its reward filled, as slime's contract allows.
-    """
+    """slime's `generate_and_rm`, or (slime absent) the custom-generate call alone: without slime
+    there is no reward hub and no default SGLang client, so `args.custom_generate_function_path`
+    must produce the sample with its reward filled, as slime's contract allows."""
     try:
-        import slime.rollout.sglang_rollout  # noqa: F401
+        from slime.rollout.sglang_rollout import generate_and_rm
     except ImportError:
         return _custom_generate_only
-    return generate_and_reward
-
-
-async def generate_and_reward(args: Any, sample: Any, sampling_params: dict, evaluation: bool = False) -> Any:
-    """slime's `generate_and_rm` (slime/rollout/sglang_rollout.py) without its process-wide
-    semaphore: the scheduler bounds each engine's concurrency. Calls slime's own functions."""
-    import inspect
-
-    from slime.rollout.rm_hub import async_rm, batched_async_rm
-    from slime.rollout.sample_hooks import apply_rollout_sample_hooks
-    from slime.rollout.sglang_rollout import generate
-    from slime.utils.types import Sample
-
-    if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
-        return sample
-    path = getattr(sample, "generate_function_path", None) or args.custom_generate_function_path
-    if path is not None:
-        fn = load_object(path)
-        if "evaluation" in inspect.signature(fn).parameters:
-            sample = await fn(args, sample, sampling_params, evaluation=evaluation)
-        else:
-            sample = await fn(args, sample, sampling_params)
-    else:
-        sample = await generate(args, sample, sampling_params)
-    sample = await apply_rollout_sample_hooks(args, sample, evaluation=evaluation)
-    if args.group_rm:
-        return sample
-    samples = sample if isinstance(sample, list) else [sample]
-    if any(s.status == Sample.Status.ABORTED for s in samples):
-        return sample
-    if isinstance(sample, list):
-        need = [s for s in samples if s.reward is None]
-        for s, r in zip(need, await batched_async_rm(args, need)):
-            s.reward = r
-    elif sample.reward is None:
-        sample.reward = await async_rm(args, sample)
-    return sample
+    return generate_and_rm
 
 
 async def _custom_generate_only(args: Any, sample: Any, sampling_params: dict, evaluation: bool = False) -> Any:

@@ -57,10 +57,10 @@ def sao_loss_from_log_probs(
         r_t  = pi_theta(a_t) / pi_rollout(a_t)
         M_t  = 1[1 - eps_low <= r_t <= 1 + eps_high]     (detached; eps = --eps-clip, --eps-clip-high)
         loss = sum_of_sample_mean(-A_t r_t M_t)
-               - entropy_coef * sum_of_sample_mean(H_t)            (slime's --entropy-coef)
+               - entropy_coef * sum_of_sample_mean(H_t M_t)        (slime's --entropy-coef)
                + kl_loss_coef * sum_of_sample_mean(KL_t)           (slime's --use-kl-loss)
 
-    The entropy and KL terms are added as slime's own policy loss adds them: KL_t is slime's
+    The entropy bonus acts on kept tokens only, as in `dora_ext.algo`; KL_t is slime's
     `--kl-loss-type` estimator (k1, k2, k3, low_var_kl) of pi_theta against `ref_log_probs`,
     times pi_theta / pi_old with `--use-unbiased-kl`.
 
@@ -95,7 +95,7 @@ def sao_loss_from_log_probs(
     if entropy_coef != 0.0:
         if entropy is None:
             raise ValueError("entropy: --entropy-coef is set but no per-token entropy was computed")
-        entropy_loss = sum_of_sample_mean(torch.cat(entropy, dim=0).to(logp.dtype))
+        entropy_loss = sum_of_sample_mean(torch.cat(entropy, dim=0).to(logp.dtype) * keep)
         loss = loss - entropy_coef * entropy_loss
         log["entropy_loss"] = entropy_loss.clone().detach()
     if getattr(args, "use_kl_loss", False):

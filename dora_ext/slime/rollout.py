@@ -30,7 +30,7 @@ from ..core import (
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
 from ..core.actions import without_failed
-from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines
+from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines, load_object
 from .settings import SlimeSettings, check_launch, check_shared_weights_dir, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 
@@ -61,14 +61,10 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     path = getattr(args, "rollout_sample_filter_path", None)
     if path:
         # slime's post-selection hook (marks samples `remove_sample`), applied as slime applies it.
-        from .engines import load_object
-
         load_object(path)(args, groups)
     path = getattr(args, "rollout_all_samples_process_path", None)
     if path:
         # slime hands this hook every sample of the rollout; a dora batch filters none out.
-        from .engines import load_object
-
         load_object(path)(args, groups, data_source)
     return RolloutFnTrainOutput(samples=groups, metrics=metrics)
 
@@ -447,6 +443,7 @@ class RolloutSession:
                     await self.engines.load(iids[0], str(self.first_step + newest), self.board.path(newest))
                 if iids:
                     return iids, newest
+            self._probe("eval_waits", newest)
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:
@@ -584,6 +581,9 @@ class RolloutSession:
             self._feed(DataExhausted())
 
     def _spawn(self, coro: Any) -> None:
+        if self._closed:  # a task whose cancel lost to its answer (3.11's wait_for) starts nothing
+            coro.close()
+            return
         task = self.loop.create_task(self._guard(coro))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

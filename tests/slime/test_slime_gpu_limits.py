@@ -407,3 +407,77 @@ def test_the_guarded_health_check_kills_an_engine_whose_actor_is_gone(monkeypatc
     guard_slime_health_monitor()
     monitor._check_engine_health(0, actor)
     assert group.all_engines == [None]  # killed, as slime's own check does
+
+
+@pytest.mark.parametrize("newest_held", [True, False])
+def test_eval_takes_an_engine_holding_the_newest_version_and_its_wait_holds_no_load(
+        tmp_path, standins, monkeypatch, newest_held):
+    """Issue 22 point 4. Both engines run version-0 work (held per engine) as version 1 is
+    published. `newest_held`: engine X was released, drained and loaded version 1 before the
+    eval, which takes X without waiting. Otherwise no engine holds version 1: the eval waits,
+    X is released only then, and the scheduler's load of version 1 onto X goes through during
+    that wait. Either way the eval runs on X while Y's version-0 work is still held."""
+    import contextlib
+
+    from slime_helpers import check_train_eval_train, eval_fleet_session, install_eval_rollout, probe_eval
+
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31860, check_interval_s=600)
+    x, y = fleet.engines
+
+    def iid(engine):  # the session discovers its engines at the first rollout
+        return next(i for i, url in session.engines.urls.items() if url == engine.url)
+
+    gates = {x.port: asyncio.Event(), y.port: asyncio.Event()}
+    loaded, probes, seen = threading.Event(), [], {}
+    request = standins._request
+
+    async def gated(engine, a, sample, params, inherited=False):
+        if sample.prompt in ("p2", "p3"):  # rollout 1's groups, dispatched at version 0
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(gates[engine.port].wait(), standins.HOLD_TIMEOUT_S)
+        return await request(engine, a, sample, params, inherited)
+
+    def probe(name, value):
+        probes.append((name, value))
+        if name == "eval_waits":
+            gates[x.port].set()
+        if (name, value) == ("loaded", (iid(x), 1)):
+            loaded.set()
+
+    async def eval_rollout(eval_args, rollout_id):
+        seen["at_start"] = {i: (inst.version, len(inst.running)) for i, inst in session.sched.instances.items()}
+        return await probe_eval(standins, eval_args)
+
+    def release(port):
+        session.loop.call_soon_threadsafe(gates[port].set)
+
+    monkeypatch.setattr(standins, "_request", gated)
+    install_eval_rollout(monkeypatch, eval_rollout)
+    session.probe = probe
+    driver = SimulatedSlimeDriver(args, ds)
+    try:
+        driver.push_weights()
+        outs = {0: driver.generate(0)}
+        if newest_held:
+            release(x.port)
+        driver.push_weights()
+        assert not newest_held or loaded.wait(30), probes
+        before = len(probes)
+        # session.evaluate, bounded: an eval that deadlocks with the load fails instead of hanging
+        ev = asyncio.run_coroutine_threadsafe(session._evaluate(0), session.loop).result(timeout=60)
+        release(y.port)
+        for k in (1, 2):
+            outs[k] = driver.generate(k)
+            driver.push_weights()
+    finally:
+        release(x.port)
+        release(y.port)
+    at_start = seen["at_start"]
+    assert at_start[iid(x)][0] == 1 and at_start[iid(y)] == (0, 2), seen  # Y: its version-0 work held
+    assert ev.metrics["dora/eval_instance"] == iid(x)
+    names = [n for n, _ in probes[before:]]
+    if newest_held:
+        assert "eval_waits" not in names
+    else:
+        assert names.index("eval_waits") < probes[before:].index(("loaded", (iid(x), 1)))
+    check_train_eval_train(outs, ev, fleet)

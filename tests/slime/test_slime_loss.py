@@ -119,13 +119,15 @@ def test_staleness_correction_rejects_misaligned_tensors():
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
 def test_sao_loss_adds_slimes_kl_and_entropy_terms(kind):
-    """Defect 7: `--use-kl-loss` and `--entropy-coef` were silently dropped by `sao_loss`."""
-    from dora_ext.algo.losses import kl_penalty
+    """Defect 7: `--use-kl-loss` and `--entropy-coef` were silently dropped by `sao_loss`. The
+    entropy bonus acts on the tokens SAO's mask keeps only, as `dora_ext.algo`'s trainer applies it
+    (`agg_loss(H * keep, mask)`): no entropy gradient reaches a dropped token (issue 22)."""
+    from dora_ext.algo.losses import agg_loss, double_side_mask, kl_penalty
 
     logp, rollout, adv, mask, batch = _batch(seed=2)
     g = torch.Generator().manual_seed(3)
     ref = logp.detach() + torch.randn(logp.shape, generator=g) * 0.3
-    ent = torch.rand(logp.shape, generator=g)
+    ent = torch.rand(logp.shape, generator=g).requires_grad_(True)
     batch["ref_log_probs"] = list(ref.unbind(0))
     reduce = slime_sum_of_sample_mean([5, 5, 5], batch["loss_masks"])
     base, _ = sao_loss_from_log_probs(SimpleNamespace(eps_clip=0.2), batch, list(logp.unbind(0)), reduce)
@@ -134,8 +136,13 @@ def test_sao_loss_adds_slimes_kl_and_entropy_terms(kind):
     kl = kl_penalty(logp.detach(), ref, "k3" if kind == "low_var_kl" else kind)
     if kind == "low_var_kl":
         kl = kl.clamp(-10, 10)
-    expected = base - 0.01 * reduce(ent.reshape(-1)) + 0.5 * reduce(kl.reshape(-1))
+    keep = double_side_mask(torch.exp(logp.detach() - rollout), mask, 0.2, 0.2)
+    bonus = agg_loss(ent.detach() * keep, mask, "seq-mean-token-mean") * 3
+    assert 0 < keep.sum() < mask.sum() and torch.allclose(log["entropy_loss"], bonus, atol=1e-6)
+    expected = base - 0.01 * bonus + 0.5 * reduce(kl.reshape(-1))
     assert torch.allclose(loss, expected, atol=1e-6)
+    loss.backward()
+    assert torch.all(ent.grad[keep == 0] == 0) and torch.all(ent.grad[keep > 0] != 0)
     assert torch.allclose(log["kl_loss"], reduce(kl.reshape(-1)), atol=1e-6)
     assert "entropy_loss" in log and torch.allclose(log["loss"], loss.detach())
     with pytest.raises(ValueError, match="ref_log_probs"):

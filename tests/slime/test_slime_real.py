@@ -117,3 +117,43 @@ def test_rollout_with_slimes_sample_data_source_and_generate_and_rm(tmp_path):
     back = ds2.get_samples(2)
     assert [g[0].group_index for g in back] == [g[0].group_index for g in more]
     assert all(type(s) is Sample and s.status == Sample.Status.PENDING for g in back for s in g)
+
+
+def test_requests_run_through_slimes_generate_and_rm(tmp_path, monkeypatch):
+    """Issue 22 point 7: a request to one engine is slime's own `generate_and_rm`, so slime's
+    semaphore and dp-rank context hold while it runs and slime's abort flag stops it before it
+    reaches the engine (the adapter's former copy had none of the three)."""
+    import asyncio
+    import contextlib
+
+    from slime.rollout import sglang_rollout
+    from slime.utils.types import Sample
+    from slime_helpers import fleet_engines
+
+    import slime_standins
+
+    state = slime_standins.StandinGenerateState(None)
+    ranks: list[int] = []
+
+    @contextlib.contextmanager
+    def dp_rank_context():
+        ranks.append(0)
+        yield 0
+
+    state.dp_rank_context = dp_rank_context
+    monkeypatch.setattr(sglang_rollout, "GenerateState", lambda args: state)
+    seen = []
+    monkeypatch.setattr(slime_standins, "ON_START", lambda e: seen.append((state.semaphore.locked(), len(ranks))))
+    fleet, engines = fleet_engines(slime_standins, tmp_path, port=31840, n=1)
+
+    async def go():
+        state.semaphore = asyncio.Semaphore(1)
+        await engines.discover()
+        done = await engines.generate(0, Sample(prompt="p", index=0, tokens=[1]), {"max_new_tokens": 64})
+        state.aborted = True
+        stopped = await engines.generate(0, Sample(prompt="q", index=1, tokens=[1]), {"max_new_tokens": 64})
+        return done, stopped
+
+    done, stopped = asyncio.run(go())
+    assert done.status == Sample.Status.COMPLETED and seen == [(True, 1)]
+    assert stopped.status == Sample.Status.ABORTED and fleet.engines[0].started == 1

@@ -8,6 +8,7 @@ signature). Event orders are forced with held requests and the session's probe, 
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from slime_helpers import (
     make_args, probe_eval, record_probes, train_eval_train,
 )
 
+from dora_ext.slime import rollout as slime_rollout
 from dora_ext.slime.data_source import DoraDataSource
 
 
@@ -78,10 +80,15 @@ def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp
     async def eval_rollout(eval_args, rollout_id):
         engine = standins.ENGINES[int(eval_args.sglang_router_port)]
         calls.append(engine.port)
-        if len(calls) == 1:
+
+        async def dies_under_the_request():  # the request runs (and hangs) when the engine dies
             engine.alive = False
-            if death == "request_hangs":
-                standins.HOLD[("eval", 0)] = engine_gone
+            await engine_gone.wait()
+
+        if len(calls) == 1 and death == "request_fails":
+            engine.alive = False
+        elif len(calls) == 1:
+            standins.HOLD[("eval", 0)] = SimpleNamespace(wait=dies_under_the_request)
         return await probe_eval(standins, eval_args)
 
     install_eval_rollout(monkeypatch, eval_rollout)
@@ -90,6 +97,51 @@ def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp
     dead = [v for n, v in probes if n == "engine_failed"]
     assert len(dead) == 1 and ev.metrics["dora/eval_instance"] != dead[0]
     check_train_eval_train(outs, ev, fleet)
+
+
+@pytest.mark.parametrize("order", ["answer_then_close", "close_then_answer"])
+def test_a_closed_session_starts_nothing_on_the_loop_it_leaves_running(tmp_path, standins, monkeypatch, order):
+    """slime's background loop outlives a session (`close()`: a new session, or exit). A request
+    answered in the loop turn in which `close()` cancelled it returned its answer anyway (Python
+    3.11's `asyncio.wait_for`): its trajectory finished, and the scheduler's next dispatch started
+    a request nobody cancelled. The closed session kept driving the engines (in CI the next test's,
+    at the same ports: R4 and capacity violations there). Forced: with 4 requests running, the
+    first one's answer is held, then given either before `close()` or as `close()` cancels it."""
+    shared = slime_rollout._LoopThread()  # slime's loop (`get_async_loop`), which close() leaves running
+    monkeypatch.setattr(slime_rollout, "_event_loop", lambda: (shared.loop, None))
+    args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
+    ds = DoraDataSource(args)
+    session = install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2, base_port=31600), 0)
+    generate, calls, release = session.engines.generate, [], asyncio.Event()
+    answered, busy, next_started = threading.Event(), threading.Event(), threading.Event()
+
+    async def first_answer_held(iid, sample, params):
+        calls.append(sample.index)
+        if len(calls) >= 4:
+            (busy if len(calls) == 4 else next_started).set()
+        if len(calls) > 1:
+            await asyncio.Event().wait()  # runs until cancelled
+        out = await generate(iid, sample, params)
+        answered.set()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            pass  # cancelled as the answer came: 3.11's wait_for returns the answer
+        return out
+
+    session.engines.generate = first_answer_held
+    SimulatedSlimeDriver(args, ds).push_weights()
+    try:
+        asyncio.run_coroutine_threadsafe(session._ensure_started(), shared.loop).result(5)
+        assert busy.wait(5) and answered.wait(5), calls
+        if order == "answer_then_close":
+            shared.loop.call_soon_threadsafe(release.set)
+            assert next_started.wait(5), calls  # the freed slot's next trajectory, cancelled by close()
+        slime_rollout.close_session()
+        assert [t for t in session._tasks if not t.done()] == [], f"the closed session still runs: {calls}"
+        assert len(calls) == (5 if order == "answer_then_close" else 4), calls
+    finally:
+        shared.stop()
 
 
 def _kl_batch():

@@ -272,6 +272,8 @@ def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
     dies as its 3rd request starts). Without fault tolerance its trajectories go back to the same
     version on the other engines; with it, slime restarts the engine and registers it with the
     router again (here: a new engine at a new port), and the worker rediscovers it."""
+    if fault_tolerance:
+        pytest.importorskip("slime.utils.health_monitor", reason="needs a slime checkout (DORA_SLIME_PATH)")
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2,
                      use_fault_tolerance=fault_tolerance)
     args.dora_slime["engine_check_interval_s"] = 0.02

@@ -503,3 +503,79 @@ def test_a_failed_groups_running_trajectories_free_their_slots_when_they_end():
     m = coord.metrics()
     assert m["late_reports"] == 0 and m["stale_events"] == 0 and m["failed_groups"] == 1, m
     _check_ledger(coord)
+
+
+@pytest.mark.parametrize("order", ["abort_first", "finished_first"])
+def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(order, monkeypatch):
+    """g0/0 fails g0 (no retries) while one is mid-move (R5 aborted it on its source, not yet
+    released) and another runs. Its abort lands first (it comes back aborted, its resume's acquire
+    gets the group's failure) or its request had already finished (the abort finds nothing; its
+    generation ends). Either way each sibling ends once in the scheduler, the group is failed and
+    never trained, the move never lands, and nothing stays in flight. A retry aborts nothing."""
+    import dora_ext.verl.weights as weights
+
+    calls, who = [], {}
+
+    async def abort_request(rollout, server, address, request_id):
+        calls.append(request_id)
+        return {"aborted": not (order == "finished_first" and request_id == f"g0r{who['run']}")}
+
+    monkeypatch.setattr(weights, "abort_request", abort_request)
+
+    async def settle():
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    async def run():
+        coord = DoraCoordinator(dict(TWO, max_retries=1), {"s0": None, "s1": None}, use_plugins=False)
+        await coord.start()
+        coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
+        coord.offer([f"g{i}" for i in range(4)])
+        sids = {i: (await coord.acquire_server(f"g0r{i}", dora_group="g0", dora_index=i))[0] for i in range(5)}
+        for g in ("g1", "g2"):
+            for i in range(5):
+                coord.trajectory_done(g, i, 5, 1.0)
+        coord.release_server(sids[0], request_id="g0r0")
+        assert coord.trajectory_failed("g0", 0, "first") == "retry"  # attempt 1: nothing aborted
+        await settle()
+        assert calls == [] and "g0" not in coord.failed
+        sids[0] = (await coord.acquire_server("g0r0", dora_group="g0", dora_index=0))[0]
+        coord.step_finished(1)
+        moved = {k[1] for k in coord.moving}
+        (mid, back), (run, done) = sorted(moved), sorted({1, 2, 3, 4} - moved)
+        who.update(run=run)
+        await settle()
+        assert sorted(calls) == [f"g0r{mid}", f"g0r{back}"]  # R5's aborts on the sources
+        for i in (back, done):  # they came back (`back`'s abort; `done` finished) before the failure
+            coord.release_server(sids[i], request_id=f"g0r{i}")
+        coord.trajectory_done("g0", done, 5, None)
+        coord.release_server(sids[0], request_id="g0r0")
+        assert coord.trajectory_failed("g0", 0, "second") == "failed" and coord.moving == {}
+        await settle()
+        assert sorted(calls) == sorted([f"g0r{mid}", f"g0r{mid}", f"g0r{run}", f"g0r{back}"])  # + those in flight
+        assert coord.trajectory_failed("g0", 0, "again") == "failed"  # a second report aborts nothing
+        await settle()
+        assert len(calls) == 4
+        for i in (mid, run, back):  # each came back; an aborted one resumes, its acquire fails
+            if i != back:
+                coord.release_server(sids[i], request_id=f"g0r{i}")
+            if i == run and order == "finished_first":
+                coord.trajectory_done("g0", run, 5, None)
+                coord.reward_ready("g0", run, 1.0)
+                continue
+            with pytest.raises(GroupFailedError):
+                await coord.acquire_server(f"g0r{i}", dora_group="g0", dora_index=i)
+            assert coord.trajectory_failed("g0", i, "GroupFailedError") == "failed"
+        coord.reward_ready("g0", done, 1.0)
+        return coord, mid
+
+    coord, mid = asyncio.run(run())
+    from dora_ext.core.scheduler import ProtocolError
+
+    with pytest.raises(ProtocolError):  # every sibling ended: the group left the scheduler
+        coord.sched.trajectory("g0", mid)
+    m = coord.metrics()
+    assert m["failed_groups"] == 1 and m["migrations_landed"] == 0 and m["late_reports"] == 0, m
+    assert "g0" not in {g for gs in coord.steps.values() for g in gs}  # never trained
+    assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)
+    _check_ledger(coord)

@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,7 +40,7 @@ RUN_TIMEOUT_S = 600
 
 
 def run_job(patched: Path, work: Path, *flags: str) -> "Evidence":
-    env = harness_env(patched)
+    env = dict(harness_env(patched), PYTHONFAULTHANDLER="1")  # SIGABRT dumps each process's stacks
     proc = subprocess.Popen([sys.executable, "-m", "slime_cpu.run", "--workdir", str(work), *flags],
                             env=env, stdout=open(work.parent / f"{work.name}.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -47,6 +48,8 @@ def run_job(patched: Path, work: Path, *flags: str) -> "Evidence":
         rc = proc.wait(RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         rc = None
+        os.killpg(proc.pid, signal.SIGABRT)  # where a hang waits: the driver's stacks in the log, Ray workers' in theirs
+        time.sleep(5)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # Ray, router and servers the job may have left

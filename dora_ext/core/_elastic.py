@@ -6,6 +6,7 @@ import math
 
 from . import actions as A
 from ._fleet import _Instance
+from ._state import _drop_one
 
 
 class _Elastic:
@@ -43,7 +44,7 @@ class _Elastic:
         if inst.version is not None:
             b = self._bucket(inst.version)
             self._cap[b] -= inst.capacity
-            self._dec_target(inst.version)
+            _drop_one(self._targets, inst.version)
             self._set_level(b, inst.id, 0, None)
         self._idle.pop(inst.id, None)
         del self.instances[inst.id]

@@ -8,7 +8,7 @@ import numbers
 from array import array
 
 from . import actions as A
-from ._state import _ANY, _Level, _NO_INSTANCE, _NO_STAMP, _RUNNING
+from ._state import _ANY, _Level, _NO_INSTANCE, _NO_STAMP, _RUNNING, _drop_one
 from .errors import ProtocolError, _brief
 
 
@@ -102,18 +102,11 @@ class _Fleet:
         self._idle[iid] = None
         self._plan_instance(inst, lend=lend)
 
-    def _dec_target(self, version: int) -> None:
-        c = self._targets[version] - 1
-        if c:
-            self._targets[version] = c
-        else:
-            del self._targets[version]
-
     def _start_load(self, inst: _Instance, version: int, preempt: bool = False) -> None:
         """`inst` loads `version`; `preempt` (partial): its running trajectories pause meanwhile."""
         old = inst.target
         if old is not None:
-            self._dec_target(old)
+            _drop_one(self._targets, old)
             ob = self._bucket(old)
             self._cap[ob] -= inst.capacity
             self._occupied[ob] -= inst.nrun

@@ -19,3 +19,12 @@ _NAN = float("nan")  # `_traj_reward`: no reward yet
 _NO_INSTANCE = -(2**63)  # `_traj_instance`: running on no instance
 _NO_VERSION, _MULTI = -1, -2  # `_traj_version`: no version yet; several versions (in `_traj_versions`)
 _NO_STAMP = -1  # `_traj_stamp`: placed on no instance
+
+
+def _drop_one(counts: dict, key: int) -> None:
+    """One fewer of `key` in `counts`, whose counts are all positive: a zero is dropped."""
+    c = counts[key] - 1
+    if c:
+        counts[key] = c
+    else:
+        del counts[key]

@@ -49,7 +49,7 @@ from ._json import _json_data, _json_key
 from ._migration import _Migration
 from ._snapshot import SNAPSHOT_FORMAT, _Snapshot
 from ._state import (_ACTIVE, _ANY, _ASSIGNED, _AWAIT_REWARD, _COMPLETE, _DEAD, _DONE, _FAILED, _LETTERS,
-                     _MULTI, _NAN, _NO_INSTANCE, _QUEUED, _RUNNING, _TRAINED)
+                     _MULTI, _NAN, _NO_INSTANCE, _QUEUED, _RUNNING, _TRAINED, _drop_one)
 from ._table import _Table
 from .errors import FailureStorm, ProtocolError, _brief
 from .views import GroupView, TrajectoryView, _Groups
@@ -333,7 +333,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             self._dispatch(b)
         if not inst.nrun:
             self._plan_instance(inst)
-        live = len(self._targets)  # (its counts are all positive: `_dec_target` drops a zero)
+        live = len(self._targets)  # (its counts are all positive: `_drop_one` drops a zero)
         if live > self.m["live_versions_max"]:
             self.m["live_versions_max"] = live
 
@@ -346,7 +346,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             b = self._bucket(target)
             self._cap[b] -= inst.capacity
             self._occupied[b] -= inst.nrun
-            self._dec_target(target)
+            _drop_one(self._targets, target)
         if inst.loading is not None:
             self._n_loading -= 1
         elif inst.version is not None:
@@ -680,7 +680,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         self._group_state[g] = _FAILED
         self._admitted -= 1
         self._n_active -= 1
-        self._dec_unassigned(v)
+        _drop_one(self._unassigned, v)
         self._form_dirty = True
         b = self._bucket(v)
         pending = self._pending(g)
@@ -743,13 +743,6 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
         return min(left, -(-free // self.n)) if free > 0 else 0
 
     # ------------------------------------------------------------------ batch selection (R3, R7)
-    def _dec_unassigned(self, v: int) -> None:
-        c = self._unassigned[v] - 1
-        if c:
-            self._unassigned[v] = c
-        else:
-            del self._unassigned[v]
-
     def _feasible(self, vg: int, r: int) -> bool:
         """EDF test: after taking a group of version `vg` with `r` slots left (before taking), can
         every unassigned group still be trained within its staleness deadline?"""
@@ -838,7 +831,7 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
     def _assign(self, g: int, k: int) -> None:
         self._group_state[g] = _ASSIGNED
         self._group_step[g] = k
-        self._dec_unassigned(self._group_version[g])
+        _drop_one(self._unassigned, self._group_version[g])
         gid = self._gid_of[g]
         self._forming.append(gid)
         self._trainer_idle = False

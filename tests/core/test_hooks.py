@@ -62,6 +62,13 @@ def pack_plan(instances, fill):
     return moves
 
 
+def random_dora_config(rng, instances=(1, 4)):
+    """A small random dora config: K 1-3, batches of 1-4 groups of 1-3, capacity 1-4, 8 steps."""
+    return DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]),
+                                 "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
+                                 "instances": rng.randint(*instances), "capacity": rng.randint(1, 4), "max_steps": 8})
+
+
 def test_every_hook_has_a_documented_spec_and_a_default():
     pm = get_plugin_manager(load_entrypoints=False)
     for name in ("dora_admission_key", "dora_batch_key", "dora_plan_migration", "dora_metrics"):
@@ -222,9 +229,7 @@ def test_a_batch_key_that_puts_a_newer_version_first_does_not_deadlock():
     waits = 0
     for seed in range(200):
         rng = random.Random(seed)
-        cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]),
-                                    "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
-                                    "instances": rng.randint(1, 4), "capacity": rng.randint(1, 4), "max_steps": 8})
+        cfg = random_dora_config(rng)
         pm = get_plugin_manager(load_entrypoints=False)
         pm.register(CompletionOrder())
         d = RandomDriver(cfg, seed, plugins=pm, long_tail=0.5)
@@ -271,9 +276,7 @@ def test_a_plugin_keeping_the_default_keys_counts_the_same_waits_as_the_built_in
     waits = 0
     for seed in range(60):
         rng = random.Random(seed)
-        cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]),
-                                    "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
-                                    "instances": rng.randint(1, 4), "capacity": rng.randint(1, 4), "max_steps": 8})
+        cfg = random_dora_config(rng)
         d = Twin(cfg, seed, long_tail=0.5, late_reward=0.3)
         d.start()
         d.run(8)
@@ -316,9 +319,7 @@ def test_a_plugin_that_decides_nothing_changes_no_decision(plugin):
     moves = 0
     for seed in range(40):
         rng = random.Random(seed)
-        cfg = DoraConfig.from_dict({"mode": "dora", "max_staleness": rng.choice([1, 2, 3]),
-                                    "batch_size": rng.randint(1, 4), "group_size": rng.randint(1, 3),
-                                    "instances": rng.randint(2, 5), "capacity": rng.randint(1, 4), "max_steps": 8})
+        cfg = random_dora_config(rng, instances=(2, 5))
         pm = get_plugin_manager(load_entrypoints=False)
         pm.register(MetricsOnly() if plugin == "metrics" else Declining())
         d = Twin(cfg, seed, plugins=pm, long_tail=0.5, late_reward=0.3, landed_prob=0.5)

@@ -210,6 +210,17 @@ class _Remote:
         return out()
 
 
+def _checked_coordinator(published, engine_checksum):
+    """A coordinator over two replicas whose loads are checked: the store published `published`
+    over ``model.norm.weight``; both engines answer `engine_checksum`."""
+    coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
+    store = type("Store", (), {"evidence": _Remote((published, ["model.norm.weight"]))})()
+    server = type("Server", (), {"weights_checksum": _Remote(engine_checksum)})()
+    checks = {i: {"server": server, "address": f"s{i}", "store": store} for i in (0, 1)}
+    coord.set_loaders({0: [_Worker([])], 1: [_Worker([])]}, checks, "dora_cpu")
+    return coord, store, server
+
+
 @pytest.mark.parametrize("engine_checksum", ["c1", "other"])
 def test_a_load_whose_engine_checksum_differs_from_the_publication_is_refused(engine_checksum):
     """After each load the coordinator asks the engine (here the ``dora_cpu`` server's
@@ -217,11 +228,7 @@ def test_a_load_whose_engine_checksum_differs_from_the_publication_is_refused(en
     publication covers: equal, the instance is loaded; different, it is not, and the trainer's
     next ``take_work`` carries the message naming what to change."""
     async def run():
-        coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
-        store = type("Store", (), {"evidence": _Remote(("c1", ["model.norm.weight"]))})()
-        server = type("Server", (), {"weights_checksum": _Remote(engine_checksum)})()
-        checks = {i: {"server": server, "address": f"s{i}", "store": store} for i in (0, 1)}
-        coord.set_loaders({0: [_Worker([])], 1: [_Worker([])]}, checks, "dora_cpu")
+        coord, store, server = _checked_coordinator("c1", engine_checksum)
         await coord.start()
         coord.offer([f"g{i}" for i in range(10)])
         all_but_the_last_two_done(coord)
@@ -247,11 +254,7 @@ def test_the_first_sync_is_checked_on_every_engine(engine_checksum):
     from dora_ext.verl.weights import WeightsMismatch
 
     async def run():
-        coord = DoraCoordinator(ONE, {"s0": None, "s1": None}, use_plugins=False)
-        store = type("Store", (), {"evidence": _Remote(("c0", ["model.norm.weight"]))})()
-        server = type("Server", (), {"weights_checksum": _Remote(engine_checksum)})()
-        checks = {i: {"server": server, "address": f"s{i}", "store": store} for i in (0, 1)}
-        coord.set_loaders({0: [_Worker([])], 1: [_Worker([])]}, checks, "dora_cpu")
+        coord, store, server = _checked_coordinator("c0", engine_checksum)
         await coord.check_loaded(0)
         return store.evidence.calls
 

@@ -11,6 +11,7 @@ the replicas the scheduler names) without an FSDP actor.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import numpy as np
@@ -105,8 +106,18 @@ def test_dora_rollout_side_over_several_steps(ray_tq, tiny_hf_dir):
         tq.kv_clear(keys=list(meta.keys), partition_id="train")
         ray.get(coord.step_finished.remote(g))  # DoraTrainer.on_step_end publishes version g
         service()
+    # The K*B groups submitted beyond the last step still run; the core starts step steps+1 from them
+    # when they complete (groups_trained counts a group when its step starts). Wait for that step
+    # (step_batch takes the 0-based index, as the sampler passes it) so the books are read in one
+    # state: every submitted group is in a started step.
+    deadline = time.monotonic() + 240
+    while (last := ray.get(coord.step_batch.remote(steps))) is None:
+        assert time.monotonic() < deadline, ray.get(coord.metrics.remote())
+        service()
+        time.sleep(0.02)
+    assert sorted(last) == sorted(set(submitted) - set(trained))
     m = ray.get(coord.metrics.remote())
-    assert m["c1_ok"] and m["c2_ok"] and m["c3_ok"] and m["groups_trained"] == steps * B, m
+    assert m["c1_ok"] and m["c2_ok"] and m["c3_ok"] and m["groups_trained"] == (steps + K) * B, m
     assert len(set(trained)) == len(trained) == steps * B and set(trained) <= set(submitted)
     left = [k for k in (tq.kv_list("train") or {}).get("train", {})]
     if left:

@@ -203,13 +203,14 @@ def test_slimes_health_monitor_does_not_kill_an_engine_dora_loads(tmp_path, monk
     """`--use-fault-tolerance`: slime's `RolloutHealthMonitor` asks every engine's
     `/health_generate` with `--rollout-health-check-timeout`; a load holds SGLang's writer lock
     longer than that. The monitor (slime's own code) must skip exactly the engine being loaded:
-    engine 0 loads for 2 s under a 0.3 s check timeout and survives; engine 1, stuck, is killed."""
+    engine 0's load holds the lock until a check of engine 0 came back during it (a bound of 30 s,
+    over the 2 s check timeout) and engine 0 survives; engine 1, stuck, is killed."""
     health_monitor = pytest.importorskip("slime.utils.health_monitor", reason="needs a slime checkout (DORA_SLIME_PATH)")
     cls = health_monitor.RolloutHealthMonitor
     monkeypatch.setattr(cls, "_check_engine_health", cls._check_engine_health)  # restored after the test
     import requests
 
-    standins, urls, router, servers = _fleet(tmp_path, 2, load_s=2.0)
+    standins, urls, router, servers = _fleet(tmp_path, 2, load_s=30.0)
     standins[1].stuck = True
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "config.json").write_text("{}")
@@ -243,9 +244,18 @@ def test_slimes_health_monitor_does_not_kill_an_engine_dora_loads(tmp_path, monk
     group = SimpleNamespace(all_engines=[EngineActor(u) for u in urls], nodes_per_engine=1)
     group.engines = group.all_engines
     args = _args(tmp_path, router, 2, use_fault_tolerance=True)
-    monitor = cls(group, SimpleNamespace(rollout_health_check_interval=0.05, rollout_health_check_timeout=0.3,
+    monitor = cls(group, SimpleNamespace(rollout_health_check_interval=0.05, rollout_health_check_timeout=2.0,
                                          rollout_health_check_first_wait=0.0))
     engines = SglangEngines(args, slime_settings(args), http=_SlimePool(2, 2, monkeypatch))
+    guarded = cls._check_engine_health
+
+    def spy(self, rollout_engine_id, engine):  # a check of engine 0 came back while its load holds the lock
+        out = guarded(self, rollout_engine_id, engine)
+        if rollout_engine_id == 0 and standins[0].update_lock.writer:
+            standins[0].load_hold.set()
+        return out
+
+    monkeypatch.setattr(cls, "_check_engine_health", spy)
 
     async def run():
         await engines.discover()

@@ -113,7 +113,7 @@ class Engine:
     def __init__(self, model_path: str, log: str, die_after: int | None, port: int, gated: bool = False, *,
                  step_s: float = 0.0, load_s: float = 0.0, cheap: bool = False, stuck_after: int | None = None,
                  server_info_delay_s: float = 0.0) -> None:
-        self.gate = threading.Event()
+        self.gate, self.load_hold = threading.Event(), threading.Event()  # load_hold: set, a load ends early
         if not gated:
             self.gate.set()
         self.cheap = cheap
@@ -257,7 +257,7 @@ class Engine:
             if running:
                 self.record(kind="violation", what=f"loaded {path} with {running} requests running")
             if self.load_s:
-                time.sleep(self.load_s)
+                self.load_hold.wait(self.load_s)
             if self.model is not None:
                 from . import model as tiny
 

@@ -71,7 +71,7 @@ def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(
 def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp_path, standins, monkeypatch, death):
     """The engine slime's eval is pinned to dies under it. Its requests either fail at once, or
     hang (slime's `post` retries a dead engine for a minute; held here until the engine is
-    declared gone, 5 s at most). The eval used to fail and end slime's job; it now runs again on
+    declared gone, 30 s at most). The eval used to fail and end slime's job; it now runs again on
     another engine holding the newest version, and training goes on."""
     args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31400, check_interval_s=0.02)
     probes, engine_gone = record_probes(session, "engine_failed")

@@ -132,11 +132,11 @@ def test_a_closed_session_starts_nothing_on_the_loop_it_leaves_running(tmp_path,
     session.engines.generate = first_answer_held
     SimulatedSlimeDriver(args, ds).push_weights()
     try:
-        asyncio.run_coroutine_threadsafe(session._ensure_started(), shared.loop).result(5)
-        assert busy.wait(5) and answered.wait(5), calls
+        asyncio.run_coroutine_threadsafe(session._ensure_started(), shared.loop).result(30)
+        assert busy.wait(30) and answered.wait(30), calls
         if order == "answer_then_close":
             shared.loop.call_soon_threadsafe(release.set)
-            assert next_started.wait(5), calls  # the freed slot's next trajectory, cancelled by close()
+            assert next_started.wait(30), calls  # the freed slot's next trajectory, cancelled by close()
         slime_rollout.close_session()
         assert [t for t in session._tasks if not t.done()] == [], f"the closed session still runs: {calls}"
         assert len(calls) == (5 if order == "answer_then_close" else 4), calls

@@ -241,6 +241,7 @@ def test_args_none_passes_finished_samples_through_and_refuses_pending_ones(stan
         ({"dora": {"mode": "dora", "max_staleness": 0}}, "dora.max_staleness"),
         ({"dora_slime": {"capacity": 0}}, "dora_slime.capacity"),
         ({"dora_slime": {"loss": "ppo2"}}, "dora_slime.loss"),
+        ({"dora_slime": {"load_timeout_s": 0}}, "dora_slime.load_timeout_s"),
         ({"dora_slime": {"typo": 1}}, "dora_slime.typo"),
         ({"colocate": True}, "colocate"),
         ({"update_weights_interval": 2}, "update_weights_interval"),

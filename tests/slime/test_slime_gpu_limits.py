@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args, record_probes
 
 from dora_ext.slime.data_source import DoraDataSource
 from dora_ext.slime.engines import SglangEngines
@@ -481,3 +481,31 @@ def test_eval_takes_an_engine_holding_the_newest_version_and_its_wait_holds_no_l
     else:
         assert names.index("eval_waits") < probes[before:].index(("loaded", (iid(x), 1)))
     check_train_eval_train(outs, ev, fleet)
+
+
+@pytest.mark.parametrize("answer", ["after_timeout", "before_timeout"])
+def test_a_load_past_load_timeout_s_retires_the_engine(tmp_path, standins, caplog, answer):
+    """The one engine's first disk load holds SGLang's writer lock (requests and `/health_generate`
+    queue behind it). after_timeout: it answers only once the adapter gave up on it (0.2 s) and
+    retired the engine; healthy again, the engine rejoins under a new id and loads version 1 again
+    (what it holds is unknown: never relabelled). before_timeout: it answers after 0.3 s of a
+    30 s bound and nothing is retired. Either way every group trains once, from one version."""
+    after = answer == "after_timeout"
+    args = make_args(tmp_path, mode="dora", k=1, batch=3, n=2, num_rollout=4, capacity=2)
+    args.dora_slime.update(engine_check_interval_s=0.05, load_timeout_s=0.2 if after else 30)
+    fleet = standins.FakeSglangFleet(1, capacity=2, base_port=31800)
+    ds = DoraDataSource(args)
+    probes, retired = record_probes(install_fleet_session(args, ds, fleet, first_step=0), "engine_failed")
+    slow = fleet.engines[0]
+    slow.load_hold = {"1": (retired, 5.0) if after else (asyncio.Event(), 0.3)}
+    out = SimulatedSlimeDriver(args, ds).run_async(0, 4)
+    assert ([v for n, v in probes if n in ("engine_failed", "engine_joined")], slow.load_hold) == ([0, 1] if after else [], {})
+    assert ("engine 0 is gone (http://127.0.0.1:31800 did not load version 1 within dora_slime.load_timeout_s = 0.2 s)"
+            in caplog.text) == after
+    loads = slow.loads[after:]  # after_timeout: the timed-out load ended on the engine; then version 1 again
+    assert slow.relabels == ["0"] and loads[0] == "1" and loads == sorted(set(loads)), (slow.relabels, slow.loads)
+    groups = [g for o in out.values() for g in o.samples]
+    assert len({g[0].prompt for g in groups}) == len(groups) == 4 * 3  # C2
+    assert all(len({v for s in g for v in s.weight_versions}) == 1 for g in groups)  # C1
+    assert fleet.violations == []
+

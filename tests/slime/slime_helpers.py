@@ -162,13 +162,19 @@ def record_probes(session: Any, signal: str) -> tuple[list, Any]:
     return probes, fired
 
 
-async def probe_eval(standins: Any, eval_args: Any) -> Any:
+async def probe_eval(standins: Any, eval_args: Any, n: int = 1) -> Any:
     """What slime's `eval_rollout` returns for one eval prompt generated on the engine `eval_args`
-    names: (RolloutFnEvalOutput with the dataset "probe", its raw data)."""
+    names: (RolloutFnEvalOutput with the dataset "probe", its raw data). `n` > 1: n prompts, each
+    in a task of its own, as slime's per-sample tasks (spread over the eval's engines)."""
+    import asyncio
+
     from dora_ext.slime._compat import RolloutFnEvalOutput
 
-    s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
-    return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+    async def one(i: int) -> Any:
+        return await standins.generate(eval_args, standins.Sample(prompt=f"eval{i or ''}", index=i, tokens=[1]), {})
+
+    samples = [await one(0)] if n == 1 else await asyncio.gather(*(one(i) for i in range(n)))
+    return RolloutFnEvalOutput(data={"probe": {"samples": samples, "rewards": [s.reward for s in samples]}}), []
 
 
 def train_eval_train(args: SimpleNamespace, data_source: Any, standins: Any) -> tuple[dict[int, Any], Any]:

@@ -23,6 +23,7 @@ from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
 
 from dora_ext.slime.data_source import DoraDataSource
 from dora_ext.slime.engines import SglangEngines
+from dora_ext.slime.rollout import generate_rollout
 from dora_ext.slime.settings import slime_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
@@ -509,3 +510,21 @@ def test_a_load_past_load_timeout_s_retires_the_engine(tmp_path, standins, caplo
     assert all(len({v for s in g for v in s.weight_versions}) == 1 for g in groups)  # C1
     assert fleet.violations == []
 
+
+def test_the_final_evaluation_waits_for_every_engine_loading_the_newest_version(tmp_path, standins, monkeypatch):
+    """After the last step every engine loads the newest version; the evaluation started on the
+    first one done, and all of slime's eval requests piled onto it while the others finished
+    their load and stayed idle. Engine 1's load of that version is held until the eval waits for it."""
+    from slime_helpers import eval_fleet_session, install_eval_rollout, probe_eval
+
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31850, check_interval_s=600)
+    waits = asyncio.Event()  # the eval waits while engine 0 holds version 6: engine 1's load may answer
+    session.probe = lambda name, value: name == "eval_waits" and session.sched.instances[0].version == 6 and waits.set()
+    fleet.engines[1].load_hold = {"6": (waits, 5.0)}
+    install_eval_rollout(monkeypatch, lambda eval_args, rollout_id: probe_eval(standins, eval_args, n=4))
+    SimulatedSlimeDriver(args, ds).run_async(0, 6)
+    before = [e.started for e in fleet.engines]
+    ev = generate_rollout(args, 5, ds, evaluation=True)
+    assert (ev.metrics["dora/eval_version"], ev.metrics["dora/eval_engines"]) == (6, 2)
+    assert [e.started - b for e, b in zip(fleet.engines, before)] == [2, 2]  # (each engine's capacity is 3)
+    assert [e.loads[-1] for e in fleet.engines] == ["6", "6"] and fleet.violations == []

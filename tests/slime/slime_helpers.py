@@ -203,12 +203,18 @@ def check_train_eval_train(outs: dict[int, Any], ev: Any, fleet: Any) -> list[st
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
     assert ev.metrics["dora/eval_version"] == 1
     assert fleet.violations == [], fleet.violations
+    return check_trained(outs, 3 * 2, k=1)
+
+
+def check_trained(outs: dict[int, Any], groups: int, k: int | None = None) -> list[str]:
+    """Each of `groups` groups trained once (C2), all from one version (C1), at most `k` steps
+    behind (C3, when given). Returns the trained prompts."""
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 3 * 2
+    assert len(prompts) == len(set(prompts)) == groups, prompts
     for step, out in outs.items():
         for group in out.samples:
-            (v,) = {s.weight_versions[0] for s in group}
-            assert 0 <= step - int(v) <= 1
+            (v,) = {v for s in group for v in s.weight_versions}
+            assert k is None or 0 <= step - int(v) <= k, (step, v)
     return prompts
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+from slime_helpers import SimulatedSlimeDriver, check_trained, install_fleet_session, make_args
 
 from dora_ext.config import ConfigError
 from dora_ext.slime import rollout as slime_rollout
@@ -100,12 +100,7 @@ def test_train_py_order_race_both_orders_20_times(tmp_path, standins):
         mode, k = configs[i % 3]
         orders = ["publish_first" if (i + s) % 2 == 0 else "request_first" for s in range(3)]
         outs = _run_train_py_order(tmp_path / f"run{i}", standins, mode, k, orders)
-        prompts = [g[0].prompt for step in sorted(outs) for g in outs[step].samples]
-        assert len(prompts) == len(set(prompts)) == 4 * 2
-        for step, out in outs.items():
-            for group in out.samples:
-                (v,) = {s.weight_versions[0] for s in group}
-                assert 0 <= step - int(v) <= k
+        check_trained(outs, 4 * 2, k)
 
 
 def test_sibling_of_a_failed_group_finishing_later_does_not_kill_the_worker(tmp_path, standins):
@@ -302,12 +297,7 @@ def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
     finally:
         standins.ON_START = None
     assert died_at and seen["engine_failed"] == [0]
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 6 * 2
-    for step, out in outs.items():
-        for group in out.samples:
-            (v,) = {s.weight_versions[0] for s in group}  # C1 despite the re-dispatch
-            assert 0 <= step - int(v) <= 1
+    check_trained(outs, 6 * 2, k=1)  # C1 despite the re-dispatch
     assert outs[5].metrics["dora/redispatched"] >= 1
     assert victim.started == died_at["started"]  # nothing was sent to the dead engine
     if fault_tolerance:

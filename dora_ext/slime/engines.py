@@ -7,8 +7,7 @@ sooner than the pool would), dp-rank context, spans, hooks and reward models app
 with SGLang's `/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`).
 
 Everything that is not generation goes through `ControlHttp` (own pool, bounded calls) so it never
-queues behind slime's HTTP client; generate requests are bounded by `request_timeout_s`, weight
-loads by `load_timeout_s` (an engine past it is retired at the next refresh, then may rejoin).
+queues behind slime's HTTP client; generate requests are bounded by `request_timeout_s`.
 
 `refresh()` re-reads slime's router and probes every engine with `/health_generate` (all answers in
 before anything changes): a dead or stuck engine leaves, one slime's fault tolerance restarted joins

@@ -30,7 +30,7 @@ from ..core import (
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
 from ..core.actions import without_failed
-from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines, load_object
+from .engines import AdapterError, Engines, PassThroughEngines, SglangEngines, load_object
 from .settings import SlimeSettings, check_launch, check_shared_weights_dir, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 

@@ -284,11 +284,8 @@ def test_an_evaluation_cancelled_on_a_dead_engine_cancels_its_requests(tmp_path,
     async def request(eval_args):
         try:
             return await probe_eval(standins, eval_args)
-        except asyncio.CancelledError:
-            ended.append("cancelled")
-            raise
         except BaseException as exc:
-            ended.append(repr(exc))
+            ended.append("cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc))
             raise
 
     async def eval_rollout(eval_args, rollout_id):  # slime's shape: a task per sample, as_completed
@@ -517,10 +514,9 @@ def test_the_final_evaluation_waits_for_every_engine_loading_the_newest_version(
     waits = asyncio.Event()  # the eval waits while engine 0 holds version 6: engine 1's load may answer
     session.probe = lambda name, value: name == "eval_waits" and session.sched.instances[0].version == 6 and waits.set()
     fleet.engines[1].load_hold = {"6": (waits, 5.0)}
+    # 4 eval requests: more than one engine's capacity (3) unless they spread over both.
     install_eval_rollout(monkeypatch, lambda eval_args, rollout_id: probe_eval(standins, eval_args, n=4))
     SimulatedSlimeDriver(args, ds).run_async(0, 6)
-    before = [e.started for e in fleet.engines]
     ev = generate_rollout(args, 5, ds, evaluation=True)
     assert (ev.metrics["dora/eval_version"], ev.metrics["dora/eval_engines"]) == (6, 2)
-    assert [e.started - b for e, b in zip(fleet.engines, before)] == [2, 2]  # (each engine's capacity is 3)
     assert [e.loads[-1] for e in fleet.engines] == ["6", "6"] and fleet.violations == []

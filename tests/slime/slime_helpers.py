@@ -91,11 +91,14 @@ class SimulatedSlimeDriver:
 
 
 def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, first_step: int) -> Any:
-    """The session `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client."""
+    """The session `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client
+    (`data_source` None: a fresh `DoraDataSource`, the session's `data_source`)."""
+    from dora_ext.slime.data_source import DoraDataSource
     from dora_ext.slime.engines import SglangEngines
     from dora_ext.slime.settings import slime_settings
 
     engines = SglangEngines(args, slime_settings(args), http=fleet, control=fleet)
+    data_source = DoraDataSource(args) if data_source is None else data_source
     session = slime_rollout.RolloutSession.for_slime(args, data_source, first_step, engines=engines)
     slime_rollout.install_session(session)
     return session

@@ -110,8 +110,7 @@ def test_sibling_of_a_failed_group_finishing_later_does_not_kill_the_worker(tmp_
 
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
     fleet = standins.FakeSglangFleet(2, capacity=2)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     assert ds.base.offset == 0  # the stand-in base: group p0 is next, its samples are indices 0 and 1
     standins.FAIL_ALWAYS.add(("p0", 0))
     held = asyncio.Event()
@@ -191,8 +190,7 @@ def test_weight_sync_settings_dora_cannot_honour_are_refused_by_name(tmp_path, s
 def test_disk_keep_files_keeps_every_version(tmp_path, standins, keep):
     """Defect 7: `--update-weight-disk-keep-files` was ignored (old versions deleted anyway)."""
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=5, update_weight_disk_keep_files=keep)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2), first_step=0)
+    ds = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=2), first_step=0).data_source
     driver = SimulatedSlimeDriver(args, ds)
     driver.run_async(0, 5)
     left = sorted(p.name for p in (tmp_path / "weights").glob("weight_v*"))
@@ -208,8 +206,7 @@ def test_deterministic_inference_sends_slimes_per_sample_seed(tmp_path, standins
     standins.PARAMS.clear()
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=3, num_rollout=2,
                      sglang_enable_deterministic_inference=True, rollout_seed=42)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=3), first_step=0)
+    ds = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=3), first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 2)
     for out in outs.values():
         for group in out.samples:
@@ -222,8 +219,7 @@ def test_all_samples_process_hook_gets_every_batch(tmp_path, standins):
     standins.ALL_SAMPLES_CALLS.clear()
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=3,
                      rollout_all_samples_process_path="slime_standins.record_all_samples")
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2), first_step=0)
+    ds = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=2), first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
     assert len(standins.ALL_SAMPLES_CALLS) == 3
     for (a, samples, source), k in zip(standins.ALL_SAMPLES_CALLS, sorted(outs)):

@@ -324,8 +324,7 @@ def test_engines_holding_the_launch_weights_are_not_reloaded_with_version_0(tmp_
     the tag (SGLang's `/update_weight_version`), not reloaded from disk; a resumed run loads it."""
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=3, capacity=2)
     fleet = standins.FakeSglangFleet(3, capacity=2, base_port=31800)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
     assert [e.relabels for e in fleet.engines] == [["0"]] * 3
     assert all("0" not in e.loads for e in fleet.engines)
@@ -341,8 +340,7 @@ def test_engines_holding_the_launch_weights_are_not_reloaded_with_version_0(tmp_
     (tmp_path / "ckpt2" / "latest_checkpointed_iteration.txt").write_text("1")
     args = make_args(tmp_path / "b", mode="dora", k=1, batch=2, n=2, num_rollout=3, capacity=2, load=str(tmp_path / "ckpt2"))
     fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31810)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     SimulatedSlimeDriver(args, ds).run_async(0, 2)
     assert all(e.relabels == [] and "0" in e.loads for e in fleet.engines)
 

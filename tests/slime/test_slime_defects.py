@@ -53,13 +53,12 @@ def _run_train_py_order(tmp_path: Path, standins, mode: str, k: int, orders: lis
     num = len(orders) + 1
     args = make_args(tmp_path, mode=mode, k=k, batch=2, n=2, num_rollout=num, capacity=2)
     fleet = standins.FakeSglangFleet(2, capacity=2)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     gate = GatedBoard(session.board)
     session.board = gate
     events = collections.defaultdict(threading.Event)
     session.probe = lambda name, value: events[(name, value)].set()
-    driver = SimulatedSlimeDriver(args, ds)
+    driver = SimulatedSlimeDriver(args, session.data_source)
     driver.push_weights()
     gate.allowed = 1
     outs = {0: driver.generate(0)}
@@ -277,8 +276,7 @@ def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
             engine.alive = False
             died_at["started"] = engine.started
 
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     seen = collections.defaultdict(list)
 
     def probe(name, value):
@@ -289,7 +287,7 @@ def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
     session.probe = probe
     standins.ON_START = on_start
     try:
-        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+        outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 6)
     finally:
         standins.ON_START = None
     assert died_at and seen["engine_failed"] == [0]

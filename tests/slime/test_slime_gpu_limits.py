@@ -154,14 +154,13 @@ def test_a_stuck_engine_is_retired_and_its_trajectories_run_again_at_their_versi
             held.append(engine.version)
 
     standins.ON_START = on_start
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     session.engines.health_timeout_s = 1.0
     probes: list = []
     session.probe = lambda name, value: probes.append((name, value))
     out: dict = {}
     try:
-        t = threading.Thread(target=lambda: out.update(SimulatedSlimeDriver(args, ds).run_async(0, 4)), daemon=True)
+        t = threading.Thread(target=lambda: out.update(SimulatedSlimeDriver(args, session.data_source).run_async(0, 4)), daemon=True)
         t.start()
         t.join(120)
     finally:

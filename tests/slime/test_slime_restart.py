@@ -28,7 +28,6 @@ from slime_helpers import (
     install_fleet_session, make_args, probe_eval, record_probes, train_eval_train,
 )
 
-from dora_ext.slime.data_source import DoraDataSource
 
 
 @pytest.mark.parametrize("reregister", [True, False], ids=["new-registration", "old-registration-kept"])
@@ -43,13 +42,12 @@ def test_engine_restarted_at_the_same_address_joins_under_a_fresh_id(tmp_path, s
         if engine is victim and engine.started == 3 and not restarted:
             restarted["engine"] = fleet.restart_engine(victim.port, reregister=reregister)
 
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     seen = collections.defaultdict(list)
     session.probe = lambda name, value: seen[name].append(value)
     standins.ON_START = on_start
     try:
-        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+        outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 6)
     finally:
         standins.ON_START = None
     successor = restarted["engine"]
@@ -404,8 +402,7 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
     args.dora_slime["engine_check_interval_s"] = 600
     fleet = standins.FakeSglangFleet(2, capacity=2, base_port=32100)
     victim = fleet.engines[0]
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     seen = collections.defaultdict(list)
     session.probe = lambda name, value: seen[name].append(value)
     real_get, real_refresh, real_engines_refresh = fleet.get, session._refresh, session.engines.refresh
@@ -446,7 +443,7 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
     session.engines.refresh = engines_refresh
     standins.ON_START = on_start
     try:
-        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+        outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 6)
     finally:
         standins.ON_START = None
     assert held, "the restart was never checked"

@@ -19,7 +19,6 @@ from slime_helpers import (
 )
 
 from dora_ext.slime import rollout as slime_rollout
-from dora_ext.slime.data_source import DoraDataSource
 
 
 def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(tmp_path, standins, monkeypatch):
@@ -110,8 +109,7 @@ def test_a_closed_session_starts_nothing_on_the_loop_it_leaves_running(tmp_path,
     shared = slime_rollout._LoopThread()  # slime's loop (`get_async_loop`), which close() leaves running
     monkeypatch.setattr(slime_rollout, "_event_loop", lambda: (shared.loop, None))
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2, base_port=31600), 0)
+    session = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=2, base_port=31600), 0)
     generate, calls, release = session.engines.generate, [], asyncio.Event()
     answered, busy, next_started = threading.Event(), threading.Event(), threading.Event()
 
@@ -130,7 +128,7 @@ def test_a_closed_session_starts_nothing_on_the_loop_it_leaves_running(tmp_path,
         return out
 
     session.engines.generate = first_answer_held
-    SimulatedSlimeDriver(args, ds).push_weights()
+    SimulatedSlimeDriver(args, session.data_source).push_weights()
     try:
         asyncio.run_coroutine_threadsafe(session._ensure_started(), shared.loop).result(5)
         assert busy.wait(5) and answered.wait(5), calls
@@ -209,8 +207,7 @@ def test_an_engine_loading_weights_is_not_declared_dead_by_the_health_check(tmp_
     args.dora_slime["engine_check_interval_s"] = 0.02
     fleet = standins.FakeSglangFleet(1, capacity=2, base_port=31500)
     slow = fleet.engines[0]
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     session.engines.health_timeout_s = 0.05
     probes, _ = record_probes(session, "engine_failed")
     holds = [asyncio.Event(), asyncio.Event()]
@@ -224,7 +221,7 @@ def test_an_engine_loading_weights_is_not_declared_dead_by_the_health_check(tmp_
         return await get(url)
 
     fleet.get = sglang_get
-    outs = SimulatedSlimeDriver(args, ds).run_async(0, 4)
+    outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 4)
     assert slow.loads and slow.load_hold == {} and all(e.is_set() for e in holds), (probes, slow.loads)
     assert [v for n, v in probes if n == "engine_failed"] == [], "a loading engine was declared dead"
     assert len(slow.loads) == len(set(slow.loads)), f"engine 0 loaded a version twice: {slow.loads}"

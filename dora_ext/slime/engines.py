@@ -241,6 +241,10 @@ class SglangEngines:
         # monitor: LOADING_URLS). A load that fails sends the worker to refresh() again.
         self._loading: set[int] = set()
         self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
+        # Loads past `load_timeout_s` (iid -> reason: the next refresh retires it); URLs whose weights
+        # are unknown until a load succeeds (never relabelled as the launch weights).
+        self._timed_out: dict[int, str] = {}
+        self._unknown_weights: set[str] = set()
 
     async def _listed(self) -> dict[str, frozenset[str]]:
         """The regular workers slime's router lists: URL -> the router's ids for its registration
@@ -270,6 +274,7 @@ class SglangEngines:
         del self._args[iid]
         self._worker_ids.pop(iid, None)
         self._loaded_tags.pop(iid, None)
+        self._timed_out.pop(iid, None)
 
     async def discover(self) -> list[int]:
         listed = await self._listed()
@@ -360,6 +365,8 @@ class SglangEngines:
             known_ids = self._worker_ids.get(iid)
             if url not in listed:
                 reasons[iid] = "the engine left slime's router"
+            elif iid in self._timed_out:
+                reasons[iid] = self._timed_out[iid]
             elif known_ids and listed[url] and not known_ids & listed[url]:
                 # A new registration at the same address: slime deleted the old one and the
                 # restarted engine registered again. Whatever it holds, it is not what we loaded.
@@ -375,7 +382,8 @@ class SglangEngines:
                 continue  # a load started while it was asked: no verdict from this check
             if reason is not None:
                 reasons[iid] = reason
-        staying = {url for iid, url in self.urls.items() if iid not in reasons}
+        # A load that timed out holds its engine still: it rejoins on a later pass, not probed now.
+        staying = {url for iid, url in self.urls.items() if iid not in reasons or iid in self._timed_out}
         candidates = [url for url in listed if url not in staying]
         alive = await asyncio.gather(*(self.healthy(url) for url in candidates))
         # Apply (no await from here on).
@@ -432,7 +440,7 @@ class SglangEngines:
         if url is None:
             raise EngineGone(f"instance {instance_id} left")
         if (version_tag == self.launch_tag and instance_id not in self._loaded_tags
-                and await self._relabel(instance_id, url, version_tag)):
+                and url not in self._unknown_weights and await self._relabel(instance_id, url, version_tag)):
             return
         self._loading.add(instance_id)
         with _MONITOR_LOCK:
@@ -441,15 +449,21 @@ class SglangEngines:
         try:
             while url in CHECKING_URLS:  # slime's monitor checks it now: let that check finish first
                 await asyncio.sleep(0.05)
-            reply = await self.control.post(
-                f"{url}/update_weights_from_disk", {"model_path": path, "weight_version": version_tag}
-            )
+            try:
+                reply = await asyncio.wait_for(self.control.post(f"{url}/update_weights_from_disk", {
+                    "model_path": path, "weight_version": version_tag}), self.settings.load_timeout_s)
+            except asyncio.TimeoutError:  # what the engine holds is unknown now: retired (refresh)
+                self._unknown_weights.add(url)
+                self._timed_out[instance_id] = (f"{url} did not load version {version_tag} within "
+                                                f"dora_slime.load_timeout_s = {self.settings.load_timeout_s:g} s")
+                raise
         finally:
             self._loading.discard(instance_id)
             with _MONITOR_LOCK:
                 LOADING_URLS.discard(url)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise AdapterError(f"engine {url} failed to load {path}: {reply.get('message')}")
+        self._unknown_weights.discard(url)
         if self.urls.get(instance_id) == url:
             self._loaded_tags[instance_id] = version_tag
 

@@ -30,7 +30,7 @@ from ..core import (
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
 from ..core.actions import without_failed
-from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines, load_object
+from .engines import AdapterError, Engines, PassThroughEngines, SglangEngines, load_object
 from .settings import SlimeSettings, check_launch, check_shared_weights_dir, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 
@@ -310,8 +310,8 @@ class RolloutSession:
 
         Through slime's router eval requests would land on engines holding older versions; they
         go to the engines holding the newest instead, one request to the next engine
-        (`_spread_args`), waiting until one holds it (once the scheduler
-        has nothing left to run, an idle engine loads it). slime's `eval_rollout` runs unchanged
+        (`_spread_args`), waiting until one holds it (once the scheduler has nothing left to run,
+        every engine loads it). slime's `eval_rollout` runs unchanged
         with its own semaphore, which the rollout worker does not take (see `engines.py`).
         """
         if self._closed:
@@ -436,11 +436,19 @@ class RolloutSession:
             newest = self.board.poll() - 1
             if newest >= 0 and sched.newest_version >= newest:
                 iids = [i for i, inst in sorted(sched.instances.items()) if inst.version == newest and inst.loading is None]
+                if sched.done and any(inst.loading == newest for inst in sched.instances.values()):
+                    iids = []  # after the last step: wait for every engine loading it, not the first one done
                 if not iids and sched.done and sched.instances and all(
                         not inst.running and inst.loading is None for inst in sched.instances.values()):
-                    # Nothing left to schedule: an idle engine loads the newest version for eval.
-                    iids = [min(sched.instances)]
-                    await self.engines.load(iids[0], str(self.first_step + newest), self.board.path(newest))
+                    # Nothing left to schedule: every engine loads the newest version for eval, at once.
+                    iids = sorted(sched.instances)
+                    tag, path = str(self.first_step + newest), self.board.path(newest)
+                    loads = await asyncio.gather(*(self.engines.load(i, tag, path) for i in iids), return_exceptions=True)
+                    if any(r is not None for r in loads):
+                        await self._refresh()  # as `_load`: an engine that failed its load left, else it is fatal
+                        for r in (r for i, r in zip(iids, loads) if r is not None and i in self.sched.instances):
+                            raise r
+                    iids = [i for i, r in zip(iids, loads) if r is None and i in self.sched.instances]
                 if iids:
                     return iids, newest
             self._probe("eval_waits", newest)

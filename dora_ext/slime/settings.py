@@ -66,6 +66,8 @@ class SlimeSettings:
         cluster of more than one node refuses to start until this says so.
       request_timeout_s: bound on one generate request (then it is cancelled, its engine probed,
         and the trajectory retried); above the longest response's decode time.
+      load_timeout_s: bound on one `/update_weights_from_disk`; an engine past it is retired like
+        a failed load. Default 600 s: 8 GB (a 4B checkpoint) read at 50 MB/s from a network disk, x4.
     """
 
     weights_dir: str | None = None
@@ -79,6 +81,7 @@ class SlimeSettings:
     engine_check_interval_s: float = 2.0
     probe_timeout_s: float = 60.0
     request_timeout_s: float = 3600.0
+    load_timeout_s: float = 600.0
     shared_weights_dir: bool = False
 
     @classmethod
@@ -121,7 +124,7 @@ class SlimeSettings:
         if isinstance(check, bool) or not isinstance(check, (int, float)) or not 0 < check <= 600:
             raise ConfigError(f"{where}.engine_check_interval_s", f"expected a number in (0, 600], got {check!r}")
         bounds = {}
-        for key in ("probe_timeout_s", "request_timeout_s"):
+        for key in ("probe_timeout_s", "request_timeout_s", "load_timeout_s"):
             v = data.get(key, getattr(d, key))
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"{where}.{key}", f"expected a number of seconds > 0, got {v!r}")

@@ -91,11 +91,14 @@ class SimulatedSlimeDriver:
 
 
 def install_fleet_session(args: SimpleNamespace, data_source: Any, fleet: Any, first_step: int) -> Any:
-    """The session `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client."""
+    """The session `RolloutSession.for_slime` builds, with the fake fleet as its HTTP client
+    (`data_source` None: a fresh `DoraDataSource`, the session's `data_source`)."""
+    from dora_ext.slime.data_source import DoraDataSource
     from dora_ext.slime.engines import SglangEngines
     from dora_ext.slime.settings import slime_settings
 
     engines = SglangEngines(args, slime_settings(args), http=fleet, control=fleet)
+    data_source = DoraDataSource(args) if data_source is None else data_source
     session = slime_rollout.RolloutSession.for_slime(args, data_source, first_step, engines=engines)
     slime_rollout.install_session(session)
     return session
@@ -162,13 +165,19 @@ def record_probes(session: Any, signal: str) -> tuple[list, Any]:
     return probes, fired
 
 
-async def probe_eval(standins: Any, eval_args: Any) -> Any:
+async def probe_eval(standins: Any, eval_args: Any, n: int = 1) -> Any:
     """What slime's `eval_rollout` returns for one eval prompt generated on the engine `eval_args`
-    names: (RolloutFnEvalOutput with the dataset "probe", its raw data)."""
+    names: (RolloutFnEvalOutput with the dataset "probe", its raw data). `n` > 1: n prompts, each
+    in a task of its own, as slime's per-sample tasks (spread over the eval's engines)."""
+    import asyncio
+
     from dora_ext.slime._compat import RolloutFnEvalOutput
 
-    s = await standins.generate(eval_args, standins.Sample(prompt="eval", index=0, tokens=[1]), {})
-    return RolloutFnEvalOutput(data={"probe": {"samples": [s], "rewards": [s.reward]}}), []
+    async def one(i: int) -> Any:
+        return await standins.generate(eval_args, standins.Sample(prompt=f"eval{i or ''}", index=i, tokens=[1]), {})
+
+    samples = [await one(0)] if n == 1 else await asyncio.gather(*(one(i) for i in range(n)))
+    return RolloutFnEvalOutput(data={"probe": {"samples": samples, "rewards": [s.reward for s in samples]}}), []
 
 
 def train_eval_train(args: SimpleNamespace, data_source: Any, standins: Any) -> tuple[dict[int, Any], Any]:
@@ -197,12 +206,18 @@ def check_train_eval_train(outs: dict[int, Any], ev: Any, fleet: Any) -> list[st
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["1"]]
     assert ev.metrics["dora/eval_version"] == 1
     assert fleet.violations == [], fleet.violations
+    return check_trained(outs, 3 * 2, k=1)
+
+
+def check_trained(outs: dict[int, Any], groups: int, k: int | None = None) -> list[str]:
+    """Each of `groups` groups trained once (C2), all from one version (C1), at most `k` steps
+    behind (C3, when given). Returns the trained prompts."""
     prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 3 * 2
+    assert len(prompts) == len(set(prompts)) == groups, prompts
     for step, out in outs.items():
         for group in out.samples:
-            (v,) = {s.weight_versions[0] for s in group}
-            assert 0 <= step - int(v) <= 1
+            (v,) = {v for s in group for v in s.weight_versions}
+            assert k is None or 0 <= step - int(v) <= k, (step, v)
     return prompts
 
 

@@ -33,6 +33,7 @@ adapter against slime's real `Sample`, output types, `load_function` and `genera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -152,6 +153,10 @@ class FakeEngine:
         self.alive = True
         self.stuck = False  # accepts requests, never answers a generation (nor /health_generate)
         self.empty_states = False
+        # version -> (event, max s): its disk load holds SGLang's writer lock until the event is set
+        # (or max s passed), carried on when its caller gives up; requests and /health_generate queue.
+        self.load_hold: dict[str, tuple[Any, float]] = {}
+        self.load_done: Any = None  # an asyncio.Event while a held load runs
         self.started = 0
         self.inherited = 0  # requests retried here from a predecessor at the same URL
         self.launch_version = "initial"
@@ -227,6 +232,8 @@ class FakeSglangFleet:
             engine = next(e for e in self.engines if url.startswith(e.url))
             if not engine.alive:
                 raise ConnectionError(f"{engine.url} is down")
+            if url.endswith("/health_generate") and engine.load_done is not None:
+                await engine.load_done.wait()
             if url.endswith("/health_generate") and engine.stuck:
                 await asyncio.Event().wait()  # never answers; the caller's bound cuts it
             if url.endswith("/model_info"):  # the answering tokenizer worker's copy
@@ -240,6 +247,9 @@ class FakeSglangFleet:
 
     async def post(self, url: str, payload: dict) -> dict:
         engine = next(e for e in self.engines if url.startswith(e.url))
+        if url.endswith("/update_weights_from_disk") and payload["weight_version"] in engine.load_hold:
+            (hold, max_s), engine.load_done = engine.load_hold.pop(payload["weight_version"]), asyncio.Event()
+            return await asyncio.shield(asyncio.ensure_future(self._held_load(engine, url, payload, hold, max_s)))
         if url.endswith("/update_weights_from_disk"):
             if engine.running:
                 self.violations.append(f"{engine.url}: loaded {payload['weight_version']} with {engine.running} running")
@@ -256,6 +266,15 @@ class FakeSglangFleet:
             engine.relabels.append(payload["new_version"])
             return {"success": True}
         raise AssertionError(f"unexpected POST {url}")
+
+    async def _held_load(self, engine: FakeEngine, url: str, payload: dict, hold: Any, max_s: float) -> dict:
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(hold.wait(), max_s)
+            return await self.post(url, payload)
+        finally:
+            engine.load_done.set()
+            engine.load_done = None
 
 
 def response_length(sample: Any) -> int:
@@ -296,6 +315,8 @@ async def _request(engine: FakeEngine, args: Any, sample: Any, sampling_params: 
     is kept out of the capacity and R4 checks, and counted in `engine.inherited`."""
     if not engine.alive:
         raise ConnectionError(f"{engine.url} is down")
+    while engine.load_done is not None:  # behind a load's writer lock
+        await engine.load_done.wait()
     fleet_capacity = None if inherited else getattr(args, "standin_capacity", None)
     running = 0 if inherited else 1
     engine.inherited += 1 - running

@@ -49,8 +49,7 @@ def _check_batches(outs, args, k_bound):
 def test_dora_mode_streams_batches_within_staleness_and_loads_only_drained_engines(tmp_path, standins):
     args = make_args(tmp_path, mode="dora", k=2, batch=4, n=2, num_rollout=8, capacity=3)
     fleet = _fleet(standins, args)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 8)
 
     trained = _check_batches(outs, args, k_bound=2)
@@ -71,8 +70,7 @@ def test_dora_mode_streams_batches_within_staleness_and_loads_only_drained_engin
 def test_pipeline_mode_is_on_policy_with_train_py_order(tmp_path, standins):
     args = make_args(tmp_path, mode="pipeline", k=0, batch=3, n=2, num_rollout=4)
     fleet = _fleet(standins, args, engines=2)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_sync(0, 4)
     trained = _check_batches(outs, args, k_bound=0)
     assert sorted(p for k in trained for p in trained[k]) == sorted(f"p{i}" for i in range(12))
@@ -86,8 +84,7 @@ def test_batches_take_oldest_versions_first(tmp_path, standins):
     # R3: a batch never takes a newer group while a complete older one waits.
     args = make_args(tmp_path, mode="dora", k=1, batch=4, n=2, num_rollout=6, capacity=4)
     fleet = _fleet(standins, args)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
     _check_batches(outs, args, k_bound=1)
     for k in sorted(outs):
@@ -103,8 +100,7 @@ def test_dispatch_is_group_major_and_batches_follow_completion_order(tmp_path, s
     standins.FINISHES.clear()
     args = make_args(tmp_path, mode="pipeline", k=0, batch=3, n=4, num_rollout=3, capacity=2)
     fleet = _fleet(standins, args, engines=1)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_sync(0, 3)
     _check_batches(outs, args, k_bound=0)
     order = [p for p, _ in standins.STARTS]
@@ -125,8 +121,7 @@ def test_engine_reporting_another_version_is_retried_not_trained(tmp_path, stand
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=3)
     fleet = _fleet(standins, args, engines=2)
     fleet.engines[0].wrong_version_once = True
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
     _check_batches(outs, args, k_bound=1)
     assert all(s.weight_versions != ["999"] for o in outs.values() for g in o.samples for s in g)
@@ -137,8 +132,7 @@ def test_resume_from_checkpoint_loses_and_repeats_nothing(tmp_path, standins):
     # Run 1 checkpoints after step 2 (train_async: batch 3 was already handed out), then dies.
     args = make_args(tmp_path, mode="dora", k=2, batch=3, n=2, num_rollout=7)
     fleet = _fleet(standins, args)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     run1 = SimulatedSlimeDriver(args, ds).run_async(0, 7, save_at=2)
     trained1 = _check_batches({k: v for k, v in run1.items() if k <= 2}, args, k_bound=2)
     from dora_ext.slime import rollout as slime_rollout
@@ -189,8 +183,7 @@ def test_failed_groups_are_reported_and_not_requeued(tmp_path, standins):
 def test_out_of_order_rollout_id_is_an_error(tmp_path, standins):
     args = make_args(tmp_path, num_rollout=4)
     fleet = _fleet(standins, args)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     driver = SimulatedSlimeDriver(args, ds)
     driver.push_weights()
     driver.generate(0)
@@ -241,6 +234,7 @@ def test_args_none_passes_finished_samples_through_and_refuses_pending_ones(stan
         ({"dora": {"mode": "dora", "max_staleness": 0}}, "dora.max_staleness"),
         ({"dora_slime": {"capacity": 0}}, "dora_slime.capacity"),
         ({"dora_slime": {"loss": "ppo2"}}, "dora_slime.loss"),
+        ({"dora_slime": {"load_timeout_s": 0}}, "dora_slime.load_timeout_s"),
         ({"dora_slime": {"typo": 1}}, "dora_slime.typo"),
         ({"colocate": True}, "colocate"),
         ({"update_weights_interval": 2}, "update_weights_interval"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_helpers import SimulatedSlimeDriver, install_fleet_session, make_args
+from slime_helpers import SimulatedSlimeDriver, check_trained, install_fleet_session, make_args
 
 from dora_ext.config import ConfigError
 from dora_ext.slime import rollout as slime_rollout
@@ -53,13 +53,12 @@ def _run_train_py_order(tmp_path: Path, standins, mode: str, k: int, orders: lis
     num = len(orders) + 1
     args = make_args(tmp_path, mode=mode, k=k, batch=2, n=2, num_rollout=num, capacity=2)
     fleet = standins.FakeSglangFleet(2, capacity=2)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     gate = GatedBoard(session.board)
     session.board = gate
     events = collections.defaultdict(threading.Event)
     session.probe = lambda name, value: events[(name, value)].set()
-    driver = SimulatedSlimeDriver(args, ds)
+    driver = SimulatedSlimeDriver(args, session.data_source)
     driver.push_weights()
     gate.allowed = 1
     outs = {0: driver.generate(0)}
@@ -100,12 +99,7 @@ def test_train_py_order_race_both_orders_20_times(tmp_path, standins):
         mode, k = configs[i % 3]
         orders = ["publish_first" if (i + s) % 2 == 0 else "request_first" for s in range(3)]
         outs = _run_train_py_order(tmp_path / f"run{i}", standins, mode, k, orders)
-        prompts = [g[0].prompt for step in sorted(outs) for g in outs[step].samples]
-        assert len(prompts) == len(set(prompts)) == 4 * 2
-        for step, out in outs.items():
-            for group in out.samples:
-                (v,) = {s.weight_versions[0] for s in group}
-                assert 0 <= step - int(v) <= k
+        check_trained(outs, 4 * 2, k)
 
 
 def test_sibling_of_a_failed_group_finishing_later_does_not_kill_the_worker(tmp_path, standins):
@@ -115,8 +109,7 @@ def test_sibling_of_a_failed_group_finishing_later_does_not_kill_the_worker(tmp_
 
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
     fleet = standins.FakeSglangFleet(2, capacity=2)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, fleet, first_step=0)
+    ds = install_fleet_session(args, None, fleet, first_step=0).data_source
     assert ds.base.offset == 0  # the stand-in base: group p0 is next, its samples are indices 0 and 1
     standins.FAIL_ALWAYS.add(("p0", 0))
     held = asyncio.Event()
@@ -196,8 +189,7 @@ def test_weight_sync_settings_dora_cannot_honour_are_refused_by_name(tmp_path, s
 def test_disk_keep_files_keeps_every_version(tmp_path, standins, keep):
     """Defect 7: `--update-weight-disk-keep-files` was ignored (old versions deleted anyway)."""
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=5, update_weight_disk_keep_files=keep)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2), first_step=0)
+    ds = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=2), first_step=0).data_source
     driver = SimulatedSlimeDriver(args, ds)
     driver.run_async(0, 5)
     left = sorted(p.name for p in (tmp_path / "weights").glob("weight_v*"))
@@ -213,8 +205,7 @@ def test_deterministic_inference_sends_slimes_per_sample_seed(tmp_path, standins
     standins.PARAMS.clear()
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=3, num_rollout=2,
                      sglang_enable_deterministic_inference=True, rollout_seed=42)
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=3), first_step=0)
+    ds = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=3), first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 2)
     for out in outs.values():
         for group in out.samples:
@@ -227,8 +218,7 @@ def test_all_samples_process_hook_gets_every_batch(tmp_path, standins):
     standins.ALL_SAMPLES_CALLS.clear()
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=3,
                      rollout_all_samples_process_path="slime_standins.record_all_samples")
-    ds = DoraDataSource(args)
-    install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2), first_step=0)
+    ds = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=2), first_step=0).data_source
     outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
     assert len(standins.ALL_SAMPLES_CALLS) == 3
     for (a, samples, source), k in zip(standins.ALL_SAMPLES_CALLS, sorted(outs)):
@@ -286,8 +276,7 @@ def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
             engine.alive = False
             died_at["started"] = engine.started
 
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     seen = collections.defaultdict(list)
 
     def probe(name, value):
@@ -298,16 +287,11 @@ def test_engine_killed_mid_rollout(tmp_path, standins, fault_tolerance):
     session.probe = probe
     standins.ON_START = on_start
     try:
-        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+        outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 6)
     finally:
         standins.ON_START = None
     assert died_at and seen["engine_failed"] == [0]
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 6 * 2
-    for step, out in outs.items():
-        for group in out.samples:
-            (v,) = {s.weight_versions[0] for s in group}  # C1 despite the re-dispatch
-            assert 0 <= step - int(v) <= 1
+    check_trained(outs, 6 * 2, k=1)  # C1 despite the re-dispatch
     assert outs[5].metrics["dora/redispatched"] >= 1
     assert victim.started == died_at["started"]  # nothing was sent to the dead engine
     if fault_tolerance:

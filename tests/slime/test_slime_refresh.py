@@ -19,7 +19,6 @@ import pytest
 
 from slime_helpers import HARNESS, SimulatedSlimeDriver, fleet_engines, install_fleet_session, make_args
 
-from dora_ext.slime.data_source import DoraDataSource
 
 
 class Interrupted(BaseException):
@@ -110,8 +109,7 @@ def test_wrong_version_trajectories_share_refresh_passes(tmp_path, standins):
     args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
     fleet = standins.FakeSglangFleet(2, capacity=4, base_port=32600)
     fleet.engines[0].wrong_versions = n_wrong
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     mismatches: list = []
     all_asked = asyncio.Event()
 
@@ -136,7 +134,7 @@ def test_wrong_version_trajectories_share_refresh_passes(tmp_path, standins):
         return await real_get(url)
 
     fleet.get = get
-    outs = SimulatedSlimeDriver(args, ds).run_async(0, 3)
+    outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 3)
     assert len(mismatches) == n_wrong and {iid for *_, iid in mismatches} == {0}
     # discover's router read, then at most two passes: the first mismatch's, and the one the
     # others shared (one, where all four asked before the first pass began).

@@ -24,11 +24,10 @@ import collections
 import pytest
 
 from slime_helpers import (
-    SimulatedSlimeDriver, check_train_eval_train, eval_fleet_session, fleet_engines, install_eval_rollout,
+    SimulatedSlimeDriver, check_train_eval_train, check_trained, eval_fleet_session, fleet_engines, install_eval_rollout,
     install_fleet_session, make_args, probe_eval, record_probes, train_eval_train,
 )
 
-from dora_ext.slime.data_source import DoraDataSource
 
 
 @pytest.mark.parametrize("reregister", [True, False], ids=["new-registration", "old-registration-kept"])
@@ -43,13 +42,12 @@ def test_engine_restarted_at_the_same_address_joins_under_a_fresh_id(tmp_path, s
         if engine is victim and engine.started == 3 and not restarted:
             restarted["engine"] = fleet.restart_engine(victim.port, reregister=reregister)
 
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     seen = collections.defaultdict(list)
     session.probe = lambda name, value: seen[name].append(value)
     standins.ON_START = on_start
     try:
-        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+        outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 6)
     finally:
         standins.ON_START = None
     successor = restarted["engine"]
@@ -62,12 +60,7 @@ def test_engine_restarted_at_the_same_address_joins_under_a_fresh_id(tmp_path, s
     assert seen["group_failed"] == []
     # It loaded a version before serving, and served.
     assert successor.loads and successor.started > 0
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 6 * 2
-    for step, out in outs.items():
-        for group in out.samples:
-            (v,) = {s.weight_versions[0] for s in group}  # C1: "default" was never trained
-            assert 0 <= step - int(v) <= 1
+    check_trained(outs, 6 * 2, k=1)  # C1: "default" was never trained
     m = outs[5].metrics
     assert m["dora/redispatched"] >= 1
     # Nothing was failed for the successor's launch version: the answer it gave for the old
@@ -409,8 +402,7 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
     args.dora_slime["engine_check_interval_s"] = 600
     fleet = standins.FakeSglangFleet(2, capacity=2, base_port=32100)
     victim = fleet.engines[0]
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     seen = collections.defaultdict(list)
     session.probe = lambda name, value: seen[name].append(value)
     real_get, real_refresh, real_engines_refresh = fleet.get, session._refresh, session.engines.refresh
@@ -451,13 +443,12 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
     session.engines.refresh = engines_refresh
     standins.ON_START = on_start
     try:
-        outs = SimulatedSlimeDriver(args, ds).run_async(0, 6)
+        outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 6)
     finally:
         standins.ON_START = None
     assert held, "the restart was never checked"
     assert seen["engine_failed"] == [0] and seen["engine_joined"] == [2], dict(seen)
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 6 * 2
+    check_trained(outs, 6 * 2)
     assert outs[5].metrics["dora/failed_groups"] == 0
 
 

@@ -14,12 +14,11 @@ from types import SimpleNamespace
 import pytest
 
 from slime_helpers import (
-    SimulatedSlimeDriver, check_train_eval_train, eval_fleet_session, install_eval_rollout, install_fleet_session,
+    SimulatedSlimeDriver, check_train_eval_train, check_trained, eval_fleet_session, install_eval_rollout, install_fleet_session,
     make_args, probe_eval, record_probes, train_eval_train,
 )
 
 from dora_ext.slime import rollout as slime_rollout
-from dora_ext.slime.data_source import DoraDataSource
 
 
 def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(tmp_path, standins, monkeypatch):
@@ -110,8 +109,7 @@ def test_a_closed_session_starts_nothing_on_the_loop_it_leaves_running(tmp_path,
     shared = slime_rollout._LoopThread()  # slime's loop (`get_async_loop`), which close() leaves running
     monkeypatch.setattr(slime_rollout, "_event_loop", lambda: (shared.loop, None))
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, standins.FakeSglangFleet(2, capacity=2, base_port=31600), 0)
+    session = install_fleet_session(args, None, standins.FakeSglangFleet(2, capacity=2, base_port=31600), 0)
     generate, calls, release = session.engines.generate, [], asyncio.Event()
     answered, busy, next_started = threading.Event(), threading.Event(), threading.Event()
 
@@ -130,7 +128,7 @@ def test_a_closed_session_starts_nothing_on_the_loop_it_leaves_running(tmp_path,
         return out
 
     session.engines.generate = first_answer_held
-    SimulatedSlimeDriver(args, ds).push_weights()
+    SimulatedSlimeDriver(args, session.data_source).push_weights()
     try:
         asyncio.run_coroutine_threadsafe(session._ensure_started(), shared.loop).result(30)
         assert busy.wait(30) and answered.wait(30), calls
@@ -200,50 +198,32 @@ def test_sao_kl_term_is_slimes_compute_approx_kl(kind, unbiased):
 
 
 def test_an_engine_loading_weights_is_not_declared_dead_by_the_health_check(tmp_path, standins):
-    """SGLang's `/health` runs a one-token generation by default
-    (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`): while `/update_weights_from_disk` holds the
-    engine's scheduler, `/health` answers only after the load (SGLang waits up to 20 s). A real
-    checkpoint takes longer to load than the worker's health timeout, so the watcher declared
-    every loading engine dead; it rejoined, loaded again, and never served. Here each load on
-    engine 0 lasts until the watcher has run one full check during it (forced: the load returns
-    after the 2nd router read it saw), and `/health` hangs while a load runs. One engine, so the
-    run needs it; its first two loads are slow (bounded: a broken watcher cannot hang the test)."""
+    """While `/update_weights_from_disk` holds SGLang's writer lock, `/health_generate` answers
+    only after the load, and a real checkpoint loads for longer than the health timeout: the
+    watcher declared every loading engine dead; it rejoined, loaded again, and never served. Here
+    the first two loads of the one engine (the run needs it) each last until the watcher read the
+    router twice during it (bounded: a broken watcher cannot hang the test)."""
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
     args.dora_slime["engine_check_interval_s"] = 0.02
     fleet = standins.FakeSglangFleet(1, capacity=2, base_port=31500)
     slow = fleet.engines[0]
-    ds = DoraDataSource(args)
-    session = install_fleet_session(args, ds, fleet, first_step=0)
+    session = install_fleet_session(args, None, fleet, first_step=0)
     session.engines.health_timeout_s = 0.05
-    probes: list = []
-    session.probe = lambda name, value: probes.append((name, value))
-    state = {"loading": None, "reads": 0, "slow_left": 2}
-    get, post = fleet.get, fleet.post
+    probes, _ = record_probes(session, "engine_failed")
+    holds = [asyncio.Event(), asyncio.Event()]
+    slow.load_hold, reads, get = {"1": (holds[0], 5.0), "2": (holds[1], 5.0)}, [], fleet.get
 
     async def sglang_get(url):
-        if url.endswith("/workers") and state["loading"] is not None:
-            state["reads"] += 1
-            if state["reads"] >= 2:
-                state["loading"].set()
-        if url.endswith("/health_generate") and url.startswith(slow.url) and state["loading"] is not None:
-            await state["loading"].wait()  # SGLang: no health answer while the load holds the scheduler
+        if url.endswith("/workers") and slow.load_done is not None:
+            reads.append(slow.load_done)
+            if reads.count(slow.load_done) == 2:
+                next(e for e in holds if not e.is_set()).set()
         return await get(url)
 
-    async def slow_load(url, payload):
-        if url.startswith(slow.url) and url.endswith("/update_weights_from_disk") and state["slow_left"]:
-            state["slow_left"] -= 1
-            state["loading"], state["reads"] = asyncio.Event(), 0
-            try:
-                await asyncio.wait_for(state["loading"].wait(), 5)
-            finally:
-                state["loading"] = None
-        return await post(url, payload)
-
-    fleet.get, fleet.post = sglang_get, slow_load
-    outs = SimulatedSlimeDriver(args, ds).run_async(0, 4)
-    assert slow.loads, f"engine 0 never loaded: {probes}"
+    fleet.get = sglang_get
+    outs = SimulatedSlimeDriver(args, session.data_source).run_async(0, 4)
+    assert slow.loads and slow.load_hold == {} and all(e.is_set() for e in holds), (probes, slow.loads)
     assert [v for n, v in probes if n == "engine_failed"] == [], "a loading engine was declared dead"
     assert len(slow.loads) == len(set(slow.loads)), f"engine 0 loaded a version twice: {slow.loads}"
     assert fleet.violations == []
-    prompts = [g[0].prompt for out in outs.values() for g in out.samples]
-    assert len(prompts) == len(set(prompts)) == 4 * 2
+    check_trained(outs, 4 * 2)

@@ -32,6 +32,7 @@ from slime_helpers import (
 
 @pytest.mark.parametrize("reregister", [True, False], ids=["new-registration", "old-registration-kept"])
 def test_engine_restarted_at_the_same_address_joins_under_a_fresh_id(tmp_path, standins, reregister):
+    pytest.importorskip("slime.utils.health_monitor", reason="fault tolerance needs a slime checkout (DORA_SLIME_PATH)")
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2, use_fault_tolerance=True)
     args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
     fleet = standins.FakeSglangFleet(2, capacity=2, base_port=31200)
@@ -398,6 +399,7 @@ def test_a_restart_told_by_two_refreshes_at_once_fails_its_instance_once(tmp_pat
     second refresh (what `_watch_engines` calls) has started and reached its first wait, and, if
     that second one got into the engines' refresh (nothing serialised them), until it is done;
     the periodic watcher itself is pushed out of the run (600 s)."""
+    pytest.importorskip("slime.utils.health_monitor", reason="fault tolerance needs a slime checkout (DORA_SLIME_PATH)")
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2, use_fault_tolerance=True)
     args.dora_slime["engine_check_interval_s"] = 600
     fleet = standins.FakeSglangFleet(2, capacity=2, base_port=32100)

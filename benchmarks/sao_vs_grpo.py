@@ -43,26 +43,39 @@ def max_drop(ys: list[float]) -> float:
     return drop
 
 
-def cell(runs: list, window: int) -> dict:
+FIELDS = ("seeds", "initial_reward", "final_reward", "max_drop", "final_entropy", "collapsed", "staleness_mean",
+          "masked_frac", "wall_s")
+
+
+def record(r, window: int) -> dict:
+    """One run's row of a cell (the per-seed values)."""
     from dora_ext.runtime.report import smoothed
 
-    out: dict = {k: [] for k in ("seeds", "initial_reward", "final_reward", "max_drop", "final_entropy",
-                                 "collapsed", "staleness_mean", "masked_frac", "wall_s")}
-    for r in runs:
-        ys = smoothed([s["reward_mean"] for s in r.steps], window)[min(window, len(r.steps)) - 1:]
-        ent = [s["entropy"] for s in r.steps[-window:]]
-        masked = [s["masked_frac"] for s in r.steps[-window:] if "masked_frac" in s]
-        drop, init, final = max_drop(ys), r.metrics["initial_reward"], r.metrics["final_reward"]
-        for k, v in (("seeds", r.seed), ("initial_reward", init), ("final_reward", final), ("max_drop", drop),
-                     ("final_entropy", sum(ent) / len(ent)), ("staleness_mean", r.metrics["staleness_mean"]),
-                     ("collapsed", final < init - COLLAPSE_BELOW_INITIAL or drop >= COLLAPSE_DROP),
-                     ("masked_frac", sum(masked) / len(masked) if masked else None),
-                     ("wall_s", r.metrics["wall_s"])):
-            out[k].append(v)
+    ys = smoothed([s["reward_mean"] for s in r.steps], window)[min(window, len(r.steps)) - 1:]
+    ent = [s["entropy"] for s in r.steps[-window:]]
+    masked = [s["masked_frac"] for s in r.steps[-window:] if "masked_frac" in s]
+    drop, init, final = max_drop(ys), r.metrics["initial_reward"], r.metrics["final_reward"]
+    return {"seeds": r.seed, "initial_reward": init, "final_reward": final, "max_drop": drop,
+            "final_entropy": sum(ent) / len(ent), "staleness_mean": r.metrics["staleness_mean"],
+            "collapsed": final < init - COLLAPSE_BELOW_INITIAL or drop >= COLLAPSE_DROP,
+            "masked_frac": sum(masked) / len(masked) if masked else None, "wall_s": r.metrics["wall_s"]}
+
+
+def summary(records: list[dict]) -> dict:
+    out: dict = {k: [rec[k] for rec in records] for k in FIELDS}
     out["final_reward_mean"] = statistics.mean(out["final_reward"])
-    out["final_reward_sd"] = statistics.stdev(out["final_reward"]) if len(runs) > 1 else None
+    out["final_reward_sd"] = statistics.stdev(out["final_reward"]) if len(records) > 1 else None
     out["any_collapsed"] = any(out["collapsed"])
     return out
+
+
+def cell(runs: list, window: int) -> dict:
+    return summary([record(r, window) for r in runs])
+
+
+def records_of(c: dict) -> list[dict]:
+    """The per-seed rows of a saved cell (the inverse of `summary`)."""
+    return [{k: c[k][i] for k in FIELDS} for i in range(len(c["seeds"]))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join("runs", "sao_vs_grpo"))
     p.add_argument("--json", action="store_true", help="print the JSON object at the end")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the runs of an earlier --out JSON made with the same steps, window, eval and --set")
     args = p.parse_args(argv)
 
     from dora_ext.runtime import load_recipe, prepare, run
@@ -113,16 +128,32 @@ def main(argv: list[str] | None = None) -> int:
         "sweep_final_reward": {m: {} for m in methods}, "sweep_runs": {m: {} for m in methods},
         "best_lr": {}, "results": {m: {} for m in methods},
         "not_run": []}
-    done: dict = {}
+    done: dict = {}  # (method, k, lr, seed) -> record
+    runs: dict = {}  # the same keys -> RunResult, for the runs of this invocation (the plots)
+    path = os.path.join(args.out, "sao_vs_grpo.json")
+    if args.resume and os.path.exists(path):
+        with open(path) as f:
+            prev = json.load(f)
+        for key in ("steps", "window", "overrides", "eval"):
+            if prev.get(key) != out[key]:
+                p.error(f"--resume: {path} has {key}={prev.get(key)!r}, this run {out[key]!r}; accepted: the same")
+        for m, by_lr in prev.get("sweep_runs", {}).items():
+            for lr, c in by_lr.items():
+                done.update({(m, args.sweep_k, float(lr), rec["seeds"]): rec for rec in records_of(c)})
+        for m, by_k in prev.get("results", {}).items():
+            for k, c in by_k.items():
+                done.update({(m, int(k[2:]), c["lr"], rec["seeds"]): rec for rec in records_of(c)})
+        out["resumed"] = len(done)
 
-    def go(method: str, k: int, lr: float, seed: int):
+    def go(method: str, k: int, lr: float, seed: int) -> dict:
         key = (method, k, lr, seed)
         if key not in done:
             r = recipe(method, k, lr, seed)
             try:
-                done[key] = run(r, prepare(r), on_step=bar.start(f"{method} K={k} lr={lr:g} seed {seed}", r.steps))
+                runs[key] = run(r, prepare(r), on_step=bar.start(f"{method} K={k} lr={lr:g} seed {seed}", r.steps))
             finally:
                 bar.close()
+            done[key] = record(runs[key], args.window)
         return done[key]
 
     def save() -> None:
@@ -130,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         got = {f"{m} K={k} seed {s}" for (m, k, lr, s) in done if out["best_lr"].get(m) == lr}
         out["not_run"] = [c for c in planned if c not in got]
         out["wall_s"] = time.perf_counter() - t0
-        dump_json(os.path.join(args.out, "sao_vs_grpo.json"), out)
+        dump_json(path, out)
 
     for lr in sorted(lrs, reverse=True):  # the sweep: same lrs, seed 0, K = sweep_k; the largest lr first
         for m in methods:
-            out["sweep_final_reward"][m][f"{lr:g}"] = go(m, args.sweep_k, lr, 0).metrics["final_reward"]
-            out["sweep_runs"][m][f"{lr:g}"] = cell([done[(m, args.sweep_k, lr, 0)]], args.window)
+            out["sweep_final_reward"][m][f"{lr:g}"] = go(m, args.sweep_k, lr, 0)["final_reward"]
+            out["sweep_runs"][m][f"{lr:g}"] = summary([done[(m, args.sweep_k, lr, 0)]])
             save()
     for m in methods:
         out["best_lr"][m] = max(lrs, key=lambda lr: out["sweep_final_reward"][m][f"{lr:g}"])
@@ -144,13 +175,16 @@ def main(argv: list[str] | None = None) -> int:
             for m in methods:
                 go(m, k, out["best_lr"][m], seed)
                 lr = out["best_lr"][m]
-                runs = [done[(m, k, lr, s)] for s in range(args.seeds) if (m, k, lr, s) in done]
-                out["results"][m][f"K={k}"] = {"lr": lr, **cell(runs, args.window)}
+                recs = [done[(m, k, lr, s)] for s in range(args.seeds) if (m, k, lr, s) in done]
+                out["results"][m][f"K={k}"] = {"lr": lr, **summary(recs)}
                 save()
     from dora_ext.runtime.report import plot_reward_vs_time
 
     for k in ks:
-        res = {m: [done[(m, k, out["best_lr"][m], s)] for s in range(args.seeds)] for m in methods}
+        res = {m: [runs[(m, k, out["best_lr"][m], s)] for s in range(args.seeds)
+                   if (m, k, out["best_lr"][m], s) in runs] for m in methods}
+        if not any(res.values()):
+            continue
         plot_reward_vs_time(res, os.path.join(args.out, f"reward_vs_time_k{k}.png"), window=args.window,
                             title=f"GRPO, GRPO + SAO mask, SAO (n=1): dora K={k}, each at its best lr")
     for m in methods:

@@ -197,12 +197,19 @@ def _store_options(node_id: str) -> dict:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
+_KEPT: list = []  # every store handle this process took (never read): see node_store
+
+
 def node_store(node_id: str | None = None, keep_versions: int = 8, timeout_s: float | None = None) -> Any:
-    """The weight store of `node_id` (default: this process's node), created if missing."""
+    """The weight store of `node_id` (default: this process's node), created if missing. Ray ends
+    a named actor once its creator's handles are gone, whatever handles others took by name: a
+    publisher's handle dropped after its call took the store and its versions down under a
+    worker's fetch. So the process keeps the handle for its life."""
     import ray
 
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    return ray.remote(WeightStore).options(**_store_options(node_id)).remote(keep_versions, node_id, timeout_s)
+    _KEPT.append(ray.remote(WeightStore).options(**_store_options(node_id)).remote(keep_versions, node_id, timeout_s))
+    return _KEPT[-1]
 
 
 def ensure_stores(node_ids, keep_versions: int = 8, timeout_s: float | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The ``dora_store`` weight path without Ray: the weight store's ordering, the replica's checksum
+"""The ``dora_store`` weight path (on Ray only for a store's lifetime): the weight store's ordering, the replica's checksum
 of what it really holds after a load, and the evidence check that compares it with the publisher's.
 
 Real: the ``dora_cpu`` replica's ``ServerCore`` with a tiny Llama model built here (transformers'
@@ -129,6 +129,47 @@ def test_store_load_waits_for_publication_in_both_orders_and_first_publication_w
         return version, digest, again[2], torch.equal(again[1][0]["x"], w["x"])
 
     assert asyncio.run(run()) == (5, "a", "a", True)
+
+
+def test_a_store_its_publisher_created_outlives_the_publish_call(ray_tq):
+    """verl's own trainers publish before any store exists, so ``send_weights`` creates this node's
+    store. Ray ends a named actor once its creator's handles are gone, whatever handles others took
+    by name: a publisher that dropped its handle took version 1 away from the worker fetching it."""
+    import gc
+    import time
+
+    import ray
+
+    from dora_ext.verl.weights import STORE_PREFIX, DoraStoreCheckpointEngine
+
+    for name in [n for n in ray.util.list_named_actors() if n.startswith(STORE_PREFIX)]:
+        ray.kill(ray.get_actor(name))  # an earlier test's store: this one must be created by the publish
+    deadline = time.monotonic() + 60
+    while any(n.startswith(STORE_PREFIX) for n in ray.util.list_named_actors()):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+    @ray.remote(num_cpus=0)
+    class Worker:  # an actor rank (publishes) or a rollout worker (fetches), alive for the run
+        def publish(self):
+            async def weights():
+                yield "x", torch.ones(2)
+
+            asyncio.run(DoraStoreCheckpointEngine(is_master=True).send_weights(weights(), global_steps=1))
+            gc.collect()
+
+        def fetch(self):
+            async def load():
+                engine = DoraStoreCheckpointEngine(fetch_timeout_s=5)
+                return [(n, t.tolist()) async for n, t in engine.receive_weights(global_steps=1)]
+
+            return asyncio.run(load())
+
+    actor, rollout = Worker.remote(), Worker.remote()
+    ray.get(actor.publish.remote())
+    time.sleep(2)  # Ray ends an actor nobody owns within milliseconds: let that happen before the fetch
+    assert ray.get(rollout.fetch.remote()) == [("x", [1.0, 1.0])]
+    ray.kill(actor), ray.kill(rollout)
 
 
 def _store_with(versions, keep):

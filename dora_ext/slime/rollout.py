@@ -446,8 +446,7 @@ class RolloutSession:
                     loads = await asyncio.gather(*(self.engines.load(i, tag, path) for i in iids), return_exceptions=True)
                     if any(r is not None for r in loads):
                         await self._refresh()  # as `_load`: an engine that failed its load left, else it is fatal
-                        for r in (r for i, r in zip(iids, loads) if i in self.sched.instances
-                                  and r is not None and not isinstance(r, EngineGone)):
+                        for r in (r for i, r in zip(iids, loads) if r is not None and i in self.sched.instances):
                             raise r
                     iids = [i for i, r in zip(iids, loads) if r is None and i in self.sched.instances]
                 if iids:

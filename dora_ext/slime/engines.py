@@ -456,7 +456,7 @@ class SglangEngines:
                 self._unknown_weights.add(url)
                 self._timed_out[instance_id] = (f"{url} did not load version {version_tag} within "
                                                 f"dora_slime.load_timeout_s = {self.settings.load_timeout_s:g} s")
-                raise
+                raise EngineGone(self._timed_out[instance_id]) from None
         finally:
             self._loading.discard(instance_id)
             with _MONITOR_LOCK:

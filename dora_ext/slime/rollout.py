@@ -30,7 +30,7 @@ from ..core import (
     TrainerStepFinished, TrajectoryFailed, TrajectoryFinished, VersionPublished,
 )
 from ..core.actions import without_failed
-from .engines import AdapterError, Engines, PassThroughEngines, SglangEngines, load_object
+from .engines import AdapterError, EngineGone, Engines, PassThroughEngines, SglangEngines, load_object
 from .settings import SlimeSettings, check_launch, check_shared_weights_dir, dora_config, slime_settings
 from .weights import DiskWeightBoard, StaticWeights
 
@@ -699,11 +699,11 @@ class RolloutSession:
             await self.engines.load(a.instance_id, str(self.first_step + a.version), self.board.path(a.version))
         except AdapterError:
             raise
-        except Exception:
+        except Exception as exc:
             await self._refresh()
-            if a.instance_id in self.sched.instances:
+            if a.instance_id in self.sched.instances and not isinstance(exc, EngineGone):
                 raise
-            return  # the engine died while loading; InstanceFailed told the scheduler
+            return  # the engine died while loading (InstanceFailed told the scheduler), or leaves at a refresh
         if a.instance_id not in self.sched.instances:
             return
         self._feed(InstanceLoaded(a.instance_id, a.version))

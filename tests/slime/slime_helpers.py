@@ -216,8 +216,8 @@ def check_trained(outs: dict[int, Any], groups: int, k: int | None = None) -> li
     assert len(prompts) == len(set(prompts)) == groups, prompts
     for step, out in outs.items():
         for group in out.samples:
-            (v,) = {v for s in group for v in s.weight_versions}
-            assert k is None or 0 <= step - int(v) <= k, (step, v)
+            (v,) = {v for s in group for v in s.weight_versions or [None]}  # a sample without one fails
+            assert v is not None and (k is None or 0 <= step - int(v) <= k), (step, v)
     return prompts
 
 

@@ -486,22 +486,37 @@ def test_eval_takes_an_engine_holding_the_newest_version_and_its_wait_holds_no_l
     check_train_eval_train(outs, ev, fleet)
 
 
-@pytest.mark.parametrize("answer", ["after_timeout", "before_timeout"])
+@pytest.mark.parametrize("answer", ["after_timeout", "after_timeout_router_down", "before_timeout"])
 def test_a_load_past_load_timeout_s_retires_the_engine(tmp_path, standins, caplog, answer):
     """The one engine's first disk load holds SGLang's writer lock (requests and `/health_generate`
     queue behind it). after_timeout: it answers only once the adapter gave up on it (0.2 s) and
     retired the engine; healthy again, the engine rejoins under a new id and loads version 1 again
-    (what it holds is unknown: never relabelled). before_timeout: it answers after 0.3 s of a
-    30 s bound and nothing is retired. Either way every group trains once, from one version."""
-    after = answer == "after_timeout"
+    (what it holds is unknown: never relabelled). _router_down: slime's router does not answer
+    from the load's start until the refresh its timeout asked for failed (a later one retires it;
+    it was fatal). before_timeout: it answers after 0.3 s of a 30 s bound and nothing is retired.
+    Either way every group trains once, from one version."""
+    after = answer != "before_timeout"
     args = make_args(tmp_path, mode="dora", k=1, batch=3, n=2, num_rollout=4, capacity=2)
     args.dora_slime.update(engine_check_interval_s=0.05, load_timeout_s=0.2 if after else 30)
     fleet = standins.FakeSglangFleet(1, capacity=2, base_port=31800)
-    ds = DoraDataSource(args)
-    probes, retired = record_probes(install_fleet_session(args, ds, fleet, first_step=0), "engine_failed")
-    slow = fleet.engines[0]
+    session = install_fleet_session(args, None, fleet, first_step=0)
+    probes, retired = record_probes(session, "engine_failed")
+    slow, get, load, returned = fleet.engines[0], fleet.get, session._load, []
     slow.load_hold = {"1": (retired, 5.0) if after else (asyncio.Event(), 0.3)}
-    out = SimulatedSlimeDriver(args, ds).run_async(0, 4)
+
+    async def router_down(url):
+        if answer.endswith("router_down") and url.endswith("/workers") and slow.load_done and not returned:
+            raise ConnectionError("slime's router does not answer")
+        return await get(url)
+
+    async def held_load_returns(a):
+        try:
+            await load(a)
+        finally:
+            returned.append(a) if (a.instance_id, a.version) == (0, 1) else None
+
+    fleet.get, session._load = router_down, held_load_returns
+    out = SimulatedSlimeDriver(args, session.data_source).run_async(0, 4)
     assert ([v for n, v in probes if n in ("engine_failed", "engine_joined")], slow.load_hold) == ([0, 1] if after else [], {})
     assert ("engine 0 is gone (http://127.0.0.1:31800 did not load version 1 within dora_slime.load_timeout_s = 0.2 s)"
             in caplog.text) == after

@@ -552,10 +552,12 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
         coord.release_server(sids[0], request_id="g0r0")
         assert coord.trajectory_failed("g0", 0, "second") == "failed" and coord.moving == {}
         await settle()
-        assert sorted(calls) == sorted([f"g0r{mid}", f"g0r{mid}", f"g0r{run}", f"g0r{back}"])  # + those in flight
+        # + those in flight (`run`'s abort, finding nothing, is sent again until its release)
+        sent = lambda: [c for j, c in enumerate(calls) if c != f"g0r{run}" or c not in calls[:j]]  # noqa: E731
+        assert sorted(sent()) == sorted([f"g0r{mid}", f"g0r{mid}", f"g0r{run}", f"g0r{back}"])
         assert coord.trajectory_failed("g0", 0, "again") == "failed"  # a second report aborts nothing
         await settle()
-        assert len(calls) == 4
+        assert len(sent()) == 4
         for i in (mid, run, back):  # each came back; an aborted one resumes, its acquire fails
             if i != back:
                 coord.release_server(sids[i], request_id=f"g0r{i}")

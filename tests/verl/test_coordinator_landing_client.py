@@ -263,3 +263,105 @@ def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
         assert runs1 == [(2, 0), (5, 0)] and runs0 == [(8, 0)]  # aborted by the move, resumed on 0
     m = coord.metrics()
     assert m["loads_held"] == 1 and m["loads_released"] == 1 and m["loads_held_now"] == 0
+
+
+@pytest.mark.parametrize("cause", ["move", "group_failed"])
+@pytest.mark.parametrize("order", ["abort_then_request", "request_then_abort"])
+def test_a_per_request_abort_stops_its_request_in_either_order(order, cause, tmp_path, monkeypatch):
+    """The coordinator aborts g1/1's request alone on instance 1 (R5 moves it onto instance 0, or
+    g1 fails), on the real ``dora_cpu`` server (``ServerCore``: like vLLM it ignores an abort of an
+    id it does not hold; replica 1 a ``hold`` straggler beside another request, which stalls both).
+    The abort and the request travel on different actors. `abort_then_request`: the abort arrives
+    while the request is still on its way (it finds nothing), then the request. `request_then_abort`:
+    the request runs first. Either way it comes back aborted: the moved trajectory runs once, on
+    instance 0 (landed); the failed group's sibling ends and frees its slot; the other request runs
+    on; nothing stays in flight. Before the fix the late request stayed stalled on instance 1."""
+    pytest.importorskip("transformers")
+    from verl.workers.rollout import llm_server
+
+    from dora_ext.verl.coordinator import GroupFailedError
+    from dora_ext.verl.cpu.rollout import ServerCore
+    from dora_ext.verl.cpu.tiny import build_model
+    from dora_ext.verl.manager import Route, current_route
+
+    from .coordinator_helpers import ONE, started
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
+                                                                     gather=asyncio.gather))
+    monkeypatch.setenv("DORA_CPU_SLOW_REPLICAS", "1:hold")
+    model = type("ModelConfig", (), {"local_path": build_model(str(tmp_path / "model"))})()
+    coord = _before_the_move() if cause == "move" else started(dict(ONE, max_retries=0))
+    if cause == "group_failed":
+        coord.offer([f"g{i}" for i in range(10)])  # g1/0 runs on instance 0, g1/1 on instance 1
+    answers = []
+
+    async def run():
+        s0, s1 = ServerCore(), ServerCore()
+        for rank, core in enumerate((s0, s1)):
+            core._init_server(model, rank)
+            core.eos_ids, core.version = set(), 0
+        real_abort = s1.abort_request
+
+        async def spied_abort(request_id, **kwargs):
+            answers.append((await real_abort(request_id, **kwargs))["aborted"])
+            return {"aborted": answers[-1]}
+
+        s1.abort_request = spied_abort
+        transit = _InTransit(s1)
+        coord.handles, coord._loop = {"s0": Handle(s0), "s1": transit}, asyncio.get_running_loop()
+        coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
+        client = client_of(coord)
+
+        async def turn():
+            token = current_route.set(Route("g1", 1))
+            try:
+                return await client.generate(request_id="r", prompt_ids=[1, 2], sampling_params={"max_tokens": 10})
+            finally:
+                current_route.reset(token)
+
+        async def until(cond):
+            while not cond():
+                await real_sleep(0)
+
+        def abort():  # what makes the coordinator abort g1/1's request on instance 1
+            if cause == "move":
+                coord.step_finished(1)
+            else:
+                assert coord.trajectory_failed("g1", 0, "reward error") == "failed"
+
+        other = None
+        if order == "request_then_abort":
+            other = asyncio.ensure_future(s1.generate("other", [3, 4], {"max_tokens": 100}))
+            await until(lambda: s1._running)
+        transit.delay = order == "abort_then_request"
+        task = asyncio.ensure_future(turn())
+        if order == "abort_then_request":
+            await transit.sent.wait()  # routed to instance 1, still on its way
+            abort()
+            await until(lambda: answers == [False])  # the abort found nothing there
+            other = asyncio.ensure_future(s1.generate("other", [3, 4], {"max_tokens": 100}))
+            await until(lambda: s1._running)
+            transit.through.set()
+        await until(lambda: len(s1._running) == 2)  # both stalled on the straggler
+        if order == "request_then_abort":
+            abort()
+        try:
+            out = await asyncio.wait_for(task, 30)  # (a guard: without the fix it never ends)
+        except GroupFailedError:  # the aborted request's resume: the group failed
+            out = None
+            assert coord.trajectory_failed("g1", 1, "GroupFailedError") == "failed"
+        return out, await other, s0.served
+
+    out, other, served0 = asyncio.run(run())
+    assert answers[-1] is True and answers.count(True) == 1, answers
+    assert other.stop_reason == "length" and len(other.token_ids) == 100  # the other request ran on
+    assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)
+    m = coord.metrics()
+    if cause == "move":  # ran once, on instance 0 after an aborted start on instance 1
+        assert out.stop_reason == "length" and len(out.token_ids) == 10 and served0 == 1
+        assert m["migrations_landed"] == 1 and coord.moving == {}, m
+        coord.trajectory_done("g1", 1, 10, 1.0)
+    else:
+        assert out is None and served0 == 0 and m["failed_groups"] == 1, m
+    assert ("g1", 1) not in coord.sched.running_on(0) + coord.sched.running_on(1)  # its slot is free

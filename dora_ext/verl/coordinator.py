@@ -352,12 +352,11 @@ class DoraCoordinator:
         self.loaded([instance], verl_version)
 
     async def _abort_request(self, instance: int, req: tuple[str, str], key: tuple) -> None:
-        """Abort request `req` (server id, request id) of trajectory `key` alone. The abort and the
-        request travel on different paths (this actor; the agent-loop worker), so the abort may
-        reach the engine first, which ignores an id it does not hold (vLLM and ``dora_cpu`` answer
-        "not found", SGLang answers nothing), and the request would run to its end. So it is sent
-        again, backing off, until the engine confirms it or this acquire is released (the request
-        came back): ``tries`` counts the sends."""
+        """Abort request `req` (server id, request id) of trajectory `key` alone. It and the request
+        travel on different paths (this actor; the agent-loop worker), so it may reach the engine
+        first, which ignores an id it does not hold (vLLM and ``dora_cpu`` answer "not found",
+        SGLang 200 either way): the request would run to its end. So it is sent again, backing off,
+        until the engine confirms it or this acquire is released (``tries`` counts the sends)."""
         from .weights import abort_request
 
         out, tries, delay = {"aborted": False}, 0, 0.01

@@ -187,7 +187,7 @@ class DoraCoordinator:
                     # between two turns nothing is in flight and its next acquire lands.
                     req = self.request_of.get(key)
                     if req is not None and req[0] == self.server_of.get(act.src):
-                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, *req, key), self._loop)
+                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, req, key), self._loop)
                 elif act.src not in self.aborts:
                     self.aborts.append(act.src)
             elif isinstance(act, A.StartStep):
@@ -204,7 +204,7 @@ class DoraCoordinator:
                     # A sibling still generating is wasted and delays verl's failure record (the refill).
                     req = self.request_of.get(key)
                     if req is not None and self.abort_requests and self._loop is not None:
-                        coro = self._abort_request(self.instance_of.get(req[0], -1), *req, key)
+                        coro = self._abort_request(self.instance_of.get(req[0], -1), req, key)
                         asyncio.run_coroutine_threadsafe(coro, self._loop)
                 _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
@@ -351,15 +351,28 @@ class DoraCoordinator:
             return
         self.loaded([instance], verl_version)
 
-    async def _abort_request(self, instance: int, sid: str, request_id: str, key: tuple = ()) -> None:
+    async def _abort_request(self, instance: int, req: tuple[str, str], key: tuple) -> None:
+        """Abort request `req` (server id, request id) of trajectory `key` alone. It and the request
+        travel on different paths (this actor; the agent-loop worker), so it may reach the engine
+        first, which ignores an id it does not hold (vLLM and ``dora_cpu`` answer "not found",
+        SGLang 200 either way): the request would run to its end. So it is sent again, backing off,
+        until the engine confirms it or this acquire is released (``tries`` counts the sends)."""
         from .weights import abort_request
 
-        try:
-            out = await abort_request(self.rollout, self.handles[sid], sid, request_id)
-        except Exception as exc:  # the request then runs to its end on the source: the move does not land
-            out = {"aborted": False, "error": repr(exc)[:300]}
-        self._record(("abort_request", instance, request_id, bool(out.get("aborted"))))
-        _report("abort_request", instance=instance, request_id=request_id, aborted=bool(out.get("aborted")), key=key)
+        out, tries, delay = {"aborted": False}, 0, 0.01
+        while self.request_of.get(key) is req:  # this acquire's tuple: not a later turn's
+            tries += 1
+            try:
+                out = await abort_request(self.rollout, self.handles[req[0]], *req)
+            except Exception as exc:  # (a dead server fails the request, which is then released)
+                out = {"aborted": False, "error": repr(exc)[:300]}
+            if out.get("aborted") and out.get("confirmed", True):
+                break
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.5)
+        self._record(("abort_request", instance, req[1], bool(out.get("aborted"))))
+        _report("abort_request", instance=instance, request_id=req[1], aborted=bool(out.get("aborted")), key=key,
+                tries=tries)
 
     async def _check_load(self, instance: int, verl_version: int, initial: bool = False) -> None:
         from .weights import WeightsMismatch, engine_checksum

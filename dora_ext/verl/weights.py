@@ -291,7 +291,8 @@ async def abort_request(rollout: str, server: Any, address: str, request_id: str
     """Abort one request on one engine (R5: the moved trajectory's, the others there run on).
 
     ``dora_cpu`` and ``vllm``: the server actor's ``abort_request`` (verl's ``vLLMHttpServer``);
-    ``sglang`` (its server actor has none in verl 0.9.1): SGLang's ``/abort_request`` HTTP route."""
+    ``sglang`` (its server actor has none in verl 0.9.1): SGLang's ``/abort_request`` HTTP route,
+    which answers 200 whether it held the id or not (``confirmed`` False)."""
     if rollout == "sglang":
         import urllib.request
 
@@ -300,7 +301,7 @@ async def abort_request(rollout: str, server: Any, address: str, request_id: str
             req = urllib.request.Request(f"http://{address}/abort_request", data=body,
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as r:
-                return {"aborted": 200 <= r.status < 300}
+                return {"aborted": 200 <= r.status < 300, "confirmed": False}
 
         return await asyncio.to_thread(post)
     # verl's vLLMHttpServer.abort_request resets the whole prefix cache by default: the co-resident

@@ -292,43 +292,6 @@ def test_group_failure_drops_its_pending_moves():
     _check_ledger(coord)
 
 
-def test_a_group_failure_aborts_just_the_requests_its_siblings_still_run(monkeypatch):
-    """With per-request aborts (``set_loaders(abort_requests=True)``, as ``DoraTrainer`` sets), a
-    group's failure aborts the requests its other trajectories still have in flight, each alone:
-    wasted work, and verl records the group's failure (which the sampler's refill waits for) only
-    once they ended. A sibling whose request came back, and the other groups, are left alone."""
-    import dora_ext.verl.weights as weights
-
-    calls = []
-
-    async def abort_request(rollout, server, address, request_id):
-        calls.append((address, request_id))
-        return {"aborted": True}
-
-    monkeypatch.setattr(weights, "abort_request", abort_request)
-
-    async def run():
-        coord = DoraCoordinator(dict(TWO, max_retries=0), {"s0": None, "s1": None}, use_plugins=False)
-        await coord.start()
-        coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
-        coord.offer([f"g{i}" for i in range(4)])
-        sids = {(g, i): (await coord.acquire_server(f"{g}r{i}", dora_group=g, dora_index=i))[0]
-                for g in ("g0", "g1") for i in range(5)}
-        for i in (0, 1):  # their requests came back (verl's client releases before the report)
-            coord.release_server(sids["g0", i], request_id=f"g0r{i}")
-        coord.trajectory_done("g0", 1, 5, 1.0)
-        assert coord.trajectory_failed("g0", 0, "replica error") == "failed"
-        for _ in range(3):
-            await asyncio.sleep(0)
-        return coord, sids
-
-    coord, sids = asyncio.run(run())
-    assert sorted(calls) == sorted((sids["g0", i], f"g0r{i}") for i in (2, 3, 4))
-    logged = sorted(e[2] for e in coord.get_log() if e[0] == "abort_request")
-    assert logged == ["g0r2", "g0r3", "g0r4"]
-    _check_ledger(coord)
-
-
 def test_a_landing_for_a_group_no_longer_live_is_dropped():
     """A pending move of a group that left the coordinator without passing through the paths that
     drop it (a bookkeeping slip) must not stop the run (the scheduler refuses a landing with no
@@ -532,6 +495,7 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
         coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
         coord.offer([f"g{i}" for i in range(4)])
         sids = {i: (await coord.acquire_server(f"g0r{i}", dora_group="g0", dora_index=i))[0] for i in range(5)}
+        await coord.acquire_server("g3r0", dora_group="g3", dora_index=0)  # another group's, left alone
         for g in ("g1", "g2"):
             for i in range(5):
                 coord.trajectory_done(g, i, 5, 1.0)
@@ -552,10 +516,12 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
         coord.release_server(sids[0], request_id="g0r0")
         assert coord.trajectory_failed("g0", 0, "second") == "failed" and coord.moving == {}
         await settle()
-        assert sorted(calls) == sorted([f"g0r{mid}", f"g0r{mid}", f"g0r{run}", f"g0r{back}"])  # + those in flight
+        # + those in flight (`run`'s abort, finding nothing, is sent again until its release)
+        sent = lambda: [c for j, c in enumerate(calls) if c != f"g0r{run}" or c not in calls[:j]]  # noqa: E731
+        assert sorted(sent()) == sorted([f"g0r{mid}", f"g0r{mid}", f"g0r{run}", f"g0r{back}"])
         assert coord.trajectory_failed("g0", 0, "again") == "failed"  # a second report aborts nothing
         await settle()
-        assert len(calls) == 4
+        assert len(sent()) == 4
         for i in (mid, run, back):  # each came back; an aborted one resumes, its acquire fails
             if i != back:
                 coord.release_server(sids[i], request_id=f"g0r{i}")

@@ -35,21 +35,35 @@ def _before_the_move():
     return coord
 
 
+@pytest.fixture(autouse=True)
+def _resume_at_once(monkeypatch):
+    """verl's one-second pause between resumes is made a yield."""
+    from verl.workers.rollout import llm_server
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
+                                                                     gather=asyncio.gather))
+
+
+async def _turn(client, max_tokens=10):
+    """One turn of g1/1 through `client`, its route set as verl's agent-loop worker sets it."""
+    from dora_ext.verl.manager import Route, current_route
+
+    token = current_route.set(Route("g1", 1))
+    try:
+        return await client.generate(request_id="r", prompt_ids=[1, 2], sampling_params={"max_tokens": max_tokens})
+    finally:
+        current_route.reset(token)
+
+
 @pytest.mark.parametrize("order", ["abort_after_move", "reacquired_before_move", "turn_ended_before_abort"])
-def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch):
+def test_the_landing_comes_after_the_source_request_returned(order):
     """`abort_after_move`: the move, then the abort of the source: verl's client re-acquires and
     lands on the destination. `reacquired_before_move`: an abort for another reason came first and
     the client re-acquired on the source before the move: that acquire is no landing, the scheduler
     must not move the trajectory again, and the landing comes after the move's own abort.
     `turn_ended_before_abort`: the turn ended on the source before the move's abort ran (the trainer
     was busy); the next turn's acquire is the landing, and the late abort finds nothing of it."""
-    from verl.workers.rollout import llm_server
-
-    from dora_ext.verl.manager import Route, current_route
-
-    real_sleep = asyncio.sleep
-    monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
-                                                                     gather=asyncio.gather))
     coord = _before_the_move()
     landings = []
     land = coord._land
@@ -67,26 +81,18 @@ def test_the_landing_comes_after_the_source_request_returned(order, monkeypatch)
         coord.handles = {sid: Handle(s) for sid, s in servers.items()}
         client = client_of(coord)
 
-        async def turn(max_tokens):
-            token = current_route.set(Route("g1", 1))
-            try:
-                return await client.generate(request_id="r", prompt_ids=[1, 2],
-                                             sampling_params={"max_tokens": max_tokens})
-            finally:
-                current_route.reset(token)
-
         s0, s1 = servers["s0"], servers["s1"]
         if order == "turn_ended_before_abort":
-            out = await turn(4)  # the first turn ends on the source
+            out = await _turn(client, 4)  # the first turn ends on the source
             assert out.stop_reason == "length" and s1.prompts == [2]
             coord.step_finished(1)  # R5 moves g1/1 onto instance 0; its abort waits for the trainer
             assert coord.moving == {("g1", 1): (0, 0)} and coord.aborts == [1]
-            out = await turn(4)  # the next turn: the landing
+            out = await _turn(client, 4)  # the next turn: the landing
             assert landings and s0.prompts == [2]
             assert coord.take_work()["abort"] == [1]  # the late abort: nothing of g1/1 runs there
             return out
         s1.hold = True
-        task = asyncio.ensure_future(turn(10))
+        task = asyncio.ensure_future(_turn(client))
         await s1.next_arrival()
         if order == "reacquired_before_move":
             s1.aborted.set()  # an abort for another reason: the client resumes on the source
@@ -183,7 +189,7 @@ class _InTransit(Handle):
 
 
 @pytest.mark.parametrize("order", ["arrives_after_the_load_decision", "arrives_before_the_abort"])
-def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
+def test_a_resume_in_transit_runs_under_its_version(order):
     """g1/1 runs on instance 1 (version 0); its request is aborted for another reason and verl's
     client resumes it on instance 1 (not moved yet). Then R5 moves g1/1 onto instance 0 and the
     scheduler, seeing instance 1 drained, decides its load of version 1; the trainer (played here:
@@ -195,13 +201,6 @@ def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
     under version 0 and the load goes out at its release, at the trainer's next poll.
     `arrives_before_the_abort`: the resume runs on instance 1 when the move is decided; the move's
     abort returns it, its release hands the load out, and the client resumes on instance 0."""
-    from verl.workers.rollout import llm_server
-
-    from dora_ext.verl.manager import Route, current_route
-
-    real_sleep = asyncio.sleep
-    monkeypatch.setattr(llm_server, "asyncio", types.SimpleNamespace(sleep=lambda s: real_sleep(0),
-                                                                     gather=asyncio.gather))
     coord = _before_the_move()
 
     async def run():
@@ -222,15 +221,8 @@ def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
                 coord.loaded([iid], version)
                 executed.append((iid, version))
 
-        async def turn():
-            token = current_route.set(Route("g1", 1))
-            try:
-                return await client.generate(request_id="r", prompt_ids=[1, 2], sampling_params={"max_tokens": 10})
-            finally:
-                current_route.reset(token)
-
         s1.hold = True
-        task = asyncio.ensure_future(turn())
+        task = asyncio.ensure_future(_turn(client))
         await s1.arrived.wait()
         s1.arrived.clear()
         transit.delay = True
@@ -263,3 +255,86 @@ def test_a_resume_in_transit_runs_under_its_version(order, monkeypatch):
         assert runs1 == [(2, 0), (5, 0)] and runs0 == [(8, 0)]  # aborted by the move, resumed on 0
     m = coord.metrics()
     assert m["loads_held"] == 1 and m["loads_released"] == 1 and m["loads_held_now"] == 0
+
+
+@pytest.mark.parametrize("cause", ["move", "group_failed"])
+@pytest.mark.parametrize("order", ["abort_then_request", "request_then_abort"])
+def test_a_per_request_abort_stops_its_request_in_either_order(order, cause, tmp_path, monkeypatch):
+    """The coordinator aborts g1/1's request alone on instance 1 (R5 moves it onto instance 0, or g1
+    fails) of the real ``dora_cpu`` server (``ServerCore``: like vLLM it ignores an abort of an id it
+    does not hold), a ``hold`` straggler where it stalls beside another request. The abort arrives
+    while the request is on its way (on another actor's path) and finds nothing, or after it. Either
+    way the request comes back aborted: the moved trajectory runs once, landed on instance 0; the
+    failed group's sibling ends, its slot freed; the other request runs on; nothing stays in flight.
+    Before the fix the late request stayed stalled on instance 1 (the guard's timeout)."""
+    pytest.importorskip("transformers")
+    from dora_ext.verl.coordinator import GroupFailedError
+    from dora_ext.verl.cpu.rollout import ServerCore
+    from dora_ext.verl.cpu.tiny import build_model
+
+    from .coordinator_helpers import ONE, started
+
+    monkeypatch.setenv("DORA_CPU_SLOW_REPLICAS", "1:hold")
+    model = type("ModelConfig", (), {"local_path": build_model(str(tmp_path / "model"))})()
+    coord = _before_the_move() if cause == "move" else started(dict(ONE, max_retries=0))
+    if cause == "group_failed":
+        coord.offer([f"g{i}" for i in range(10)])  # g1/0 runs on instance 0, g1/1 on instance 1
+    abort = {"move": lambda: coord.step_finished(1),
+             "group_failed": lambda: coord.trajectory_failed("g1", 0, "reward error")}[cause]
+    answers = []
+
+    async def run():
+        s0, s1 = ServerCore(), ServerCore()
+        for rank, core in enumerate((s0, s1)):
+            core._init_server(model, rank)
+            core.eos_ids, core.version = set(), 0
+        real_abort = s1.abort_request
+
+        async def spied_abort(request_id, **kwargs):
+            answers.append((await real_abort(request_id, **kwargs))["aborted"])
+            return {"aborted": answers[-1]}
+
+        async def until(cond):
+            while not cond():
+                await asyncio.sleep(0)
+
+        async def other():  # a request beside it on the straggler
+            task = asyncio.ensure_future(s1.generate("other", [3, 4], {"max_tokens": 100}))
+            await until(lambda: s1._running)
+            return task
+
+        s1.abort_request, transit = spied_abort, _InTransit(s1)
+        coord.handles, coord._loop = {"s0": Handle(s0), "s1": transit}, asyncio.get_running_loop()
+        coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
+        first = order == "abort_then_request"
+        beside = None if first else await other()
+        transit.delay = first
+        task = asyncio.ensure_future(_turn(client_of(coord)))
+        if first:
+            await transit.sent.wait()  # routed to instance 1, still on its way
+            abort()
+            await until(lambda: answers == [False])  # the abort found nothing there
+            beside = await other()
+            transit.through.set()
+        await until(lambda: len(s1._running) == 2)  # both stalled on the straggler
+        if not first:
+            abort()
+        try:
+            out = await asyncio.wait_for(task, 30)  # (a guard: without the fix it never ends)
+        except GroupFailedError:  # the aborted request's resume: the group failed
+            out = None
+            assert coord.trajectory_failed("g1", 1, "GroupFailedError") == "failed"
+        return out, await beside, s0.served
+
+    out, beside, served0 = asyncio.run(run())
+    assert answers[-1] is True and answers.count(True) == 1, answers
+    assert beside.stop_reason == "length" and len(beside.token_ids) == 100  # not aborted
+    assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)
+    m = coord.metrics()
+    if cause == "move":  # ran once, on instance 0, after an aborted start on instance 1
+        assert out.stop_reason == "length" and len(out.token_ids) == 10 and served0 == 1
+        assert m["migrations_landed"] == 1 and coord.moving == {}, m
+        coord.trajectory_done("g1", 1, 10, 1.0)
+    else:
+        assert out is None and served0 == 0 and m["failed_groups"] == 1, m
+    assert ("g1", 1) not in coord.sched.running_on(0) + coord.sched.running_on(1)  # its slot is free

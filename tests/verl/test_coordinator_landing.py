@@ -545,3 +545,38 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
     assert "g0" not in {g for gs in coord.steps.values() for g in gs}  # never trained
     assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)
     _check_ledger(coord)
+
+
+def test_an_abort_finding_nothing_ends_once_its_server_is_removed(monkeypatch):
+    """An abort sent again (the engine never held the id) while its request is never released (its
+    agent-loop worker died): it ends once its server leaves the load balancer, not calling it forever."""
+    import dora_ext.verl.weights as weights
+
+    calls = []
+
+    async def abort_request(rollout, server, address, request_id):
+        calls.append(request_id)
+        return {"aborted": False, "error": f"Request {request_id} not found"}  # vLLM's answer
+
+    monkeypatch.setattr(weights, "abort_request", abort_request)
+
+    async def run():
+        coord = DoraCoordinator(dict(TWO, max_retries=0), {"s0": None, "s1": None}, use_plugins=False)
+        await coord.start()
+        coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
+        coord.offer(["g0"])
+        sids = [(await coord.acquire_server(f"r{i}", dora_group="g0", dora_index=i))[0] for i in range(2)]
+        coord.release_server(sids[0], request_id="r0")
+        coord.trajectory_failed("g0", 0, "boom")  # g0/1's request is aborted (and never released)
+        while len(calls) < 3:  # sent again and again
+            await asyncio.sleep(0)
+        coord.remove_servers([sids[1]])
+        while not [e for e in coord.get_log() if e[0] == "abort_request"]:  # (without the fix: forever)
+            await asyncio.sleep(0.01)
+        n = len(calls)
+        await asyncio.sleep(0.05)
+        return coord, n, len(calls)
+
+    coord, n, after = asyncio.run(asyncio.wait_for(run(), 30))
+    assert set(calls) == {"r1"} and n == after, (calls, n, after)
+    assert [e[2:] for e in coord.get_log() if e[0] == "abort_request"] == [("r1", False)]

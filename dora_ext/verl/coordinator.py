@@ -352,15 +352,15 @@ class DoraCoordinator:
         self.loaded([instance], verl_version)
 
     async def _abort_request(self, instance: int, req: tuple[str, str], key: tuple) -> None:
-        """Abort request `req` (server id, request id) of trajectory `key` alone. It and the request
-        travel on different paths (this actor; the agent-loop worker), so it may reach the engine
-        first, which ignores an id it does not hold (vLLM and ``dora_cpu`` answer "not found",
-        SGLang 200 either way): the request would run to its end. So it is sent again, backing off,
-        until the engine confirms it or this acquire is released (``tries`` counts the sends)."""
+        """Abort request `req` (server id, request id) of trajectory `key` alone. It may reach the
+        engine before the request (they travel on different paths), which ignores an unknown id
+        (vLLM, ``dora_cpu``: "not found"; SGLang: 200 either way). So it is sent again, backing off,
+        until the engine confirms it, this acquire is released, or its server is removed (a dead
+        worker releases nothing: no endless calls on a removed server). ``tries`` counts sends."""
         from .weights import abort_request
 
         out, tries, delay = {"aborted": False}, 0, 0.01
-        while self.request_of.get(key) is req:  # this acquire's tuple: not a later turn's
+        while self.request_of.get(key) is req and req[0] in self.instance_of:  # (not a later turn's tuple)
             tries += 1
             try:
                 out = await abort_request(self.rollout, self.handles[req[0]], *req)

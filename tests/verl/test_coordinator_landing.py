@@ -479,11 +479,8 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
 
     calls, who = [], {}
 
-    async def abort_request(rollout, server, address, request_id):
-        calls.append(request_id)
-        return {"aborted": not (order == "finished_first" and request_id == f"g0r{who['run']}")}
-
-    monkeypatch.setattr(weights, "abort_request", abort_request)
+    monkeypatch.setattr(weights, "abort_request", lambda *a: calls.append(a[3]) or asyncio.sleep(
+        0, {"aborted": not (order == "finished_first" and a[3] == f"g0r{who['run']}")}))
 
     async def settle():
         for _ in range(3):
@@ -495,7 +492,7 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
         coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
         coord.offer([f"g{i}" for i in range(4)])
         sids = {i: (await coord.acquire_server(f"g0r{i}", dora_group="g0", dora_index=i))[0] for i in range(5)}
-        await coord.acquire_server("g3r0", dora_group="g3", dora_index=0)  # another group's, left alone
+        other = (await coord.acquire_server("g1r0", dora_group="g1", dora_index=0))[0]  # another group's
         for g in ("g1", "g2"):
             for i in range(5):
                 coord.trajectory_done(g, i, 5, 1.0)
@@ -533,6 +530,7 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
                 await coord.acquire_server(f"g0r{i}", dora_group="g0", dora_index=i)
             assert coord.trajectory_failed("g0", i, "GroupFailedError") == "failed"
         coord.reward_ready("g0", done, 1.0)
+        coord.release_server(other, request_id="g1r0")  # left alone, it came back
         return coord, mid
 
     coord, mid = asyncio.run(run())
@@ -545,3 +543,32 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
     assert "g0" not in {g for gs in coord.steps.values() for g in gs}  # never trained
     assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)
     _check_ledger(coord)
+
+
+def test_an_abort_finding_nothing_ends_once_its_server_is_removed(monkeypatch):
+    """An abort re-sent (the engine holds no such id) for a request never released (its worker died)
+    ends once its server leaves the load balancer: no abort call on it forever."""
+    import dora_ext.verl.weights as weights
+
+    calls = []
+    monkeypatch.setattr(weights, "abort_request", lambda *a: calls.append(a[3]) or asyncio.sleep(0, {"aborted": False}))
+
+    async def run():
+        coord = DoraCoordinator(dict(TWO, max_retries=0), {"s0": None, "s1": None}, use_plugins=False)
+        await coord.start()
+        coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
+        coord.offer(["g0"])
+        sids = [(await coord.acquire_server(f"r{i}", dora_group="g0", dora_index=i))[0] for i in range(2)]
+        coord.release_server(sids[0], request_id="r0")
+        coord.trajectory_failed("g0", 0, "boom")  # g0/1's request is aborted (and never released)
+        while len(calls) < 3 or sids[1] in coord.instance_of:  # sent again and again, then removed
+            await asyncio.sleep(0) if len(calls) < 3 else coord.remove_servers([sids[1]])
+        while not [e for e in coord.get_log() if e[0] == "abort_request"]:  # (without the fix: forever)
+            await asyncio.sleep(0.01)
+        n = len(calls)
+        await asyncio.sleep(0.05)
+        return coord, n
+
+    coord, n = asyncio.run(asyncio.wait_for(run(), 30))
+    assert set(calls) == {"r1"} and n == len(calls), (calls, n)
+    assert [e[2:] for e in coord.get_log() if e[0] == "abort_request"] == [("r1", False)]

@@ -18,8 +18,8 @@ from dora_ext.core import (
 class Harness:
     """Feeds events, answers RequestGroups/LoadVersion at once, remembers every action."""
 
-    def __init__(self, **cfg):
-        self.s = Scheduler(DoraConfig.from_dict(cfg))
+    def __init__(self, plugins=None, **cfg):
+        self.s = Scheduler(DoraConfig.from_dict(cfg), plugins)
         self.log: list = []
         self.next_gid = 0
         self.running: dict = {}  # (gid, idx) -> (instance, version)
@@ -174,22 +174,31 @@ def test_partial_preempts_and_meters_c1():
     assert m["multi_version_trajectory_share"] > 0 and not m["c1_ok"]
 
 
-def test_r5_consolidates_a_thin_old_version_and_frees_instances():
-    h = Harness(mode="dora", max_staleness=2, batch_size=2, group_size=2, instances=4, capacity=8)
-    # R2 admits 6 groups (12 trajectories) at v0, spread round robin: 3 per instance.
+def r5_after_step0(max_staleness, plugins=None):
+    h = Harness(plugins, mode="dora", max_staleness=max_staleness, batch_size=2, group_size=2, instances=4, capacity=8)
     h.finish_group(0)
     h.finish_group(1)
     mark = len(h.log)
     h.train(0)
+    return h, mark
+
+
+def v0_per_instance(h):
+    per: dict = {}
+    for inst, v in h.running.values():
+        if v == 0:
+            per[inst] = per.get(inst, 0) + 1
+    return sorted(per.values())
+
+
+def test_r5_consolidates_a_thin_old_version_and_frees_instances():
+    # R2 admits 6 groups (12 trajectories) at v0, spread round robin: 3 per instance.
+    h, mark = r5_after_step0(2)
     # v0 (due at step 2, not gating step 1) has 8 trajectories on 4 instances (25% of the slots):
     # they are packed onto 2 instances, each at most half full (migrate_threshold 0.5) ...
     migs = h.of(Migrate, mark)
     assert migs and all(m.version == 0 for m in migs)
-    per_instance: dict = {}
-    for (inst, v) in h.running.values():
-        if v == 0:
-            per_instance[inst] = per_instance.get(inst, 0) + 1
-    assert sorted(per_instance.values()) == [4, 4]
+    assert v0_per_instance(h) == [4, 4]
     # ... and the two freed instances switch to version 1 at once (R4).
     freed = {m.src for m in migs}
     assert {a.instance_id for a in h.of(LoadVersion, mark) if a.version == 1} == freed
@@ -198,11 +207,7 @@ def test_r5_consolidates_a_thin_old_version_and_frees_instances():
 
 def test_r5_leaves_the_version_that_gates_the_trainer_alone():
     # K=1: after step 0, v0 groups are mandatory for step 1, so their stragglers keep their slots.
-    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=2, instances=4, capacity=8)
-    h.finish_group(0)
-    h.finish_group(1)
-    mark = len(h.log)
-    h.train(0)
+    h, mark = r5_after_step0(1)
     assert not h.of(Migrate, mark)
 
 

@@ -142,6 +142,13 @@ def test_mode_seeds_are_the_same_in_every_process():
     assert len(out) == 1, out
 
 
+def _faults(rng):
+    return dict(fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]), nan_prob=rng.choice([0, 0.03]),
+                long_tail=0.3, late_reward=rng.choice([0.3, 1.0]), fail_awaiting=rng.choice([0, 0.1]),
+                stale_prob=rng.choice([0, 1.0]), decline_prob=0.1, data_limit=rng.choice([None, 7, 13]),
+                progress_prob=0.1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_adversarial_orders(mode):
     rng = random.Random(stable_seed(mode))
@@ -150,13 +157,7 @@ def test_adversarial_orders(mode):
         K = rng.choice(_ks(mode))
         steps = 6
         cfg = _config(mode, K, rng, steps)
-        d = AdversarialDriver(
-            cfg, rng.randrange(2**31), fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]),
-            nan_prob=rng.choice([0, 0.03]), long_tail=0.3, late_reward=rng.choice([0.3, 1.0]),
-            fail_awaiting=rng.choice([0, 0.1]), stale_prob=rng.choice([0, 1.0]), decline_prob=0.1,
-            data_limit=rng.choice([None, 7, 13]), progress_prob=0.1,
-            group_id=lambda n: f"uid-{n:04x}",
-        )
+        d = AdversarialDriver(cfg, rng.randrange(2**31), **_faults(rng), group_id=lambda n: f"uid-{n:04x}")
         d.start()
         try:
             d.run(steps)
@@ -270,12 +271,7 @@ def test_handle_many_inbox_orders(mode):
         K = rng.choice(_ks(mode))
         steps = 6
         cfg = _config(mode, K, rng, steps)
-        d = InboxDriver(
-            cfg, rng.randrange(2**31), fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]),
-            nan_prob=rng.choice([0, 0.03]), long_tail=0.3, late_reward=rng.choice([0.3, 1.0]),
-            fail_awaiting=rng.choice([0, 0.1]), stale_prob=rng.choice([0, 1.0]), decline_prob=0.1,
-            data_limit=rng.choice([None, 7, 13]), progress_prob=0.1,
-        )
+        d = InboxDriver(cfg, rng.randrange(2**31), **_faults(rng))
         d.start()
         try:
             d.run(steps)

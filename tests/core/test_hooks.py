@@ -9,7 +9,6 @@ import pytest
 
 from dora_ext import hookimpl
 from dora_ext.config import DoraConfig
-from dora_ext.core import Dispatch
 from dora_ext.plugins import get_plugin_manager
 from dora_ext.testing import RandomDriver
 
@@ -280,7 +279,7 @@ def test_a_plugin_that_decides_nothing_changes_no_decision(plugin):
     entry points, so installing a metrics sink once changed migrations in most dora runs."""
     import random
 
-    from dora_ext.core import Migrate, Scheduler
+    from dora_ext.core import Scheduler
     from dora_ext.testing import feed_twinned
 
     class Declining(MetricsOnly):

@@ -198,21 +198,28 @@ def test_dora_migrations_keep_the_books():
                for e in led["migration_log"])
 
 
+def _three_engines(n_layer, seed, version):
+    from dora_ext.engines import TorchEngine
+    from dora_ext.models.tiny import TinyConfig, policy_state
+
+    cfg = TinyConfig(vocab_size=16, d_model=32, n_layer=n_layer, n_head=2, max_len=48, seed=seed)
+    weights = policy_state(TinyLM(cfg))
+    engines = [TorchEngine(cfg, 4, None, device="cpu", instance_id=i) for i in range(3)]
+    for e in engines:
+        e.load_version(weights, version)
+    return engines, weights
+
+
 def test_instance_migration_moves_kv_and_continues_token_identically():
     """The worker side of `Migrate`, driven step by step: the sequence leaves instance A with its KV
     cache, continues on B (same version) without prefill, and ends exactly as on an instance that
     never moved it (greedy)."""
     import queue
 
-    from dora_ext.engines import GREEDY, TorchEngine
-    from dora_ext.models.tiny import TinyConfig, policy_state
+    from dora_ext.engines import GREEDY
     from dora_ext.runtime.workers import InstanceLoop
 
-    cfg = TinyConfig(vocab_size=16, d_model=32, n_layer=2, n_head=2, max_len=48, seed=3)
-    weights = policy_state(TinyLM(cfg))
-    engines = [TorchEngine(cfg, 4, None, device="cpu", instance_id=i) for i in range(3)]
-    for e in engines:
-        e.load_version(weights, 5)
+    engines, _ = _three_engines(n_layer=2, seed=3, version=5)
     out = queue.SimpleQueue()
     loop_a = InstanceLoop(0, engines[0], queue.SimpleQueue(), out)
     loop_b = InstanceLoop(1, engines[1], queue.SimpleQueue(), out)
@@ -243,15 +250,10 @@ def test_a_sequence_moved_again_before_it_arrived_is_passed_on():
     not import it (B may hold another version by then), and must not drop it: it forwards it to C."""
     import queue
 
-    from dora_ext.engines import GREEDY, TorchEngine
-    from dora_ext.models.tiny import TinyConfig, policy_state
+    from dora_ext.engines import GREEDY
     from dora_ext.runtime.workers import InstanceLoop
 
-    cfg = TinyConfig(vocab_size=16, d_model=32, n_layer=1, n_head=2, max_len=48, seed=4)
-    weights = policy_state(TinyLM(cfg))
-    engines = [TorchEngine(cfg, 4, None, device="cpu", instance_id=i) for i in range(3)]
-    for e in engines:
-        e.load_version(weights, 2)
+    engines, weights = _three_engines(n_layer=1, seed=4, version=2)
     out = queue.SimpleQueue()
     loops = [InstanceLoop(i, engines[i], queue.SimpleQueue(), out) for i in range(3)]
 

@@ -61,11 +61,10 @@ class AdversarialDriver(RandomDriver):
         return out
 
     def _resume(self):
-        """The embedded runtime's `--resume` (`Runtime._restart_from_checkpoint`), at this moment:
-        the coordinator reads the scheduler's snapshot back, every engine is a fresh process (what
-        ran, loaded or moved on the old ones is gone, and no late report of them comes), every
-        instance the snapshot lists is failed and every configured one registered again, in one
-        batch. Rewards still owed come from the coordinator's ledger, as in the runtime."""
+        """The embedded runtime's `--resume` (`Runtime._restart_from_checkpoint`), at this moment: the coordinator reads
+        the scheduler's snapshot back, every engine is a fresh process (what ran, loaded or moved on the old ones is
+        gone, and no late report of them comes), every instance the snapshot lists is failed and every configured one
+        registered again, in one batch. Rewards still owed come from the coordinator's ledger, as in the runtime."""
         assert not self.config.elastic  # (the runtime's resume re-registers configured ids only)
         self.sched = type(self.sched).restore(json.loads(json.dumps(self.sched.snapshot())))
         if self.shadow is not None:  # a twin resumes alike (from its own snapshot)

@@ -191,11 +191,10 @@ def test_a_migration_plan_onto_the_same_instance_is_refused():
 
 
 def test_a_batch_key_that_puts_a_newer_version_first_does_not_deadlock():
-    """A plugin's `dora_batch_key` of plain completion order `(complete_seq,)` in mode dora: a
-    completed group of a newer version could head the pool while the older group the step must
-    take (C3) completed behind it; the scheduler waited for the head to become takeable, which it
-    never did (115 of these 200 runs deadlocked). It now takes the smallest key among the
-    versions it can take, as the other modes do, and every run keeps C2/C3."""
+    """A plugin's `dora_batch_key` of plain completion order `(complete_seq,)` in mode dora: a completed group of a
+    newer version could head the pool while the older group the step must take (C3) completed behind it; the scheduler
+    waited for the head to become takeable, which it never did (115 of these 200 runs deadlocked). It now takes the
+    smallest key among the versions it can take, as the other modes do, and every run keeps C2/C3."""
     import random
 
     from dora_ext.testing import Deadlock
@@ -225,11 +224,10 @@ def test_a_batch_key_that_puts_a_newer_version_first_does_not_deadlock():
 
 
 def test_a_plugin_keeping_the_default_keys_counts_the_same_waits_as_the_built_ins():
-    """Mode dora with any plugin takes the smallest key it can take (see the test above); with
-    the default keys that is the built-in choice, and `trainer_waits_for_older` ("the first group
-    in key order had to wait for older ones") must count the same. It counted every pooled
-    version it found untakeable, in the pools' order, even behind a smaller key it took: with a
-    plugin that only restates the default admission key, 2 waits became 3, 4 became 6."""
+    """Mode dora with any plugin takes the smallest key it can take (see the test above); with the default keys that is
+    the built-in choice, and `trainer_waits_for_older` ("the first group in key order had to wait for older ones") must
+    count the same. It counted every pooled version it found untakeable, in the pools' order, even behind a smaller key
+    it took: with a plugin that only restates the default admission key, 2 waits became 3, 4 became 6."""
     import random
 
     from dora_ext.core import Scheduler

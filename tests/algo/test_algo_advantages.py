@@ -13,9 +13,7 @@ def test_grpo_two_groups_hand_values():
     # Group 1: [1, 2, 3, 6]: mean 3, deviations [-2, -1, 0, 3], var 14/3, std 2.1602469.
     rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 2.0, 3.0, 6.0]])
     adv = grpo_advantages(rewards)
-    expected = torch.tensor(
-        [[0.8660254, -0.8660254, 0.8660254, -0.8660254], [-0.9258201, -0.4629100, 0.0, 1.3887301]]
-    )
+    expected = torch.tensor([[0.8660254, -0.8660254, 0.8660254, -0.8660254], [-0.9258201, -0.4629100, 0.0, 1.3887301]])
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
 
 

@@ -368,8 +368,7 @@ def test_inner_loop_first_update_is_the_single_update_and_later_ones_clip():
 def test_epochs_reuse_the_batch_and_kl_pulls_towards_the_reference():
     policy, _ = make(6)
     groups = mixed_groups(policy, 3, seed=6)
-    tr = Trainer(copy.deepcopy(policy), TrainerConfig(ppo_epochs=3, ppo_minibatches=2, lr=0.02, kl_coef=0.5),
-                 version=2)
+    tr = Trainer(copy.deepcopy(policy), TrainerConfig(ppo_epochs=3, ppo_minibatches=2, lr=0.02, kl_coef=0.5), version=2)
     for g in groups:
         tr.add_group(g)
     m = tr.finish_step(2)
@@ -395,8 +394,7 @@ def test_sao_critic_warmup_moves_only_the_value_head():
     assert m["critic_warmup"] == 1.0
     for k, v in policy.state_dict().items():
         torch.testing.assert_close(tr.policy.state_dict()[k], v, msg=k)
-    assert any(not torch.equal(a, b) for a, b in zip(tr.value_head.state_dict().values(),
-                                                     value.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in zip(tr.value_head.state_dict().values(), value.state_dict().values()))
     for g in groups:  # step 1: warm-up over, the policy moves
         tr.add_group([dataclasses_replace_version(t, 1) for t in g])
     tr.finish_step(1)
@@ -536,11 +534,10 @@ def test_sao_mask_in_the_trainer_is_on_pi_theta_over_pi_rollout_of_stale_tokens(
 @pytest.mark.parametrize("algorithm, extra", [("grpo", dict(correction="sao")), ("sao", dict()),
                                               ("sao", dict(loss_agg_mode="seq-mean-token-mean"))])
 def test_sao_entropy_bonus_acts_only_on_the_tokens_its_mask_keeps(algorithm, extra):
-    """A token outside SAO's band gets no gradient at all: with the entropy bonus on it, it would
-    be the only force on that token and push the policy towards uniform (the collapse at lr 1e-3).
-    The ratios pi_theta / pi_rollout are 1.0, 1.3, 0.7, 1.1 (tokens 0 and 3 kept): the bonus's
-    gradient (coef 0.1 minus coef 0) is that of -0.1 * the entropy of the kept tokens over the
-    step's divisor; with every token outside the band the policy's gradient is zero."""
+    """A token outside SAO's band gets no gradient at all: with the entropy bonus on it, it would be the only force on
+    that token and push the policy towards uniform (the collapse at lr 1e-3). The ratios pi_theta / pi_rollout are 1.0,
+    1.3, 0.7, 1.1 (tokens 0 and 3 kept): the bonus's gradient (coef 0.1 minus coef 0) is that of -0.1 * the entropy of
+    the kept tokens over the step's divisor; with every token outside the band the policy's gradient is zero."""
     from dora_ext.algo.losses import agg_loss, entropy_from_logits
 
     policy, value = make(12, value=algorithm == "sao")

@@ -89,13 +89,12 @@ def test_minibatch_of_follows_the_single_trainers_chunks():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork for the two gloo ranks")
 def test_an_uneven_data_parallel_split_takes_the_single_trainers_step():
-    """Rank 0 trains six groups, rank 1 two (both of the second minibatch, so rank 1 has nothing in
-    the first: an empty share still joins every allreduce); two minibatches, two epochs,
-    length-sorted micro-batches. The parameters after the step equal the single trainer's on the
-    eight groups in position order (float summation order aside), on both ranks. Without the
-    positions each rank chunks its own share (rank 0: 0 1 2 | 3 4 6, rank 1: 5 | 7), so the first
-    minibatch would be groups 0 1 2 5, one the single trainer never forms, and the parameters
-    differ: the check can fail."""
+    """Rank 0 trains six groups, rank 1 two (both of the second minibatch, so rank 1 has nothing in the first: an empty
+    share still joins every allreduce); two minibatches, two epochs, length-sorted micro-batches. The parameters after
+    the step equal the single trainer's on the eight groups in position order (float summation order aside), on both
+    ranks. Without the positions each rank chunks its own share (rank 0: 0 1 2 | 3 4 6, rank 1: 5 | 7), so the first
+    minibatch would be groups 0 1 2 5, one the single trainer never forms, and the parameters differ: the check can
+    fail."""
     policy, _ = make(8)
     ref = Trainer(copy.deepcopy(policy), TrainerConfig(**CONFIG), version=2)
     for g in _groups(policy):
@@ -208,12 +207,11 @@ def _rank_cases(rank: int, port: int, policy, value, out) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork for the two gloo ranks")
 def test_every_trainer_configuration_takes_the_single_trainers_steps_data_parallel():
-    """Each correction, both loss aggregations, Dr.GRPO's unnormalised advantages, minibatch counts
-    that do not divide the batch (and exceed it), micro-batches, a KL reference, the entropy bonus,
-    weight decay, SAO with a value model and its critic warm-up, groups of 5 and 4 trajectories of
-    varied lengths; a rank that gets no group in a minibatch or in a whole step. Two steps each, so
-    that the optimizer's state after the first is compared too: every parameter (policy and value
-    model) on both ranks equals the single trainer's after each step, and so do the metrics."""
+    """Each correction, both loss aggregations, Dr.GRPO's unnormalised advantages, minibatch counts that do not divide
+    the batch (and exceed it), micro-batches, a KL reference, the entropy bonus, weight decay, SAO with a value model
+    and its critic warm-up, groups of 5 and 4 trajectories of varied lengths; a rank that gets no group in a minibatch
+    or in a whole step. Two steps each, so that the optimizer's state after the first is compared too: every parameter
+    (policy and value model) on both ranks equals the single trainer's after each step, and so do the metrics."""
     import multiprocessing as mp
 
     policy, value = make(8, value=True)

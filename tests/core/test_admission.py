@@ -104,9 +104,8 @@ def test_adaptive_never_starves_the_trainer_when_the_rollout_is_the_bottleneck()
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_adaptive_lowers_staleness_at_equal_throughput_when_the_trainer_is_the_bottleneck(seed):
-    """The trainer is slow (a step lasts 60 ticks, a trajectory ~14 and up to ~150): `adaptive`
-    trains 30 steps within 2% of `fill`'s time, and trains fresher groups than `fill`, which
-    runs ahead to the bound K = 3."""
+    """The trainer is slow (a step lasts 60 ticks, a trajectory ~14 and up to ~150): `adaptive` trains 30 steps within
+    2% of `fill`'s time, and trains fresher groups than `fill`, which runs ahead to the bound K = 3."""
     fill, adaptive = (TickDriver(seed=seed, admission=p, **TRAINER_BOUND).run(30) for p in ("fill", "adaptive"))
     assert adaptive.now <= fill.now * 1.02, (adaptive.now, fill.now)
     assert fill.staleness() > 2.5 and adaptive.staleness() < 1.5, (fill.staleness(), adaptive.staleness())

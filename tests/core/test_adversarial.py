@@ -61,11 +61,10 @@ class AdversarialDriver(RandomDriver):
         return out
 
     def _resume(self):
-        """The embedded runtime's `--resume` (`Runtime._restart_from_checkpoint`), at this moment:
-        the coordinator reads the scheduler's snapshot back, every engine is a fresh process (what
-        ran, loaded or moved on the old ones is gone, and no late report of them comes), every
-        instance the snapshot lists is failed and every configured one registered again, in one
-        batch. Rewards still owed come from the coordinator's ledger, as in the runtime."""
+        """The embedded runtime's `--resume` (`Runtime._restart_from_checkpoint`), at this moment: the coordinator reads
+        the scheduler's snapshot back, every engine is a fresh process (what ran, loaded or moved on the old ones is
+        gone, and no late report of them comes), every instance the snapshot lists is failed and every configured one
+        registered again, in one batch. Rewards still owed come from the coordinator's ledger, as in the runtime."""
         assert not self.config.elastic  # (the runtime's resume re-registers configured ids only)
         self.sched = type(self.sched).restore(json.loads(json.dumps(self.sched.snapshot())))
         if self.shadow is not None:  # a twin resumes alike (from its own snapshot)
@@ -142,6 +141,13 @@ def test_mode_seeds_are_the_same_in_every_process():
     assert len(out) == 1, out
 
 
+def _faults(rng):
+    return dict(fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]), nan_prob=rng.choice([0, 0.03]),
+                long_tail=0.3, late_reward=rng.choice([0.3, 1.0]), fail_awaiting=rng.choice([0, 0.1]),
+                stale_prob=rng.choice([0, 1.0]), decline_prob=0.1, data_limit=rng.choice([None, 7, 13]),
+                progress_prob=0.1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_adversarial_orders(mode):
     rng = random.Random(stable_seed(mode))
@@ -150,13 +156,7 @@ def test_adversarial_orders(mode):
         K = rng.choice(_ks(mode))
         steps = 6
         cfg = _config(mode, K, rng, steps)
-        d = AdversarialDriver(
-            cfg, rng.randrange(2**31), fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]),
-            nan_prob=rng.choice([0, 0.03]), long_tail=0.3, late_reward=rng.choice([0.3, 1.0]),
-            fail_awaiting=rng.choice([0, 0.1]), stale_prob=rng.choice([0, 1.0]), decline_prob=0.1,
-            data_limit=rng.choice([None, 7, 13]), progress_prob=0.1,
-            group_id=lambda n: f"uid-{n:04x}",
-        )
+        d = AdversarialDriver(cfg, rng.randrange(2**31), **_faults(rng), group_id=lambda n: f"uid-{n:04x}")
         d.start()
         try:
             d.run(steps)
@@ -270,12 +270,7 @@ def test_handle_many_inbox_orders(mode):
         K = rng.choice(_ks(mode))
         steps = 6
         cfg = _config(mode, K, rng, steps)
-        d = InboxDriver(
-            cfg, rng.randrange(2**31), fail_prob=rng.choice([0, 0.05]), crash_prob=rng.choice([0.01, 0.04]),
-            nan_prob=rng.choice([0, 0.03]), long_tail=0.3, late_reward=rng.choice([0.3, 1.0]),
-            fail_awaiting=rng.choice([0, 0.1]), stale_prob=rng.choice([0, 1.0]), decline_prob=0.1,
-            data_limit=rng.choice([None, 7, 13]), progress_prob=0.1,
-        )
+        d = InboxDriver(cfg, rng.randrange(2**31), **_faults(rng))
         d.start()
         try:
             d.run(steps)

@@ -44,16 +44,14 @@ def test_invalid_values_name_the_field_and_the_accepted_values(data, field, word
     assert words in str(err.value)
 
 
-INTEGER_FIELDS = ["max_staleness", "batch_size", "group_size", "capacity", "max_retries", "max_steps",
-                  "elastic_spare"]
+INTEGER_FIELDS = ["max_staleness", "batch_size", "group_size", "capacity", "max_retries", "max_steps", "elastic_spare"]
 
 
 @pytest.mark.parametrize("bad", [1.5, 2.0, True, "3", None])
 @pytest.mark.parametrize("where", ["instances[1].id", "instances[1].capacity", "instance spec"] + INTEGER_FIELDS)
 def test_integer_fields_refuse_floats_bools_and_strings(where, bad):
-    """An instance id given as 1.5 became instance 1 (and "3" instance 3, True instance 1, two
-    specs could then collide): every integer field takes an int and nothing else, naming the
-    field and what is accepted."""
+    """An instance id given as 1.5 became instance 1 (and "3" instance 3, True instance 1, two specs could then
+    collide): every integer field takes an int and nothing else, naming the field and what is accepted."""
     from dora_ext.config import InstanceSpec
 
     data = {"mode": "dora", "elastic": True, "max_staleness": 1}
@@ -133,9 +131,8 @@ def test_yaml_and_overrides(tmp_path):
     ],
 )
 def test_a_config_built_directly_is_validated_like_from_dict(kw, field, words):
-    """`DoraConfig(...)` checked nothing: `DoraConfig(mode="dora", max_staleness=-1)` was
-    accepted and broke later, far from the cause. The constructor runs the checks `from_dict`
-    runs (one code path), with the same errors."""
+    """`DoraConfig(...)` checked nothing: `DoraConfig(mode="dora", max_staleness=-1)` was accepted and broke later, far
+    from the cause. The constructor runs the checks `from_dict` runs (one code path), with the same errors."""
     with pytest.raises(ConfigError) as err:
         DoraConfig(**kw)
     assert err.value.field == field, err.value

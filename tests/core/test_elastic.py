@@ -252,10 +252,9 @@ def test_a_trajectory_moves_again_only_after_its_migration_landed():
 
 
 def test_a_moved_trajectory_whose_instance_failed_is_a_new_attempt_that_may_move():
-    """R5 moves a trajectory at most once per attempt (its move may be in flight). Its
-    destination fails before the move lands: it is re-queued under a new attempt, of which no
-    move exists, so it reads unmoved at once (the flag used to stay set while it waited, in
-    `moved` and in snapshots) and after it is dispatched again, where R5 may move it."""
+    """R5 moves a trajectory at most once per attempt (its move may be in flight). Its destination fails before the move
+    lands: it is re-queued under a new attempt, of which no move exists, so it reads unmoved at once (the flag used to
+    stay set while it waited, in `moved` and in snapshots) and after it is dispatched again, where R5 may move it."""
     d, key, t = _a_move_in_flight()
     assert t.moved and t.status == "R"
     attempt = t.attempt

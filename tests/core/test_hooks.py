@@ -9,7 +9,6 @@ import pytest
 
 from dora_ext import hookimpl
 from dora_ext.config import DoraConfig
-from dora_ext.core import Dispatch
 from dora_ext.plugins import get_plugin_manager
 from dora_ext.testing import RandomDriver
 
@@ -130,18 +129,22 @@ def test_plugin_installed_through_a_real_entry_point(tmp_path):
     assert plugged["first"] == [2]  # the plugin reverses it
 
 
-def test_a_migration_plugin_is_called_and_its_plan_applied():
-    """R5 through the hook: the plugin gets the holders of the thin old version and its moves are
-    applied (the built-in path applies the same policy incrementally: same packing here)."""
+def _rules():
     import importlib.util
     import pathlib
-
-    from dora_ext.core import LoadVersion, Migrate, Scheduler
 
     spec = importlib.util.spec_from_file_location("rules", pathlib.Path(__file__).with_name("test_rules.py"))
     rules = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rules)
-    Harness = rules.Harness
+    return rules
+
+
+def test_a_migration_plugin_is_called_and_its_plan_applied():
+    """R5 through the hook: the plugin gets the holders of the thin old version and its moves are
+    applied (the built-in path applies the same policy incrementally: same packing here)."""
+    from dora_ext.core import LoadVersion, Migrate
+
+    rules = _rules()
 
     calls = []
 
@@ -155,21 +158,9 @@ def test_a_migration_plugin_is_called_and_its_plan_applied():
     pm.register(Recorder())
     packs = {}
     for name, plugins in (("hook", pm), ("builtin", None)):
-        h = Harness.__new__(Harness)
-        h.s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 2,
-                                              "group_size": 2, "instances": 4, "capacity": 8}), plugins)
-        h.log, h.next_gid, h.running = [], 0, {}
-        h.feed_actions(h.s.start())
-        h.finish_group(0)
-        h.finish_group(1)
-        mark = len(h.log)
-        h.train(0)
+        h, mark = rules.r5_after_step0(2, plugins)
         assert h.of(Migrate, mark)
-        per: dict = {}
-        for inst, v in h.running.values():
-            if v == 0:
-                per[inst] = per.get(inst, 0) + 1
-        packs[name] = sorted(per.values())
+        packs[name] = rules.v0_per_instance(h)
         freed = {m.src for m in h.of(Migrate, mark)}
         assert {a.instance_id for a in h.of(LoadVersion, mark) if a.version == 1} == freed
     assert calls and calls[0] == (0, [2, 2, 2, 2])
@@ -180,15 +171,9 @@ def test_a_migration_plan_onto_the_same_instance_is_refused():
     """A plugin's move whose source is its destination is not feasible: it is refused with a
     `ProtocolError` naming the move (it raised a bare KeyError from the occupancy levels, after
     the instance's count and levels had gone out of step)."""
-    import importlib.util
-    import pathlib
-
-    from dora_ext.core import Scheduler
     from dora_ext.core.scheduler import ProtocolError
 
-    spec = importlib.util.spec_from_file_location("rules", pathlib.Path(__file__).with_name("test_rules.py"))
-    rules = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rules)
+    rules = _rules()
 
     class OntoItself:
         @hookimpl
@@ -198,11 +183,7 @@ def test_a_migration_plan_onto_the_same_instance_is_refused():
 
     pm = get_plugin_manager(load_entrypoints=False)
     pm.register(OntoItself())
-    h = rules.Harness.__new__(rules.Harness)
-    h.s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 2, "batch_size": 2,
-                                          "group_size": 2, "instances": 4, "capacity": 8}), pm)
-    h.log, h.next_gid, h.running = [], 0, {}
-    h.feed_actions(h.s.start())
+    h = rules.Harness(pm, mode="dora", max_staleness=2, batch_size=2, group_size=2, instances=4, capacity=8)
     h.finish_group(0)
     h.finish_group(1)
     with pytest.raises(ProtocolError, match="from 0 to 0 is not feasible"):
@@ -210,11 +191,10 @@ def test_a_migration_plan_onto_the_same_instance_is_refused():
 
 
 def test_a_batch_key_that_puts_a_newer_version_first_does_not_deadlock():
-    """A plugin's `dora_batch_key` of plain completion order `(complete_seq,)` in mode dora: a
-    completed group of a newer version could head the pool while the older group the step must
-    take (C3) completed behind it; the scheduler waited for the head to become takeable, which it
-    never did (115 of these 200 runs deadlocked). It now takes the smallest key among the
-    versions it can take, as the other modes do, and every run keeps C2/C3."""
+    """A plugin's `dora_batch_key` of plain completion order `(complete_seq,)` in mode dora: a completed group of a
+    newer version could head the pool while the older group the step must take (C3) completed behind it; the scheduler
+    waited for the head to become takeable, which it never did (115 of these 200 runs deadlocked). It now takes the
+    smallest key among the versions it can take, as the other modes do, and every run keeps C2/C3."""
     import random
 
     from dora_ext.testing import Deadlock
@@ -244,11 +224,10 @@ def test_a_batch_key_that_puts_a_newer_version_first_does_not_deadlock():
 
 
 def test_a_plugin_keeping_the_default_keys_counts_the_same_waits_as_the_built_ins():
-    """Mode dora with any plugin takes the smallest key it can take (see the test above); with
-    the default keys that is the built-in choice, and `trainer_waits_for_older` ("the first group
-    in key order had to wait for older ones") must count the same. It counted every pooled
-    version it found untakeable, in the pools' order, even behind a smaller key it took: with a
-    plugin that only restates the default admission key, 2 waits became 3, 4 became 6."""
+    """Mode dora with any plugin takes the smallest key it can take (see the test above); with the default keys that is
+    the built-in choice, and `trainer_waits_for_older` ("the first group in key order had to wait for older ones") must
+    count the same. It counted every pooled version it found untakeable, in the pools' order, even behind a smaller key
+    it took: with a plugin that only restates the default admission key, 2 waits became 3, 4 became 6."""
     import random
 
     from dora_ext.core import Scheduler
@@ -298,7 +277,7 @@ def test_a_plugin_that_decides_nothing_changes_no_decision(plugin):
     entry points, so installing a metrics sink once changed migrations in most dora runs."""
     import random
 
-    from dora_ext.core import Migrate, Scheduler
+    from dora_ext.core import Scheduler
     from dora_ext.testing import feed_twinned
 
     class Declining(MetricsOnly):

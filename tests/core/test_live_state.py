@@ -208,10 +208,9 @@ def _crash_cycles(s, cycles: int, next_id: list, dead: list) -> None:
 
 
 def test_instance_crashes_leave_no_trace_in_the_state():
-    """A crash used to add the dead id to a set kept for the whole run and written into every
-    snapshot (one entry per crash). 1,000 crash/restart cycles now leave the snapshot and the
-    held memory where 10 cycles left them, and a late report of the first dead instance is still
-    recognised as stale (counted and ignored)."""
+    """A crash used to add the dead id to a set kept for the whole run and written into every snapshot (one entry per
+    crash). 1,000 crash/restart cycles now leave the snapshot and the held memory where 10 cycles left them, and a late
+    report of the first dead instance is still recognised as stale (counted and ignored)."""
     from dora_ext.core import GroupAdmitted, InstanceLoaded, RequestGroups
 
     s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1, "group_size": 2,
@@ -238,12 +237,11 @@ def test_instance_crashes_leave_no_trace_in_the_state():
 
 
 def test_an_engine_registered_under_an_unused_id_below_the_mark_joins_and_works():
-    """The high-water mark (`_id_max`) classifies reports, not registrations: a host that
-    registers an engine under an id below the largest ever registered, one no instance had
-    (a gap in its numbering), gets a working instance. It loads, takes work, its answers are
-    not taken for late reports of a failed instance, and its own failure re-dispatches its work;
-    only after that is a late report of it stale. A report of another unused id below the
-    mark, never registered, is the documented cost: counted stale, not raised."""
+    """The high-water mark (`_id_max`) classifies reports, not registrations: a host that registers an engine under an
+    id below the largest ever registered, one no instance had (a gap in its numbering), gets a working instance. It
+    loads, takes work, its answers are not taken for late reports of a failed instance, and its own failure
+    re-dispatches its work; only after that is a late report of it stale. A report of another unused id below the mark,
+    never registered, is the documented cost: counted stale, not raised."""
     from dora_ext.core import (Dispatch, GroupAdmitted, InstanceFailed, InstanceLoaded, InstanceReady,
                                LoadVersion, RequestGroups)
 

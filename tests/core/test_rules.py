@@ -18,8 +18,8 @@ from dora_ext.core import (
 class Harness:
     """Feeds events, answers RequestGroups/LoadVersion at once, remembers every action."""
 
-    def __init__(self, **cfg):
-        self.s = Scheduler(DoraConfig.from_dict(cfg))
+    def __init__(self, plugins=None, **cfg):
+        self.s = Scheduler(DoraConfig.from_dict(cfg), plugins)
         self.log: list = []
         self.next_gid = 0
         self.running: dict = {}  # (gid, idx) -> (instance, version)
@@ -149,8 +149,7 @@ def test_r3_edf_guard_keeps_c3_where_greedy_would_break_it():
 
 
 def test_r4_instances_switch_only_when_drained():
-    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=2, instances=3, capacity=2,
-                migrate=False)
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=2, instances=3, capacity=2, migrate=False)
     # group 0 on instances 0, 1; group 1 on instances 2, 0. Finish group 0: instance 1 drains.
     h.finish_group(0)
     mark = len(h.log)
@@ -174,22 +173,31 @@ def test_partial_preempts_and_meters_c1():
     assert m["multi_version_trajectory_share"] > 0 and not m["c1_ok"]
 
 
-def test_r5_consolidates_a_thin_old_version_and_frees_instances():
-    h = Harness(mode="dora", max_staleness=2, batch_size=2, group_size=2, instances=4, capacity=8)
-    # R2 admits 6 groups (12 trajectories) at v0, spread round robin: 3 per instance.
+def r5_after_step0(max_staleness, plugins=None):
+    h = Harness(plugins, mode="dora", max_staleness=max_staleness, batch_size=2, group_size=2, instances=4, capacity=8)
     h.finish_group(0)
     h.finish_group(1)
     mark = len(h.log)
     h.train(0)
+    return h, mark
+
+
+def v0_per_instance(h):
+    per: dict = {}
+    for inst, v in h.running.values():
+        if v == 0:
+            per[inst] = per.get(inst, 0) + 1
+    return sorted(per.values())
+
+
+def test_r5_consolidates_a_thin_old_version_and_frees_instances():
+    # R2 admits 6 groups (12 trajectories) at v0, spread round robin: 3 per instance.
+    h, mark = r5_after_step0(2)
     # v0 (due at step 2, not gating step 1) has 8 trajectories on 4 instances (25% of the slots):
     # they are packed onto 2 instances, each at most half full (migrate_threshold 0.5) ...
     migs = h.of(Migrate, mark)
     assert migs and all(m.version == 0 for m in migs)
-    per_instance: dict = {}
-    for (inst, v) in h.running.values():
-        if v == 0:
-            per_instance[inst] = per_instance.get(inst, 0) + 1
-    assert sorted(per_instance.values()) == [4, 4]
+    assert v0_per_instance(h) == [4, 4]
     # ... and the two freed instances switch to version 1 at once (R4).
     freed = {m.src for m in migs}
     assert {a.instance_id for a in h.of(LoadVersion, mark) if a.version == 1} == freed
@@ -198,11 +206,7 @@ def test_r5_consolidates_a_thin_old_version_and_frees_instances():
 
 def test_r5_leaves_the_version_that_gates_the_trainer_alone():
     # K=1: after step 0, v0 groups are mandatory for step 1, so their stragglers keep their slots.
-    h = Harness(mode="dora", max_staleness=1, batch_size=2, group_size=2, instances=4, capacity=8)
-    h.finish_group(0)
-    h.finish_group(1)
-    mark = len(h.log)
-    h.train(0)
+    h, mark = r5_after_step0(1)
     assert not h.of(Migrate, mark)
 
 
@@ -298,11 +302,10 @@ def test_a_protocol_error_is_raised_and_halts_the_scheduler():
 
 
 def test_group_ids_that_a_snapshot_cannot_carry_are_refused_at_admission():
-    """Group ids travel in actions and in `snapshot()`, which is JSON data: a tuple id came back
-    from the round trip as a list and `restore` failed on it (unhashable). Admission accepts an
-    int or a str (what every host uses: verl's uid strings, slime's and the simulator's counters,
-    the embedded runtime's prompt ids) and refuses anything else by name, before any state
-    changes; the request stays outstanding for a valid id."""
+    """Group ids travel in actions and in `snapshot()`, which is JSON data: a tuple id came back from the round trip as
+    a list and `restore` failed on it (unhashable). Admission accepts an int or a str (what every host uses: verl's uid
+    strings, slime's and the simulator's counters, the embedded runtime's prompt ids) and refuses anything else by name,
+    before any state changes; the request stays outstanding for a valid id."""
     import json
 
     s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1, "group_size": 1,
@@ -318,8 +321,7 @@ def test_group_ids_that_a_snapshot_cannot_carry_are_refused_at_admission():
 
 
 def test_tokens_and_instance_ids_that_the_state_arrays_cannot_hold_are_named():
-    """Trajectory tokens and instance ids live in 64-bit integer arrays: anything else is refused
-    by name."""
+    """Trajectory tokens and instance ids live in 64-bit integer arrays: anything else is refused by name."""
     from dora_ext.core import InstanceReady
 
     h = Harness(mode="sync", batch_size=1, group_size=1, instances=1, capacity=1)
@@ -431,10 +433,9 @@ def test_late_events_from_a_failed_instance_are_stale_not_errors():
 
 @pytest.mark.parametrize("spread", [False, True])
 def test_r5_records_go_when_a_move_takes_the_holder_count_through_zero(spread):
-    """The pre-split `_move` counted the source out, then the destination, so the holder count
-    touched 0 (R5's records of the version dropped) when a sole holder spread onto an empty
-    instance, or when a move emptied one of two holders. The split kept the record: snapshots
-    differed from 15b86b1's in 8 of 300 twin runs of mode dora."""
+    """The pre-split `_move` counted the source out, then the destination, so the holder count touched 0 (R5's records
+    of the version dropped) when a sole holder spread onto an empty instance, or when a move emptied one of two holders.
+    The split kept the record: snapshots differed from 15b86b1's in 8 of 300 twin runs of mode dora."""
     h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=3, instances=2, capacity=4)
     s = h.s
     a, b = s.instances[0], s.instances[1]  # 2 groups of 3, dispatched alternately: 3 on each

@@ -28,8 +28,7 @@ from dora_ext.core import actions as A
 from dora_ext.core import events as E
 
 
-def _run(seed: int, K: int, spread: bool, landed: bool, instances: int = 6, capacity: int = 4,
-         steps: int = 40) -> dict:
+def _run(seed: int, K: int, spread: bool, landed: bool, instances: int = 6, capacity: int = 4, steps: int = 40) -> dict:
     cfg = {"mode": "dora", "max_staleness": K, "batch_size": 3, "group_size": 4, "instances": instances,
            "capacity": capacity, "max_steps": steps, "spread": spread}
     s = Scheduler(DoraConfig.from_dict(cfg))
@@ -40,8 +39,7 @@ def _run(seed: int, K: int, spread: bool, landed: bool, instances: int = 6, capa
     publishes = [0]
     # instance -> [version loaded, newest at the time, publishes at the time, got work since]
     last: dict[int, list] = {}
-    ledger = {"loads": 0, "older_loads": 0, "migrations": 0, "steps": 0,
-              "newest_reloads": [], "fruitless_older": []}
+    ledger = {"loads": 0, "older_loads": 0, "migrations": 0, "steps": 0, "newest_reloads": [], "fruitless_older": []}
 
     def work(iid: int) -> None:
         if iid in last:
@@ -133,11 +131,10 @@ def test_spread_off_switches_only_on_publish():
 
 
 def test_a_failed_instance_leaves_no_spreading_intent():
-    """An instance that failed while loading the gating version to spread (`_spreading`) kept its
-    entry: `_spread_plan` counted it as a holder of the even share (so another idle instance took
-    less, or nothing), and an engine registered again under the same id skipped `_maybe_spread`'s
-    "nothing else to do" test. Checked after every event on adversarial runs (crashes, and
-    resumes that register the configured ids again)."""
+    """An instance that failed while loading the gating version to spread (`_spreading`) kept its entry: `_spread_plan`
+    counted it as a holder of the even share (so another idle instance took less, or nothing), and an engine registered
+    again under the same id skipped `_maybe_spread`'s "nothing else to do" test. Checked after every event on
+    adversarial runs (crashes, and resumes that register the configured ids again)."""
     import random
 
     from .test_adversarial import AdversarialDriver, _config

@@ -1,6 +1,5 @@
 """A trajectory's versions kept unboxed (`_traj_version`: none or one version; `_traj_versions`: a list of several, in
-`partial`): what the snapshot and the metrics see must not change with the representation (review
-of c9)."""
+`partial`): what the snapshot and the metrics see must not change with the representation (review of c9)."""
 
 import json
 

@@ -92,9 +92,8 @@ def _record_prefills(e) -> list:
 
 
 def test_prompts_of_one_length_admitted_together_prefill_in_one_batched_pass(weights):
-    """Equal-length prompts admitted in the same step share one prefill forward (consecutive
-    slots); a different length starts a new one. The tokens
-    and log-probs are those of one-at-a-time decoding."""
+    """Equal-length prompts admitted in the same step share one prefill forward (consecutive slots); a different length
+    starts a new one. The tokens and log-probs are those of one-at-a-time decoding."""
     e = engine(weights, capacity=6)
     calls = _record_prefills(e)
     prompts = {"a": [1, 2, 3], "b": [1, 4, 5], "c": [1, 6, 7], "d": [1, 2, 3, 4], "e": [1, 3, 3, 4], "f": [2, 2, 2]}
@@ -387,10 +386,9 @@ def _migrate_greedy(task, config, weights, prompt, corrupt=None):
 
 @pytest.mark.parametrize("corruption", ["none", "never-copied", "other-sequence"])
 def test_token_identity_after_migration_catches_a_corrupted_cache(trained, corruption):
-    """With a confident model the token check alone decides: an intact cache continues exactly as
-    if never moved; a cache that was never copied, or another prompt's cache, changes the
-    greedy tokens (a random near-uniform model would not show it: its argmax hardly depends on
-    the context)."""
+    """With a confident model the token check alone decides: an intact cache continues exactly as if never moved; a
+    cache that was never copied, or another prompt's cache, changes the greedy tokens (a random near-uniform model would
+    not show it: its argmax hardly depends on the context)."""
     task, config, weights, prompts = trained
     diffs = 0
     for i, prompt in enumerate(prompts):
@@ -446,11 +444,10 @@ def test_a_zero_uniform_draw_never_picks_a_zero_probability_token(weights, monke
 
 
 def test_batched_prefill_around_imported_sequences_keeps_every_output(weights):
-    """Review of the batched prefill next to migrations: the queue holds a re-prefill import
-    (context 3), a KV import (no prefill), then two fresh prompts of context 3. The KV import
-    ends the run, so the prefills are [n] and [a, b] (never one batch across the imported cache's
-    slot), and every sequence, sampled at t = 0.7, top_p = 0.9, is token-identical to decoding it
-    alone with log-probs equal."""
+    """Review of the batched prefill next to migrations: the queue holds a re-prefill import (context 3), a KV import
+    (no prefill), then two fresh prompts of context 3. The KV import ends the run, so the prefills are [n] and [a, b]
+    (never one batch across the imported cache's slot), and every sequence, sampled at t = 0.7, top_p = 0.9, is
+    token-identical to decoding it alone with log-probs equal."""
     sampling = SamplingParams(0.7, 0.9)
     seeds = {"n": 5, "m": 6, "a": 7, "b": 8}
     prompts = {"n": PROMPTS["r0"], "m": PROMPTS["r5"], "a": [1, 2, 3, 4], "b": [2, 4, 6, 8]}

@@ -23,11 +23,10 @@ from .test_runtime_modes import _check_ledger
 
 
 class KillingRuntime(Runtime):
-    """The real runtime; after step 1, at the first finished trajectory after which the scheduler
-    has trajectories running on instance `victim`, that instance's process gets SIGKILL (so the
-    kill really interrupts generation, in every mode). While its replacement process starts, the
-    trainer's next step command waits (an order forced so that the replacement joins while work
-    is left for it; the run itself never waits for a replacement)."""
+    """The real runtime; after step 1, at the first finished trajectory after which the scheduler has trajectories
+    running on instance `victim`, that instance's process gets SIGKILL (so the kill really interrupts generation, in
+    every mode). While its replacement process starts, the trainer's next step command waits (an order forced so that
+    the replacement joins while work is left for it; the run itself never waits for a replacement)."""
 
     victim = 0
 
@@ -101,17 +100,15 @@ def _running_at_each_failure(rt) -> list:
 
 
 class KillsWhenHeld(OthersWait, KillingRuntime):
-    """KillingRuntime whose kill cannot come too late: the victims run `faults.HoldAfterLoad`
-    (after the trainer's first step each stops decoding once an unfinished sequence of it has a
-    token, and reports it "held"), and they get SIGKILL when every victim has reported one. A held
-    sequence cannot finish there. The other instances get no command until the kill
-    (`faults.OthersWait`): they cannot run the whole run while a victim is late, and no R5 move can
-    take a held sequence off its victim first (R5 moves only between instances that hold or have
-    loaded a version, and the others have loaded nothing). The coordinator waits for the victims'
-    exits and looks at its workers at once, so the deaths are handled before anything else (a
-    move onto a released instance used to take a held sequence off a dead victim not yet found
-    dead: retried, not re-dispatched). A held sequence is re-dispatched, forced, not hoped for.
-    `moved`: the (group, index) of every move before the kill."""
+    """KillingRuntime whose kill cannot come too late: the victims run `faults.HoldAfterLoad` (after the trainer's first
+    step each stops decoding once an unfinished sequence of it has a token, and reports it "held"), and they get SIGKILL
+    when every victim has reported one. A held sequence cannot finish there. The other instances get no command until
+    the kill (`faults.OthersWait`): they cannot run the whole run while a victim is late, and no R5 move can take a held
+    sequence off its victim first (R5 moves only between instances that hold or have loaded a version, and the others
+    have loaded nothing). The coordinator waits for the victims' exits and looks at its workers at once, so the deaths
+    are handled before anything else (a move onto a released instance used to take a held sequence off a dead victim not
+    yet found dead: retried, not re-dispatched). A held sequence is re-dispatched, forced, not hoped for. `moved`: the
+    (group, index) of every move before the kill."""
 
     victims = (0,)
 
@@ -196,12 +193,11 @@ def test_a_killed_instance_process_loses_nothing(mode, restarts, late):
 
 
 class KillsUnnoticed(KillsWhenHeld):
-    """KillsWhenHeld whose coordinator does not look at its workers after the kill until the
-    scheduler, which still sees the dead victim holding its sequences, has moved some of them
-    off it (R5 spreads them onto instance 1, released at the kill, once their groups gate a step
-    and instance 1 has nothing else to do): the other order of a death and a move off the dead
-    instance, forced. `unnoticed`: the (group, index, src, dst) of every move from the kill to
-    the failure."""
+    """KillsWhenHeld whose coordinator does not look at its workers after the kill until the scheduler, which still sees
+    the dead victim holding its sequences, has moved some of them off it (R5 spreads them onto instance 1, released at
+    the kill, once their groups gate a step and instance 1 has nothing else to do): the other order of a death and a
+    move off the dead instance, forced. `unnoticed`: the (group, index, src, dst) of every move from the kill to the
+    failure."""
 
     def __init__(self, *args, **kwargs):
         from dora_ext.core.actions import Migrate
@@ -238,11 +234,10 @@ class KillsUnnoticed(KillsWhenHeld):
 
 @pytest.mark.slow
 def test_moves_off_an_instance_that_died_unnoticed_are_retried():
-    """Instance 0 dies holding unfinished sequences (`KillsUnnoticed`), and before its death is
-    noticed the scheduler moves some of them off it (the moves go to a dead process). Once the
-    death is noticed each moved sequence is retried (lost in a migration from a failed instance),
-    what the scheduler still had there is re-dispatched, each exactly once, to its pinned version;
-    nothing else is redone. (The other order, the death noticed first, is
+    """Instance 0 dies holding unfinished sequences (`KillsUnnoticed`), and before its death is noticed the scheduler
+    moves some of them off it (the moves go to a dead process). Once the death is noticed each moved sequence is retried
+    (lost in a migration from a failed instance), what the scheduler still had there is re-dispatched, each exactly
+    once, to its pinned version; nothing else is redone. (The other order, the death noticed first, is
     `test_a_killed_instance_process_loses_nothing`.)"""
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
@@ -294,10 +289,9 @@ def test_after_the_last_restart_the_run_goes_on_with_fewer_instances():
 
 @pytest.mark.slow
 def test_an_instance_killed_in_the_middle_of_a_report_blocks_nothing():
-    """Instance 0 dies (SIGKILL) with half of a report written on its pipe (`faults.DieMidReport`:
-    its first "finished" or "export" after loading version 1). The coordinator reads the cut
-    message as the end of that pipe, the trajectories it carried are re-dispatched, a replacement
-    joins, and the books are kept."""
+    """Instance 0 dies (SIGKILL) with half of a report written on its pipe (`faults.DieMidReport`: its first "finished"
+    or "export" after loading version 1). The coordinator reads the cut message as the end of that pipe, the
+    trajectories it carried are re-dispatched, a replacement joins, and the books are kept."""
     from dora_ext.runtime.faults import DieMidReport
 
     recipe = _kill_recipe("dora", 0, 1)
@@ -332,9 +326,8 @@ class WatchesTheDeadInstance(Runtime):
 
 @pytest.mark.slow
 def test_what_a_dead_instance_reported_before_it_died_counts():
-    """The trajectories instance 0 reported finished just before it was killed are taken from its
-    pipe when its death is noticed: trained as generated there (attempt 0, served by instance 0),
-    not re-dispatched."""
+    """The trajectories instance 0 reported finished just before it was killed are taken from its pipe when its death is
+    noticed: trained as generated there (attempt 0, served by instance 0), not re-dispatched."""
     from dora_ext.runtime.faults import DieAfterReport
 
     recipe = _kill_recipe("dora", 0, 0)
@@ -364,11 +357,10 @@ def test_no_instance_left_is_a_clean_error_naming_the_restart_bound():
 
 
 def test_a_peer_killed_while_exporting_to_an_instance_blocks_nobody():
-    """Two real instance processes; instance 0 is told to migrate a sequence to instance 1 and
-    dies (SIGKILL) half-way through writing it (`faults.DieMidExport`). Instance 1's inbox has one
-    writer, the coordinator (here: the test), so it still takes commands and serves, and the cut
-    message reads as the end of instance 0's pipe. (With peers writing straight into each other's
-    inbox, the cut message, or a queue lock the dead writer held, would block instance 1.)"""
+    """Two real instance processes; instance 0 is told to migrate a sequence to instance 1 and dies (SIGKILL) half-way
+    through writing it (`faults.DieMidExport`). Instance 1's inbox has one writer, the coordinator (here: the test), so
+    it still takes commands and serves, and the cut message reads as the end of instance 0's pipe. (With peers writing
+    straight into each other's inbox, the cut message, or a queue lock the dead writer held, would block instance 1.)"""
     import dataclasses
     import queue
 
@@ -474,9 +466,8 @@ def _borrow(borrow: bool) -> dict:
                          ids=["no-ckpt", "ckpt", "borrow-no-ckpt-kill-rank0", "borrow-ckpt-kill-borrowed-rank"])
 def test_a_killed_trainer_is_a_clean_error_naming_resume(checkpoints, victim, tmp_path):
     """A trainer process killed at step 3 ends the run with `WorkerDied` naming `--resume`; with
-    `runtime.trainer_borrow` (victim = the rank killed) a killed borrowed rank (rank 1, on the
-    rollout cores) or a killed rank 0 is handled alike, although its peer may report a failed
-    collective first."""
+    `runtime.trainer_borrow` (victim = the rank killed) a killed borrowed rank (rank 1, on the rollout cores) or a
+    killed rank 0 is handled alike, although its peer may report a failed collective first."""
     recipe = recipe_from_dict(tiny(steps=6, runtime=_borrow(victim is not None)))
     prepared = prepare(recipe)
     holder: list = []
@@ -518,10 +509,9 @@ class WatchesTheDeadTrainer(Runtime):
 @pytest.mark.slow
 @pytest.mark.parametrize("borrow", [False, True], ids=["one-rank", "borrow"])
 def test_a_checkpoint_reported_by_a_trainer_that_then_died_counts(borrow, tmp_path):
-    """`faults.DieAfterCheckpoint`: the trainer writes checkpoint 4, reports it and is killed; the
-    coordinator notices the death before reading the report. The report is still taken (the dead
-    trainer's pipe is drained first), so the error names checkpoint 4, and the resumed run trains
-    every admitted group exactly once across both runs."""
+    """`faults.DieAfterCheckpoint`: the trainer writes checkpoint 4, reports it and is killed; the coordinator notices
+    the death before reading the report. The report is still taken (the dead trainer's pipe is drained first), so the
+    error names checkpoint 4, and the resumed run trains every admitted group exactly once across both runs."""
     from dora_ext.runtime.faults import DieAfterCheckpoint
 
     recipe = recipe_from_dict(tiny(steps=6, runtime=_borrow(borrow)))
@@ -564,8 +554,7 @@ def test_kill_the_whole_process_tree_and_resume(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "dora_ext.cli", "train", str(path), "--out", str(out),
            "--checkpoint-every", "2", "--no-progress"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     seen = []
     try:
         for line in proc.stderr:  # blocks on the run's own reports: no timing guesses
@@ -657,11 +646,10 @@ def test_resume_registers_every_instance_again_also_one_that_failed_before(tmp_p
 
 
 def test_an_unreadable_report_of_a_dead_worker_is_named_and_the_rest_of_its_pipe_counts():
-    """A worker reports a message holding a tensor (as an instance's "export" holds a migrating
-    sequence's KV cache), then a plain one, and dies (SIGKILL) before either is read. The tensor's
-    shared memory was to be handed over by the dead process, so the first message cannot be
-    rebuilt: the hub hands over ("lost", name, why) in its place and still delivers the complete
-    report after it (it used to stop reading the pipe there, losing it)."""
+    """A worker reports a message holding a tensor (as an instance's "export" holds a migrating sequence's KV cache),
+    then a plain one, and dies (SIGKILL) before either is read. The tensor's shared memory was to be handed over by the
+    dead process, so the first message cannot be rebuilt: the hub hands over ("lost", name, why) in its place and still
+    delivers the complete report after it (it used to stop reading the pipe there, losing it)."""
     import queue
 
     import torch
@@ -779,11 +767,10 @@ class KillsBothAtOnce(KillsWhenHeld):
 @pytest.mark.slow
 @pytest.mark.parametrize("room", [False, True])
 def test_two_instances_killed_at_once_are_both_replaced(room):
-    """Both instances die at once, one (`room`) or both holding an unfinished sequence (no
-    instance is left in the scheduler until a replacement is ready); their trajectories wait,
-    re-dispatched to their pinned version once instances 2 and 3 join; the books are kept (the
-    run could not finish without the replacements). What the first failure dispatched onto the
-    other one (`room`) is re-dispatched twice (attempt 2)."""
+    """Both instances die at once, one (`room`) or both holding an unfinished sequence (no instance is left in the
+    scheduler until a replacement is ready); their trajectories wait, re-dispatched to their pinned version once
+    instances 2 and 3 join; the books are kept (the run could not finish without the replacements). What the first
+    failure dispatched onto the other one (`room`) is re-dispatched twice (attempt 2)."""
     recipe = _kill_recipe("dora", 0, 2, capacity=24 if room else 2)
     prepared = prepare(recipe)
     rt = KillsBothAtOnce(recipe, prepared, keep_versions=True)
@@ -851,10 +838,9 @@ def _moves_until_the_first_failure(rt) -> tuple[list, list]:
 
 
 def _run_killed_while_moving(rt, killed):
-    """Run `rt`, whose instance 0 stalls while R5 moves its sequences onto instance 1 and
-    instance `killed` (the source 0 or the destination 1) is killed meanwhile, and check what
-    every such run shares: only moves 0 -> 1, only of sequences instance 0 stalled on, instance
-    `killed` killed once and restarted. Returns the moves and, for each
+    """Run `rt`, whose instance 0 stalls while R5 moves its sequences onto instance 1 and instance `killed` (the source
+    0 or the destination 1) is killed meanwhile, and check what every such run shares: only moves 0 -> 1, only of
+    sequences instance 0 stalled on, instance `killed` killed once and restarted. Returns the moves and, for each
     failure, what ran on the failed instance (`_moves_until_the_first_failure`), and the result."""
     moves, holding = _moves_until_the_first_failure(rt)
     result = rt.run()
@@ -905,11 +891,10 @@ def test_a_source_that_dies_right_after_exporting_loses_nothing(late):
 
 
 class KillsTheSourceOnceForwarded(StalledFirst, Runtime):
-    """Instance 0 stalls first (`faults.StalledFirst`); right after the coordinator has read the
-    first export and passed it on to its destination, the source gets SIGKILL and the coordinator
-    waits for its exit and looks at its workers at once: the source dies after its export was
-    read (the other order than `WaitsForTheExporter`'s), and before any export after it (on its
-    pipe, unread: their KV cache went with the process) is read."""
+    """Instance 0 stalls first (`faults.StalledFirst`); right after the coordinator has read the first export and passed
+    it on to its destination, the source gets SIGKILL and the coordinator waits for its exit and looks at its workers at
+    once: the source dies after its export was read (the other order than `WaitsForTheExporter`'s), and before any
+    export after it (on its pipe, unread: their KV cache went with the process) is read."""
 
     forwarded = None
 
@@ -965,13 +950,12 @@ def test_a_source_that_dies_once_its_export_was_read_redoes_only_what_it_lost():
 
 
 class RecordsExports(StalledFirst, Runtime):
-    """Instance 0 stalls first (`faults.StalledFirst`); every export read is recorded. An
-    "imported" report read before its writer's death was noticed is followed at once by a look at
-    the workers (after waiting for the writer's exit when `victim` is it, `faults.DieAfterImport`):
-    its landing is applied and the death handled with no other report between them (left to the
-    coordinator's periodic look, an instance running dry meanwhile could have R5 spread the landed
-    sequence off the dead destination: a move to a dead process, retried). A death noticed first
-    takes the report from the dead worker's pipe (`_drain`): no landing is sent."""
+    """Instance 0 stalls first (`faults.StalledFirst`); every export read is recorded. An "imported" report read before
+    its writer's death was noticed is followed at once by a look at the workers (after waiting for the writer's exit
+    when `victim` is it, `faults.DieAfterImport`): its landing is applied and the death handled with no other report
+    between them (left to the coordinator's periodic look, an instance running dry meanwhile could have R5 spread the
+    landed sequence off the dead destination: a move to a dead process, retried). A death noticed first takes the report
+    from the dead worker's pipe (`_drain`): no landing is sent."""
 
     exported: list = []
     victim = 1
@@ -1029,11 +1013,10 @@ def test_a_destination_that_dies_right_after_importing_gets_the_sequence_redone_
 @pytest.mark.slow
 @pytest.mark.parametrize("borrow", [False, True], ids=["one-rank", "borrow"])
 def test_a_trainer_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(borrow, tmp_path):
-    """`faults.DieMidCheckpoint`: the trainer dies half-way through writing checkpoint 4 (its
-    temporary file cut, nothing reported). `latest` still names checkpoint 2, the error says so,
-    and the resumed run trains every admitted group exactly once, a full batch every step, counted
-    from the trainer's own ledger. The resume removes the cut file and checkpoint 4's other half
-    (they used to stay on disk for good)."""
+    """`faults.DieMidCheckpoint`: the trainer dies half-way through writing checkpoint 4 (its temporary file cut,
+    nothing reported). `latest` still names checkpoint 2, the error says so, and the resumed run trains every admitted
+    group exactly once, a full batch every step, counted from the trainer's own ledger. The resume removes the cut file
+    and checkpoint 4's other half (they used to stay on disk for good)."""
     from dora_ext.runtime.faults import DieMidCheckpoint
 
     recipe = recipe_from_dict(tiny(steps=6, runtime=_borrow(borrow)))
@@ -1054,10 +1037,9 @@ def test_a_trainer_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_o
 
 
 def test_a_live_worker_whose_report_cannot_be_read_is_ended():
-    """An unreadable report ("lost") from a worker that still lives: nothing it said can be taken
-    into the books, so the coordinator ends it (the watcher then handles it as dead); one from a
-    worker already gone is only named. (Handles stand in for the processes here: what is checked
-    is the coordinator's decision.)"""
+    """An unreadable report ("lost") from a worker that still lives: nothing it said can be taken into the books, so the
+    coordinator ends it (the watcher then handles it as dead); one from a worker already gone is only named. (Handles
+    stand in for the processes here: what is checked is the coordinator's decision.)"""
 
     class Handle:
         def __init__(self, alive):
@@ -1132,14 +1114,13 @@ def test_resume_sends_a_fresh_instance_no_void_attempt():
                                        ("sync", "DieInAllreduce")],
                          ids=["borrow-kill-rank1", "borrow-kill-rank0", "sync-2-ranks-kill-rank1"])
 def test_a_rank_killed_in_the_allreduce_is_a_dead_trainer_and_the_run_resumes(mode, loop, tmp_path):
-    """Data parallel (dora with `runtime.trainer_borrow`, or sync's 2-rank trainer): one rank is
-    killed (SIGKILL) right before it joins its first gradient allreduce of step 2
-    (`faults.DieInAllreduce`), so its peer is in that allreduce and fails with it. Whichever the
-    coordinator notices first (the peer's failed collective or the dead process), the run ends as
-    a dead trainer naming the killed rank and how to resume; the resumed run (checkpoint 2) trains
-    every admitted group exactly once across both runs, a full batch per step, and each version it
-    publishes is a single trainer's step from checkpoint 2 (model and optimizer) on the groups in
-    the order they were handed out (two PPO minibatches): both ranks resumed from the checkpoint."""
+    """Data parallel (dora with `runtime.trainer_borrow`, or sync's 2-rank trainer): one rank is killed (SIGKILL) right
+    before it joins its first gradient allreduce of step 2 (`faults.DieInAllreduce`), so its peer is in that allreduce
+    and fails with it. Whichever the coordinator notices first (the peer's failed collective or the dead process), the
+    run ends as a dead trainer naming the killed rank and how to resume; the resumed run (checkpoint 2) trains every
+    admitted group exactly once across both runs, a full batch per step, and each version it publishes is a single
+    trainer's step from checkpoint 2 (model and optimizer) on the groups in the order they were handed out (two PPO
+    minibatches): both ranks resumed from the checkpoint."""
     import shutil
 
     import torch

@@ -26,9 +26,8 @@ from .test_faults import _check_books, _kill_recipe, _moves_until_the_first_fail
 
 
 def _spy_landings(rt) -> list:
-    """A list that gets, for each `MigrationLanded` the runtime feeds its scheduler: (the event,
-    the trajectory's `moved` flag before and after it, the stale events it added, whether an
-    `InstanceFailed` had been fed before it)."""
+    """A list that gets, for each `MigrationLanded` the runtime feeds its scheduler: (the event, the trajectory's
+    `moved` flag before and after it, the stale events it added, whether an `InstanceFailed` had been fed before it)."""
     seen: list = []
     failed: list = []
     handle = rt.sched.handle
@@ -74,14 +73,13 @@ def _check_landing_counts(result, dead_imports: int = 0) -> None:
 
 
 class GoOnceLanded(StalledFirst, Runtime):
-    """Instance 0 (`faults.StallUntilMigrateThenGo`) stalls first on four sequences with a token
-    each (`faults.StalledFirst`): their groups gate step K, and R5 spreads two of them onto idle
-    instance 1 (`faults.StallAfterImport`, which then keeps them: it decodes nothing until it is
-    told to move one on). Once every sequence moved to instance 1 was read "imported" there (and
-    answered with `MigrationLanded`), instance 0 gets ("go",): it finishes the two it kept and
-    runs dry, and the scheduler plans it idle while instance 1 still holds its two. R5's spread
-    then moves one of them back to instance 0, a second move in the same attempt, possible only
-    because both landed. Without landings nothing can move and the run stalls (`RuntimeStall`)."""
+    """Instance 0 (`faults.StallUntilMigrateThenGo`) stalls first on four sequences with a token each
+    (`faults.StalledFirst`): their groups gate step K, and R5 spreads two of them onto idle instance 1
+    (`faults.StallAfterImport`, which then keeps them: it decodes nothing until it is told to move one on). Once every
+    sequence moved to instance 1 was read "imported" there (and answered with `MigrationLanded`), instance 0 gets
+    ("go",): it finishes the two it kept and runs dry, and the scheduler plans it idle while instance 1 still holds its
+    two. R5's spread then moves one of them back to instance 0, a second move in the same attempt, possible only because
+    both landed. Without landings nothing can move and the run stalls (`RuntimeStall`)."""
 
     went = False
 
@@ -104,11 +102,10 @@ def _landing_recipe():
 
 @pytest.mark.slow
 def test_a_trajectory_that_landed_moves_again_in_its_attempt():
-    """A trajectory moved 0 -> 1, landed on 1, moved 1 -> 0 and landed on 0, all in attempt 0,
-    as the runtime's own log of what it executed and what the workers reported shows; each
-    landing the scheduler got cleared the trajectory's `moved` flag (a stale landing would not);
-    the engines imported exactly what the coordinator read as "imported"; nothing was redone and
-    every admitted group was trained exactly once (the forced order: `GoOnceLanded`)."""
+    """A trajectory moved 0 -> 1, landed on 1, moved 1 -> 0 and landed on 0, all in attempt 0, as the runtime's own log
+    of what it executed and what the workers reported shows; each landing the scheduler got cleared the trajectory's
+    `moved` flag (a stale landing would not); the engines imported exactly what the coordinator read as "imported";
+    nothing was redone and every admitted group was trained exactly once (the forced order: `GoOnceLanded`)."""
     recipe = _landing_recipe()
     prepared = prepare(recipe)
     rt = GoOnceLanded(recipe, prepared, keep_versions=True,
@@ -210,11 +207,10 @@ class DestinationDiesAtImport(StalledFirst, Runtime):
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["imported first", "death first"])
 def test_a_destination_killed_right_after_importing_in_both_orders(order):
-    """The destination dies right after its "imported" report. Read before the death is noticed,
-    the landing is sent and applied (the sequence is no longer `moved`), then the failure
-    re-dispatches it; noticed first, the report is read from the dead worker's pipe and no landing
-    is sent (the failure re-dispatches it). Either way: no crash, every sequence moved there is
-    re-dispatched exactly once under its pinned version, none retried, the books balanced."""
+    """The destination dies right after its "imported" report. Read before the death is noticed, the landing is sent and
+    applied (the sequence is no longer `moved`), then the failure re-dispatches it; noticed first, the report is read
+    from the dead worker's pipe and no landing is sent (the failure re-dispatches it). Either way: no crash, every
+    sequence moved there is re-dispatched exactly once under its pinned version, none retried, the books balanced."""
     recipe = _kill_recipe("dora", 0, 1)
     prepared = prepare(recipe)
     rt = DestinationDiesAtImport(recipe, prepared, keep_versions=True,
@@ -249,12 +245,11 @@ def test_a_destination_killed_right_after_importing_in_both_orders(order):
 
 
 class RetriesTheFirstExport(StalledFirst, Runtime):
-    """Instance 0 (`faults.StallUntilMigrate`) stalls first (`faults.StalledFirst`) and R5
-    spreads onto idle instance 1. The first export read is held back: the coordinator reports its
-    trajectory failed (`TrajectoryFailed` of the attempt that was moving, as a host whose transfer
-    failed would), and passes the export on only once the scheduler re-dispatched the trajectory
-    under a new attempt. So an export arrives whose attempt is over while its destination lives:
-    only the attempt check can drop it (forwarded, the destination would run a void attempt)."""
+    """Instance 0 (`faults.StallUntilMigrate`) stalls first (`faults.StalledFirst`) and R5 spreads onto idle instance 1.
+    The first export read is held back: the coordinator reports its trajectory failed (`TrajectoryFailed` of the attempt
+    that was moving, as a host whose transfer failed would), and passes the export on only once the scheduler
+    re-dispatched the trajectory under a new attempt. So an export arrives whose attempt is over while its destination
+    lives: only the attempt check can drop it (forwarded, the destination would run a void attempt)."""
 
     held = None
     passed = None  # (request id, destination alive) of the held export once passed on
@@ -303,13 +298,12 @@ def test_an_export_whose_attempt_is_over_is_dropped():
 
 
 class HoldsLandingsPastCheckpoint4(StalledFirst, Runtime):
-    """Instance 0 (`faults.StallUntilMigrate`) stalls first (`faults.StalledFirst`), so R5 spreads
-    its sequences onto idle instance 1 before step 2 can start (their groups gate it). Every
-    "imported" report is held back until the coordinator has written its half of checkpoint 4
-    (after step 3), then handled in order: so checkpoint 4 holds moves that have not landed
-    (`held_at_save`: the reports held when it was written, `running_at_save`: those whose
-    sequence still ran, most of them finished), whatever the timing. The trainer
-    (`faults.DieAfterCheckpoint`) is killed right after it reported checkpoint 4."""
+    """Instance 0 (`faults.StallUntilMigrate`) stalls first (`faults.StalledFirst`), so R5 spreads its sequences onto
+    idle instance 1 before step 2 can start (their groups gate it). Every "imported" report is held back until the
+    coordinator has written its half of checkpoint 4 (after step 3), then handled in order: so checkpoint 4 holds moves
+    that have not landed (`held_at_save`: the reports held when it was written, `running_at_save`: those whose sequence
+    still ran, most of them finished), whatever the timing. The trainer (`faults.DieAfterCheckpoint`) is killed right
+    after it reported checkpoint 4."""
 
     held: list
     held_at_save = None
@@ -340,13 +334,12 @@ class HoldsLandingsPastCheckpoint4(StalledFirst, Runtime):
 
 @pytest.mark.slow
 def test_a_checkpoint_with_a_move_in_flight_resumes_without_double_counting(tmp_path):
-    """Checkpoint 4 is written while moved sequences have not landed (forced:
-    `HoldsLandingsPastCheckpoint4`), the trainer dies right after it, the run is resumed. The
-    resumed run starts from the checkpoint's own record of the moves (`migration_log`, its
-    counters) and adds to it: nothing of what the killed run did after the checkpoint counts, the
-    checkpoint's moves are not counted twice, a landing for a move made before the resume never
-    arrives (fresh processes; those trajectories run again under a new attempt), and the
-    scheduler's count of moves equals the moves the runtime executed across both runs."""
+    """Checkpoint 4 is written while moved sequences have not landed (forced: `HoldsLandingsPastCheckpoint4`), the
+    trainer dies right after it, the run is resumed. The resumed run starts from the checkpoint's own record of the
+    moves (`migration_log`, its counters) and adds to it: nothing of what the killed run did after the checkpoint
+    counts, the checkpoint's moves are not counted twice, a landing for a move made before the resume never arrives
+    (fresh processes; those trajectories run again under a new attempt), and the scheduler's count of moves equals the
+    moves the runtime executed across both runs."""
     import torch
 
     from dora_ext.runtime import WorkerDied

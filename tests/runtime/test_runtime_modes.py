@@ -107,12 +107,11 @@ def test_every_mode_keeps_its_contract_on_real_engines(mode):
 
 
 class ForcedSpanRuntime(Runtime):
-    """The real runtime (mode partial), with one order forced: at a `StartStep` the trainer's step
-    command is held back and every instance (running `faults.HoldForPublish`) is told to hold a
-    sequence once it has a response token; the step goes to the trainer when an instance reports
-    that it holds one (or every instance reports it had nothing to hold: then the next step tries
-    again). The held sequence is still unfinished when that step's version is published, so the
-    preempting load must resume it under the new version."""
+    """The real runtime (mode partial), with one order forced: at a `StartStep` the trainer's step command is held back
+    and every instance (running `faults.HoldForPublish`) is told to hold a sequence once it has a response token; the
+    step goes to the trainer when an instance reports that it holds one (or every instance reports it had nothing to
+    hold: then the next step tries again). The held sequence is still unfinished when that step's version is published,
+    so the preempting load must resume it under the new version."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -198,21 +197,27 @@ def test_dora_migrations_keep_the_books():
                for e in led["migration_log"])
 
 
-def test_instance_migration_moves_kv_and_continues_token_identically():
-    """The worker side of `Migrate`, driven step by step: the sequence leaves instance A with its KV
-    cache, continues on B (same version) without prefill, and ends exactly as on an instance that
-    never moved it (greedy)."""
-    import queue
-
-    from dora_ext.engines import GREEDY, TorchEngine
+def _three_engines(n_layer, seed, version):
+    from dora_ext.engines import TorchEngine
     from dora_ext.models.tiny import TinyConfig, policy_state
-    from dora_ext.runtime.workers import InstanceLoop
 
-    cfg = TinyConfig(vocab_size=16, d_model=32, n_layer=2, n_head=2, max_len=48, seed=3)
+    cfg = TinyConfig(vocab_size=16, d_model=32, n_layer=n_layer, n_head=2, max_len=48, seed=seed)
     weights = policy_state(TinyLM(cfg))
     engines = [TorchEngine(cfg, 4, None, device="cpu", instance_id=i) for i in range(3)]
     for e in engines:
-        e.load_version(weights, 5)
+        e.load_version(weights, version)
+    return engines, weights
+
+
+def test_instance_migration_moves_kv_and_continues_token_identically():
+    """The worker side of `Migrate`, driven step by step: the sequence leaves instance A with its KV cache, continues on
+    B (same version) without prefill, and ends exactly as on an instance that never moved it (greedy)."""
+    import queue
+
+    from dora_ext.engines import GREEDY
+    from dora_ext.runtime.workers import InstanceLoop
+
+    engines, _ = _three_engines(n_layer=2, seed=3, version=5)
     out = queue.SimpleQueue()
     loop_a = InstanceLoop(0, engines[0], queue.SimpleQueue(), out)
     loop_b = InstanceLoop(1, engines[1], queue.SimpleQueue(), out)
@@ -243,15 +248,10 @@ def test_a_sequence_moved_again_before_it_arrived_is_passed_on():
     not import it (B may hold another version by then), and must not drop it: it forwards it to C."""
     import queue
 
-    from dora_ext.engines import GREEDY, TorchEngine
-    from dora_ext.models.tiny import TinyConfig, policy_state
+    from dora_ext.engines import GREEDY
     from dora_ext.runtime.workers import InstanceLoop
 
-    cfg = TinyConfig(vocab_size=16, d_model=32, n_layer=1, n_head=2, max_len=48, seed=4)
-    weights = policy_state(TinyLM(cfg))
-    engines = [TorchEngine(cfg, 4, None, device="cpu", instance_id=i) for i in range(3)]
-    for e in engines:
-        e.load_version(weights, 2)
+    engines, weights = _three_engines(n_layer=1, seed=4, version=2)
     out = queue.SimpleQueue()
     loops = [InstanceLoop(i, engines[i], queue.SimpleQueue(), out) for i in range(3)]
 
@@ -354,10 +354,9 @@ def test_data_parallel_sync_trainer_takes_the_single_trainers_steps():
 
 
 def test_a_borrowing_trainer_takes_the_single_trainers_steps():
-    """dora with `runtime.trainer_borrow`: a second trainer rank on the rollout cores at nice 19,
-    the groups shared by speed. Every published version equals a single trainer's step on the same
-    groups in the order the coordinator handed them out (two minibatches: the positions decide
-    them), both ranks trained, and the core assignment says what ran."""
+    """dora with `runtime.trainer_borrow`: a second trainer rank on the rollout cores at nice 19, the groups shared by
+    speed. Every published version equals a single trainer's step on the same groups in the order the coordinator handed
+    them out (two minibatches: the positions decide them), both ranks trained, and the core assignment says what ran."""
     import os
     import re
 
@@ -389,10 +388,9 @@ def test_a_borrowing_trainer_takes_the_single_trainers_steps():
 
 
 def test_groups_are_shared_by_measured_speed_within_each_minibatch():
-    """`Runtime._assign` (no processes): until both ranks are measured they count as equally fast;
-    then a rank three times as fast gets about three times the tokens of each PPO minibatch, the
-    positions count the step's groups in hand-out order, and a rank that got nothing looks faster
-    each step until it is tried again."""
+    """`Runtime._assign` (no processes): until both ranks are measured they count as equally fast; then a rank three
+    times as fast gets about three times the tokens of each PPO minibatch, the positions count the step's groups in
+    hand-out order, and a rank that got nothing looks faster each step until it is tried again."""
     import queue
 
     from dora_ext.algo import Trajectory

@@ -99,8 +99,7 @@ def test_same_workload_in_every_mode(tiny):
 
 
 def test_checks_match_the_scheduler_and_partial_reports_multi_version(tiny):
-    p = tiny(cv=1.0, batch=6, n=3, capacity=6, accelerators=3, split=(2, 1), colocated=False,
-             length=200, load=0.5)
+    p = tiny(cv=1.0, batch=6, n=3, capacity=6, accelerators=3, split=(2, 1), colocated=False, length=200, load=0.5)
     res = compare(p, MODES, steps=8, seed=0)
     for mode, r in res.items():
         core, sim = r.core_metrics, r.sim_checks

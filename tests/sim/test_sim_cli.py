@@ -199,9 +199,8 @@ def test_recommend_and_elastic_errors(capsys):
     assert "--elastic" in capsys.readouterr().err
 @pytest.mark.parametrize("mode", ["dora", "partial", "one_step_off"])
 def test_stop_at_a_random_event_and_resume_gives_the_same_run(tmp_path, mode):
-    """The simulator is deterministic and resumes from `Scheduler.snapshot()` plus its own state:
-    stopped anywhere and resumed, it trains the same groups in the same steps, with the same
-    metrics, as a run that was never interrupted."""
+    """The simulator is deterministic and resumes from `Scheduler.snapshot()` plus its own state: stopped anywhere and
+    resumed, it trains the same groups in the same steps, with the same metrics, as a run that was never interrupted."""
     import random
 
     from dora_ext.sim.runner import Simulation

@@ -1,8 +1,7 @@
-"""The slime recipes: each dora script and its baseline twin launch the same run but for the
-dora flags. slime, Ray and GPUs are ABSENT here: `ray` is a stand-in executable that records the
-command it was given, and SLIME_DIR is a stand-in holding only what the scripts read (the model
-args file and, for the patch check, the patched file rebuilt from the patch itself).
-"""
+"""The slime recipes: each dora script and its baseline twin launch the same run but for the dora flags. slime, Ray and
+GPUs are ABSENT here: `ray` is a stand-in executable that records the command it was given, and SLIME_DIR is a stand-in
+holding only what the scripts read (the model args file and, for the patch check, the patched file rebuilt from the
+patch itself)."""
 
 from __future__ import annotations
 

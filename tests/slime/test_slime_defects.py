@@ -137,9 +137,8 @@ def test_sibling_of_a_failed_group_finishing_later_does_not_kill_the_worker(tmp_
 
 
 def test_checkpoint_taken_while_the_worker_takes_prompts_resumes_each_group_once(tmp_path, standins):
-    """Defect 5: slime's cursor and the ledger are saved atomically. The worker asks for a prompt
-    while slime's base `save` is writing (forced: the base holds until that call returned, or
-    2 s when the call is correctly blocked)."""
+    """Defect 5: slime's cursor and the ledger are saved atomically. The worker asks for a prompt while slime's base
+    `save` is writing (forced: the base holds until that call returned, or 2 s when the call is correctly blocked)."""
     standins.SAVE_IN.clear()
     standins.SAVE_GO.clear()
     args = make_args(tmp_path)
@@ -227,9 +226,8 @@ def test_all_samples_process_hook_gets_every_batch(tmp_path, standins):
 
 @pytest.mark.parametrize("name", ["dora-k2.yaml", "dora-pipeline.yaml"])
 def test_slime_args_on_a_shipped_recipe_as_a_user_runs_it(name):
-    """Defect 8: `dora-ext slime-args --config recipes/slime/dora-k2.yaml` exited 2 (weights_dir
-    required). Without a weights directory the flags leave slime's own --update-weight-disk-dir
-    to the launch script, and say so."""
+    """Defect 8: `dora-ext slime-args --config recipes/slime/dora-k2.yaml` exited 2 (weights_dir required). Without a
+    weights directory the flags leave slime's own --update-weight-disk-dir to the launch script, and say so."""
     import subprocess
     import sys
 

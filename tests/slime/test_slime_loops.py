@@ -216,15 +216,13 @@ def test_engine_killed_mid_rollout(patched_slime, tmp_path, fault_tolerance):
 
 @pytest.mark.parametrize("registration", ["reregister", "keep"])
 def test_engine_restarted_at_the_same_address(patched_slime, tmp_path, registration):
-    """slime's fault tolerance relaunches a dead engine at the address it had (its port scan
-    starts from 15000 again). Engine 0 dies as its 3rd request starts and comes back at its port;
-    the periodic refresh is pushed out of the run (600 s), so none falls between the death and
-    the restart. slime's HTTP client retries the dead engine's requests at the same URL, and the
-    successor answers them with its launch weight version: the worker must retire the old
-    instance id and take the successor in under a fresh one (told by the router's new
-    registration id, or with the old registration kept, by the weight version it reports), never
-    fail trajectories for it (the old adapter kept the id and failed them until their retries ran
-    out)."""
+    """slime's fault tolerance relaunches a dead engine at the address it had (its port scan starts from 15000 again).
+    Engine 0 dies as its 3rd request starts and comes back at its port; the periodic refresh is pushed out of the run
+    (600 s), so none falls between the death and the restart. slime's HTTP client retries the dead engine's requests at
+    the same URL, and the successor answers them with its launch weight version: the worker must retire the old instance
+    id and take the successor in under a fresh one (told by the router's new registration id, or with the old
+    registration kept, by the weight version it reports), never fail trajectories for it (the old adapter kept the id
+    and failed them until their retries ran out)."""
     flags = ["--loop", "train_async", "--mode", "dora", "--k", "1", "--num-rollout", "6", "--kill-engine-after", "3",
              "--fault-tolerance", "--restart-engines", "--restart-same-port", registration,
              "--engine-check-interval", "600"]
@@ -288,12 +286,11 @@ SCALE = ["--loop", "train_async", "--mode", "dora", "--k", "1", "--engines", "3"
 
 @pytest.mark.parametrize("fault_tolerance", [False, True], ids=["plain", "fault-tolerance-slow-loads"])
 def test_recipe_scale_run_retires_no_healthy_engine(patched_slime, tmp_path, fault_tolerance):
-    """Recipe-scale concurrency: 3 engines of 24 slots (slime's pool then has exactly the
-    3 x 24 connections generation holds; 16 groups of 6 per step keep every slot busy), 6 s
-    responses (200 tokens at a 30 ms batched decode step), an evaluation after every step adding
-    24 requests on top. No engine dies, so none may
-    be retired. With `--use-fault-tolerance` each load holds SGLang's writer lock for 3 s while
-    slime's health monitor asks `/health_generate` with a 1 s timeout: it must kill no engine."""
+    """Recipe-scale concurrency: 3 engines of 24 slots (slime's pool then has exactly the 3 x 24 connections generation
+    holds; 16 groups of 6 per step keep every slot busy), 6 s responses (200 tokens at a 30 ms batched decode step), an
+    evaluation after every step adding 24 requests on top. No engine dies, so none may be retired. With
+    `--use-fault-tolerance` each load holds SGLang's writer lock for 3 s while slime's health monitor asks
+    `/health_generate` with a 1 s timeout: it must kill no engine."""
     flags = list(SCALE)
     if fault_tolerance:
         flags += ["--fault-tolerance", "--load-s", "3", "--health-check-timeout", "1"]

@@ -44,8 +44,7 @@ def test_sao_loss_matches_the_algo_loss_summed_over_samples():
     args = SimpleNamespace(eps_clip=0.2, eps_clip_high=0.28)
     reduce = slime_sum_of_sample_mean([5, 5, 5], batch["loss_masks"])
     loss, log = sao_loss_from_log_probs(args, batch, list(logp.unbind(0)), reduce)
-    ref, _ = sao_policy_loss(logp, rollout, adv, mask, eps_low=0.2, eps_high=0.28,
-                             loss_agg_mode="seq-mean-token-mean")
+    ref, _ = sao_policy_loss(logp, rollout, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg_mode="seq-mean-token-mean")
     assert torch.allclose(loss, ref * 3, atol=1e-6)
     assert 0.0 < float(log["sao_masked_frac"]) < 3.0  # some tokens left the band in this batch
 
@@ -91,9 +90,8 @@ def test_staleness_correction_mask():
 
 
 def test_correction_tis_is_slimes_own_truncated_is():
-    """Correction `tis` prints slime's `--use-tis` with the cap as `--tis-clip` (slime's
-    `vanilla_tis_function`: pg_loss * clamp(w, 0, C)); with a slime checkout, that function
-    gives min(w, C) on the same tensors."""
+    """Correction `tis` prints slime's `--use-tis` with the cap as `--tis-clip` (slime's `vanilla_tis_function`: pg_loss
+    * clamp(w, 0, C)); with a slime checkout, that function gives min(w, C) on the same tensors."""
     from dora_ext.slime.cli import slime_flags
 
     flags = slime_flags({"dora": {"mode": "dora", "max_staleness": 2}, "dora_slime": {"is_cap": 3.0},

@@ -28,10 +28,9 @@ class Interrupted(BaseException):
 # ------------------------------------------------------------------ interrupted part-way
 @pytest.mark.parametrize("how", ["cancelled", "raises"])
 def test_a_refresh_interrupted_part_way_keeps_what_it_would_have_dropped(tmp_path, standins, how):
-    """Engine 0 is dead; the refresh is interrupted while it waits on engine 1's /health (the task
-    cancelled there, or the await raising). It used to drop engine 0 before that await: the
-    caller never got `gone`, and the next refresh no longer knew engine 0, so the scheduler
-    was never told. Now nothing changes, and the next refresh reports it."""
+    """Engine 0 is dead; the refresh is interrupted while it waits on engine 1's /health (the task cancelled there, or
+    the await raising). It used to drop engine 0 before that await: the caller never got `gone`, and the next refresh no
+    longer knew engine 0, so the scheduler was never told. Now nothing changes, and the next refresh reports it."""
     fleet, engines = fleet_engines(standins, tmp_path, 32400)
     real_get = fleet.get
     asked, never = asyncio.Event(), asyncio.Event()
@@ -71,9 +70,8 @@ def test_a_refresh_interrupted_part_way_keeps_what_it_would_have_dropped(tmp_pat
 
 # ------------------------------------------------------------------ one pass, concurrent
 def test_one_refresh_asks_every_engine_concurrently(tmp_path, standins):
-    """Engine 0's /health answers only once engine 1's /health has been asked in the same pass
-    (bounded: asked one after the other, engine 0's check times out and it would be declared
-    dead). Each engine is asked once per pass."""
+    """Engine 0's /health answers only once engine 1's /health has been asked in the same pass (bounded: asked one after
+    the other, engine 0's check times out and it would be declared dead). Each engine is asked once per pass."""
     fleet, engines = fleet_engines(standins, tmp_path, 32500)
     engines.health_timeout_s = 5.0
     real_get = fleet.get
@@ -99,11 +97,10 @@ def test_one_refresh_asks_every_engine_concurrently(tmp_path, standins):
 
 
 def test_wrong_version_trajectories_share_refresh_passes(tmp_path, standins):
-    """N = 4 trajectories come back from engine 0 with a weight version other than their pin (the
-    first 4 requests it finishes report "999"; it is not restarted, so it stays). Each used to
-    run its own refresh, one after another: N passes, N /health calls per engine. Forced order:
-    the first pass is held at its router read until all N have asked for a refresh; those that
-    asked while it ran share the next pass. Evidence: the /health calls each engine got."""
+    """N = 4 trajectories come back from engine 0 with a weight version other than their pin (the first 4 requests it
+    finishes report "999"; it is not restarted, so it stays). Each used to run its own refresh, one after another: N
+    passes, N /health calls per engine. Forced order: the first pass is held at its router read until all N have asked
+    for a refresh; those that asked while it ran share the next pass. Evidence: the /health calls each engine got."""
     n_wrong = 4
     args = make_args(tmp_path, mode="dora", k=1, batch=4, n=2, num_rollout=3, capacity=4)
     args.dora_slime["engine_check_interval_s"] = 600  # no periodic refresh during the run
@@ -151,11 +148,10 @@ def test_wrong_version_trajectories_share_refresh_passes(tmp_path, standins):
 
 # ------------------------------------------------------------------ multiple tokenizer workers
 def test_an_engine_with_several_tokenizer_workers_is_judged_by_its_schedulers_version(tmp_path, standins):
-    """SGLang 0.5.23 with `--tokenizer-worker-num 2`: the load's HTTP request is handled by one
-    tokenizer worker, which alone records the new version; `/model_info` is answered by either
-    worker, so it reports the launch version half the time. The adapter read `/model_info` and
-    retired a healthy engine as "restarted". It now reads the scheduler's version
-    (`/server_info`'s internal states); a real restart is still caught."""
+    """SGLang 0.5.23 with `--tokenizer-worker-num 2`: the load's HTTP request is handled by one tokenizer worker, which
+    alone records the new version; `/model_info` is answered by either worker, so it reports the launch version half the
+    time. The adapter read `/model_info` and retired a healthy engine as "restarted". It now reads the scheduler's
+    version (`/server_info`'s internal states); a real restart is still caught."""
     fleet, engines = fleet_engines(standins, tmp_path, 32700)
     for e in fleet.engines:
         e.tokenizer_workers = 2
@@ -176,12 +172,10 @@ def test_an_engine_with_several_tokenizer_workers_is_judged_by_its_schedulers_ve
 
 
 @pytest.mark.parametrize("workers", [None, 1, 2])
-def test_without_the_schedulers_version_model_info_decides_only_with_one_tokenizer_worker(
-        tmp_path, standins, workers):
-    """An SGLang whose `/server_info` internal states carry no weight version: `/model_info`
-    decides when the engine runs one tokenizer worker (or does not say); with several, its answer
-    is one worker's copy and gives no verdict (a restart with a renewed registration is still
-    told by the router's id)."""
+def test_without_the_schedulers_version_model_info_decides_only_with_one_tokenizer_worker(tmp_path, standins, workers):
+    """An SGLang whose `/server_info` internal states carry no weight version: `/model_info` decides when the engine
+    runs one tokenizer worker (or does not say); with several, its answer is one worker's copy and gives no verdict (a
+    restart with a renewed registration is still told by the router's id)."""
     fleet, engines = fleet_engines(standins, tmp_path, 32800)
     real_get = fleet.get
 
@@ -211,11 +205,10 @@ def test_without_the_schedulers_version_model_info_decides_only_with_one_tokeniz
 
 
 def test_sglangs_response_version_is_the_schedulers(tmp_path):
-    """With SGLang 0.5.23 installed (extra slime-test): the `weight_version` a finished request
-    reports (what slime appends to `Sample.weight_versions`) is computed from the scheduler's
-    version spans, replacing the answering tokenizer worker's copy, so the per-sample check
-    (C1) holds with several tokenizer workers. SGLang's own functions, run in a subprocess
-    (importing sglang loads torchcodec, which this machine's torch cannot load)."""
+    """With SGLang 0.5.23 installed (extra slime-test): the `weight_version` a finished request reports (what slime
+    appends to `Sample.weight_versions`) is computed from the scheduler's version spans, replacing the answering
+    tokenizer worker's copy, so the per-sample check (C1) holds with several tokenizer workers. SGLang's own functions,
+    run in a subprocess (importing sglang loads torchcodec, which this machine's torch cannot load)."""
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("msgspec") is None:
@@ -254,11 +247,10 @@ def _status_error(status: int) -> Exception:
 
 @pytest.mark.parametrize("failure", ["times-out", "refused", "error-status"])
 def test_a_failing_server_info_gives_no_verdict_with_several_tokenizer_workers(tmp_path, standins, failure):
-    """`/server_info` fails on a healthy engine with two tokenizer workers (its readback waits on
-    a busy scheduler past the timeout, the connection is refused, a 503). The adapter then asked
-    `/model_info`, whose answer is one tokenizer worker's copy: the worker that did not run the
-    load reports the launch version, and the healthy engine was retired as "restarted" (the
-    hazard the scheduler's version was read to avoid). Only a `/server_info` that does not exist
+    """`/server_info` fails on a healthy engine with two tokenizer workers (its readback waits on a busy scheduler past
+    the timeout, the connection is refused, a 503). The adapter then asked `/model_info`, whose answer is one tokenizer
+    worker's copy: the worker that did not run the load reports the launch version, and the healthy engine was retired
+    as "restarted" (the hazard the scheduler's version was read to avoid). Only a `/server_info` that does not exist
     (404) leaves the verdict to `/model_info` now; any other failure gives none."""
     fleet, engines = fleet_engines(standins, tmp_path, 32900)
     engines.health_timeout_s = 0.05  # cuts the hang below
@@ -313,14 +305,12 @@ def test_an_sglang_without_server_info_is_judged_by_model_info(tmp_path, standin
 
 
 def test_a_scheduler_that_keeps_the_launch_version_does_not_retire_a_healthy_engine(tmp_path, standins):
-    """SGLang releases before the scheduler recorded weight versions: the scheduler's readback is
-    its own copy of the launch arguments (`get_internal_state` returns
-    `vars(get_global_server_args())`) and a weight update sets the version in the tokenizer
-    manager alone (`_update_weight_version_if_provided`: `self.server_args.weight_version = ...`),
-    whose arguments are the top of `/server_info`. So `internal_states` say "initial" for a
-    healthy engine that loaded "3", and every refresh retired every loaded engine. An engine that
-    reports the version loaded anywhere holds it (a fresh process reports its launch version in
-    both places); a real restart is still told."""
+    """SGLang releases before the scheduler recorded weight versions: the scheduler's readback is its own copy of the
+    launch arguments (`get_internal_state` returns `vars(get_global_server_args())`) and a weight update sets the
+    version in the tokenizer manager alone (`_update_weight_version_if_provided`: `self.server_args.weight_version =
+    ...`), whose arguments are the top of `/server_info`. So `internal_states` say "initial" for a healthy engine that
+    loaded "3", and every refresh retired every loaded engine. An engine that reports the version loaded anywhere holds
+    it (a fresh process reports its launch version in both places); a real restart is still told."""
     fleet, engines = fleet_engines(standins, tmp_path, 33100)
     real_get = fleet.get
 
@@ -391,10 +381,9 @@ def _unretrieved(loop) -> list:
 
 @pytest.mark.parametrize("outcome", ["ok", "raises"])
 def test_a_cancelled_refresh_caller_leaves_the_others_their_pass(outcome):
-    """Caller A runs pass 1 (held); B and C arrive meanwhile and share pass 2; B is cancelled while
-    pass 1 runs. C still gets pass 2's outcome (its result, or the exception it raised: every
-    caller of the pass raises it), A gets pass 1's; nothing is reported as never retrieved, even
-    when the only caller left of a failing pass was cancelled."""
+    """Caller A runs pass 1 (held); B and C arrive meanwhile and share pass 2; B is cancelled while pass 1 runs. C still
+    gets pass 2's outcome (its result, or the exception it raised: every caller of the pass raises it), A gets pass 1's;
+    nothing is reported as never retrieved, even when the only caller left of a failing pass was cancelled."""
     engines = _HeldEngines()
 
     async def run():
@@ -467,11 +456,10 @@ def test_a_refresh_runner_cancelled_before_it_ran_leaves_no_caller_waiting():
 
 
 def test_a_router_that_never_answers_does_not_hold_the_refresh_callers(tmp_path, standins):
-    """slime's HTTP client has no timeout (`httpx.Timeout(None)`), and the refresh's read of the
-    router had none either: a router that never answers held the pass, and with it every
-    caller sharing it (trajectories back with a wrong version, a failed load, the eval, the
-    watcher). The read is bounded now: the pass fails (logged, nothing changed) and its callers
-    go on; the next pass sees the router again."""
+    """slime's HTTP client has no timeout (`httpx.Timeout(None)`), and the refresh's read of the router had none either:
+    a router that never answers held the pass, and with it every caller sharing it (trajectories back with a wrong
+    version, a failed load, the eval, the watcher). The read is bounded now: the pass fails (logged, nothing changed)
+    and its callers go on; the next pass sees the router again."""
     args = make_args(tmp_path, capacity=2)
     fleet = standins.FakeSglangFleet(2, capacity=2, base_port=33200)
     from dora_ext.slime.engines import SglangEngines

@@ -22,11 +22,10 @@ from dora_ext.slime import rollout as slime_rollout
 
 
 def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(tmp_path, standins, monkeypatch):
-    """Eval runs on engine E holding the newest version (1). The other engine, holding version 0
-    with a straggler running (held), dies during the eval: the straggler goes back to version 0,
-    which no engine holds, and the scheduler, which does not see eval requests, sends the
-    idle-looking E back to version 0. That load used to run under the eval request (R4; the eval
-    saw two versions and slime's job died); it now waits until the eval is over."""
+    """Eval runs on engine E holding the newest version (1). The other engine, holding version 0 with a straggler
+    running (held), dies during the eval: the straggler goes back to version 0, which no engine holds, and the
+    scheduler, which does not see eval requests, sends the idle-looking E back to version 0. That load used to run under
+    the eval request (R4; the eval saw two versions and slime's job died); it now waits until the eval is over."""
     args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31300, check_interval_s=0.02)
     probes, release_eval = record_probes(session, "load_waits_for_eval")
     post = fleet.post
@@ -68,10 +67,9 @@ def test_engine_reassigned_to_an_older_version_waits_for_the_eval_running_on_it(
 
 @pytest.mark.parametrize("death", ["request_fails", "request_hangs"])
 def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp_path, standins, monkeypatch, death):
-    """The engine slime's eval is pinned to dies under it. Its requests either fail at once, or
-    hang (slime's `post` retries a dead engine for a minute; held here until the engine is
-    declared gone, 30 s at most). The eval used to fail and end slime's job; it now runs again on
-    another engine holding the newest version, and training goes on."""
+    """The engine slime's eval is pinned to dies under it. Its requests either fail at once, or hang (slime's `post`
+    retries a dead engine for a minute; held here until the engine is declared gone, 30 s at most). The eval used to
+    fail and end slime's job; it now runs again on another engine holding the newest version, and training goes on."""
     args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31400, check_interval_s=0.02)
     probes, engine_gone = record_probes(session, "engine_failed")
     calls: list = []
@@ -198,11 +196,10 @@ def test_sao_kl_term_is_slimes_compute_approx_kl(kind, unbiased):
 
 
 def test_an_engine_loading_weights_is_not_declared_dead_by_the_health_check(tmp_path, standins):
-    """While `/update_weights_from_disk` holds SGLang's writer lock, `/health_generate` answers
-    only after the load, and a real checkpoint loads for longer than the health timeout: the
-    watcher declared every loading engine dead; it rejoined, loaded again, and never served. Here
-    the first two loads of the one engine (the run needs it) each last until the watcher read the
-    router twice during it (bounded: a broken watcher cannot hang the test)."""
+    """While `/update_weights_from_disk` holds SGLang's writer lock, `/health_generate` answers only after the load, and
+    a real checkpoint loads for longer than the health timeout: the watcher declared every loading engine dead; it
+    rejoined, loaded again, and never served. Here the first two loads of the one engine (the run needs it) each last
+    until the watcher read the router twice during it (bounded: a broken watcher cannot hang the test)."""
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=4, capacity=2)
     args.dora_slime["engine_check_interval_s"] = 0.02
     fleet = standins.FakeSglangFleet(1, capacity=2, base_port=31500)

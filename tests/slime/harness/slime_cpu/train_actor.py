@@ -134,10 +134,9 @@ class CpuTrainRayActor(RayActor):
         (Path(self.args.save) / "latest_checkpointed_iteration.txt").write_text(str(rollout_id))
 
     def _wait_for_recovered_engines(self, timeout_s: float = 180.0) -> None:
-        """slime recovers dead engines synchronously here (`recover_updatable_engines` relaunches
-        the engines it launched). For external engines that call is a no-op and the harness
-        relaunches them (run.py); wait, as slime's recovery does, until every engine is back in
-        the router and healthy."""
+        """slime recovers dead engines synchronously here (`recover_updatable_engines` relaunches the engines it
+        launched). For external engines that call is a no-op and the harness relaunches them (run.py); wait, as slime's
+        recovery does, until every engine is back in the router and healthy."""
         import time
 
         import requests

@@ -12,7 +12,10 @@ what dora-ext adds to it:
 
 * ``verl.trainer.ppo.v1``        -> trainer ``dora`` (``register_trainer``), so that
   ``trainer.v1.trainer_mode=dora`` works with verl's own ``main_ppo``;
-* ``verl.trainer.ppo.core_algos`` -> policy losses ``dora_sao`` and ``dora_decoupled``.
+* ``verl.trainer.ppo.core_algos`` -> policy losses ``dora_sao`` and ``dora_decoupled``;
+* ``verl.workers.rollout.replica`` -> rollouts ``dora_cpu`` and ``vllm`` (``vllm_server``: verl's
+  vLLM replica with a per-request abort that works on vLLM >= 0.16; loaded, with vLLM, only when
+  verl builds a vLLM replica).
 
 If a module was imported already (``VERL_USE_EXTERNAL_PLUGINS=none`` and a later manual
 ``install()``), its callback runs at once. A callback that fails (a missing optional piece, a
@@ -64,10 +67,19 @@ def _register_cpu_platform() -> None:
     register_platform()
 
 
-def _register_cpu_replica() -> None:
+def _register_replicas() -> None:
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
     from .cpu import register_replica
 
     register_replica()
+    RolloutReplicaRegistry.register("vllm", _vllm_replica)
+
+
+def _vllm_replica() -> type:
+    from .vllm_server import DoraVLLMReplica  # imports vLLM: only where verl builds a vLLM replica
+
+    return DoraVLLMReplica
 
 
 def _register_cpu_adapter() -> None:
@@ -80,7 +92,7 @@ _CALLBACKS: dict[str, Callable[[], None]] = {
     _V1: _register_trainer,
     _CORE_ALGOS: _register_losses,
     "verl.plugin.platform.platform_manager": _register_cpu_platform,
-    "verl.workers.rollout.replica": _register_cpu_replica,
+    "verl.workers.rollout.replica": _register_replicas,
     "verl.workers.rollout.base": _register_cpu_adapter,
 }
 

@@ -27,6 +27,9 @@ out["trainer"] = f"{cls.__module__}.{cls.__qualname__}"
 out["subclass"] = issubclass(cls, PPOTrainerSeparateAsync)
 out["losses"] = [get_policy_loss_fn(n).__name__ for n in ("dora_sao", "dora_decoupled")]
 out["status"] = plugin.status
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+out["vllm_loader"] = RolloutReplicaRegistry._registry["vllm"].__qualname__
+out["vllm_imported"] = sorted(n for n in sys.modules if n.split(".")[0] == "vllm" or n.endswith("vllm_server"))
 print("RESULT" + json.dumps(out))
 """
 
@@ -83,6 +86,9 @@ def test_import_verl_discovers_trainer_and_losses():
     assert out["status"] == {k: "ok" for k in (
         "verl.trainer.ppo.v1", "verl.trainer.ppo.core_algos", "verl.plugin.platform.platform_manager",
         "verl.workers.rollout.replica", "verl.workers.rollout.base")}
+    # verl's vLLM rollout gets dora's server (working per-request aborts), loaded only when verl
+    # builds a vLLM replica: nothing imports vLLM here (``test_vllm_abort`` runs the class).
+    assert out["vllm_loader"] == "_vllm_replica" and out["vllm_imported"] == []
 
 
 def test_import_verl_survives_missing_optional_pieces():

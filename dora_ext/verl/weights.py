@@ -7,8 +7,10 @@ trainer and a varying set of replicas (verl's ``nccl`` backend keeps its first g
 against the last weights *sent*, wrong after a subset or old-version load).
 
 * **Publish once per version.** ``send_weights(weights, global_steps=v)`` on the actor's rank 0
-  copies the full tensors to host memory once, puts them into Ray's shared-memory object store
-  once (``ray.put``) and hands that one object to the *weight store* of every rollout node (one
+  copies the full tensors to host memory once, in the dtype the engine serves (``dtype``,
+  ``served_dtype``: an FSDP actor's float32 tensors are cast to a bfloat16 engine's dtype, half the
+  bytes every load moves; integer buffers stay as they are), puts them into Ray's shared-memory
+  object store once (``ray.put``) and hands that one object to the *weight store* of every rollout node (one
   Ray actor per node, ``WeightStore``, created at setup by ``ensure_stores``: a fixed membership,
   no group is ever built or rebuilt). Each store pulls the object onto its node at publish time.
   The other actor ranks only drain the generator (FSDP's gathers are collective). The first
@@ -68,10 +70,17 @@ def sample_names(names, rollout: str | None = None) -> list[str]:
 
 def served_dtype(rollout: Any) -> str:
     """The dtype the engine holds its weights in: ``dora_cpu`` serves float32 whatever the config
-    says, vLLM and SGLang ``actor_rollout_ref.rollout.dtype`` (default bfloat16)."""
+    says, vLLM and SGLang ``actor_rollout_ref.rollout.dtype`` (default bfloat16), a torch dtype's
+    name: ``auto`` is refused (the weights are published, and checked, in this dtype)."""
     if str(rollout.get("name")) == "dora_cpu":
         return "float32"
-    return str(rollout.get("dtype") or "bfloat16")
+    name = str(rollout.get("dtype") or "bfloat16")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        from dora_ext.config import ConfigError
+
+        raise ConfigError("actor_rollout_ref.rollout.dtype", f"{name!r}: dora publishes and checks the weights in "
+                          "the engine's dtype and needs it by name (accepted: bfloat16, float16, float32)")
+    return name
 
 
 def checksum(named: dict[str, Any], names: list[str] | None = None, dtype: str | None = None) -> str:
@@ -80,8 +89,9 @@ def checksum(named: dict[str, Any], names: list[str] | None = None, dtype: str |
     corrupted anywhere but between the sampled points changes it); the same weights give the same
     digest on the trainer, in the store and read back from an engine (the same function runs in a
     vLLM worker, on SGLang's answers and on the CPU replica). `dtype` (the engine's, ``served_dtype``):
-    each tensor is first rounded to it, as the engine rounds what it loads (an FSDP actor publishes
-    float32 master weights, a bfloat16 vLLM/SGLang engine holds them rounded)."""
+    each tensor is first rounded to it, as the engine rounds what it loads (an FSDP actor's float32
+    master weights, held rounded by a bfloat16 vLLM/SGLang engine; ``send_weights`` publishes them
+    rounded already, and rounding twice changes nothing)."""
     h = hashlib.sha256()
     cast = getattr(torch, dtype) if dtype else torch.float32
     for name in sample_names(named) if names is None else names:
@@ -354,9 +364,11 @@ def _register():
 
             start = time.perf_counter()
             named = {}
+            served = getattr(torch, self.dtype) if self.dtype else None  # the engine's dtype: what it would round to
             async for name, tensor in ensure_async_iterator(weights):
                 if self.is_master:
-                    named[name] = tensor.detach().to("cpu", copy=True)  # on GPU: the one device-to-host copy
+                    dtype = served if served is not None and tensor.is_floating_point() else tensor.dtype
+                    named[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)  # on GPU: the one device-to-host copy
             if not self.is_master:
                 return {}
             if global_steps is None:

@@ -359,7 +359,7 @@ class _LocalStore:
 
 @pytest.mark.parametrize("engine", ["rounded_like_the_engine", "other_weights"])
 def test_a_bf16_vllm_engine_holding_the_fp32_publication_passes_its_checksum(engine, tmp_path, monkeypatch):
-    """An FSDP actor publishes float32 master weights; a vLLM/SGLang engine (rollout.dtype bfloat16)
+    """An FSDP actor hands float32 master weights; a vLLM/SGLang engine (rollout.dtype bfloat16)
     holds them rounded. Both checksums round to the engine's dtype (``served_dtype``, set by
     ``configure``), so the real publisher (``send_weights``) and the real vLLM-worker function
     (``_vllm_checksum``, run by ``collective_rpc``) agree on correct weights and still differ on
@@ -395,6 +395,50 @@ def test_a_bf16_vllm_engine_holding_the_fp32_publication_passes_its_checksum(eng
     monkeypatch.setenv("DORA_CHECKSUM_DIR", str(tmp_path))
     got = asyncio.run(W.engine_checksum("vllm", server, "addr", names, _LocalStore(store), "1_1", dtype))
     assert (got == published) == (engine == "rounded_like_the_engine")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_publication_is_in_the_engine_dtype_and_the_load_reads_back_its_checksum(dtype, monkeypatch):
+    """An FSDP actor hands float32 tensors; a bfloat16 engine holds them rounded, so they are
+    published rounded (at 7B a float32 copy is ~30 GB that every rollout worker rebuilds per load),
+    integer buffers as they are. The checksum, over what is published, is the one the actor's
+    float32 tensors gave before and the one the engine reads back after the load (the receiver's
+    own ``_yield``). A float32 engine (``dora_cpu``) gets the tensors unchanged."""
+    import ray
+
+    from dora_ext.verl import weights as W
+
+    store = W.WeightStore()
+    monkeypatch.setattr(W, "all_stores", lambda *_: [_LocalStore(store)])
+    monkeypatch.setattr(ray, "put", lambda x: x)
+    gen = torch.Generator().manual_seed(0)
+    actor = {"model.norm.weight": 1 + torch.randn(64, generator=gen) * 1e-3,
+             "model.layers.0.mlp.up_proj.weight": torch.randn(8, 8, generator=gen), "model.position_ids": torch.arange(16)}
+    publisher = W.DoraStoreCheckpointEngine(is_master=True, dtype=dtype, rollout="vllm")
+    asyncio.run(publisher.send_weights(iter(actor.items()), global_steps=1))
+    (boxed, digest), served = store.versions[1], getattr(torch, dtype)
+    assert {n: t.dtype for n, t in boxed[0].items()} == {
+        "model.norm.weight": served, "model.layers.0.mlp.up_proj.weight": served, "model.position_ids": torch.int64}
+    assert all(torch.equal(t, actor[n].to(t.dtype)) and t.data_ptr() != actor[n].data_ptr() for n, t in boxed[0].items())
+
+    async def load():  # into an engine of that dtype, as vLLM copies into its parameters
+        return {n: torch.empty(t.shape, dtype=served if t.is_floating_point() else t.dtype).copy_(t)
+                async for n, t in publisher._yield(boxed)}
+
+    held, (published, names) = asyncio.run(load()), store.evidence(1)
+    assert W.checksum(held, names, dtype) == published == digest == W.checksum(actor, names, dtype)
+
+
+def test_an_engine_dtype_that_is_no_torch_dtype_is_refused_naming_the_key():
+    """The weights are published and checked in the engine's dtype: ``auto`` names none."""
+    from omegaconf import OmegaConf
+
+    from dora_ext.config import ConfigError
+    from dora_ext.verl.weights import served_dtype
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.dtype: 'auto'.*accepted: bfloat16"):
+        served_dtype(OmegaConf.create({"name": "vllm", "dtype": "auto"}))
+    assert served_dtype(OmegaConf.create({"name": "sglang", "dtype": "float16"})) == "float16"
 
 
 def test_a_vllm_per_request_abort_keeps_the_prefix_cache_of_the_requests_left_running():

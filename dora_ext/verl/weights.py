@@ -300,7 +300,8 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
 async def abort_request(rollout: str, server: Any, address: str, request_id: str) -> dict:
     """Abort one request on one engine (R5: the moved trajectory's, the others there run on).
 
-    ``dora_cpu`` and ``vllm``: the server actor's ``abort_request`` (verl's ``vLLMHttpServer``);
+    ``dora_cpu`` and ``vllm``: the server actor's ``abort_request`` (on vLLM dora's subclass of
+    verl's ``vLLMHttpServer``, ``vllm_server``: verl's own finds no request of vLLM >= 0.16);
     ``sglang`` (its server actor has none in verl 0.9.1): SGLang's ``/abort_request`` HTTP route,
     which answers 200 whether it held the id or not (``confirmed`` False)."""
     if rollout == "sglang":

@@ -11,8 +11,9 @@ against the last weights *sent*, wrong after a subset or old-version load).
   ``served_dtype``: an FSDP actor's float32 tensors are cast to a bfloat16 engine's dtype, half the
   bytes every load moves; integer buffers stay as they are), puts them into Ray's shared-memory
   object store once (``ray.put``) and hands that one object to the *weight store* of every rollout
-  node (one Ray actor per node, ``WeightStore``, created at setup by ``ensure_stores``: a fixed membership,
-  no group is ever built or rebuilt). Each store pulls the object onto its node at publish time.
+  node (one Ray actor per node, ``WeightStore``, created at setup by ``ensure_stores``: a fixed
+  membership, no group is ever built or rebuilt). Each store pulls the object onto its node at
+  publish time.
   The other actor ranks only drain the generator (FSDP's gathers are collective). The first
   publication of a version wins.
 * **Load from the node's store, without the trainer.** ``receive_weights(global_steps=v)`` on a

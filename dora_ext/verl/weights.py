@@ -366,11 +366,12 @@ def _register():
 
             start = time.perf_counter()
             named = {}
-            served = getattr(torch, self.dtype) if self.dtype else None  # the engine's dtype: what it would round to
+            served = getattr(torch, self.dtype) if self.dtype else None  # the engine's: what it would round to
             async for name, tensor in ensure_async_iterator(weights):
                 if self.is_master:
                     dtype = served if served is not None and tensor.is_floating_point() else tensor.dtype
-                    named[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)  # on GPU: the one device-to-host copy
+                    # On GPU: the one device-to-host copy.
+                    named[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)
             if not self.is_master:
                 return {}
             if global_steps is None:

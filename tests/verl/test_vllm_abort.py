@@ -179,7 +179,8 @@ def test_an_engine_without_the_external_id_map_gets_verl_s_own_abort_and_other_n
     engine = _Engine(internal=False)
     state = engine.output_processor.add("traj-1")
     assert _abort(host.dora(engine), "traj-1", reset_prefix_cache=False) == {"aborted": True, "request_id": "traj-1"}
-    assert state.queue == [{"request_id": "traj-1", "finish_reason": "abort"}] and engine.engine_core.aborted == ["traj-1"]
+    assert state.queue == [{"request_id": "traj-1", "finish_reason": "abort"}]
+    assert engine.engine_core.aborted == ["traj-1"]
     engine = _Engine()
     engine.output_processor.add("traj-1")
     assert _abort(host.dora(engine, node_rank=1), "traj-1") == {"aborted": False, "request_id": "traj-1"}

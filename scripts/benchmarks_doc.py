@@ -80,12 +80,17 @@ def table(rows: list[dict], cols: list[tuple[str, str]] | None = None) -> str:
     return "\n".join(out)
 
 
+def empty(v: Any) -> bool:
+    """A dict with nothing but empty dicts in it (e.g. a sweep that was skipped): left out."""
+    return isinstance(v, dict) and all(empty(x) for x in v.values())
+
+
 def generic(data: Any, level: int = 3) -> str:
     if not isinstance(data, dict):
         if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
             return table(data)
         return cell(data)
-    parts, items = [], [(k, v) for k, v in data.items() if k not in HIDDEN]
+    parts, items = [], [(k, v) for k, v in data.items() if k not in HIDDEN and not empty(v)]
     flat = [(k, v) for k, v in items if scalar(v)]
     if flat:
         parts.append("\n".join(f"- {k}: {cell(v)}" for k, v in flat))

@@ -18,10 +18,11 @@ def test_unknown_and_changed_shapes_render_generically(tmp_path):
     # A new benchmark's file, and a known name whose shape its renderer does not know.
     (tmp_path / "new_bench.json").write_text(json.dumps(
         {"command": "python benchmarks/new_bench.py", "ratio": 1.2345, "work": "/somewhere",
-         "rows": [{"mode": "dora", "tok_s": 12345.6}, {"mode": "sync", "ok": True}]}))
+         "rows": [{"mode": "dora", "tok_s": 12345.6}, {"mode": "sync", "ok": True}],
+         "skipped_sweep": {"a": {}, "b": {}}}))
     (tmp_path / "sim_modes.json").write_text(json.dumps({"seed": 3, "presets": {"x": {"rows": [{"mode": "m"}]}}}))
     text = doc.render(tmp_path)
     assert "## new_bench\n\nFrom `benchmarks/results/new_bench.json`, written by `python benchmarks/new_bench.py`." in text
-    assert "- ratio: 1.23" in text and "/somewhere" not in text
+    assert "- ratio: 1.23" in text and "/somewhere" not in text and "skipped_sweep" not in text  # nothing in it
     assert "| mode | tok_s | ok |\n|---|---|---|\n| dora | 12,346 | - |\n| sync | - | yes |" in text
     assert "## sim_modes\n\nFrom `benchmarks/results/sim_modes.json`.\n\n- seed: 3" in text

@@ -93,3 +93,11 @@ def test_sao_study_collapse_is_read_from_the_rewards():
     # seed 1: the 2-step mean falls from 0.65 to 0.4 (>= 0.15); seed 2 ends 0.1 below its start
     assert c["collapsed"] == [False, True, True] and c["any_collapsed"] and c["final_entropy"] == [1.0] * 3
     assert c["max_drop"][:2] == [0.0, pytest.approx(0.25)] and sao.summary(sao.records_of(c)) == c  # (--resume)
+    assert c["collapse_step"] == [None, 3, None]  # seed 1's 2-step mean first falls at step 3 (0.8, 0.4)
+    assert sao.drop_start([0.2, 0.6, 0.45, 0.7, 0.4, 0.9]) == 4 and sao.drop_start([1, 1]) is None
+
+
+def test_sao_study_lr_flag_names_every_method(capsys):
+    with pytest.raises(SystemExit):
+        _bench("sao_vs_grpo").main(["--lr", "grpo=1e-3,sao=2e-4"])
+    assert "--lr: give every method of --methods an lr; missing: grpo_sao_mask" in capsys.readouterr().err

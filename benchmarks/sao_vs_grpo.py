@@ -7,8 +7,9 @@ dora at K = 1, 2, 4, each at its own best learning rate from the same sweep.
 
 Methods: `grpo` is recipes/cpu/long-tail.yaml (n=16, decoupled PPO); `grpo_sao_mask` the same with
 `trainer.correction: sao` (SAO's double-side mask on pi_theta / pi_rollout instead of the clip);
-`sao` is recipes/cpu/sao-n1.yaml (n=1, a value model, GAE, the mask); `sao_no_entropy` (not in the
-default --methods) the same without the entropy bonus. Same task, model, warm start
+`sao` is recipes/cpu/sao-n1.yaml (n=1, a value model, GAE, the mask) with GRPO's entropy bonus
+(0.01, as every earlier result used it); `sao_no_entropy` (not in the default --methods) without
+it, as the recipe now ships. Same task, model, warm start
 and trajectories per step (128). Equal tuning budget: every method gets the same sweep of
 `trainer.lr` (`--lrs`, seed 0, K = `--sweep-k`); its best lr (highest final held-out reward) is
 then run on `--seeds` seeds at every K (the sweep's run is reused as seed 0 at `--sweep-k`). The
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     recipes = {"grpo": (os.path.join(cpu, "long-tail.yaml"), []),
                "grpo_sao_mask": (os.path.join(cpu, "long-tail.yaml"), ["trainer.correction=sao"]),
-               "sao": (os.path.join(cpu, "sao-n1.yaml"), []),
+               "sao": (os.path.join(cpu, "sao-n1.yaml"), ["trainer.entropy_coef=0.01"]),
                "sao_no_entropy": (os.path.join(cpu, "sao-n1.yaml"), ["trainer.entropy_coef=0"])}
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:

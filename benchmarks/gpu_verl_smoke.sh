@@ -17,7 +17,8 @@
 # dora_ext.verl.cpu.evidence, the same code as the CPU tests):
 #   (a) >= 2 loads of partial subsets (a replica loaded while others kept serving), none failed;
 #   (b) two versions held by replicas at once, and a trained staleness of K;
-#   (c) every load's engine-side checksum (vLLM: collective_rpc into the workers; SGLang:
+#   (c) every load's engine-side checksum (vLLM: collective_rpc("dora_checksum") into the workers,
+#       a method of dora's worker extension, which DoraTrainer sets itself here; SGLang:
 #       /get_weights_by_name; over the sampled norm tensors) equal to the published one;
 #   (d) >= 1 load of a version older than the newest published then (from the node's store);
 #   (e) >= 1 landed migration, aborted alone on its source (abort_request), none left unlanded,
@@ -82,7 +83,8 @@ run() {  # $1 name, rest: overrides
 
 names=()
 for e in ${ENGINES}; do
-    # dora's weight path is dora_store (set by DoraTrainer; spelled out here as the recipes do).
+    # dora's weight path is dora_store (set by DoraTrainer; spelled out here as the recipes do). Its
+    # vLLM worker extension (engine_kwargs.vllm.worker_extension_cls) is left to DoraTrainer.
     run "dora_${e}" actor_rollout_ref.rollout.name="${e}" trainer.v1.trainer_mode=dora +dora.max_staleness=${K} \
         actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store \
         actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.weights

@@ -14,6 +14,8 @@ Modules (only `plugin` is imported on ``import verl``; the rest load when verl's
                   (stands in for vLLM in the coordinator and agent-loop tests).
 * ``weights``  -- ``dora_store``, dora's one weight path on every machine: per-node weight
                   stores behind verl's ``CheckpointEngineWithCache``, engine-side checksums.
+* ``vllm_worker`` -- ``DoraWorkerExtension``: verl's vLLM worker extension plus the checksum
+                  method (imported only in vLLM's worker processes).
 * ``cpu``      -- verl on a CPU-only machine (``VERL_PLATFORM=cpu``): platform, gloo process
                   groups, the ``dora_cpu`` rollout replica (the HF model the actor trains),
                   tiny local assets, run evidence.
@@ -41,6 +43,10 @@ changes one of them must be re-checked here first):
   ``standalone_checkpoint_manager`` (``CheckpointEngineManager``), ``_enable_hybrid_replicas``,
   ``hybrid_rollout_config``; the actor role is ``DetachActorWorker`` (``update_weights(global_steps,
   mode)`` sends through the checkpoint-engine backend: a publication here).
+* ``verl.workers.rollout.vllm_rollout``: ``vLLMHttpServer.launch_server`` passes vLLM
+  ``worker_extension_cls=<utils.vLLMColocateWorkerExtension>`` then ``**engine_kwargs.vllm`` (a
+  ``worker_extension_cls`` there replaces it); ``collective_rpc(method, args=)`` goes on to vLLM's
+  ``AsyncLLM.collective_rpc`` (msgpack to the engine core: a method name, not a function).
 * ``verl.checkpoint_engine.base.CheckpointEngineManager(config, actor_wg, replicas)``:
   ``abort_replicas()``, ``resume_generation_replicas()`` (R5 aborts; weights never go through it).
   ``CheckpointEngineWithCache`` (declared, no implementation in verl): ``weights`` implements it.

@@ -17,7 +17,9 @@ and update code untouched and changes four things:
    ``parameter_sync_step`` > 1 loads happen between mini-batches, after optimizer steps: the
    stores keep the last versions as they were published, so a load never reads the actor's
    live parameters. After each load the engine's own checksum of what it holds is compared with
-   the publication's (a mismatch stops the run, naming the replica and the version).
+   the publication's (a mismatch stops the run, naming the replica and the version; on vLLM read
+   by dora's worker extension, set as ``actor_rollout_ref.rollout.engine_kwargs.vllm.
+   worker_extension_cls``: ``_check_vllm_extension``).
 3. **R3 sampling** (``sampler.DoraReplayBuffer``) and **version-pinned, frontier-first routing**
    (``coordinator`` + ``manager``) are wired in by setting verl's own config keys
    ``trainer.v1.sampler.custom_sampler``, ``actor_rollout_ref.rollout.agent.
@@ -161,6 +163,7 @@ def configure(config: Any) -> Any:
                               f"is {rollout.router_config_path!r}; trainer_mode=dora routes requests through its "
                               "coordinator, verl's router plug-in: remove the key")
         rollout.router_config_path = CONFIG_PATH
+        _check_vllm_extension(config)
         agent = rollout.agent
         if agent.get("agent_loop_manager_class"):
             _check_manager(str(agent.agent_loop_manager_class))
@@ -225,18 +228,44 @@ def _check_weight_store(config: Any, max_staleness: int) -> None:
 
 def _check_manager(fqn: str) -> None:
     """A user's manager must offer prompts to the coordinator, i.e. extend DoraAgentLoopManager."""
+    _check_subclass("actor_rollout_ref.rollout.agent.agent_loop_manager_class", fqn, MANAGER_CLASS,
+                    "it offers prompts to the scheduler")
+
+
+def _check_vllm_extension(config: Any) -> None:
+    """On vLLM the engine checksum after each load calls the workers' ``dora_checksum`` by name
+    (``collective_rpc``; vLLM sends a function only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``,
+    which verl never sets): unset, ``engine_kwargs.vllm.worker_extension_cls`` becomes
+    ``DoraWorkerExtension`` (verl's own extension plus that method); a user's class must extend it."""
+    from .weights import VLLM_EXTENSION, VLLM_EXTENSION_KEY
+
+    rollout = config.actor_rollout_ref.rollout
+    if str(rollout.get("name")) != "vllm":
+        return
+    if rollout.get("engine_kwargs") is None:
+        rollout.engine_kwargs = {}
+    if rollout.engine_kwargs.get("vllm") is None:
+        rollout.engine_kwargs.vllm = {}
+    fqn = rollout.engine_kwargs.vllm.get("worker_extension_cls")
+    if fqn in (None, ""):
+        rollout.engine_kwargs.vllm.worker_extension_cls = VLLM_EXTENSION
+    elif fqn != VLLM_EXTENSION:
+        _check_subclass(VLLM_EXTENSION_KEY, str(fqn), VLLM_EXTENSION,
+                        "every weight load is checked through its method dora_checksum: extend it, or remove the key")
+
+
+def _check_subclass(key: str, fqn: str, base: str, why: str) -> None:
+    """The class a user named at `key` must be `base` or extend it (both are imported here)."""
     from verl.utils.import_utils import load_class_from_fqn
 
     from dora_ext.config import ConfigError
 
-    from .manager import DoraAgentLoopManager
-
-    cls = load_class_from_fqn(fqn, "AgentLoopManager")
-    if not (isinstance(cls, type) and issubclass(cls, DoraAgentLoopManager)):
-        raise ConfigError(
-            "actor_rollout_ref.rollout.agent.agent_loop_manager_class",
-            f"{fqn} must be {MANAGER_CLASS} or a subclass in trainer_mode=dora (it offers prompts to the scheduler)",
-        )
+    try:
+        cls, required = load_class_from_fqn(fqn), load_class_from_fqn(base)
+    except Exception as exc:  # an import error, a missing class, or what the module raised on import
+        raise ConfigError(key, f"{fqn!r} could not be imported to check that it extends {base}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, required)):
+        raise ConfigError(key, f"{fqn} must be {base} or a subclass in trainer_mode=dora ({why})")
 
 
 @contextlib.contextmanager

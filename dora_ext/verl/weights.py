@@ -27,8 +27,10 @@ against the last weights *sent*, wrong after a subset or old-version load).
   parallelism and held under their Hugging Face names; ``sample_names``). After each load, and
   after verl's first sync, the coordinator asks the *engine* for the same checksum over what it
   now holds (``engine_checksum``: the CPU replica reads its model; SGLang through
-  ``/get_weights_by_name``; vLLM through ``collective_rpc``) and refuses a mismatch
-  (``WeightsMismatch``, the run stops with the message).
+  ``/get_weights_by_name``; vLLM through ``collective_rpc("dora_checksum")``, a method of dora's
+  worker extension, ``DoraWorkerExtension``, which ``DoraTrainer`` sets as
+  ``engine_kwargs.vllm.worker_extension_cls``) and refuses a mismatch (``WeightsMismatch``, the
+  run stops with the message).
 
 The transport is the same code on every machine (Ray's object store, then a copy to the device);
 on CPU nothing else differs. The store keeps the newest ``keep_versions`` versions
@@ -57,6 +59,9 @@ SAMPLE_POINTS = 64  # values of each tensor in the checksum, strided across all 
 REPLICATED = ("vllm", "sglang")  # engines that shard/fuse most tensors: only *norm.weight reads back as published
 FETCH_TIMEOUT_S = 1800.0  # default engine_kwargs.dora_store.fetch_timeout_s
 TIMEOUT_KEY = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.fetch_timeout_s"
+VLLM_EXTENSION = "dora_ext.verl.vllm_worker.DoraWorkerExtension"  # DoraTrainer sets it on vLLM
+VLLM_EXTENSION_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls"
+METHOD = "dora_checksum"  # DoraChecksumMixin's, called in vLLM's workers by name
 
 
 def sample_names(names, rollout: str | None = None) -> list[str]:
@@ -240,18 +245,23 @@ def all_stores(keep_versions: int = 8) -> list:
 
 
 # ---------------------------------------------------------------------- engine-side checksums
-def _vllm_checksum(worker: Any, names: list[str], path: str, dtype: str | None = None) -> None:
-    """Runs inside each vLLM worker (``collective_rpc``): rank 0 writes the checksum of its model's
-    tensors `names` to `path` (verl's ``collective_rpc`` does not return results)."""
-    if int(getattr(worker, "rank", 0)) != 0:
-        return
-    runner = worker.model_runner  # get_model(): the module under vLLM's CUDA-graph wrapper
-    params = dict((runner.get_model() if hasattr(runner, "get_model") else runner.model).named_parameters())
-    missing = [n for n in names if n not in params]
-    out = {"error": f"not in the vLLM model: {missing[:5]}"} if missing else {"checksum": checksum(params, names, dtype)}
-    with open(path + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(path + ".tmp", path)
+class DoraChecksumMixin:
+    """The engine-side checksum inside vLLM: vLLM mixes ``DoraWorkerExtension`` (``vllm_worker``:
+    this class over verl's own ``vLLMColocateWorkerExtension``) into each GPU worker, and
+    ``engine_checksum`` calls ``collective_rpc("dora_checksum", ...)`` by name."""
+
+    def dora_checksum(self, names: list[str], path: str, dtype: str | None = None) -> None:
+        """Rank 0 writes the checksum of its model's tensors `names` to `path` (verl's
+        ``collective_rpc`` does not return results)."""
+        if int(getattr(self, "rank", 0)) != 0:
+            return
+        runner = self.model_runner  # get_model(): the module under vLLM's CUDA-graph wrapper
+        params = dict((runner.get_model() if hasattr(runner, "get_model") else runner.model).named_parameters())
+        missing = [n for n in names if n not in params]
+        out = {"error": f"not in the vLLM model: {missing[:5]}"} if missing else {"checksum": checksum(params, names, dtype)}
+        with open(path + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(path + ".tmp", path)
 
 
 async def engine_checksum(rollout: str, server: Any, address: str, names: list[str], store: Any,
@@ -259,8 +269,9 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
     """The checksum over `names` of the weights the engine behind `server` holds now.
 
     ``dora_cpu``: the replica reads back its model. ``sglang``: ``/get_weights_by_name`` on the
-    server's HTTP address. ``vllm``: ``collective_rpc`` runs ``_vllm_checksum`` in the workers,
-    which write it to a file the node's store reads. (The GPU branches are not run by CI: no GPU.)"""
+    server's HTTP address. ``vllm``: ``collective_rpc`` runs ``DoraChecksumMixin.dora_checksum`` in
+    the workers, which write it to a file the node's store reads. (The GPU branches are not run by
+    CI: no GPU.)"""
     if rollout == "dora_cpu":
         return await server.weights_checksum.remote(names, dtype)
     if rollout == "sglang":
@@ -288,7 +299,9 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
         import tempfile
 
         path = os.path.join(os.environ.get("DORA_CHECKSUM_DIR", tempfile.gettempdir()), f"dora_checksum_{tag}.json")
-        await server.collective_rpc.remote(_vllm_checksum, args=(names, path, dtype))
+        # By name, with plain arguments: vLLM sends the call to its engine-core process through
+        # msgpack, which refuses a function unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 (verl never sets it).
+        await server.collective_rpc.remote(METHOD, args=[list(names), path, dtype])
         text = await store.read_text.remote(path)
         out = json.loads(text) if text else {"error": f"vLLM worker wrote no checksum to {path}"}
         if "error" in out:

@@ -3,7 +3,8 @@
 Used as ``PYTHON="python recipes/verl/check_overrides.py" ./recipes/verl/<recipe>.sh``: the recipe
 then calls ``$PYTHON -m verl.trainer.main_ppo <overrides>``, this script drops ``-m <module>``,
 composes the config (so a misspelt key fails here, not after the GPUs are allocated), validates
-the ``dora`` key when the trainer mode is ``dora`` and prints ``OK <mode> <summary>``.
+the ``dora`` key when the trainer mode is ``dora`` (``DoraTrainer``'s ``configure``: what it sets
+shows in the summary) and prints ``OK <mode> <summary>``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main(argv: list[str]) -> int:
         d = configure(cfg)
         ce = cfg.actor_rollout_ref.rollout.checkpoint_engine
         summary += f" K={d.max_staleness} instances={len(d.instances)} mode={d.mode} weights={ce.backend}"
+        if cfg.actor_rollout_ref.rollout.name == "vllm":  # the worker extension the load checks call
+            summary += f" vllm_worker={cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls}"
     print(f"OK {mode} {summary}")
     return 0
 

@@ -86,10 +86,13 @@ separate=(
 
 # Weights: dora's one path is backend dora_store (each version published once into one weight
 # store per rollout node, drained replicas load from their node's store; nccl is refused for
-# dora: its fixed group breaks at the first load of a subset). verl's own twin keeps nccl.
+# dora: its fixed group breaks at the first load of a subset). verl's own twin keeps nccl. Each
+# load is checked against vLLM's own checksum through dora's worker extension (verl's plus one
+# method; DoraTrainer sets it when unset, spelled out here as the backend is).
 dora_weights=(
     actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.weights
+    +actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=dora_ext.verl.vllm_worker.DoraWorkerExtension
 )
 
 case "${MODE}" in

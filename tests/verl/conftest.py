@@ -6,6 +6,9 @@ pytest settings use ``--import-mode=importlib`` so this folder never imports thr
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 
 verl = pytest.importorskip("verl", reason="verl is not installed (pip install 'dora-ext[verl]')")
@@ -43,3 +46,17 @@ def tiny_hf_dir(tmp_path_factory):
     from dora_ext.verl.cpu.tiny import build_model
 
     return build_model(str(tmp_path_factory.mktemp("tiny_hf")), hidden=16, layers=1)
+
+
+@pytest.fixture
+def vllm_extension_stub(monkeypatch):
+    """verl's ``verl.workers.rollout.vllm_rollout.utils`` imports vLLM, which is not installed here:
+    a stub module under that name stands in, holding an empty ``vLLMColocateWorkerExtension`` (the
+    base dora's worker extension must extend). ``dora_ext.verl.vllm_worker`` is imported afresh on
+    it and dropped afterwards. Yields the stand-in base class."""
+    stub = types.ModuleType("verl.workers.rollout.vllm_rollout.utils")
+    stub.vLLMColocateWorkerExtension = type("vLLMColocateWorkerExtension", (), {})
+    monkeypatch.setitem(sys.modules, stub.__name__, stub)
+    sys.modules.pop("dora_ext.verl.vllm_worker", None)
+    yield stub.vLLMColocateWorkerExtension
+    sys.modules.pop("dora_ext.verl.vllm_worker", None)

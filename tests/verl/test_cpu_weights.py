@@ -17,6 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from dora_ext.verl.weights import DoraChecksumMixin  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -357,13 +359,39 @@ class _LocalStore:
         self.read_text = type("M", (), {"remote": lambda _, *a: asyncio.sleep(0, store.read_text(*a))})()
 
 
+class _VllmWorker(DoraChecksumMixin):
+    """vLLM's GPU worker with dora's extension mixed in (vLLM appends the extension to its bases)."""
+
+    def __init__(self, rank, held):
+        self.rank = rank
+        self.model_runner = type("R", (), {"model": type("M", (), {"named_parameters": lambda _: iter(held.items())})()})()
+
+
+def _vllm_server(workers: list, calls: list):
+    """verl's ``vLLMHttpServer.collective_rpc`` in front of vLLM, with vLLM's limits: the call
+    reaches the engine-core process through msgpack (vLLM's ``MsgpackEncoder`` refuses a function
+    unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which verl never sets; msgspec's encoder without
+    an enc_hook refuses it the same way), then every worker runs the method named,
+    ``getattr(worker, method)(*args)`` (vLLM's ``run_method``). `calls` records what went over."""
+    import msgspec
+
+    async def rpc(method, timeout=None, args=(), kwargs=None):
+        calls.append(msgspec.msgpack.decode(msgspec.msgpack.Encoder().encode([method, args, kwargs])))
+        method, args, kwargs = calls[-1]
+        for worker in workers:
+            getattr(worker, method)(*args, **(kwargs or {}))
+
+    return type("Server", (), {"collective_rpc": type("M", (), {"remote": lambda _, *a, **k: rpc(*a, **k)})()})()
+
+
 @pytest.mark.parametrize("engine", ["rounded_like_the_engine", "other_weights"])
 def test_a_bf16_vllm_engine_holding_the_fp32_publication_passes_its_checksum(engine, tmp_path, monkeypatch):
     """An FSDP actor hands float32 master weights; a vLLM/SGLang engine (rollout.dtype bfloat16)
     holds them rounded. Both checksums round to the engine's dtype (``served_dtype``, set by
-    ``configure``), so the real publisher (``send_weights``) and the real vLLM-worker function
-    (``_vllm_checksum``, run by ``collective_rpc``) agree on correct weights and still differ on
-    wrong ones. Before, every load of a bf16 engine was refused."""
+    ``configure``), so the real publisher (``send_weights``) and the real vLLM-worker method
+    (``dora_checksum``, called by name through ``collective_rpc`` in both workers of a TP=2 engine)
+    agree on correct weights and still differ on wrong ones. Before, every load of a bf16 engine was
+    refused; and the call passed a function, which vLLM's msgpack encoder refuses."""
     import ray
     from omegaconf import OmegaConf
 
@@ -384,17 +412,27 @@ def test_a_bf16_vllm_engine_holding_the_fp32_publication_passes_its_checksum(eng
         held["model.norm.weight"] = (fp32["model.norm.weight"] + 0.05).to(torch.bfloat16)
     assert W.checksum(held, names) != W.checksum(fp32, names)  # without rounding they never agree
 
-    class Worker:  # vLLM's GPU worker as collective_rpc hands the function to it
-        rank = 0
-        model_runner = type("Runner", (), {"model": type("Model", (), {"named_parameters": lambda _: iter(held.items())})()})()
-
-    async def rpc(fn, args=()):
-        fn(Worker(), *args)
-
-    server = type("Server", (), {"collective_rpc": type("M", (), {"remote": lambda _, fn, args: rpc(fn, args)})()})()
+    calls = []
+    server = _vllm_server([_VllmWorker(0, held), _VllmWorker(1, held)], calls)
     monkeypatch.setenv("DORA_CHECKSUM_DIR", str(tmp_path))
     got = asyncio.run(W.engine_checksum("vllm", server, "addr", names, _LocalStore(store), "1_1", dtype))
     assert (got == published) == (engine == "rounded_like_the_engine")
+    assert [c[0] for c in calls] == ["dora_checksum"] and calls[0][1][0] == names
+
+
+def test_the_vllm_worker_extension_is_verls_with_the_checksum_method(vllm_extension_stub):
+    """The class DoraTrainer names for vLLM composes with verl's: importing it on the stand-in
+    ``vLLMColocateWorkerExtension`` (``vllm_extension_stub``: vLLM is not installed) yields a
+    subclass of it that has the method ``engine_checksum`` calls. vLLM refuses an extension with
+    an attribute its worker already has: dora's adds only that one."""
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from dora_ext.verl.weights import METHOD, VLLM_EXTENSION
+
+    cls = load_class_from_fqn(VLLM_EXTENSION)
+    assert issubclass(cls, vllm_extension_stub) and issubclass(cls, DoraChecksumMixin)
+    added = {a for a in set(dir(cls)) - set(dir(vllm_extension_stub)) if not a.startswith("__")}
+    assert added == {METHOD} == {"dora_checksum"}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -464,21 +502,13 @@ def test_a_vllm_check_whose_workers_write_nothing_fails_and_never_reads_an_earli
     from dora_ext.verl import weights as W
 
     held = {"model.norm.weight": torch.ones(8)}
-    ranks = iter([0, 1])
-
-    class Worker:
-        def __init__(self):
-            self.rank = next(ranks)
-            self.model_runner = type("R", (), {"model": type("M", (), {"named_parameters": lambda _: iter(held.items())})()})()
-
-    async def rpc(fn, args):
-        fn(Worker(), *args)
-
-    server = type("S", (), {"collective_rpc": type("M", (), {"remote": lambda _, fn, args: rpc(fn, args)})()})()
+    workers = [_VllmWorker(0, held)]
+    server = _vllm_server(workers, [])
     monkeypatch.setenv("DORA_CHECKSUM_DIR", str(tmp_path))
     store = _LocalStore(W.WeightStore())
     names = ["model.norm.weight"]
     assert asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3")) == W.checksum(held, names)
+    workers[:] = [_VllmWorker(1, held)]  # the same check again, answered by no rank 0
     with pytest.raises(W.WeightsMismatch, match="vLLM worker wrote no checksum"):
         asyncio.run(W.engine_checksum("vllm", server, "a", names, store, "1_3"))
 

@@ -19,12 +19,13 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes" / "verl"
+_EXT = " vllm_worker=dora_ext.verl.vllm_worker.DoraWorkerExtension"  # the load checks' vLLM worker method
 CASES = [
-    ("dapo_qwen25_math_7b.sh", "dora", "OK dora batch=512 n=16 K=1 instances=16 mode=dora weights=dora_store"),
+    ("dapo_qwen25_math_7b.sh", "dora", "OK dora batch=512 n=16 K=1 instances=16 mode=dora weights=dora_store" + _EXT),
     ("dapo_qwen25_math_7b.sh", "separate_async", "OK separate_async batch=512 n=16"),
     ("dapo_qwen25_math_7b.sh", "sync", "OK sync batch=512 n=16"),
-    ("grpo_qwen3_1_7b.sh", "pipeline", "OK dora batch=64 n=8 K=0 instances=4 mode=pipeline weights=dora_store"),
-    ("grpo_qwen3_1_7b.sh", "dora", "OK dora batch=64 n=8 K=1 instances=4 mode=dora weights=dora_store"),
+    ("grpo_qwen3_1_7b.sh", "pipeline", "OK dora batch=64 n=8 K=0 instances=4 mode=pipeline weights=dora_store" + _EXT),
+    ("grpo_qwen3_1_7b.sh", "dora", "OK dora batch=64 n=8 K=1 instances=4 mode=dora weights=dora_store" + _EXT),
     ("grpo_qwen3_1_7b.sh", "separate_async", "OK separate_async batch=64 n=8"),
     ("grpo_qwen3_1_7b.sh", "sync", "OK sync batch=64 n=8"),
 ]

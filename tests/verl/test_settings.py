@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -141,6 +142,48 @@ def test_dora_trainer_construction_on_cpu():
     assert isinstance(t.replay_buffer, DoraReplayBuffer) and t.replay_buffer.max_staleness == 1
     assert t._enable_hybrid_replicas is False and t.hybrid_rollout_config.enable_switch is False
     assert t.parameter_sync_step == 4 and t.dora.batch_size == 16
+
+
+def test_dora_on_vllm_gets_the_worker_extension_its_load_checks_call(vllm_extension_stub, monkeypatch):
+    """Each load on vLLM is checked by calling the workers' ``dora_checksum`` by name, a method of
+    dora's worker extension: ``DoraTrainer`` puts it where verl's vLLM server reads its engine
+    kwargs (the replicas' ``RolloutConfig``: ``engine_kwargs.vllm``, which verl's ``launch_server``
+    spreads over its own ``worker_extension_cls``). A user's class is kept if it extends dora's,
+    refused naming the key otherwise (verl's own class too: it lacks the method); SGLang is left
+    alone. (``vllm_extension_stub`` stands in for verl's vLLM module, which imports vLLM.)"""
+    import types
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from dora_ext.verl.trainer import DoraTrainer, configure
+    from dora_ext.verl.weights import VLLM_EXTENSION, VLLM_EXTENSION_KEY
+
+    t = DoraTrainer(_compose(*_trainer_overrides("actor_rollout_ref.rollout.name=vllm")))
+    rollout = omega_conf_to_dataclass(t.config.actor_rollout_ref.rollout)  # what each replica is given
+    assert rollout.get("engine_kwargs", {}).get("vllm", {})["worker_extension_cls"] == VLLM_EXTENSION
+    cfg = _compose(*_trainer_overrides("actor_rollout_ref.rollout.name=sglang"))
+    configure(cfg)
+    assert "worker_extension_cls" not in cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
+
+    from dora_ext.verl.vllm_worker import DoraWorkerExtension
+
+    mine = types.ModuleType("my_ext")
+    mine.Mine = type("Mine", (DoraWorkerExtension,), {})
+    monkeypatch.setitem(sys.modules, "my_ext", mine)
+
+    def with_ext(fqn):
+        return _compose(*_trainer_overrides("actor_rollout_ref.rollout.name=vllm",
+                                            f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={fqn}"))
+
+    for fqn in (VLLM_EXTENSION, "my_ext.Mine"):
+        cfg = with_ext(fqn)
+        configure(cfg)
+        assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls == fqn
+    for fqn, why in [("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension", "or a subclass"),
+                     ("my_ext.Missing", "could not be imported")]:
+        with pytest.raises(ConfigError, match=why) as err:
+            configure(with_ext(fqn))
+        assert err.value.field == VLLM_EXTENSION_KEY and VLLM_EXTENSION in str(err.value)
 
 
 def test_dora_trainer_refuses_a_foreign_sampler():

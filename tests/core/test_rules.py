@@ -317,8 +317,9 @@ def test_a_protocol_error_is_raised_and_halts_the_scheduler():
 def test_group_ids_that_a_snapshot_cannot_carry_are_refused_at_admission():
     """Group ids travel in actions and in `snapshot()`, which is JSON data: a tuple id came back from the round trip as
     a list and `restore` failed on it (unhashable). Admission accepts an int or a str (what every host uses: verl's uid
-    strings, slime's and the simulator's counters, the embedded runtime's prompt ids) and refuses anything else by name,
-    before any state changes; the request stays outstanding for a valid id."""
+    strings, slime's and the simulator's counters, the embedded runtime's prompt ids) and refuses anything else by name
+    (a ProtocolError halts the scheduler); resumed from its last snapshot, the request is still outstanding for a
+    valid id."""
     import json
 
     s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1, "group_size": 1,
@@ -328,6 +329,7 @@ def test_group_ids_that_a_snapshot_cannot_carry_are_refused_at_admission():
     snap = s.snapshot()
     for bad in (("prompt", 3), ["p", 1], 1.5, None, True, b"uid", frozenset({1})):
         refused(s, GroupAdmitted(bad), r"GroupAdmitted\.group_id .* must be an int or a str")
+    s = Scheduler.restore(snap)  # the host resumes from its last snapshot: the request is still outstanding
     s.handle(GroupAdmitted("uid-7"))
     back = Scheduler.restore(json.loads(json.dumps(s.snapshot())))
     assert list(back.groups) == ["uid-7"]

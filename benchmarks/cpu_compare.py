@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(xs: list) -> str:
         return ", ".join("never" if x is None else f"{x:.1f}" for x in xs)
 
-    print(f"\norder of the runs per seed (ABBA): " + "; ".join(f"seed {s}: {', '.join(o)}" for s, o in zip(seeds, orders)))
+    print("\norder of the runs per seed (ABBA): " + "; ".join(f"seed {s}: {', '.join(o)}" for s, o in zip(seeds, orders)))
 
     def spread_of(xs: list) -> str:
         xs = [x for x in xs if x is not None]

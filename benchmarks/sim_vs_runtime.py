@@ -57,7 +57,7 @@ def _fit_decode(steps: list, others: list, c: float = 0.0) -> tuple[float, float
 
 def record(mode: str, k: str, rt, res, wall: float, cpu: float) -> dict:
     """What `calibrate` and the comparison need of one runtime run (picklable, for --save-runs)."""
-    return {"mode": mode, "k": k, "metrics": dict(res.metrics), "step_end": list(res.step_end),
+    return {"mode": mode, "k": k, "admission": rt.config.admission, "metrics": dict(res.metrics), "step_end": list(res.step_end),
             "trainer_busy": sorted(res.trainer_busy), "t_end": res.t_end, "colocated": rt.colocated,
             "wall_s": wall, "coordinator_cpu_s": cpu, "step_groups": [list(g) for g in rt.step_groups],
             "group_tokens": {g: sum(len(t.prompt_ids) + len(t.response_ids) for t in trs)
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         preset, costs = calibrate(run, base, report_s)
         mode, k = run["mode"], run["k"]
         calib[label] = (preset, run["records"])
-        kw = dict(steps=out["steps"], max_staleness=int(k) if k else None, host="embedded")
+        kw = dict(steps=out["steps"], max_staleness=int(k) if k else None, host="embedded",
+                  config={"admission": run["admission"]} if run.get("admission") else None)  # the recipe's
         pred = simulate(preset, mode, records=run["records"], **kw).metrics
         out["modes"][label] = {"measured": _view(run["metrics"]), "predicted": _view(pred), "costs": costs,
                                "core_assignment": run["metrics"]["core_assignment"], "wall_s": run["wall_s"],

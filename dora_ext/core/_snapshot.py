@@ -29,7 +29,7 @@ class _Snapshot:
         self._check_broken()  # (a halted scheduler's state may be half changed)
         groups = []
         n = self.n
-        ts, ti, ta, tt, tv, tr, tn, tm = self._traj_status, self._traj_instance, self._traj_attempt, self._traj_tokens, self._traj_version, self._traj_reward, self._traj_retries, self._traj_moved
+        ts, ti, ta, tt, tr, tn, tm = self._traj_status, self._traj_instance, self._traj_attempt, self._traj_tokens, self._traj_reward, self._traj_retries, self._traj_moved
         gst, gstep, gcseq = self._group_state, self._group_step, self._group_cseq
         for gid, g in self._slot_of.items():
             v = self._group_version[g]

@@ -364,10 +364,10 @@ class Scheduler(_Table, _Fleet, _Migration, _Elastic, _Snapshot):
             self._traj_tokens[h] = 0
             self._traj_moved[h] = 0  # a new attempt: no move of it can be in flight
             self._clear_versions(h)
-            self.m["redispatched"] += 1
             if self._group_state[g] == _FAILED:
-                self._retire(g, h)
+                self._retire(g, h)  # its group was reported failed: retired, not re-dispatched
                 continue
+            self.m["redispatched"] += 1
             self._traj_status[h] = _QUEUED
             self._group_live[g] -= 1
             self._requeue(g, h - g * n)

@@ -107,9 +107,7 @@ def run(args: argparse.Namespace) -> int:
         records = load_lengths(args.lengths) if args.lengths else None
         if args.recommend:
             return _recommend(args, preset, modes, records, host)
-        config = {"elastic": True} if args.elastic else {}
-        if args.admission:
-            config["admission"] = args.admission
+        config = _config(args)
         if args.elastic:
             from .optimize import ELASTIC_MODES
 
@@ -152,6 +150,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    """The scheduler settings the flags give (`--elastic`, `--admission`), on every path that runs."""
+    config: dict[str, Any] = {"elastic": True} if args.elastic else {}
+    if args.admission:
+        config["admission"] = args.admission
+    return config
+
+
 def _recommend(args: argparse.Namespace, preset: Any, modes: list[str], records: Any, host: Any) -> int:
     from .optimize import format_recommendation, recommend
 
@@ -161,7 +167,8 @@ def _recommend(args: argparse.Namespace, preset: Any, modes: list[str], records:
         return 2
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     rec = recommend(preset, max_staleness=budget, modes=modes, steps=args.steps, seed=args.seed,
-                    records=records, elastic=args.elastic, progress=progress, host=host)
+                    records=records, elastic=args.elastic, progress=progress, host=host,
+                    config={"admission": args.admission} if args.admission else None)
     if args.json:
         extra = {} if host.name == "ideal" else {"host": host.name, "weight_paths": weight_paths(preset, rec.pick)}
         print(json.dumps({"preset": preset.name, "seed": args.seed, "max_staleness_budget": budget,
@@ -311,7 +318,7 @@ def _stop_or_resume(args: argparse.Namespace) -> int:
             sim = Simulation(preset, modes[0], steps=steps, seed=args.seed,
                              max_staleness=args.max_staleness, split=split if isinstance(split, tuple) else None,
                              records=load_lengths(args.lengths) if args.lengths else None,
-                             instances=args.instances, config={"elastic": True} if args.elastic else None,
+                             instances=args.instances, config=_config(args) or None,
                              host=args.host)
             result = sim.run(stop_after_events=args.stop_after_events)
             if result is None:

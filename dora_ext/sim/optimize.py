@@ -349,13 +349,15 @@ def recommend(
     start: dict[tuple[str, bool], int] | None = None,
     exhaustive: int = 8,
     host: Any = None,
+    config: dict[str, Any] | None = None,
 ) -> Recommendation:
     """The (mode, K, split) with the highest efficiency that keeps C1-C3, within `max_staleness`;
     within `EFFICIENCY_TIE` of it, the one with the lowest mean trained staleness.
 
     Every candidate's split is optimised (`optimise_split`), starting from the best split of the
     previous K of the same mode. With `elastic`, `ELASTIC_MODES` are also evaluated elastic.
-    `exhaustive`: as in `optimise_split`.
+    `exhaustive`: as in `optimise_split`. `config` adds `DoraConfig` fields to every candidate
+    (`admission` in the modes that take one).
     """
     cands: list[Candidate] = []
     hint: dict[tuple[str, bool], int] = dict(start or {})
@@ -369,7 +371,7 @@ def recommend(
                 f"{min_steps(worst)} (5 * (K + 2): shorter runs measure a burst after a long tail, "
                 f"not a steady state), or leave it unset for the default")
     for mode, k, el in todo:
-        cfg = {"elastic": True} if el else None
+        cfg = {**(config or {}), **({"elastic": True} if el else {})} or None
         s = optimise_split(preset, mode, steps=steps, seed=seed, max_staleness=k, records=records,
                            config=cfg, start=hint.get((mode, el)), cache=cache, exhaustive=exhaustive, host=host)
         if s.split is not None:

@@ -121,6 +121,9 @@ class DoraCoordinator:
         # (group, index) -> (server id, request id) of its request in flight (per-request aborts)
         self.request_of: dict[tuple, tuple[str, str]] = {}
         self.key_of_request: dict[tuple[str, str], tuple] = {}
+        # Requests with an abort sent, in flight or confirmed, until released: a request moved and
+        # then failed with its group is aborted once (`_abort`).
+        self.aborting: set[tuple[str, str]] = set()
         self.abort_requests = False
         self.log: list[tuple] = []  # (kind, ...) for tests and debugging, bounded
         # (group, index) -> (destination instance, scheduler attempt): moved by R5, not landed yet.
@@ -187,7 +190,7 @@ class DoraCoordinator:
                     # between two turns nothing is in flight and its next acquire lands.
                     req = self.request_of.get(key)
                     if req is not None and req[0] == self.server_of.get(act.src):
-                        asyncio.run_coroutine_threadsafe(self._abort_request(act.src, req, key), self._loop)
+                        self._abort(act.src, req, key)
                 elif act.src not in self.aborts:
                     self.aborts.append(act.src)
             elif isinstance(act, A.StartStep):
@@ -204,8 +207,7 @@ class DoraCoordinator:
                     # A sibling still generating is wasted and delays verl's failure record (the refill).
                     req = self.request_of.get(key)
                     if req is not None and self.abort_requests and self._loop is not None:
-                        coro = self._abort_request(self.instance_of.get(req[0], -1), req, key)
-                        asyncio.run_coroutine_threadsafe(coro, self._loop)
+                        self._abort(self.instance_of.get(req[0], -1), req, key)
                 _report("group_failed", group=str(act.group_id), reason=str(act.reason)[:300])
                 logger.warning("dora: group %s failed: %s", act.group_id, act.reason)
                 for key in [k for k in self.waiters if k[0] == act.group_id]:
@@ -351,6 +353,13 @@ class DoraCoordinator:
             return
         self.loaded([instance], verl_version)
 
+    def _abort(self, instance: int, req: tuple[str, str], key: tuple) -> None:
+        """Start `req`'s abort (`_abort_request`) unless one was sent and the request has not come
+        back since: a trajectory moved (R5) whose group then fails is aborted once, not twice."""
+        if req not in self.aborting:
+            self.aborting.add(req)
+            asyncio.run_coroutine_threadsafe(self._abort_request(instance, req, key), self._loop)
+
     async def _abort_request(self, instance: int, req: tuple[str, str], key: tuple) -> None:
         """Abort request `req` (server id, request id) of trajectory `key` alone. It may reach the
         engine before the request (they travel on different paths), which ignores an unknown id
@@ -370,6 +379,8 @@ class DoraCoordinator:
                 break
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.5)
+        if not (out.get("aborted") and out.get("confirmed", True)) or self.request_of.get(key) is not req:
+            self.aborting.discard(req)  # (confirmed, it stays marked until its release)
         self._record(("abort_request", instance, req[1], bool(out.get("aborted"))))
         _report("abort_request", instance=instance, request_id=req[1], aborted=bool(out.get("aborted")), key=key,
                 tries=tries)
@@ -629,6 +640,7 @@ class DoraCoordinator:
         traj = self.key_of_request.pop(key, None)
         if traj is not None and self.request_of.get(traj) == key:
             del self.request_of[traj]
+        self.aborting.discard(key)
         if request_id is None and key not in self.acquired:
             # A caller that does not send request ids: any acquire of the current instance.
             key = next((k for k, iids in self.acquired.items() if k[0] == server_id and iid in iids), key)

@@ -41,7 +41,7 @@ class EngineServer:
     # ------------------------------------------------------------------ weights
     def load_version(self, version: int) -> int:
         """Load the weights of `version` (refused while sequences hold KV: R4 is the caller's)."""
-        from dora_ext.models.tiny import TinyConfig, TinyLM
+        from dora_ext.models.tiny import TinyLM
 
         cfg = dataclasses.replace(self.model_config, seed=self.base_seed + int(version), value_head=False)
         self.engine.load_version(TinyLM(cfg).state_dict(), int(version))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 logger = logging.getLogger("dora_ext.verl")
 
@@ -226,7 +226,6 @@ class DoraReplayBuffer:
             return self._sample_val(partition_id, batch_size)
         step = global_steps - 1  # the version the trainer holds while it trains this step
         K = self.max_staleness
-        B = int(self.step_batch_size or batch_size)
         taken = self._taken_in_step.get(global_steps, 0)
         start = time.perf_counter()
         waited_for_older = 0

@@ -256,6 +256,19 @@ def test_instance_failure_redispatches_to_the_same_version():
     assert again == [Dispatch(*lost[0], 1, 0, attempt=1)]
 
 
+def test_instance_failure_retires_the_trajectories_of_a_failed_group_without_counting_them_redispatched():
+    """`redispatched` counts the trajectories an instance failure queues again; one of a group already reported
+    failed is retired (the group leaves once it is), not re-dispatched."""
+    h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=2, instances=2, capacity=1, max_retries=0)
+    (lost, _), = [(k, v) for k, v in h.running.items() if v[0] == 0]
+    h.running.pop(lost)
+    h.feed_actions(h.s.handle(TrajectoryFailed(*lost, "engine error")))
+    assert [a.group_id for a in h.of(ReportGroupFailed)] == [0] and 0 in h.s.groups  # trajectory 1 runs on
+    h.feed_actions(h.s.handle(InstanceFailed(1, "oom")))
+    assert h.s.metrics()["redispatched"] == 0 and 0 not in h.s.groups
+    assert not [a for a in h.of(Dispatch) if a.group_id == 0 and a.attempt > 0]
+
+
 def test_failed_trajectory_is_retried_then_its_group_reported():
     h = Harness(mode="dora", max_staleness=1, batch_size=1, group_size=1, instances=1, capacity=1, max_retries=1)
     h.running.pop((0, 0))
@@ -304,8 +317,9 @@ def test_a_protocol_error_is_raised_and_halts_the_scheduler():
 def test_group_ids_that_a_snapshot_cannot_carry_are_refused_at_admission():
     """Group ids travel in actions and in `snapshot()`, which is JSON data: a tuple id came back from the round trip as
     a list and `restore` failed on it (unhashable). Admission accepts an int or a str (what every host uses: verl's uid
-    strings, slime's and the simulator's counters, the embedded runtime's prompt ids) and refuses anything else by name,
-    before any state changes; the request stays outstanding for a valid id."""
+    strings, slime's and the simulator's counters, the embedded runtime's prompt ids) and refuses anything else by name
+    (a ProtocolError halts the scheduler); resumed from its last snapshot, the request is still outstanding for a
+    valid id."""
     import json
 
     s = Scheduler(DoraConfig.from_dict({"mode": "dora", "max_staleness": 1, "batch_size": 1, "group_size": 1,
@@ -315,6 +329,7 @@ def test_group_ids_that_a_snapshot_cannot_carry_are_refused_at_admission():
     snap = s.snapshot()
     for bad in (("prompt", 3), ["p", 1], 1.5, None, True, b"uid", frozenset({1})):
         refused(s, GroupAdmitted(bad), r"GroupAdmitted\.group_id .* must be an int or a str")
+    s = Scheduler.restore(snap)  # the host resumes from its last snapshot: the request is still outstanding
     s.handle(GroupAdmitted("uid-7"))
     back = Scheduler.restore(json.loads(json.dumps(s.snapshot())))
     assert list(back.groups) == ["uid-7"]

@@ -48,6 +48,9 @@ def _check_ledger(result, recipe, prepared) -> None:
     assert len(led["step_groups"]) == steps
     assert sorted(g for gs in led["step_groups"] for g in gs) == sorted(led["prompts"])
     assert len(led["prompts"]) == steps * B
+    # ... each with its n trajectories, every one of them checked below
+    assert all(len(led["results"][gid]) == n and all(led["results"][gid]) for gid in led["prompts"])
+    assert len(led["token_versions"]) == steps * B * n
     # C3: staleness of every trained group within K.
     for gid, (k,) in led["trained"].items():
         assert 0 <= k - led["group_version"][gid] <= recipe.dora.max_staleness

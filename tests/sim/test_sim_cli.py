@@ -192,6 +192,22 @@ def test_recommend_prints_pick_runner_up_and_costs(capsys, tmp_path):
     assert "steps: 12 is too few" in capsys.readouterr().err
 
 
+def test_recommend_takes_the_admission_flag(monkeypatch, capsys):
+    """`--recommend --admission ahead` hands the policy to the recommender (it was dropped; the recommender's own
+    test checks that every candidate runs with it); the recommender is stopped at its call."""
+    from dora_ext.sim import WorkloadError, optimize
+
+    seen = {}
+
+    def stop(preset, **kw):
+        seen.update(kw)
+        raise WorkloadError("stopped")
+
+    monkeypatch.setattr(optimize, "recommend", stop)
+    assert main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--admission", "ahead"]) == 2
+    assert seen["config"] == {"admission": "ahead"} and not seen["elastic"]
+
+
 def test_recommend_and_elastic_errors(capsys):
     assert main(["simulate", "--preset", "rolloutpipe-8k", "--recommend", "--split", "4:4"]) == 2
     assert "--split" in capsys.readouterr().err
@@ -237,11 +253,14 @@ def test_cli_checkpoint_and_resume(tmp_path, capsys):
     assert "exactly one mode" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra", [["--elastic", "--max-staleness", "2"], ["--max-staleness", "4"]])
-def test_cli_checkpoint_and_resume_is_the_run_asked_for(tmp_path, capsys, extra):
+@pytest.mark.parametrize("extra, flag", [(["--elastic", "--max-staleness", "2"], ["--elastic"]),
+                                         (["--admission", "ahead", "--max-staleness", "2"], ["--admission", "ahead"]),
+                                         (["--max-staleness", "4"], [])])
+def test_cli_checkpoint_and_resume_is_the_run_asked_for(tmp_path, capsys, extra, flag):
     # A checkpointed run is the run the same flags give without one: with --elastic (the
-    # checkpoint path dropped it: 29.6K instead of 33.6K tokens/s on this run) and with the
-    # default steps of a large K (it used the preset's 20, not the 30 that K = 4 gets).
+    # checkpoint path dropped it: 29.6K instead of 33.6K tokens/s on this run), with --admission
+    # (dropped too: mean staleness 1.38 instead of 0.95) and with the default steps of a large K
+    # (it used the preset's 20, not the 30 that K = 4 gets).
     ck = tmp_path / "run.ckpt"
     args = ["simulate", "--preset", "rolloutpipe-8k", "--modes", "dora", "--seed", "2", "--json", *extra]
     assert main(args) == 0
@@ -250,9 +269,10 @@ def test_cli_checkpoint_and_resume_is_the_run_asked_for(tmp_path, capsys, extra)
     capsys.readouterr()
     assert main(["simulate", "--resume", str(ck), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == whole
-    if "--elastic" in extra:  # elastic colocation changes this run: the comparison can fail
-        assert main([a for a in args if a != "--elastic"]) == 0
+    if flag:  # the flag changes this run: the comparison can fail
+        assert main([a for a in args if a not in flag]) == 0
         assert json.loads(capsys.readouterr().out) != whole
+    if "--elastic" in extra:
         assert main(["simulate", "--preset", "rolloutpipe-8k", "--modes", "sync", "--elastic",
                      "--stop-after-events", "5", "--checkpoint", str(ck)]) == 2
         assert "--elastic" in capsys.readouterr().err

@@ -474,7 +474,8 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
     released) and another runs. Its abort lands first (it comes back aborted, its resume's acquire
     gets the group's failure) or its request had already finished (the abort finds nothing; its
     generation ends). Either way each sibling ends once in the scheduler, the group is failed and
-    never trained, the move never lands, and nothing stays in flight. A retry aborts nothing."""
+    never trained, the move never lands, and nothing stays in flight. A retry aborts nothing, nor does the failure
+    abort again the one mid-move, whose abort was confirmed (it was aborted twice)."""
     import dora_ext.verl.weights as weights
 
     calls, who = [], {}
@@ -513,12 +514,12 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
         coord.release_server(sids[0], request_id="g0r0")
         assert coord.trajectory_failed("g0", 0, "second") == "failed" and coord.moving == {}
         await settle()
-        # + those in flight (`run`'s abort, finding nothing, is sent again until its release)
+        # + `run`, in flight (its abort, finding nothing, is sent again until its release)
         sent = lambda: [c for j, c in enumerate(calls) if c != f"g0r{run}" or c not in calls[:j]]  # noqa: E731
-        assert sorted(sent()) == sorted([f"g0r{mid}", f"g0r{mid}", f"g0r{run}", f"g0r{back}"])
+        assert sorted(sent()) == sorted([f"g0r{mid}", f"g0r{run}", f"g0r{back}"])
         assert coord.trajectory_failed("g0", 0, "again") == "failed"  # a second report aborts nothing
         await settle()
-        assert len(sent()) == 4
+        assert len(sent()) == 3
         for i in (mid, run, back):  # each came back; an aborted one resumes, its acquire fails
             if i != back:
                 coord.release_server(sids[i], request_id=f"g0r{i}")
@@ -543,6 +544,44 @@ def test_a_failed_groups_sibling_aborted_or_already_finished_and_one_mid_move(or
     assert "g0" not in {g for gs in coord.steps.values() for g in gs}  # never trained
     assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)
     _check_ledger(coord)
+
+
+def test_a_request_whose_move_abort_is_in_flight_when_its_group_fails_gets_one_abort(monkeypatch):
+    """R5 moves two of g0's trajectories; their aborts find nothing yet (the engine has not seen the requests) and are
+    sent again. g0 then fails: its other requests are aborted, the two moved ones not again. Once the engine confirms,
+    each request has had one abort loop and one report (each moved one had two, running side by side)."""
+    import dora_ext.verl.weights as weights
+
+    calls, confirm = [], set()
+    monkeypatch.setattr(weights, "abort_request",
+                        lambda *a: calls.append(a[3]) or asyncio.sleep(0, {"aborted": a[3] in confirm}))
+
+    async def run():
+        coord = DoraCoordinator(dict(TWO, max_retries=0), {"s0": None, "s1": None}, use_plugins=False)
+        await coord.start()
+        coord.set_loaders({}, rollout="dora_cpu", abort_requests=True)
+        coord.offer([f"g{i}" for i in range(4)])
+        sids = {i: (await coord.acquire_server(f"g0r{i}", dora_group="g0", dora_index=i))[0] for i in range(5)}
+        for g in ("g1", "g2"):
+            for i in range(5):
+                coord.trajectory_done(g, i, 5, 1.0)
+        coord.step_finished(1)
+        moved = sorted(k[1] for k in coord.moving)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(moved) == 2 and set(calls) == {f"g0r{i}" for i in moved}  # sent, finding nothing (sent again)
+        first = min(set(range(5)) - set(moved))
+        coord.release_server(sids[first], request_id=f"g0r{first}")
+        assert coord.trajectory_failed("g0", first, "boom") == "failed"
+        confirm.update(f"g0r{i}" for i in range(5))
+        loops = lambda: [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("_abort_request")]  # noqa: E731
+        while loops():
+            await asyncio.sleep(0.01)
+        return coord, first
+
+    coord, first = asyncio.run(asyncio.wait_for(run(), 30))
+    reports = sorted(e[2] for e in coord.get_log() if e[0] == "abort_request")
+    assert reports == [f"g0r{i}" for i in range(5) if i != first], reports
 
 
 def test_an_abort_finding_nothing_ends_once_its_server_is_removed(monkeypatch):

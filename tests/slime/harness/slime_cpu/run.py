@@ -37,7 +37,6 @@ are the evidence the tests check.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import multiprocessing

@@ -294,7 +294,8 @@ def _forward(model: Any, reqs: list[_Request]) -> Any:
     Row i is ``[pad][its cache][pad][its new ids]``: caches right-aligned at the longest cache C,
     new ids (a decode step's token, or a joining request's prompt) right-aligned at the longest
     N. The attention mask hides the pads and each token gets its own position, so a row computes
-    what that request alone would."""
+    what that request alone would (in full-attention layers: a sliding window, which counts by
+    index, would count the pads before a row's new ids in a step that prefills a longer prompt)."""
     import torch
     from transformers import DynamicCache
 

@@ -24,7 +24,7 @@ from slime_helpers import SimulatedSlimeDriver, check_trained, install_fleet_ses
 from dora_ext.slime.data_source import DoraDataSource
 from dora_ext.slime.engines import SglangEngines
 from dora_ext.slime.rollout import generate_rollout
-from dora_ext.slime.settings import slime_settings
+from dora_ext.slime.settings import memory_fs, slime_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 
@@ -326,6 +326,11 @@ def test_a_multi_node_cluster_without_a_shared_weights_dir_refuses_to_start(tmp_
     from dora_ext.slime.engines import PassThroughEngines
 
     rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0, engines=PassThroughEngines([1])).close()
+    if memory_fs("/dev/shm") is None:
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    args.dora_slime["weights_dir"] = args.update_weight_disk_dir = "/dev/shm/dora-w"  # one node's memory
+    with pytest.raises(ConfigError, match="dora_slime.weights_dir.*/dev/shm/dora-w' is on tmpfs"):
+        rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0)
 
 
 def test_engines_holding_the_launch_weights_are_not_reloaded_with_version_0(tmp_path, standins, monkeypatch):

@@ -58,6 +58,8 @@ def save(model: TinyLM, d: Path) -> None:
 def pad(d: Path, mb: int) -> None:
     """`mb` MB more in the checkpoint `d` (`padding.bin`): a version as large as a real model's,
     for the weight-path benchmark (the engine stand-in reads every file of a checkpoint it loads)."""
+    if not mb:
+        return
     block = os.urandom(1 << 20)
     with open(Path(d) / "padding.bin", "wb") as fh:
         for _ in range(mb):

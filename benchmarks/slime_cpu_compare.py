@@ -15,6 +15,12 @@ ratios, not the absolute numbers, are the result.
     DORA_SLIME_PATH=<slime checkout> python benchmarks/slime_cpu_compare.py [--json] [--num-rollout 3]
 
 `--json` prints `{"modes": {"slime_async": {...}, "dora": {...}, "slime_sync": {...}}}`.
+
+The weight path: `--weights-dir-kind shm` puts `--update-weight-disk-dir` on /dev/shm (tmpfs,
+node-local memory) instead of the disk; `both` runs each mode with both, side by side, `--repeats
+2` in ABBA order (modes then named `<mode>_<kind><run>`, and `weights_dir` gives the means and
+the shm / disk ratios). `--checkpoint-mb` makes each version that many MB larger (the trainer
+writes them, every engine load reads them), so the write and the reads weigh as a model's do.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,14 +44,16 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_mode(slime: Path, work: Path, mode: str, o: argparse.Namespace) -> dict:
+def run_mode(slime: Path, work: Path, mode: str, o: argparse.Namespace, weights: str | None = None) -> dict:
     loop, plain = MODES[mode]
     k = 0 if loop == "train" else 1
     flags = ["--workdir", str(work), "--loop", loop, "--mode", "dora", "--k", str(max(k, 1) if not plain else 1),
              "--engines", str(o.engines), "--capacity", str(o.capacity), "--batch", str(o.batch), "--n", str(o.n),
              "--num-rollout", str(o.num_rollout), "--response-len", str(o.response_len), "--step-s", str(o.step_s),
              "--load-s", str(o.load_s), "--cheap-tokens", "--eval-interval", str(o.num_rollout),
-             "--eval-prompts", str(o.capacity), "--save-interval", str(10**6)]
+             "--eval-prompts", str(o.capacity), "--save-interval", str(10**6), "--checkpoint-mb", str(o.checkpoint_mb)]
+    if weights:
+        flags += ["--weights-dir", weights]
     if plain:
         flags.append("--no-dora")
     from slime_helpers import harness_env
@@ -92,6 +101,7 @@ def analyze(work: Path, result: dict, mode: str, *, k: int, o: argparse.Namespac
     # measured from the freshest batch (offset 0 = on-policy for that loop)
     if offsets:
         c3 &= max(offsets) - min(offsets) <= k
+    loads = [e for e in engine_logs if e["kind"] == "load" and e.get("path") and "read_s" in e]
     live, current = 1, {}
     for ev in sorted((e for e in engine_logs if e["kind"] == "load"), key=lambda e: e["t"]):
         current[ev["port"]] = ev["version"]
@@ -111,7 +121,27 @@ def analyze(work: Path, result: dict, mode: str, *, k: int, o: argparse.Namespac
         "health_check_p99_s": max(p99) if p99 else None,
         "max_live_versions": live, "c1_ok": c1, "c2_ok": c2, "c3_ok": c3, "weight_transport": "disk",
         "trainer_weight_sync_s_per_step": sum(syncs[1:]) / len(syncs[1:]) if len(syncs) > 1 else None,
+        "engine_loads": len(loads), "checkpoint_mb": o.checkpoint_mb,
+        "engine_load_s_mean": sum(e["t"] - e["t0"] for e in loads) / len(loads) if loads else None,
+        "engine_read_s_mean": sum(e["read_s"] for e in loads) / len(loads) if loads else None,
     }
+
+
+def weights_dir_summary(out: dict, modes: list[str], kinds: list[str]) -> dict:
+    """Per mode and weights-dir kind, the means over its runs; with both kinds, shm / disk."""
+    fields = ("trainer_weight_sync_s_per_step", "engine_load_s_mean", "engine_read_s_mean", "tokens_per_s")
+    means: dict = {}
+    for mode in modes:
+        for kind in kinds:
+            runs = [r for name, r in out.items() if name.startswith(f"{mode}_{kind}") and r["status"] == "finished"]
+            means[f"{mode}_{kind}"] = {f: sum(r[f] for r in runs) / len(runs) if runs and all(r[f] is not None for r in runs)
+                                       else None for f in fields} | {"runs": len(runs)}
+    ratios = {}
+    for mode in modes:
+        disk, shm = means.get(f"{mode}_disk"), means.get(f"{mode}_shm")
+        if disk and shm:
+            ratios.update({f"{mode}_shm_over_disk_{f}": shm[f] / disk[f] for f in fields if shm[f] and disk[f]})
+    return {"means": means, "ratios": ratios}
 
 
 def main() -> int:
@@ -127,6 +157,10 @@ def main() -> int:
     ap.add_argument("--load-s", type=float, default=1.0, help="one engine's weight load")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--weights-dir-kind", choices=("disk", "shm", "both"), default="disk",
+                    help="where --update-weight-disk-dir lives: the disk (a temporary dir), /dev/shm, or both")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each (mode, kind); 2 with both: ABBA")
+    ap.add_argument("--checkpoint-mb", type=int, default=0, help="MB added to every version's checkpoint")
     o = ap.parse_args()
     slime = os.environ.get("DORA_SLIME_PATH")
     if not slime:
@@ -135,13 +169,26 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "tests" / "slime"))
     from slime_helpers import patched_slime_copy
 
+    kinds = ["disk", "shm"] if o.weights_dir_kind == "both" else [o.weights_dir_kind]
+    order = [k for r in range(o.repeats) for k in (kinds if r % 2 == 0 else kinds[::-1])]  # ABBA
+    plain = order == ["disk"]
+    if "shm" in kinds and shutil.disk_usage("/dev/shm").free < 4 * o.checkpoint_mb << 20:
+        print(f"/dev/shm has {shutil.disk_usage('/dev/shm').free >> 20} MB free: too little for 4 versions of "
+              f"--checkpoint-mb {o.checkpoint_mb}", file=sys.stderr)
+        return 2
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         patched = patched_slime_copy(Path(tmp) / "slime")
         for mode in o.modes.split(","):
-            out[mode] = run_mode(patched, Path(tmp) / mode / "job", mode, o)
+            for i, kind in enumerate(order):
+                name = mode if plain else f"{mode}_{kind}{order[:i + 1].count(kind)}"
+                with tempfile.TemporaryDirectory(dir="/dev/shm" if kind == "shm" else tmp) as weights:
+                    out[name] = run_mode(patched, Path(tmp) / name / "job", mode, o, weights=weights)
+                out[name]["weights_dir_kind"] = kind
     report = {"modes": out, "settings": {k: getattr(o, k) for k in ("engines", "capacity", "batch", "n", "num_rollout",
-                                                                   "response_len", "step_s", "load_s")}}
+                                                                   "response_len", "step_s", "load_s", "checkpoint_mb")}}
+    if not plain:
+        report["weights_dir"] = weights_dir_summary(out, o.modes.split(","), kinds)
     if "dora" in out and "slime_async" in out and out["dora"]["tokens_per_s"] and out["slime_async"]["tokens_per_s"]:
         report["ratios"] = {"dora_over_slime_async_tokens_per_s": out["dora"]["tokens_per_s"] / out["slime_async"]["tokens_per_s"]}
         if out.get("slime_sync", {}).get("tokens_per_s"):

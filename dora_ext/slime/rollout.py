@@ -428,29 +428,29 @@ class RolloutSession:
         return RolloutFnEvalOutput(data=out.data, metrics=metrics)
 
     async def _eval_instances(self) -> tuple[list[int], int]:
-        """The engines holding the newest published version (waits for one), and that version."""
+        """The engines holding the newest published version (waits for one), and that version.
+
+        Loads are the scheduler's alone (`_load`): an idle engine with nothing left to run takes
+        the newest version (R4), so after the last step every engine loads it and the final
+        evaluation waits for all of them. A load that fails or times out is `_load`'s to handle:
+        the engine leaves at a refresh and the evaluation runs on the others (or waits for one
+        to rejoin and load it); only a load SGLang refuses ends the job, as it does in training.
+        """
         while True:
             if self._fatal is not None:
                 raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
             sched = self.sched
             newest = self.board.poll() - 1
             if newest >= 0 and sched.newest_version >= newest:
-                iids = [i for i, inst in sorted(sched.instances.items()) if inst.version == newest and inst.loading is None]
-                if sched.done and any(inst.loading == newest for inst in sched.instances.values()):
+                insts = sorted(sched.instances.items())
+                iids = [i for i, inst in insts if inst.version == newest and inst.loading is None]
+                if sched.done and any(inst.loading == newest for _, inst in insts):
                     iids = []  # after the last step: wait for every engine loading it, not the first one done
-                if not iids and sched.done and sched.instances and all(
-                        not inst.running and inst.loading is None for inst in sched.instances.values()):
-                    # Nothing left to schedule: every engine loads the newest version for eval, at once.
-                    iids = sorted(sched.instances)
-                    tag, path = str(self.first_step + newest), self.board.path(newest)
-                    loads = await asyncio.gather(*(self.engines.load(i, tag, path) for i in iids), return_exceptions=True)
-                    if any(r is not None for r in loads):
-                        await self._refresh()  # as `_load`: an engine that failed its load left, else it is fatal
-                        for r in (r for i, r in zip(iids, loads) if r is not None and i in self.sched.instances):
-                            raise r
-                    iids = [i for i, r in zip(iids, loads) if r is None and i in self.sched.instances]
                 if iids:
                     return iids, newest
+                if sched.done and insts and all(not inst.running and inst.loading is None for _, inst in insts):
+                    raise AdapterError(f"after the last step no engine holds or loads version {self.first_step + newest}: "
+                                       "the scheduler left its engines idle on older versions")
             self._probe("eval_waits", newest)
             await asyncio.sleep(self.settings.poll_interval_s)
 

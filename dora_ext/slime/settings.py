@@ -137,7 +137,8 @@ class SlimeSettings:
 
 
 def check_shared_weights_dir(settings: SlimeSettings, weights_dir: str, nodes: int) -> None:
-    """A Ray cluster of several nodes needs the weights directory on a shared filesystem."""
+    """A Ray cluster of several nodes needs the weights directory on a shared filesystem (never a
+    node's memory: /dev/shm, whatever `shared_weights_dir` says)."""
     if nodes > 1 and not settings.shared_weights_dir:
         raise ConfigError(
             "dora_slime.shared_weights_dir",
@@ -145,6 +146,23 @@ def check_shared_weights_dir(settings: SlimeSettings, weights_dir: str, nodes: i
             "engine loads it from there, so that directory must be on a filesystem all nodes share; mount one "
             "and set dora_slime.shared_weights_dir: true",
         )
+    fs = memory_fs(weights_dir)
+    if nodes > 1 and fs:
+        raise ConfigError("dora_slime.weights_dir", f"{weights_dir!r} is on {fs}, one node's memory, which the other "
+                          f"{nodes - 1} node(s) of the Ray cluster do not see: put it on a shared filesystem")
+
+
+def memory_fs(path: str) -> str | None:
+    """`tmpfs` or `ramfs` when `path` (or the directory it will be made in) is in a node's memory."""
+    try:
+        with open("/proc/mounts") as fh:
+            mounts = [line.split()[1:3] for line in fh]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    under = [m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")]
+    fs = max(under, key=lambda m: len(m[0]))[1] if under else None
+    return fs if fs in ("tmpfs", "ramfs") else None
 
 
 def dora_section(args: Any) -> Mapping[str, Any]:

@@ -11,5 +11,5 @@ if ! "${here}/../../patches/slime/check.sh" "${SLIME_DIR}" | grep -q "already ap
    echo "apply patches/slime to ${SLIME_DIR} first (patches/slime/check.sh ${SLIME_DIR})" >&2
    exit 1
 fi
-DORA_ARGS=($(dora-ext slime-args --config "${DORA_CONFIG}" --weights-dir "${RUN_DIR}/weights"))
+DORA_ARGS=($(dora-ext slime-args --config "${DORA_CONFIG}" --weights-dir "${WEIGHTS_DIR}"))
 launch train_async.py "${DORA_ARGS[@]}"

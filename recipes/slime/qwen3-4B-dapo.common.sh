@@ -9,6 +9,7 @@
 #   MODEL_ROOT    holds Qwen3-4B (HF) and Qwen3-4B_torch_dist                   [/root]
 #   DATA_ROOT     holds dapo-math-17k/dapo-math-17k.jsonl and aime-2024/aime-2024.jsonl [/root]
 #   RUN_DIR       checkpoints (and dora's shared weights directory)                 [/root/runs/qwen3-4B-dapo-$RUN_NAME]
+#   WEIGHTS_DIR   one checkpoint per version; on one node /dev/shm is faster (README) [$RUN_DIR/weights]
 #   ACTOR_GPUS, ROLLOUT_GPUS                                                        [4, 4]
 
 : "${SLIME_DIR:?set SLIME_DIR to a slime checkout}"
@@ -17,7 +18,9 @@ DATA_ROOT=${DATA_ROOT:-/root}
 ACTOR_GPUS=${ACTOR_GPUS:-4}
 ROLLOUT_GPUS=${ROLLOUT_GPUS:-4}
 RUN_DIR=${RUN_DIR:-/root/runs/qwen3-4B-dapo-${RUN_NAME:?}}
+WEIGHTS_DIR=${WEIGHTS_DIR:-${RUN_DIR}/weights}
 export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/weights-dir.sh"
 
 source "${SLIME_DIR}/scripts/models/qwen3-4B.sh"   # MODEL_ARGS (architecture flags)
 
@@ -83,7 +86,7 @@ PERF_ARGS=(
 # The directory must be on a filesystem every node sees (single-node here).
 WEIGHT_ARGS=(
    --update-weight-transport disk
-   --update-weight-disk-dir "${RUN_DIR}/weights"
+   --update-weight-disk-dir "${WEIGHTS_DIR}"
    --use-tis
 )
 
@@ -106,6 +109,7 @@ MISC_ARGS=(
 launch() {
    local train_py=$1; shift
    mkdir -p "${RUN_DIR}"
+   check_weights_dir "${WEIGHTS_DIR}" "${MODEL_ROOT}/Qwen3-4B"
    cd "${SLIME_DIR}"   # slime's loops are run from its checkout, as its own scripts do
    ray start --head --node-ip-address "${MASTER_ADDR:-127.0.0.1}" --num-gpus $((ACTOR_GPUS + ROLLOUT_GPUS)) \
       --disable-usage-stats --dashboard-port=8265

@@ -133,14 +133,15 @@ def install_eval_rollout(monkeypatch: Any, fn: Any) -> None:
     monkeypatch.setattr(mod, "eval_rollout", fn, raising=False)
 
 
-def eval_fleet_session(tmp_path: Path, standins: Any, port: int, *, check_interval_s: float) -> tuple:
+def eval_fleet_session(tmp_path: Path, standins: Any, port: int, *, check_interval_s: float, **settings: Any) -> tuple:
     """(args, fleet, data source, session): mode dora, K = 1, batches of 2 groups of 2, two
     engines of capacity 2, each with room for one eval request beside the scheduler's 2;
-    `check_interval_s` is the periodic engine refresh (600: none during the run)."""
+    `check_interval_s` is the periodic engine refresh (600: none during the run); `settings`:
+    more of `dora_slime`."""
     from dora_ext.slime.data_source import DoraDataSource
 
     args = make_args(tmp_path, mode="dora", k=1, batch=2, n=2, num_rollout=6, capacity=2)
-    args.dora_slime["engine_check_interval_s"] = check_interval_s
+    args.dora_slime.update(engine_check_interval_s=check_interval_s, **settings)
     args.standin_capacity = 2 + 1  # the scheduler's 2 per engine, plus the eval's one request
     # The fleet's capacity check (at each load) allows the eval's request too, as the requests' own check does.
     fleet = standins.FakeSglangFleet(2, capacity=args.standin_capacity, base_port=port)

@@ -247,6 +247,8 @@ class FakeSglangFleet:
 
     async def post(self, url: str, payload: dict) -> dict:
         engine = next(e for e in self.engines if url.startswith(e.url))
+        if not engine.alive:
+            raise ConnectionError(f"{engine.url} is down")
         if url.endswith("/update_weights_from_disk") and payload["weight_version"] in engine.load_hold:
             (hold, max_s), engine.load_done = engine.load_hold.pop(payload["weight_version"]), asyncio.Event()
             return await asyncio.shield(asyncio.ensure_future(self._held_load(engine, url, payload, hold, max_s)))

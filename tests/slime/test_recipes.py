@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,27 @@ def test_recipe_flags_pass_slimes_own_argument_parser(tmp_path, patched_slime):
         else:
             assert a["rollout_function_path"] == "slime.rollout.sglang_rollout.generate_rollout"
             assert "dora_config" not in out
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_weights_dir_in_node_memory_without_room_for_the_versions_stops_the_launch(tmp_path, room):
+    """WEIGHTS_DIR on tmpfs (/dev/shm): both twins write there and load from there; a tmpfs that
+    cannot hold WEIGHT_VERSIONS checkpoints of the model stops the launch, naming the directory."""
+    from dora_ext.slime.settings import memory_fs
+
+    if memory_fs("/dev/shm") is None:
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    slime = _fake_slime(tmp_path)
+    (tmp_path / "models" / "Qwen3-1.7B").mkdir(parents=True)
+    (tmp_path / "models" / "Qwen3-1.7B" / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    weights = tempfile.mkdtemp(dir="/dev/shm")
+    env = {"MODEL_ROOT": str(tmp_path / "models"), "WEIGHTS_DIR": weights, "WEIGHT_VERSIONS": "4" if room else str(10**9)}
+    try:
+        if room:
+            argv = _run("qwen3-1.7B-grpo-dora.sh", tmp_path, slime, "dora", env)
+            assert argv.count(weights) == 2  # the baseline's --update-weight-disk-dir and the dora flags'
+        else:
+            with pytest.raises(AssertionError, match=f"WEIGHTS_DIR={weights} is tmpfs with .* KB free"):
+                _run("qwen3-1.7B-grpo-dora.sh", tmp_path, slime, "dora", env)
+    finally:
+        shutil.rmtree(weights, ignore_errors=True)

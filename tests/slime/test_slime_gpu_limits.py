@@ -24,7 +24,7 @@ from slime_helpers import SimulatedSlimeDriver, check_trained, install_fleet_ses
 from dora_ext.slime.data_source import DoraDataSource
 from dora_ext.slime.engines import SglangEngines
 from dora_ext.slime.rollout import generate_rollout
-from dora_ext.slime.settings import slime_settings
+from dora_ext.slime.settings import memory_fs, slime_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "harness"))
 
@@ -326,6 +326,11 @@ def test_a_multi_node_cluster_without_a_shared_weights_dir_refuses_to_start(tmp_
     from dora_ext.slime.engines import PassThroughEngines
 
     rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0, engines=PassThroughEngines([1])).close()
+    if memory_fs("/dev/shm") is None:
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    args.dora_slime["weights_dir"] = args.update_weight_disk_dir = "/dev/shm/dora-w"  # one node's memory
+    with pytest.raises(ConfigError, match="dora_slime.weights_dir.*/dev/shm/dora-w' is on tmpfs"):
+        rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0)
 
 
 def test_engines_holding_the_launch_weights_are_not_reloaded_with_version_0(tmp_path, standins, monkeypatch):
@@ -542,3 +547,71 @@ def test_the_final_evaluation_waits_for_every_engine_loading_the_newest_version(
     ev = generate_rollout(args, 5, ds, evaluation=True)
     assert (ev.metrics["dora/eval_version"], ev.metrics["dora/eval_engines"]) == (6, 2)
     assert [e.loads[-1] for e in fleet.engines] == ["6", "6"] and fleet.violations == []
+
+
+@pytest.mark.parametrize("first", ["failure", "load"])
+@pytest.mark.parametrize("failure", ["dies", "times_out", "times_out_router_down"])
+def test_a_load_failing_before_the_final_evaluation_leaves_it_to_the_other_engines(
+        tmp_path, standins, monkeypatch, failure, first):
+    """After the last step both engines load the newest version (6) and the final evaluation waits
+    for both. Engine Y's load fails: Y dies as it starts (dies), or it holds SGLang's writer lock
+    past dora_slime.load_timeout_s (times_out; _router_down: slime's router does not answer the
+    refresh the timeout asks for, so Y stays listed until a later refresh retires it). `first`:
+    Y's failure is handled before X's load of version 6 starts, or only once X holds version 6.
+    Either way Y is retired, the job goes on, and the evaluation runs on X alone, at version 6
+    (Y, if alive, stays busy with its load until the evaluation started)."""
+    from slime_helpers import eval_fleet_session, install_eval_rollout, probe_eval
+
+    down = failure.endswith("router_down")
+    args, fleet, ds, session = eval_fleet_session(tmp_path, standins, 31900, check_interval_s=0.05 if down else 600,
+                                                  load_timeout_s=0.2 if failure != "dies" else 30)
+    x, y = fleet.engines
+    y_failed, x_loaded, eval_started = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    iids, probes, returned = {}, [], []
+    if failure != "dies":
+        y.load_hold = {"6": (eval_started, standins.HOLD_TIMEOUT_S)}
+
+    def probe(name, value):
+        probes.append((name, value))
+        if (name, value) == ("engine_failed", iids.get(y.url)):
+            y_failed.set()
+        if (name, value) == ("loaded", (iids.get(x.url), 6)):
+            x_loaded.set()
+        if name == "eval_start":
+            eval_started.set()
+
+    load, get, session_load = session.engines.load, fleet.get, session._load
+
+    async def ordered_load(iid, tag, path):  # the order of Y's failure and X's load of version 6
+        url = session.engines.urls.get(iid)
+        if tag == "6" and url not in iids:
+            iids[url] = iid
+            gate = {("failure", x.url): y_failed, ("load", y.url): x_loaded}.get((first, url))
+            if gate is not None:
+                await asyncio.wait_for(gate.wait(), 30)
+            if url == y.url and failure == "dies":
+                y.alive = False
+        return await load(iid, tag, path)
+
+    async def router(url):
+        if down and url.endswith("/workers") and y.load_done is not None and not returned:
+            raise ConnectionError("slime's router does not answer")
+        return await get(url)
+
+    async def returns(a):
+        try:
+            await session_load(a)
+        finally:
+            returned.append(a) if (a.instance_id, a.version) == (iids.get(y.url), 6) else None
+
+    session.engines.load, fleet.get, session._load, session.probe = ordered_load, router, returns, probe
+    install_eval_rollout(monkeypatch, lambda eval_args, rollout_id: probe_eval(standins, eval_args, n=2))
+    SimulatedSlimeDriver(args, ds).run_async(0, 6)
+    # session.evaluate, bounded: an eval that waits for a retirement that never comes fails instead of hanging
+    ev = asyncio.run_coroutine_threadsafe(session._evaluate(5), session.loop).result(timeout=60)
+    m = ev.metrics
+    assert (m["dora/eval_version"], m["dora/eval_engines"], m["dora/eval_instance"]) == (6, 1, iids[x.url])
+    assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["6"], ["6"]]
+    failed, loaded = probes.index(("engine_failed", iids[y.url])), probes.index(("loaded", (iids[x.url], 6)))
+    assert (failed < loaded) == (first == "failure"), probes
+    assert fleet.violations == []

@@ -5,6 +5,7 @@ one directory per version with `config.json` and `model.safetensors` (an HF chec
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -51,6 +52,18 @@ def save(model: TinyLM, d: Path) -> None:
     if CONFIG.tie_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(d / "model.safetensors"))
+
+
+
+def pad(d: Path, mb: int) -> None:
+    """`mb` MB more in the checkpoint `d` (`padding.bin`): a version as large as a real model's,
+    for the weight-path benchmark (the engine stand-in reads every file of a checkpoint it loads)."""
+    if not mb:
+        return
+    block = os.urandom(1 << 20)
+    with open(Path(d) / "padding.bin", "wb") as fh:
+        for _ in range(mb):
+            fh.write(block)
 
 
 def load_into(model: TinyLM, d: Path) -> None:

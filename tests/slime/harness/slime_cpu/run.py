@@ -241,6 +241,8 @@ def main() -> int:
     ap.add_argument("--crash-at-rollout", type=int, default=None)
     ap.add_argument("--load-from", default=None, help="resume from this slime checkpoint directory (--load)")
     ap.add_argument("--save-interval", type=int, default=2)
+    ap.add_argument("--weights-dir", default=None, help="--update-weight-disk-dir (default WORKDIR/weights)")
+    ap.add_argument("--checkpoint-mb", type=int, default=0, help="MB of padding per version's checkpoint")
     ap.add_argument("--slime-args-only", action="store_true", help="parse slime's args and exit")
     o = ap.parse_args()
     work = Path(o.workdir).resolve()
@@ -268,7 +270,7 @@ def main() -> int:
                        "engine_check_interval_s": o.engine_check_interval,
                        "loss": o.loss, "staleness_correction": "tis" if o.k else "none"},
         "custom_rollout_weight_reload_path": "dora_ext.slime.weights.publish_weights",
-        "harness_dir": str(work),
+        "harness_dir": str(work), "harness_checkpoint_mb": o.checkpoint_mb,
     }
     if o.probe_timeout is not None:
         cfg["dora_slime"]["probe_timeout_s"] = o.probe_timeout
@@ -276,11 +278,12 @@ def main() -> int:
         cfg["harness_crash_at_rollout"] = o.crash_at_rollout
     cfg_path = work / "dora.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    dora_flags = slime_flags(cfg, str(cfg_path), str(work / "weights"))
+    weights = o.weights_dir or str(work / "weights")
+    dora_flags = slime_flags(cfg, str(cfg_path), weights)
     if o.no_dora:  # slime's own rollout; its disk weight sync reloads every engine at once
         plain = work / "slime.yaml"
-        plain.write_text(yaml.safe_dump({"harness_dir": str(work)}))
-        dora_flags = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(work / "weights"),
+        plain.write_text(yaml.safe_dump({"harness_dir": str(work), "harness_checkpoint_mb": o.checkpoint_mb}))
+        dora_flags = ["--update-weight-transport", "disk", "--update-weight-disk-dir", weights,
                       "--custom-config-path", str(plain)]
     server_flags = ["--step-s", str(o.step_s), "--load-s", str(o.load_s)] + (["--cheap-tokens"] if o.cheap_tokens else [])
 

@@ -31,7 +31,8 @@ with the limits of the real server that matter to them:
   GET  /health /health_generate /server_info /get_server_info /model_info /get_model_info
        /get_weight_version
   GET|POST /flush_cache, POST /pause_generation /continue_generation /abort_request
-  POST /update_weights_from_disk {model_path, weight_version}: loads `model.safetensors`
+  POST /update_weights_from_disk {model_path, weight_version}: loads `model.safetensors` (and
+                                  reads `padding.bin`, a model-sized checkpoint's bytes, if any)
   POST /update_weight_version {new_version}: only the tag (logged as a load with `relabel`)
 
 Every /generate is logged (JSON lines) with the weight version at its start and end, so a test
@@ -258,6 +259,12 @@ class Engine:
                 self.record(kind="violation", what=f"loaded {path} with {running} requests running")
             if self.load_s:
                 self.load_hold.wait(self.load_s)
+            t_read = time.time()
+            if (path / "padding.bin").exists():  # a model-sized checkpoint: read as SGLang reads its weights
+                with open(path / "padding.bin", "rb") as fh:
+                    while fh.read(1 << 24):
+                        pass
+            read_s = time.time() - t_read
             if self.model is not None:
                 from . import model as tiny
 
@@ -268,7 +275,7 @@ class Engine:
                 self.version = str(body["weight_version"])
         finally:
             self.update_lock.release_write()
-        self.record(kind="load", t0=t0, t=time.time(), path=str(path), version=self.version)
+        self.record(kind="load", t0=t0, t=time.time(), read_s=read_s, path=str(path), version=self.version)
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     def info(self) -> dict:

@@ -15,7 +15,8 @@ inside is slime's code where it exists without Megatron-LM:
 * a real Adam step on the tiny model replaces Megatron's distributed optimizer;
 * `update_weights` writes the HF checkpoint where slime's disk transport
   (`UpdateWeightFromDisk`) writes it: `--update-weight-disk-dir/weight_v{n:06d}`; with
-  `--use-fault-tolerance` it first asks the rollout manager to recover engines, as slime's does;
+  `--use-fault-tolerance` it first asks the rollout manager to recover engines, as slime's does
+  (`harness_checkpoint_mb` in the YAML: that many MB more per version, a model-sized write);
 * `save_model` writes a Megatron-style tracker (`latest_checkpointed_iteration.txt`) and the
   state under `--save`, and `init` resumes from `--load` the way slime's actor reports it
   (the returned start rollout id is the loaded one + 1).
@@ -172,4 +173,5 @@ class CpuTrainRayActor(RayActor):
         if self._rank == 0:
             shutil.rmtree(d, ignore_errors=True)
             tiny.save(self.model, d)
+            tiny.pad(d, getattr(self.args, "harness_checkpoint_mb", 0))
         os.sync()

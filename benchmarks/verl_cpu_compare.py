@@ -9,7 +9,8 @@ trainer and the replicas share the cores.
 
 Two decode shapes, each run for every mode: ``gpu-shaped`` (``DORA_CPU_STEP_S``: a decode step of
 a replica's whole batch costs at least ``--step-s`` seconds, as memory-bound decode on a GPU) and
-``cpu`` (no floor: a step costs its CPU compute, which grows with the batch).
+``cpu`` (no floor: a step costs its CPU compute, one batched forward, which on CPU still grows
+with the batch).
 
     .venv/bin/python benchmarks/verl_cpu_compare.py [--steps 6] [--k 1] [--replicas 3] [--step-s 0.05]
         [--shapes gpu-shaped,cpu] [--json]

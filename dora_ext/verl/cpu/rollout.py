@@ -23,8 +23,9 @@ rollout side uses with vLLM/SGLang:
   are the engine-reported versions verl writes to TransferQueue and the dora sampler checks (C1).
 * ``DORA_CPU_STEP_S`` (default 0: shape ``cpu``): the GPU shape (``gpu-shaped``): a decode step of
   the whole batch costs at least this many seconds, whatever the batch size, as memory-bound
-  decode does on a GPU (the step sleeps the remainder). The requests of a step are computed one
-  after the other (each keeps its own KV cache): on CPU a step's compute grows with the batch.
+  decode does on a GPU (the step sleeps the remainder). A step is one batched forward over all
+  its requests (``_forward``: each keeps its own KV cache, stacked for the step; a joining
+  request's prompt is prefilled in the same forward, as vLLM's chunked prefill mixes it in).
   ``DORA_CPU_SLOW_REPLICAS="<rank>:<factor>,..."`` makes chosen replicas' steps cost `factor`
   times that (injected stragglers); factor ``hold``: that replica advances a request only while
   it runs no other (a straggler that finishes nothing it shares: R5 must move work off it).
@@ -170,11 +171,18 @@ class ServerCore:
                 while self._queue and len(self._running) < self.max_running:
                     self._running.append(self._queue.pop(0))
                 for req in list(self._running):
-                    reason = "aborted" if req.aborted else None if self.hold and len(self._running) > 1 else req.step()
+                    if req.aborted or len(req.tokens) >= req.max_tokens:
+                        self._finish(req, "aborted" if req.aborted else "length")
+                stepping = [] if self.hold and len(self._running) > 1 else list(self._running)
+                for req, logits in zip(stepping, _forward(self.model, stepping) if stepping else ()):
+                    reason = req.sample(logits)
                     if reason is not None:
-                        self._running.remove(req)
-                        req.done.set_result((req.tokens, req.logprobs, reason))
+                        self._finish(req, reason)
             await asyncio.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        self._running.remove(req)
+        req.done.set_result((req.tokens, req.logprobs, reason))
 
     async def abort_request(self, request_id: str, **_: Any) -> dict[str, Any]:
         """Abort one request (verl's ``vLLMHttpServer.abort_request``): it returns ``aborted`` with
@@ -228,7 +236,8 @@ class CpuLLMServer(ServerCore):
 
 
 class _Request:
-    """One request of the decode loop: its own KV cache, sampler and partial output."""
+    """One request of the decode loop: its own KV cache, sampler and partial output (one row of
+    each :func:`_forward` of the steps it runs in)."""
 
     def __init__(self, request_id: str, prompt: list[int], params: dict[str, Any], core: ServerCore) -> None:
         import torch
@@ -242,23 +251,19 @@ class _Request:
         self.top_k = int(params.get("top_k", -1) or -1)
         seed = params.get("seed")
         self.gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        self.next_ids = torch.tensor([prompt], dtype=torch.long)
-        self.past = None
+        self.new_ids = list(prompt)  # not yet in its KV cache: the prompt, then the last token
+        self.past: list = []  # its KV cache: per layer (keys, values), each [1, heads, cached, head_dim]
+        self.cached = 0
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.aborted = False
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    def step(self) -> str | None:
-        """Decode one token (the first call prefills the prompt); the stop reason once finished."""
+    def sample(self, logits: Any) -> str | None:
+        """Sample the next token from `logits` (its last position's); the stop reason once finished."""
         import torch
 
-        if len(self.tokens) >= self.max_tokens:
-            return "length"
-        with torch.no_grad():
-            res = self.core.model(input_ids=self.next_ids, past_key_values=self.past, use_cache=True)
-        self.past = res.past_key_values
-        logits = res.logits[0, -1].float()
+        logits = logits.float()
         if self.temperature <= 0:
             logp = torch.log_softmax(logits, -1)
             tok = int(torch.argmax(logits))
@@ -276,10 +281,50 @@ class _Request:
             tok = int(torch.multinomial(logp.exp(), 1, generator=self.gen))
         self.tokens.append(tok)
         self.logprobs.append(float(logp[tok]))
-        self.next_ids = torch.tensor([[tok]], dtype=torch.long)
+        self.new_ids = [tok]
         if tok in self.core.eos_ids:
             return "completed"
         return "length" if len(self.tokens) >= self.max_tokens else None
+
+
+def _forward(model: Any, reqs: list[_Request]) -> Any:
+    """One forward of `model` for all `reqs`: returns each one's last-position logits ([len(reqs),
+    vocab]) and extends each one's KV cache with its new tokens.
+
+    Row i is ``[pad][its cache][pad][its new ids]``: caches right-aligned at the longest cache C,
+    new ids (a decode step's token, or a joining request's prompt) right-aligned at the longest
+    N. The attention mask hides the pads and each token gets its own position, so a row computes
+    what that request alone would (in full-attention layers: a sliding window, which counts by
+    index, would count the pads before a row's new ids in a step that prefills a longer prompt)."""
+    import torch
+    from transformers import DynamicCache
+
+    big_c, big_n, rows = max(r.cached for r in reqs), max(len(r.new_ids) for r in reqs), len(reqs)
+    ids, pos = torch.zeros(rows, big_n, dtype=torch.long), torch.zeros(rows, big_n, dtype=torch.long)
+    mask = torch.zeros(rows, big_c + big_n, dtype=torch.long)
+    for i, r in enumerate(reqs):
+        c, n = r.cached, len(r.new_ids)
+        ids[i, big_n - n:], pos[i, big_n - n:] = torch.tensor(r.new_ids), torch.arange(c, c + n)
+        mask[i, big_c - c:big_c] = mask[i, big_c + big_n - n:] = 1
+
+    def stacked(layer: int, kv: int):  # that layer's keys (0) or values (1) of every row
+        ref = next(r.past[layer][kv] for r in reqs if r.past)
+        out = ref.new_zeros(rows, ref.shape[1], big_c, ref.shape[3])
+        for i, r in enumerate(reqs):
+            if r.past:
+                out[i, :, big_c - r.cached:] = r.past[layer][kv][0]
+        return out
+
+    layers = len(next((r.past for r in reqs if r.past), []))
+    cache = DynamicCache([(stacked(j, 0), stacked(j, 1)) for j in range(layers)] or None)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True).logits[:, -1]
+    for i, r in enumerate(reqs):  # each row's cache and new tokens, without the pads
+        c, n = r.cached, len(r.new_ids)
+        own = [*range(big_c - c, big_c), *range(big_c + big_n - n, big_c + big_n)]
+        r.past, r.cached = [(lay.keys[i:i + 1, :, own], lay.values[i:i + 1, :, own]) for lay in cache.layers], c + n
+    return logits
 
 
 def _server_name(replica_rank: int) -> str:

@@ -2,8 +2,8 @@
 forward of the model over all running requests, and a request computes in a batch what it
 computes alone.
 
-Real: the replica's ``ServerCore`` and a tiny random-weight Llama model (transformers' own model
-code, ``sdpa``). The model's ``forward`` is wrapped only to record the shape of each call's
+Real: the replica's ``ServerCore`` and a tiny random-weight Llama model, or a Mistral one whose
+attention window (4) is shorter than the requests (transformers' own model code, ``sdpa``). The model's ``forward`` is wrapped only to record the shape of each call's
 ``input_ids`` (rows = requests in that forward). Join steps are forced by awaiting the loop's own
 state, not by time.
 """
@@ -26,8 +26,19 @@ REQUESTS = {
 }
 
 
-@pytest.fixture()
-def core(tmp_path_factory, monkeypatch):
+def _sliding_window_model(out: str) -> str:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=4)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(params=["llama", "sliding_window"])
+def core(request, tmp_path_factory, monkeypatch):
     """A replica with no step floor and no straggler, its forwards' ``input_ids`` shapes in ``shapes``."""
     from dora_ext.verl.cpu.rollout import ServerCore
     from dora_ext.verl.cpu.tiny import build_model
@@ -35,7 +46,8 @@ def core(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("DORA_CPU_STEP_S", raising=False)
     monkeypatch.delenv("DORA_CPU_SLOW_REPLICAS", raising=False)
     core = ServerCore()
-    core._init_server(type("ModelConfig", (), {"local_path": build_model(str(tmp_path_factory.mktemp("m")))})(), 0)
+    build = build_model if request.param == "llama" else _sliding_window_model
+    core._init_server(type("ModelConfig", (), {"local_path": build(str(tmp_path_factory.mktemp("m")))})(), 0)
     core.eos_ids = set()  # random tiny weights: each request runs to its own max_tokens
     core.shapes, forward = [], core.model.forward
 

@@ -3,8 +3,9 @@ forward of the model over all running requests, and a request computes in a batc
 computes alone.
 
 Real: the replica's ``ServerCore`` and a tiny random-weight Llama model, or a Mistral one whose
-attention window (4) is shorter than the requests (transformers' own model code, ``sdpa``). The model's ``forward`` is wrapped only to record the shape of each call's
-``input_ids`` (rows = requests in that forward). Join steps are forced by awaiting the loop's own
+attention window (4) is shorter than the requests (transformers' own model code, ``sdpa``). The
+model's ``forward`` is wrapped only to record the shape of each call's ``input_ids`` (rows =
+requests in that forward). Join steps are forced by awaiting the loop's own
 state, not by time.
 """
 

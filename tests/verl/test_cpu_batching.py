@@ -100,3 +100,17 @@ def test_a_decode_step_of_n_running_requests_is_one_forward(core):
     outs = asyncio.run(run())
     assert [len(out.token_ids) for out in outs] == [5, 5, 5]
     assert core.shapes == [(3, 3)] + [(3, 1)] * 4, core.shapes
+
+
+def test_a_prompt_the_model_cannot_take_is_refused_and_the_requests_beside_it_run_on(core):
+    """An empty prompt or a token id outside the vocabulary fails its own generate() (vLLM's input
+    processor refuses both); in the batched forward it would stop the decode loop for all."""
+
+    async def run():
+        good = asyncio.ensure_future(core.generate("good", [1, 5, 6], {"max_tokens": 4, "temperature": 0}))
+        for rid, prompt in (("oov", [1, 999]), ("empty", [])):
+            with pytest.raises(ValueError, match=rf"request {rid}: the prompt must be 1 or more token ids in \[0, 64\)"):
+                await asyncio.wait_for(core.generate(rid, prompt, {"max_tokens": 4}), 60)  # (a hang guard)
+        return await asyncio.wait_for(good, 60)
+
+    assert len(asyncio.run(run()).token_ids) == 4

@@ -243,6 +243,13 @@ class _Request:
         import torch
 
         self.id, self.core, self.started = request_id, core, time.time()
+        vocab = core.model.get_input_embeddings().num_embeddings
+        if not prompt or not all(0 <= t < vocab for t in prompt):
+            # Refused here, as vLLM's input processor does: in the batched forward it would stop
+            # the decode loop, and every request running beside it would wait forever.
+            raise ValueError(f"request {request_id}: the prompt must be 1 or more token ids in [0, {vocab}) "
+                             f"(the model's vocabulary); got {len(prompt)} ids, min {min(prompt, default=None)}, "
+                             f"max {max(prompt, default=None)}")
         limit = int(getattr(core.model.config, "max_position_embeddings", 1 << 30))
         max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or core.default_max_tokens)
         self.max_tokens = max(0, min(max_tokens, limit - len(prompt)))

@@ -109,7 +109,7 @@ def test_a_prompt_the_model_cannot_take_is_refused_and_the_requests_beside_it_ru
     async def run():
         good = asyncio.ensure_future(core.generate("good", [1, 5, 6], {"max_tokens": 4, "temperature": 0}))
         for rid, prompt in (("oov", [1, 999]), ("empty", [])):
-            with pytest.raises(ValueError, match=rf"request {rid}: the prompt must be 1 or more token ids in \[0, 64\)"):
+            with pytest.raises(ValueError, match=rf"request {rid}: the prompt must be 1 or more token ids"):
                 await asyncio.wait_for(core.generate(rid, prompt, {"max_tokens": 4}), 60)  # (a hang guard)
         return await asyncio.wait_for(good, 60)
 

@@ -77,11 +77,12 @@ def sample_names(names, rollout: str | None = None) -> list[str]:
 def served_dtype(rollout: Any) -> str:
     """The dtype the engine holds its weights in: ``dora_cpu`` serves float32 whatever the config
     says, vLLM and SGLang ``actor_rollout_ref.rollout.dtype`` (default bfloat16), a torch dtype's
-    name: ``auto`` is refused (the weights are published, and checked, in this dtype)."""
+    floating-point name: ``auto`` is refused (the weights are published, and checked, in this dtype)."""
     if str(rollout.get("name")) == "dora_cpu":
         return "float32"
     name = str(rollout.get("dtype") or "bfloat16")
-    if not isinstance(getattr(torch, name, None), torch.dtype):
+    dtype = getattr(torch, name, None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         from dora_ext.config import ConfigError
 
         raise ConfigError("actor_rollout_ref.rollout.dtype", f"{name!r}: dora publishes and checks the weights in "

@@ -2,9 +2,10 @@
 forward of the model over all running requests, and a request computes in a batch what it
 computes alone.
 
-Real: the replica's ``ServerCore`` and a tiny random-weight Llama model (transformers' own model
-code, ``sdpa``). The model's ``forward`` is wrapped only to record the shape of each call's
-``input_ids`` (rows = requests in that forward). Join steps are forced by awaiting the loop's own
+Real: the replica's ``ServerCore`` and a tiny random-weight Llama model, or a Mistral one whose
+attention window (4) is shorter than the requests (transformers' own model code, ``sdpa``). The
+model's ``forward`` is wrapped only to record the shape of each call's ``input_ids`` (rows =
+requests in that forward). Join steps are forced by awaiting the loop's own
 state, not by time.
 """
 
@@ -26,8 +27,19 @@ REQUESTS = {
 }
 
 
-@pytest.fixture()
-def core(tmp_path_factory, monkeypatch):
+def _sliding_window_model(out: str) -> str:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=4)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(params=["llama", "sliding_window"])
+def core(request, tmp_path_factory, monkeypatch):
     """A replica with no step floor and no straggler, its forwards' ``input_ids`` shapes in ``shapes``."""
     from dora_ext.verl.cpu.rollout import ServerCore
     from dora_ext.verl.cpu.tiny import build_model
@@ -35,7 +47,8 @@ def core(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("DORA_CPU_STEP_S", raising=False)
     monkeypatch.delenv("DORA_CPU_SLOW_REPLICAS", raising=False)
     core = ServerCore()
-    core._init_server(type("ModelConfig", (), {"local_path": build_model(str(tmp_path_factory.mktemp("m")))})(), 0)
+    build = build_model if request.param == "llama" else _sliding_window_model
+    core._init_server(type("ModelConfig", (), {"local_path": build(str(tmp_path_factory.mktemp("m")))})(), 0)
     core.eos_ids = set()  # random tiny weights: each request runs to its own max_tokens
     core.shapes, forward = [], core.model.forward
 
@@ -87,3 +100,17 @@ def test_a_decode_step_of_n_running_requests_is_one_forward(core):
     outs = asyncio.run(run())
     assert [len(out.token_ids) for out in outs] == [5, 5, 5]
     assert core.shapes == [(3, 3)] + [(3, 1)] * 4, core.shapes
+
+
+def test_a_prompt_the_model_cannot_take_is_refused_and_the_requests_beside_it_run_on(core):
+    """An empty prompt or a token id outside the vocabulary fails its own generate() (vLLM's input
+    processor refuses both); in the batched forward it would stop the decode loop for all."""
+
+    async def run():
+        good = asyncio.ensure_future(core.generate("good", [1, 5, 6], {"max_tokens": 4, "temperature": 0}))
+        for rid, prompt in (("oov", [1, 999]), ("empty", [])):
+            with pytest.raises(ValueError, match=rf"request {rid}: the prompt must be 1 or more token ids"):
+                await asyncio.wait_for(core.generate(rid, prompt, {"max_tokens": 4}), 60)  # (a hang guard)
+        return await asyncio.wait_for(good, 60)
+
+    assert len(asyncio.run(run()).token_ids) == 4

@@ -467,15 +467,16 @@ def test_a_publication_is_in_the_engine_dtype_and_the_load_reads_back_its_checks
     assert W.checksum(held, names, dtype) == published == digest == W.checksum(actor, names, dtype)
 
 
-def test_an_engine_dtype_that_is_no_torch_dtype_is_refused_naming_the_key():
-    """The weights are published and checked in the engine's dtype: ``auto`` names none."""
+def test_an_engine_dtype_that_is_no_torch_float_dtype_is_refused_naming_the_key():
+    """The weights are published and checked in the engine's dtype: ``auto`` names none, ``int8`` no float."""
     from omegaconf import OmegaConf
 
     from dora_ext.config import ConfigError
     from dora_ext.verl.weights import served_dtype
 
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.dtype: 'auto'.*accepted: bfloat16"):
-        served_dtype(OmegaConf.create({"name": "vllm", "dtype": "auto"}))
+    for name in ("auto", "int8"):  # (int8 is a torch dtype: send_weights would cast the weights to it)
+        with pytest.raises(ConfigError, match=rf"actor_rollout_ref\.rollout\.dtype: '{name}'.*accepted: bfloat16"):
+            served_dtype(OmegaConf.create({"name": "vllm", "dtype": name}))
     assert served_dtype(OmegaConf.create({"name": "sglang", "dtype": "float16"})) == "float16"
 
 

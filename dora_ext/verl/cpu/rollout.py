@@ -243,6 +243,13 @@ class _Request:
         import torch
 
         self.id, self.core, self.started = request_id, core, time.time()
+        vocab = core.model.get_input_embeddings().num_embeddings
+        if not prompt or not all(0 <= t < vocab for t in prompt):
+            # Refused here, as vLLM's input processor does: in the batched forward it would stop
+            # the decode loop, and every request running beside it would wait forever.
+            raise ValueError(f"request {request_id}: the prompt must be 1 or more token ids in [0, {vocab}) "
+                             f"(the model's vocabulary); got {len(prompt)} ids, min {min(prompt, default=None)}, "
+                             f"max {max(prompt, default=None)}")
         limit = int(getattr(core.model.config, "max_position_embeddings", 1 << 30))
         max_tokens = int(params.get("max_tokens") or params.get("max_new_tokens") or core.default_max_tokens)
         self.max_tokens = max(0, min(max_tokens, limit - len(prompt)))
@@ -291,11 +298,11 @@ def _forward(model: Any, reqs: list[_Request]) -> Any:
     """One forward of `model` for all `reqs`: returns each one's last-position logits ([len(reqs),
     vocab]) and extends each one's KV cache with its new tokens.
 
-    Row i is ``[pad][its cache][pad][its new ids]``: caches right-aligned at the longest cache C,
-    new ids (a decode step's token, or a joining request's prompt) right-aligned at the longest
-    N. The attention mask hides the pads and each token gets its own position, so a row computes
-    what that request alone would (in full-attention layers: a sliding window, which counts by
-    index, would count the pads before a row's new ids in a step that prefills a longer prompt)."""
+    Row i is ``[pad][its cache][its new ids][pad]``: caches right-aligned at the longest cache C,
+    new ids (a decode step's token, or a joining request's prompt) start at C. The attention mask
+    hides the pads and each token gets its own position; no pad lies between a token and those it
+    attends to, so a row computes what that request alone would, in sliding-window layers too
+    (they count distance by index). Each row's logits are those of its last new id."""
     import torch
     from transformers import DynamicCache
 
@@ -304,8 +311,8 @@ def _forward(model: Any, reqs: list[_Request]) -> Any:
     mask = torch.zeros(rows, big_c + big_n, dtype=torch.long)
     for i, r in enumerate(reqs):
         c, n = r.cached, len(r.new_ids)
-        ids[i, big_n - n:], pos[i, big_n - n:] = torch.tensor(r.new_ids), torch.arange(c, c + n)
-        mask[i, big_c - c:big_c] = mask[i, big_c + big_n - n:] = 1
+        ids[i, :n], pos[i, :n] = torch.tensor(r.new_ids), torch.arange(c, c + n)
+        mask[i, big_c - c:big_c + n] = 1
 
     def stacked(layer: int, kv: int):  # that layer's keys (0) or values (1) of every row
         ref = next(r.past[layer][kv] for r in reqs if r.past)
@@ -317,13 +324,14 @@ def _forward(model: Any, reqs: list[_Request]) -> Any:
 
     layers = len(next((r.past for r in reqs if r.past), []))
     cache = DynamicCache([(stacked(j, 0), stacked(j, 1)) for j in range(layers)] or None)
+    last = torch.tensor([len(r.new_ids) - 1 for r in reqs])
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True).logits[:, -1]
-    for i, r in enumerate(reqs):  # each row's cache and new tokens, without the pads
-        c, n = r.cached, len(r.new_ids)
-        own = [*range(big_c - c, big_c), *range(big_c + big_n - n, big_c + big_n)]
-        r.past, r.cached = [(lay.keys[i:i + 1, :, own], lay.values[i:i + 1, :, own]) for lay in cache.layers], c + n
+                       use_cache=True).logits[torch.arange(rows), last]
+    for i, r in enumerate(reqs):  # each row's cache and new tokens, without the pads (copies: a view
+        own = slice(big_c - r.cached, big_c + len(r.new_ids))  # would keep the whole batch alive)
+        r.past = [(lay.keys[i:i + 1, :, own].clone(), lay.values[i:i + 1, :, own].clone()) for lay in cache.layers]
+        r.cached += len(r.new_ids)
     return logits
 
 

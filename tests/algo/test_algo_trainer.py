@@ -419,7 +419,7 @@ MICRO_CASES = [(CASES[1], dict()), (CASES[1], dict(ppo_minibatches=2, kl_coef=0.
                (CASES[3], dict()), (CASES[3], dict(ppo_minibatches=2)), (CASES[3], dict(kl_coef=0.1)),
                # review: every correction, both aggregations, the entropy bonus, a critic with GAE
                (CASES[0], dict(ppo_minibatches=2, entropy_coef=0.01)), (CASES[2], dict(entropy_coef=0.01)),
-               (CASES[4], dict()), (CASES[4], dict(ppo_minibatches=2, kl_coef=0.1)),
+               (CASES[4], dict()), (CASES[4], dict(kl_coef=0.1)),  # one update: SAO's mask cannot flip (docstring)
                (dict(algorithm="grpo", correction="sao", loss_agg_mode="seq-mean-token-mean"), dict(entropy_coef=0.01)),
                (dict(algorithm="grpo", correction="decoupled", is_cap_mode="truncate"), dict(ppo_epochs=2, entropy_coef=0.01))]
 

@@ -206,6 +206,9 @@ def dora_config(args: Any, *, instances: list[int] | None = None, start_step: in
             "slime's generate path does not expose; set it to false",
         )
     data["migrate"] = False
+    if data.get("elastic"):
+        raise ConfigError("dora.elastic", "not available on slime: its trainer cannot take an idle engine's GPUs "
+                          "(the rollout worker has no SwitchToTrainer); set it to false")
     if data.get("mode") == "partial":
         raise ConfigError(
             "dora.mode",

@@ -22,6 +22,7 @@ naming the key, before any GPU time is spent.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -152,16 +153,19 @@ def check_shared_weights_dir(settings: SlimeSettings, weights_dir: str, nodes: i
                           f"{nodes - 1} node(s) of the Ray cluster do not see: put it on a shared filesystem")
 
 
-def memory_fs(path: str) -> str | None:
-    """`tmpfs` or `ramfs` when `path` (or the directory it will be made in) is in a node's memory."""
+def memory_fs(path: str, mounts_file: str = "/proc/mounts") -> str | None:
+    """`tmpfs` or `ramfs` when `path` (or the directory it will be made in) is in a node's memory:
+    the filesystem of the deepest mount point above its real path, the last one mounted there
+    (a mount stacked on another hides it); the file escapes a space in a mount point as \\040."""
     try:
-        with open("/proc/mounts") as fh:
-            mounts = [line.split()[1:3] for line in fh]
+        with open(mounts_file) as fh:
+            mounts = [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point), fs)
+                      for point, fs in (line.split()[1:3] for line in fh)]
     except OSError:
         return None
     real = os.path.realpath(path)
     under = [m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")]
-    fs = max(under, key=lambda m: len(m[0]))[1] if under else None
+    fs = max(reversed(under), key=lambda m: len(m[0]))[1] if under else None
     return fs if fs in ("tmpfs", "ramfs") else None
 
 
@@ -206,6 +210,9 @@ def dora_config(args: Any, *, instances: list[int] | None = None, start_step: in
             "slime's generate path does not expose; set it to false",
         )
     data["migrate"] = False
+    if data.get("elastic"):
+        raise ConfigError("dora.elastic", "not available on slime: its trainer cannot take an idle engine's GPUs "
+                          "(the rollout worker has no SwitchToTrainer); set it to false")
     if data.get("mode") == "partial":
         raise ConfigError(
             "dora.mode",

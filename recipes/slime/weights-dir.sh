@@ -6,7 +6,8 @@ check_weights_dir() {
    local dir=$1 model=$2 versions=${WEIGHT_VERSIONS:-4} need free
    mkdir -p "${dir}"
    [[ "$(stat -f -c %T "${dir}")" == tmpfs && -d "${model}" ]] || return 0
-   need=$(( $(du -sk "${model}" | cut -f1) * versions ))
+   # -L: a model dir that is a symlink, or holds symlinks (a Hugging Face cache snapshot), counts its files.
+   need=$(( $(du -skL "${model}" | cut -f1) * versions ))
    free=$(df -Pk "${dir}" | awk 'NR == 2 {print $4}')
    if (( free < need )); then
       echo "WEIGHTS_DIR=${dir} is tmpfs with ${free} KB free; ${versions} versions of ${model} need ${need} KB:" \

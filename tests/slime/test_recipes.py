@@ -137,19 +137,26 @@ def test_recipe_flags_pass_slimes_own_argument_parser(tmp_path, patched_slime):
             assert "dora_config" not in out
 
 
-@pytest.mark.parametrize("room", [True, False])
-def test_a_weights_dir_in_node_memory_without_room_for_the_versions_stops_the_launch(tmp_path, room):
+@pytest.mark.parametrize("room, linked", [(True, False), (False, False), (False, True)])
+def test_a_weights_dir_in_node_memory_without_room_for_the_versions_stops_the_launch(tmp_path, room, linked):
     """WEIGHTS_DIR on tmpfs (/dev/shm): both twins write there and load from there; a tmpfs that
-    cannot hold WEIGHT_VERSIONS checkpoints of the model stops the launch, naming the directory."""
+    cannot hold WEIGHT_VERSIONS checkpoints of the model stops the launch, naming the directory.
+    The model's size counts its files through symlinks (a linked model dir, a Hugging Face snapshot)."""
     from dora_ext.slime.settings import memory_fs
 
     if memory_fs("/dev/shm") is None:
         pytest.skip("no tmpfs at /dev/shm on this machine")
     slime = _fake_slime(tmp_path)
-    (tmp_path / "models" / "Qwen3-1.7B").mkdir(parents=True)
-    (tmp_path / "models" / "Qwen3-1.7B" / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    model = tmp_path / ("blobs" if linked else "models/Qwen3-1.7B")
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    if linked:
+        (tmp_path / "models").mkdir()
+        (tmp_path / "models" / "Qwen3-1.7B").symlink_to(model)
     weights = tempfile.mkdtemp(dir="/dev/shm")
-    env = {"MODEL_ROOT": str(tmp_path / "models"), "WEIGHTS_DIR": weights, "WEIGHT_VERSIONS": "4" if room else str(10**9)}
+    # No room: a 1 MB model takes 16 times the free space; its symlink (at most a 4 KB block) would fit.
+    versions = 4 if room else shutil.disk_usage(weights).free // 1024 // 16 + 1
+    env = {"MODEL_ROOT": str(tmp_path / "models"), "WEIGHTS_DIR": weights, "WEIGHT_VERSIONS": str(versions)}
     try:
         if room:
             argv = _run("qwen3-1.7B-grpo-dora.sh", tmp_path, slime, "dora", env)

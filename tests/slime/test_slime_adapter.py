@@ -230,6 +230,7 @@ def test_args_none_passes_finished_samples_through_and_refuses_pending_ones(stan
     [
         ({"dora": {"mode": "dora", "max_staleness": 1, "batch_size": 99}}, "dora.batch_size"),
         ({"dora": {"mode": "dora", "migrate": True}}, "dora.migrate"),
+        ({"dora": {"mode": "dora", "max_staleness": 1, "elastic": True}}, "dora.elastic"),
         ({"dora": {"mode": "partial"}}, "dora.mode"),
         ({"dora": {"mode": "dora", "max_staleness": 0}}, "dora.max_staleness"),
         ({"dora_slime": {"capacity": 0}}, "dora_slime.capacity"),

@@ -333,6 +333,16 @@ def test_a_multi_node_cluster_without_a_shared_weights_dir_refuses_to_start(tmp_
         rollout.RolloutSession.for_slime(args, DoraDataSource(args), 0)
 
 
+def test_a_weights_dir_is_judged_by_the_mount_that_is_visible_there(tmp_path):
+    """/proc/mounts: the last mount at a point hides those below it (a disk bind-mounted over a
+    tmpfs, or a tmpfs over a disk), and a space in a mount point is written \\040."""
+    mounts = tmp_path / "mounts"
+    mounts.write_text("overlay / overlay rw 0 0\ntmpfs /data tmpfs rw 0 0\n/dev/sda1 /data ext4 rw 0 0\n"
+                      "/dev/sda1 /scratch ext4 rw 0 0\ntmpfs /scratch tmpfs rw 0 0\ntmpfs /my\\040shm tmpfs rw 0 0\n")
+    judged = {p: memory_fs(p, str(mounts)) for p in ("/data/w", "/scratch/w", "/my shm/w", "/w")}
+    assert judged == {"/data/w": None, "/scratch/w": "tmpfs", "/my shm/w": "tmpfs", "/w": None}
+
+
 def test_engines_holding_the_launch_weights_are_not_reloaded_with_version_0(tmp_path, standins, monkeypatch):
     """A fresh run's version 0 is the checkpoint slime launched the engines with: they are told
     the tag (SGLang's `/update_weight_version`), not reloaded from disk; a resumed run loads it."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -162,6 +163,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each (mode, kind); 2 with both: ABBA")
     ap.add_argument("--checkpoint-mb", type=int, default=0, help="MB added to every version's checkpoint")
     o = ap.parse_args()
+    for name in ("engines", "capacity", "batch", "n", "num_rollout", "response_len", "repeats"):
+        if getattr(o, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(o, name)}")
+    for name, low in (("checkpoint_mb", 0), ("step_s", 0), ("load_s", 0), ("timeout", 1e-9)):
+        if not math.isfinite(getattr(o, name)) or getattr(o, name) < low:
+            ap.error(f"--{name.replace('_', '-')}: expected a finite number {'>= 0' if low == 0 else '> 0'}, "
+                     f"got {getattr(o, name)}")
     slime = os.environ.get("DORA_SLIME_PATH")
     if not slime:
         print("set DORA_SLIME_PATH to a slime checkout (624b824)", file=sys.stderr)

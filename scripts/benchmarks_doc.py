@@ -223,6 +223,7 @@ KNOWN: dict[str, tuple[str, str, Callable[[dict], str]]] = {
     "simulate-": ("`dora-ext simulate --preset {preset}`", "dora-ext simulate --preset {preset} --json > benchmarks/results/{stem}.json", simulate),
     "core_events": ("Scheduler events per CPU second", "python benchmarks/core_events.py --json > benchmarks/results/core_events.json", core_events),
     "convergence": ("Convergence: sync and dora over seeds", "python benchmarks/convergence.py --out benchmarks/results", convergence),
+    "convergence-": ("Convergence: sync and dora over seeds ({stem})", "python benchmarks/convergence.py --json > benchmarks/results/{stem}.json", convergence),
     "decode_cost": ("CPU decode cost of the default recipe's model", "python benchmarks/decode_cost.py --json benchmarks/results/decode_cost.json", decode_cost),
 }
 

@@ -241,6 +241,7 @@ class SglangEngines:
         # monitor: LOADING_URLS). A load that fails sends the worker to refresh() again.
         self._loading: set[int] = set()
         self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
+        self._load_watch: dict[int, set[asyncio.Event]] = {}  # checks that stop waiting when a load starts
         # Loads past `load_timeout_s` (iid -> reason: the next refresh retires it); URLs whose weights
         # are unknown until a load succeeds (never relabelled as the launch weights).
         self._timed_out: dict[int, str] = {}
@@ -338,10 +339,14 @@ class SglangEngines:
         version = reply.get("weight_version") if isinstance(reply, dict) else None
         return None if version is None else str(version)
 
-    async def _verdict(self, iid: int, url: str) -> str | None:
-        """Why instance `iid` at `url` should leave (fails /health, or holds another version), or None."""
+    async def _verdict(self, iid: int, url: str, started: int | None = None) -> str | None:
+        """Why instance `iid` at `url` should leave (fails /health, or holds another version), or None.
+        `started`: the loads started on it when it was picked; once another starts, nothing more
+        is asked (it would wait behind the load)."""
         if not await self.healthy(url):
             return "the engine does not generate (/health_generate failed or timed out)"
+        if started is not None and self._loads_started.get(iid, 0) != started:
+            return None
         expected = self._loaded_tags.get(iid)
         if expected is None:
             return None
@@ -350,6 +355,30 @@ class SglangEngines:
             return (f"{url} reports weight version {reported!r}, the adapter loaded {expected!r}: "
                     "the engine was restarted")
         return None
+
+    async def _verdict_until_load(self, iid: int, url: str, started: int) -> str | None:
+        """`_verdict`, abandoned (None) as soon as a load starts on the engine (`started`: the loads
+        started when it was picked), or not begun if one started since: its answer would be
+        voided anyway (`refresh`), and SGLang answers it only after the load (the writer lock), so
+        a pass that waited for it would hold every caller of refresh for the whole load."""
+        if iid in self._loading or self._loads_started.get(iid, 0) != started:
+            return None
+        began = asyncio.Event()
+        watchers = self._load_watch.setdefault(iid, set())
+        watchers.add(began)
+        check = asyncio.ensure_future(self._verdict(iid, url, started))
+        stop = asyncio.ensure_future(began.wait())
+        try:
+            await asyncio.wait((check, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not check.done():
+                check.cancel()  # may still finish (a cancel lost in wait_for): its outcome is dropped
+                check.add_done_callback(lambda t: t.cancelled() or t.exception())
+            watchers.discard(began)
+            if not watchers and self._load_watch.get(iid) is watchers:
+                del self._load_watch[iid]
+        return check.result() if check.done() and not check.cancelled() else None
 
     async def refresh(self) -> tuple[list[int], list[tuple[int, int]]]:
         """Every question is asked first (the engines concurrently), then the answers are applied
@@ -376,7 +405,8 @@ class SglangEngines:
             elif iid not in self._loading:
                 checked[iid] = (url, self._loads_started.get(iid, 0))
         # One probe pass over the engines, concurrently (each check is bounded by health_timeout_s).
-        verdicts = await asyncio.gather(*(self._verdict(iid, url) for iid, (url, _) in checked.items()))
+        verdicts = await asyncio.gather(*(self._verdict_until_load(iid, url, started)
+                                          for iid, (url, started) in checked.items()))
         for (iid, (url, started)), reason in zip(checked.items(), verdicts):
             if iid in self._loading or self._loads_started.get(iid, 0) != started:
                 continue  # a load started while it was asked: no verdict from this check
@@ -446,6 +476,8 @@ class SglangEngines:
         with _MONITOR_LOCK:
             LOADING_URLS.add(url)
         self._loads_started[instance_id] = self._loads_started.get(instance_id, 0) + 1
+        for began in self._load_watch.pop(instance_id, ()):
+            began.set()
         try:
             while url in CHECKING_URLS:  # slime's monitor checks it now: let that check finish first
                 await asyncio.sleep(0.05)

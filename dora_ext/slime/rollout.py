@@ -436,6 +436,7 @@ class RolloutSession:
         the engine leaves at a refresh and the evaluation runs on the others (or waits for one
         to rejoin and load it); only a load SGLang refuses ends the job, as it does in training.
         """
+        started = logged = time.monotonic()
         while True:
             if self._fatal is not None:
                 raise AdapterError(f"the rollout worker stopped: {self._fatal!r}") from self._fatal
@@ -452,6 +453,16 @@ class RolloutSession:
                     raise AdapterError(f"after the last step no engine holds or loads version {self.first_step + newest}: "
                                        "the scheduler left its engines idle on older versions")
             self._probe("eval_waits", newest)
+            if time.monotonic() - logged >= 60:  # as a training batch waits: engines may rejoin (slime restarts them)
+                logged = time.monotonic()
+                f = self.first_step
+                held = {i: (f + inst.version, None if inst.loading is None else f + inst.loading)
+                        for i, inst in sorted(sched.instances.items())}
+                logger.info("dora: evaluation waits %.0fs for an engine holding version %s "
+                            "(engines: %s)", logged - started,
+                            self.first_step + newest if newest >= 0 else "(none published yet)",
+                            ", ".join(f"{i} at {v}" + (f" loading {ld}" if ld is not None else "")
+                                      for i, (v, ld) in held.items()) or "none: every engine was retired")
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:

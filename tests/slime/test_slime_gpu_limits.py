@@ -197,6 +197,67 @@ def test_server_info_without_internal_states_is_no_verdict(tmp_path, standins):
     assert (gone, new) == ([], [])
 
 
+@pytest.mark.parametrize("order", ["check_first", "load_first"])
+def test_a_refresh_does_not_wait_for_a_check_that_a_load_started_behind(tmp_path, standins, order):
+    """A refresh picks engine 0 to check, and a load of engine 0 starts that holds SGLang's writer
+    lock. check_first: the check is asked first and reaches the engine only once the load runs
+    (as a check in transit when `/update_weights_from_disk` arrives). load_first: the load starts
+    in the loop turn the refresh picked the engine in, before its check began. That check's
+    verdict would be voided anyway, so the refresh returns while the load is still held instead
+    of holding every caller of refresh behind the load (SGLang's /health_generate gives up after
+    its own SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by default; the adapter's bound is probe_timeout_s)."""
+    from slime_helpers import fleet_engines
+
+    fleet, engines = fleet_engines(standins, tmp_path, 31770, n=2)
+    e = fleet.engines[0]
+    release = asyncio.Event()
+    e.load_hold = {"3": (release, standins.HOLD_TIMEOUT_S)}
+    get = fleet.get
+    loads: list = []
+
+    def start_load():
+        loads.append(asyncio.ensure_future(engines.load(0, "3", str(tmp_path / "w"))))
+
+    class PickingEngine0StartsTheLoad(dict):  # refresh reads engine 0's load count as it picks it
+        def get(self, key, default=None):
+            if key == 0 and not loads and engines.urls and not engines._loading:
+                start_load()
+            return super().get(key, default)
+
+    async def run():
+        await engines.discover()
+        asked, loading = asyncio.Event(), asyncio.Event()
+
+        async def ordered_get(url):
+            if url == f"{e.url}/health_generate" and not asked.is_set():
+                asked.set()
+                await loading.wait()  # reaches the engine behind the load
+            return await get(url)
+
+        if order == "check_first":
+            fleet.get = ordered_get
+        else:
+            engines._loads_started = PickingEngine0StartsTheLoad()
+            loading.set()
+        refresh = asyncio.ensure_future(engines.refresh())
+        if order == "check_first":
+            await asked.wait()
+            start_load()
+        while e.load_done is None:
+            await asyncio.sleep(0)
+        loading.set()
+        done, _ = await asyncio.wait({refresh}, timeout=standins.HOLD_TIMEOUT_S / 2)
+        held = e.load_done is not None
+        release.set()
+        await loads[0]
+        return refresh in done, held, (await refresh if refresh.done() else None)
+
+    returned, held, result = asyncio.run(run())
+    assert returned and held, "the refresh waited for the held load"
+    assert result == ([], [])
+    assert fleet.engines[0].loads == ["3"] and engines._load_watch == {}
+
+
 def test_slimes_health_monitor_does_not_kill_an_engine_dora_loads(tmp_path, monkeypatch):
     """`--use-fault-tolerance`: slime's `RolloutHealthMonitor` asks every engine's
     `/health_generate` with `--rollout-health-check-timeout`; a load holds SGLang's writer lock

@@ -447,14 +447,15 @@ class Runtime:
         finally:
             if pinned:
                 os.sched_setaffinity(0, old_affinity)
-            for q, h in [*((q, None) for q in self.trainer_inboxes), *((q, None) for q in self.inboxes.values()),
-                         *self.starting.values()]:
+            starting = list(self.starting.values())
+            handles.extend(h for _, h in starting if h is not None)
+            # Counted before "stop": a worker that reports and exits at once still has a report to read.
+            reporting = sum(1 for h in handles if h.is_alive())
+            for q in [*self.trainer_inboxes, *self.inboxes.values(), *(q for q, _ in starting)]:
                 if q is not None:
                     q.put(("stop",))
-                if h is not None:
-                    handles.append(h)
             if ok:
-                self._collect_stats(sum(1 for h in handles if h.is_alive()))
+                self._collect_stats(reporting)
             for h in handles:
                 h.join(timeout=10 if ok else 2)
                 if h.is_alive() and hasattr(h, "terminate"):

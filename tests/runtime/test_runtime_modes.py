@@ -422,3 +422,38 @@ def test_groups_are_shared_by_measured_speed_within_each_minibatch():
     assert rt.rank_speed[1] == pytest.approx(10 * 1.25)
     assert rt.rank_tokens == [140, 20]
     assert rt.rank_seconds == [[3.0, 0.5], [2.0, 1.5]]
+
+
+class _ExitsBeforeCounted:
+    """An instance inbox whose "stop" returns only once the worker has reported its stats and
+    exited: the order in which a fast worker is already gone when the runtime counts the workers
+    it waits for (forced, not hoped for)."""
+
+    def __init__(self, inbox, handle):
+        self.inbox, self.handle = inbox, handle
+
+    def put(self, cmd):
+        self.inbox.put(cmd)
+        if cmd == ("stop",):
+            self.handle.join(timeout=60)
+            assert not self.handle.is_alive(), "the instance did not exit after stop"
+
+    def __getattr__(self, name):
+        return getattr(self.inbox, name)
+
+
+def test_every_worker_s_stats_are_read_even_if_it_exits_at_once():
+    """Every worker reports its stats at "stop" and exits. One that is gone before the runtime
+    counted the reports to wait for was left out of the count, so one report stayed unread
+    (CI lost a restarted instance's engine stats this way)."""
+    recipe = recipe_from_dict(tiny(steps=2)).with_mode("dora")
+
+    class Rt(Runtime):
+        def _on_message(self, msg):
+            for iid, inbox in list(self.inboxes.items()):
+                if not isinstance(inbox, _ExitsBeforeCounted):
+                    self.inboxes[iid] = _ExitsBeforeCounted(inbox, self.instance_handles[iid])
+            return super()._on_message(msg)
+
+    result = Rt(recipe, prepare(recipe)).run()
+    assert sorted(result.ledger["engine_stats"]) == [0, 1]

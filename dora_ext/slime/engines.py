@@ -345,7 +345,7 @@ class SglangEngines:
         is asked (it would wait behind the load)."""
         if not await self.healthy(url):
             return "the engine does not generate (/health_generate failed or timed out)"
-        if started is not None and self._loads_started.get(iid, 0) != started:
+        if started is not None and self._load_began(iid, started):
             return None
         expected = self._loaded_tags.get(iid)
         if expected is None:
@@ -356,12 +356,17 @@ class SglangEngines:
                     "the engine was restarted")
         return None
 
+    def _load_began(self, iid: int, started: int) -> bool:
+        """Is a load of `iid` running, or has one started since `started` loads had (when it was
+        picked for a check)? Then what that check asks is voided: it waits behind the load."""
+        return iid in self._loading or self._loads_started.get(iid, 0) != started
+
     async def _verdict_until_load(self, iid: int, url: str, started: int) -> str | None:
         """`_verdict`, abandoned (None) as soon as a load starts on the engine (`started`: the loads
         started when it was picked), or not begun if one started since: its answer would be
         voided anyway (`refresh`), and SGLang answers it only after the load (the writer lock), so
         a pass that waited for it would hold every caller of refresh for the whole load."""
-        if iid in self._loading or self._loads_started.get(iid, 0) != started:
+        if self._load_began(iid, started):
             return None
         began = asyncio.Event()
         watchers = self._load_watch.setdefault(iid, set())
@@ -408,7 +413,7 @@ class SglangEngines:
         verdicts = await asyncio.gather(*(self._verdict_until_load(iid, url, started)
                                           for iid, (url, started) in checked.items()))
         for (iid, (url, started)), reason in zip(checked.items(), verdicts):
-            if iid in self._loading or self._loads_started.get(iid, 0) != started:
+            if self._load_began(iid, started):
                 continue  # a load started while it was asked: no verdict from this check
             if reason is not None:
                 reasons[iid] = reason

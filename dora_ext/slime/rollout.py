@@ -456,13 +456,12 @@ class RolloutSession:
             if time.monotonic() - logged >= 60:  # as a training batch waits: engines may rejoin (slime restarts them)
                 logged = time.monotonic()
                 f = self.first_step
-                held = {i: (f + inst.version, None if inst.loading is None else f + inst.loading)
-                        for i, inst in sorted(sched.instances.items())}
-                logger.info("dora: evaluation waits %.0fs for an engine holding version %s "
-                            "(engines: %s)", logged - started,
-                            self.first_step + newest if newest >= 0 else "(none published yet)",
-                            ", ".join(f"{i} at {v}" + (f" loading {ld}" if ld is not None else "")
-                                      for i, (v, ld) in held.items()) or "none: every engine was retired")
+                held = ", ".join(f"{i} at {f + inst.version}"
+                                 + ("" if inst.loading is None else f" loading {f + inst.loading}")
+                                 for i, inst in sorted(sched.instances.items()))
+                logger.info("dora: evaluation waits %.0fs for an engine holding version %s (engines: %s)",
+                            logged - started, f + newest if newest >= 0 else "(none published yet)",
+                            held or "none: every engine was retired")
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _next_batch(self, rollout_id: int) -> tuple[list[list], dict]:

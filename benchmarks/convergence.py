@@ -29,6 +29,8 @@ Reported per mode (`--json` prints it, `--out` also writes it):
 `dora_fill`: when the dora config has an `admission` key, dora at its default K with
 `admission: fill` runs too, and `dora` gets `tokens_per_s_ratio_to_fill` (paired per seed), its
 mean and median.
+`decode_shape`: `cpu`, or `gpu-shaped` with `--set engine.step_s=S` (a decode iteration lasts at
+least S seconds, idle, as memory-bound GPU decode; recipe.py's `EngineSpec`).
 Throughput on a machine shared with other jobs is noisy: only ratios of runs side by side mean
 anything. Nothing is asserted; the plot (`--plot`) is reward against wall time, every seed.
 """
@@ -217,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "eval": {"prompts": base.eval.prompts, "samples": base.eval.samples},
             "recipe": base.name, "steps": base.steps, "seeds": seeds[:len(orders)], "window": args.window,
             "overrides": args.set, "admission": args.admission,
+            "decode_shape": base.engine.decode_shape, "step_s": base.engine.step_s,
             "order_per_seed": orders, "notes": notes,
             "load_average_before_after": [load_before, os.getloadavg()],
             "wall_s": time.perf_counter() - t_start,

@@ -7,7 +7,7 @@
     model:     {type: tiny, d_model: 64, n_layer: 2, n_head: 4}  # or {type: smollm2, max_len: 256}
     warm_start: {steps: 100, batch_size: 16, lr: 0.003}     # supervised start (tiny models only)
     trainer:   {algorithm: grpo, lr: 0.0005, ...}           # TrainerConfig fields
-    engine:    {temperature: 1.0, top_p: 1.0, device: cpu}
+    engine:    {temperature: 1.0, top_p: 1.0, device: cpu, step_s: 0}  # step_s > 0: GPU-shaped decode
     runtime:   {cores: 2, trainer_cores: 1, pin: true, trainer_borrow: false}  # the core split, see below
     eval:      {prompts: 64, samples: 2}
     dora:      {mode: dora, max_staleness: 2, batch_size: 4, group_size: 4, instances: 2, capacity: 8}
@@ -60,11 +60,20 @@ class WarmStartSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Sampling of the rollout engines; `device` None = CUDA when present, else CPU."""
+    """Sampling of the rollout engines; `device` None = CUDA when present, else CPU. `step_s`: the
+    decode shape. 0 (shape `cpu`): a decode iteration costs what the CPU takes. > 0 (shape
+    `gpu-shaped`): an iteration lasts at least `step_s` seconds, the rest spent idle, as a
+    memory-bound GPU decode step costs about the same for 1 or 64 sequences and leaves the host's
+    cores free (`benchmarks/decode_cost.py` measures the CPU's shape)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     device: str | None = None
+    step_s: float = 0.0
+
+    @property
+    def decode_shape(self) -> str:
+        return "gpu-shaped" if self.step_s > 0 else "cpu"
 
 
 @dataclass(frozen=True)
@@ -346,6 +355,7 @@ def _engine(data: Mapping[str, Any]) -> EngineSpec:
         temperature=_number(data.get("temperature", 1.0), "engine.temperature", 0.0, open_lo=True),
         top_p=_number(data.get("top_p", 1.0), "engine.top_p", 0.0, 1.0, open_lo=True),
         device=device,
+        step_s=_number(data.get("step_s", 0.0), "engine.step_s", 0.0, 10.0),
     )
 
 

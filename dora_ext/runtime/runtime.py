@@ -366,7 +366,7 @@ class Runtime:
                              for v, w in self.versions.items()}
         dev = str(self.device)
         specs = {s.id: EngineRecipe(self.prepared.model_config, s.capacity, self.task.stop_id, dev,
-                                    self.instance_loops.get(s.id))
+                                    self.instance_loops.get(s.id), self.recipe.engine.step_s)
                  for s in self.config.instances}
         self._respawn = (per_inst, roll)  # a replacement instance gets the original's share
         v0 = self.versions.get(0)
@@ -556,7 +556,8 @@ class Runtime:
         cap = self.capacity_of[dead]
         self.capacity_of[new] = cap
         self.instance_restarts.append((dead, new))
-        spec = EngineRecipe(self.prepared.model_config, cap, self.task.stop_id, str(self.device))
+        spec = EngineRecipe(self.prepared.model_config, cap, self.task.stop_id, str(self.device),
+                            step_s=self.recipe.engine.step_s)
         per_inst, roll = self._respawn
         inboxes, (h,) = start_instances({new: spec}, per_inst, roll, self.outbox, self.backend)
         self.starting[new] = (inboxes[new], h)
@@ -1190,6 +1191,10 @@ class Runtime:
             "migration_log": list(self.migration_log),
             "engine_stats": {iid: self.instance_stats[iid]["engine"] for iid in sorted(self.inboxes)
                              if iid in self.instance_stats},
+            # the shortest decode iteration per instance: >= engine.step_s when GPU-shaped
+            "decode_step_min_s": {iid: min(t1 - t0 for t0, t1, _ in self.instance_stats[iid]["steps"])
+                                  for iid in sorted(self.inboxes) if self.instance_stats.get(iid, {}).get("steps")},
+            "decode_shape": self.recipe.engine.decode_shape,
             "torch_threads": dict(self.torch_threads),
             "backend": self.backend,
             "served_by": self.served_by, "failed_instances": dict(self.failed_instances),

@@ -211,9 +211,11 @@ class InstanceLoop:
     """
 
     def __init__(self, iid: int, engine: Any, inbox: Any, outbox: Any,
-                 sync: Callable[[], None] = lambda: None, watch_pid: int | None = None) -> None:
+                 sync: Callable[[], None] = lambda: None, watch_pid: int | None = None,
+                 step_s: float = 0.0) -> None:
         self.iid = iid
         self.watch_pid = watch_pid
+        self.step_s = step_s
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -262,6 +264,8 @@ class InstanceLoop:
         t0 = time.perf_counter()
         before = engine.stats.decode_tokens
         finished = engine.step()
+        if self.step_s > 0:  # GPU-shaped: the step's floor is idle time (memory-bound decode), not CPU work
+            time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))
         t1 = time.perf_counter()
         self.steps.append((t0, t1, engine.stats.decode_tokens - before))
         if finished:  # one message per decode iteration, however many finished in it
@@ -335,6 +339,7 @@ class EngineRecipe:
     stop_id: int
     device: str
     loop: Any = None
+    step_s: float = 0.0  # the decode shape: an iteration lasts at least this (`EngineSpec.step_s`)
 
 
 def _build_engine(iid: int, spec: EngineRecipe) -> Any:
@@ -354,7 +359,8 @@ def _serve_instance(iid: int, spec: EngineRecipe, threads: int, cpus: Sequence[i
         if engine.device.type == "cuda":
             stream = torch.cuda.Stream(engine.device)
         loop = (spec.loop or InstanceLoop)(iid, engine, inbox, outbox,
-                                           sync=stream.synchronize if stream else (lambda: None), watch_pid=watch_pid)
+                                           sync=stream.synchronize if stream else (lambda: None), watch_pid=watch_pid,
+                                           step_s=spec.step_s)
         outbox.put(("ready", name, n, _affinity(), _nice()))
         if stream is not None:
             with torch.cuda.stream(stream):

@@ -49,6 +49,8 @@ def test_default_recipe_is_the_long_tail_task_in_mode_dora():
         ({"trainer": {"learning_rate": 1}}, "trainer.learning_rate"),
         ({"engine": {"temperature": 0}}, "engine.temperature"),
         ({"engine": {"device": "tpu"}}, "engine.device"),
+        ({"engine": {"step_s": -0.01}}, "engine.step_s"),
+        ({"engine": {"step_s": "fast"}}, "engine.step_s"),
         ({"runtime": {"trainer_cores": 2, "cores": 2}}, "runtime.trainer_cores"),
         ({"runtime": {"cores": 10_000}}, "runtime.cores"),
         ({"runtime": {"backend": "mpi"}}, "runtime.backend"),

@@ -319,6 +319,21 @@ def test_on_policy_modes_train_on_identical_data():
     assert a.metrics["final_reward"] == pytest.approx(b.metrics["final_reward"], abs=1e-6)
 
 
+def test_a_gpu_shaped_decode_changes_the_timing_and_nothing_else():
+    """`engine.step_s` (the GPU shape) makes every decode iteration last at least that long, idle;
+    an on-policy mode then trains on exactly the data the CPU shape trains on."""
+    recipe = recipe_from_dict(tiny(steps=3)).with_mode("sync")
+    prepared = prepare(recipe)
+    cpu = run(recipe, prepared)
+    shaped = run(recipe_from_dict(tiny(steps=3, engine={"step_s": 0.05})).with_mode("sync"), prepared)
+    assert (cpu.ledger["decode_shape"], shaped.ledger["decode_shape"]) == ("cpu", "gpu-shaped")
+    assert set(shaped.ledger["decode_step_min_s"]) == {0, 1}
+    assert min(shaped.ledger["decode_step_min_s"].values()) >= 0.05
+    assert min(cpu.ledger["decode_step_min_s"].values()) < 0.05  # the tiny model's CPU step is shorter
+    assert [s["reward_mean"] for s in shaped.steps] == pytest.approx([s["reward_mean"] for s in cpu.steps], abs=1e-6)
+    assert shaped.metrics["final_reward"] == pytest.approx(cpu.metrics["final_reward"], abs=1e-6)
+
+
 def test_worker_failure_is_reported_not_hung():
     """A recipe whose engine cannot be built must stop the run with the worker's error."""
     recipe = recipe_from_dict(tiny())

@@ -64,7 +64,8 @@ class EngineSpec:
     decode shape. 0 (shape `cpu`): a decode iteration costs what the CPU takes. > 0 (shape
     `gpu-shaped`): an iteration lasts at least `step_s` seconds, the rest spent idle, as a
     memory-bound GPU decode step costs about the same for 1 or 64 sequences and leaves the host's
-    cores free (`benchmarks/decode_cost.py` measures the CPU's shape)."""
+    cores free (`benchmarks/decode_cost.py` measures the CPU's shape). At most 10 s; the
+    runtime refuses one whose longest response would outlast `runtime.stall_timeout_s`."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -207,6 +207,14 @@ class Runtime:
         self.mode = self.config.mode
         self.prepared = prepared
         self.task = prepared.task
+        response_s = recipe.engine.step_s * self.task.max_new_tokens
+        if response_s >= recipe.runtime.stall_timeout_s:  # an instance reports once a sequence ends
+            from ..config import ConfigError
+
+            raise ConfigError("engine.step_s", f"{recipe.engine.step_s} s a decode step x max_new_tokens "
+                              f"{self.task.max_new_tokens} = {response_s:g} s for one response, not below "
+                              f"runtime.stall_timeout_s ({recipe.runtime.stall_timeout_s:g} s): a healthy run "
+                              f"would be declared stuck; lower engine.step_s or raise runtime.stall_timeout_s")
         self.device = device or default_device(recipe.engine.device)
         self.sampling = SamplingParams(recipe.engine.temperature, recipe.engine.top_p)
         self.on_step = on_step
@@ -1191,9 +1199,13 @@ class Runtime:
             "migration_log": list(self.migration_log),
             "engine_stats": {iid: self.instance_stats[iid]["engine"] for iid in sorted(self.inboxes)
                              if iid in self.instance_stats},
-            # the shortest decode iteration per instance: >= engine.step_s when GPU-shaped
+            # per instance: its shortest decode iteration, and (GPU shape) the share of iterations whose
+            # CPU work alone took longer than engine.step_s, so that the floor did not shape them
             "decode_step_min_s": {iid: min(t1 - t0 for t0, t1, _ in self.instance_stats[iid]["steps"])
                                   for iid in sorted(self.inboxes) if self.instance_stats.get(iid, {}).get("steps")},
+            "decode_over_floor_share": {iid: st["over_floor"] / len(st["steps"]) for iid in sorted(self.inboxes)
+                                        if (st := self.instance_stats.get(iid, {})).get("steps")
+                                        and self.recipe.engine.step_s > 0},
             "decode_shape": self.recipe.engine.decode_shape,
             "torch_threads": dict(self.torch_threads),
             "backend": self.backend,

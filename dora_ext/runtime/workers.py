@@ -216,6 +216,7 @@ class InstanceLoop:
         self.iid = iid
         self.watch_pid = watch_pid
         self.step_s = step_s
+        self.over_floor = 0  # GPU shape: iterations whose CPU work alone outlasted step_s (unshaped)
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -265,7 +266,11 @@ class InstanceLoop:
         before = engine.stats.decode_tokens
         finished = engine.step()
         if self.step_s > 0:  # GPU-shaped: the step's floor is idle time (memory-bound decode), not CPU work
-            time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))
+            rest = self.step_s - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+            else:
+                self.over_floor += 1
         t1 = time.perf_counter()
         self.steps.append((t0, t1, engine.stats.decode_tokens - before))
         if finished:  # one message per decode iteration, however many finished in it
@@ -276,7 +281,8 @@ class InstanceLoop:
         import dataclasses
 
         # A forward still pending at the end was for a sequence that finished on its way here.
-        return {"log": self.log, "steps": self.steps, "engine": dataclasses.asdict(self.engine.stats),
+        return {"log": self.log, "steps": self.steps, "over_floor": self.over_floor,
+                "engine": dataclasses.asdict(self.engine.stats),
                 "migrations_out": self.migrations_out, "migrations_missed": self.migrations_missed + len(self._forward),
                 "migrations_forwarded": self.migrations_forwarded}
 

@@ -330,8 +330,24 @@ def test_a_gpu_shaped_decode_changes_the_timing_and_nothing_else():
     assert set(shaped.ledger["decode_step_min_s"]) == {0, 1}
     assert min(shaped.ledger["decode_step_min_s"].values()) >= 0.05
     assert min(cpu.ledger["decode_step_min_s"].values()) < 0.05  # the tiny model's CPU step is shorter
+    assert max(shaped.ledger["decode_over_floor_share"].values()) < 0.5  # the floor shaped most steps
+    assert cpu.ledger["decode_over_floor_share"] == {}
     assert [s["reward_mean"] for s in shaped.steps] == pytest.approx([s["reward_mean"] for s in cpu.steps], abs=1e-6)
     assert shaped.metrics["final_reward"] == pytest.approx(cpu.metrics["final_reward"], abs=1e-6)
+
+
+def test_a_floor_below_the_cpu_step_is_reported_and_one_past_the_stall_timeout_refused():
+    """A `step_s` shorter than the CPU's own step shapes nothing, and the ledger says so; one whose
+    longest response would outlast `runtime.stall_timeout_s` is refused before anything starts."""
+    from dora_ext.config import ConfigError
+
+    recipe = recipe_from_dict(tiny(steps=2, engine={"step_s": 1e-7}, runtime={"backend": "thread"})).with_mode("sync")
+    prepared = prepare(recipe)
+    result = run(recipe, prepared)
+    assert min(result.ledger["decode_over_floor_share"].values()) > 0.5
+    slow = recipe_from_dict(tiny(engine={"step_s": 5.0}, runtime={"stall_timeout_s": 30})).with_mode("sync")
+    with pytest.raises(ConfigError, match="engine.step_s.*stall_timeout_s"):
+        run(slow, prepared)
 
 
 def test_worker_failure_is_reported_not_hung():

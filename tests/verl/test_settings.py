@@ -380,3 +380,34 @@ def test_the_coordinator_is_verls_router_plug_in():
     with pytest.raises(ConfigError) as err:
         configure(_bare(*_POOL, "actor_rollout_ref.rollout.router_config_path=/elsewhere.yaml"))
     assert err.value.field == "actor_rollout_ref.rollout.router_config_path"
+
+
+def _compose_raw(overrides):
+    from hydra import compose, initialize_config_dir
+
+    import verl
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def test_readme_quick_start_turns_a_separate_async_launch_into_dora():
+    """The README's verl one-liner, appended to a separate_async launch as a user has it: with a
+    checkpoint backend other than ``naive`` (verl's separate_async asserts that), here verl's own
+    ``nccl``, which dora refuses. What the README appends must compose and pass ``configure``."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read()
+    block = readme.split("python -m verl.trainer.main_ppo <your separate_async overrides>")[1].split("```")[0]
+    appended = block.replace("\\\n", " ").split()
+    assert "trainer.v1.trainer_mode=dora" in appended  # (the block was found)
+    separate_async = [*_POOL, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.hybrid_engine=False",
+                      "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=4",
+                      "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+    assert _compose_raw(separate_async).actor_rollout_ref.rollout.checkpoint_engine.backend != "naive"
+
+    from dora_ext.verl.trainer import configure
+
+    cfg = _compose_raw(separate_async + appended)
+    d = configure(cfg)
+    assert cfg.trainer.v1.trainer_mode == "dora" and d.max_staleness == 2
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "dora_store"

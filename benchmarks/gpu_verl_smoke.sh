@@ -5,13 +5,19 @@
 # Not runnable without GPUs. Needs on the machine: >= 3 NVIDIA GPUs (1 trains, >= 2 rollout
 # replicas: with one replica every load is the full set and nothing below could be seen),
 # `pip install "dora-ext[verl]" vllm sglang`, a small chat model and a GSM8K-style parquet pair on
-# disk (nothing is downloaded). A single GPU cannot run it.
+# disk (nothing is downloaded). A single GPU or two GPUs cannot run it.
 #
-#   MODEL_PATH=/models/Qwen2.5-0.5B-Instruct TRAIN_FILES=/data/gsm8k/train.parquet \
-#   VAL_FILES=/data/gsm8k/test.parquet bash benchmarks/gpu_verl_smoke.sh
+#   MODEL_PATH=/models/Qwen2.5-0.5B-Instruct SGLANG_MODEL_PATH=/models/Llama-3.2-1B-Instruct \
+#   TRAIN_FILES=/data/gsm8k/train.parquet VAL_FILES=/data/gsm8k/test.parquet bash benchmarks/gpu_verl_smoke.sh
 #
-# Knobs: ENGINES (default "vllm sglang"), STEPS (6), K (2), N_TRAIN (1), RUN_TIMEOUT (s per run),
-# OUT (logs and reports), SKIP_TWIN=1 (dora only).
+# The SGLang leg runs on SGLANG_MODEL_PATH, a Llama-architecture model (config.json's architectures:
+# LlamaForCausalLM or another SGLang class with get_weights_by_name, dora_ext.verl.weights.
+# SGLANG_WEIGHTS_BY_NAME): dora checks every load on SGLang through /get_weights_by_name, which SGLang
+# implements per model class (not for Qwen2/Qwen3), so dora refuses SGLang on MODEL_PATH's default Qwen
+# model at launch. SGLANG_MODEL_PATH unset: the SGLang leg is skipped, and the last line says so.
+#
+# Knobs: ENGINES (default "vllm sglang"), SGLANG_MODEL_PATH, STEPS (6), K (2), N_TRAIN (1),
+# RUN_TIMEOUT (s per run), OUT (logs and reports), SKIP_TWIN=1 (dora only).
 #
 # Checked for dora, from each run's own evidence (verl's file logger and the run reports, read by
 # dora_ext.verl.cpu.evidence, the same code as the CPU tests):
@@ -36,6 +42,7 @@ MODEL_PATH=${MODEL_PATH:-"${HOME}/models/Qwen2.5-0.5B-Instruct"}
 TRAIN_FILES=${TRAIN_FILES:-"${HOME}/data/gsm8k/train.parquet"}
 VAL_FILES=${VAL_FILES:-"${HOME}/data/gsm8k/test.parquet"}
 ENGINES=${ENGINES:-"vllm sglang"}
+SGLANG_MODEL_PATH=${SGLANG_MODEL_PATH:-}
 STEPS=${STEPS:-6}
 K=${K:-2}
 OUT=${OUT:-"$(mktemp -d)"}
@@ -45,6 +52,17 @@ N_TRAIN=${N_TRAIN:-1}
 N_ROLLOUT=$((NUM_GPUS - N_TRAIN))
 [ "${N_ROLLOUT}" -ge 2 ] || fail "needs >= 2 rollout GPUs besides ${N_TRAIN} trainer GPU(s) (found ${NUM_GPUS} GPUs)"
 for p in "${MODEL_PATH}" "${TRAIN_FILES}" "${VAL_FILES}"; do [ -e "$p" ] || fail "missing $p (set MODEL_PATH/TRAIN_FILES/VAL_FILES)"; done
+skipped=""
+if [[ " ${ENGINES} " == *" sglang "* ]]; then
+    if [ -z "${SGLANG_MODEL_PATH}" ]; then
+        skipped="SGLang leg NOT run: SGLANG_MODEL_PATH is unset (dora on SGLang needs a Llama-architecture model: SGLang has no /get_weights_by_name for Qwen)"
+        echo "${skipped}" >&2
+        ENGINES=$(echo " ${ENGINES} " | sed 's/ sglang / /g')
+    else
+        [ -e "${SGLANG_MODEL_PATH}/config.json" ] || fail "missing ${SGLANG_MODEL_PATH}/config.json (set SGLANG_MODEL_PATH)"
+    fi
+fi
+[ -n "${ENGINES// /}" ] || fail "no engine left to run (ENGINES=vllm, or set SGLANG_MODEL_PATH)"
 for e in ${ENGINES}; do python3 -c "import ${e}, verl, dora_ext.verl.plugin" || fail "python needs ${e}, verl and dora-ext"; done
 
 common=(
@@ -83,25 +101,27 @@ run() {  # $1 name, rest: overrides
 
 names=()
 for e in ${ENGINES}; do
+    model=("actor_rollout_ref.model.path=${MODEL_PATH}")
+    [ "${e}" != sglang ] || model=("actor_rollout_ref.model.path=${SGLANG_MODEL_PATH}")
     # dora's weight path is dora_store (set by DoraTrainer; spelled out here as the recipes do). Its
     # vLLM worker extension (engine_kwargs.vllm.worker_extension_cls) is left to DoraTrainer.
-    run "dora_${e}" actor_rollout_ref.rollout.name="${e}" trainer.v1.trainer_mode=dora +dora.max_staleness=${K} \
+    run "dora_${e}" "${model[@]}" actor_rollout_ref.rollout.name="${e}" trainer.v1.trainer_mode=dora +dora.max_staleness=${K} \
         actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store \
         actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=dora_ext.verl.weights
     names+=("dora_${e}")
     if [ "${SKIP_TWIN:-0}" != 1 ]; then
-        run "separate_async_${e}" actor_rollout_ref.rollout.name="${e}" trainer.v1.trainer_mode=separate_async \
+        run "separate_async_${e}" "${model[@]}" actor_rollout_ref.rollout.name="${e}" trainer.v1.trainer_mode=separate_async \
             actor_rollout_ref.rollout.checkpoint_engine.backend=nccl trainer.v1.separate_async.num_warmup_batches=${K} \
             trainer.v1.sampler.max_off_policy_threshold=$((K + 1)) trainer.v1.sampler.max_off_policy_strategy=drop
         names+=("separate_async_${e}")
     fi
 done
 
-python3 - "${OUT}" "${STEPS}" "${K}" "${names[@]}" <<'PY'
+python3 - "${OUT}" "${STEPS}" "${K}" "${skipped}" "${names[@]}" <<'PY'
 import sys
 from dora_ext.verl.cpu.evidence import analyze, load_run
 
-out, steps, K, names = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+out, steps, K, skipped, names = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 bad, res = [], {}
 for name in names:
     dora = name.startswith("dora_")
@@ -137,5 +157,5 @@ for name in names:
         d, s = res[name], res[twin]
         print(f"{name}: steps/s {d['steps_per_s']:.3f} vs {twin} {s['steps_per_s']:.3f}, "
               f"ratio {d['steps_per_s'] / max(s['steps_per_s'], 1e-9):.2f}x")
-print("SMOKE OK")
+print(f"SMOKE OK ({', '.join(names)})" + (f"; {skipped}" if skipped else ""))
 PY

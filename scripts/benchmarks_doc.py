@@ -43,7 +43,7 @@ with `python scripts/benchmarks_doc.py` after re-running a benchmark. No benchma
 | `benchmarks/sao_vs_grpo.py` | SAO (n=1, value model) against GRPO at the same K |
 | `benchmarks/verl_cpu_compare.py` | verl's `main_ppo` on the CPU: dora, separate_async, sync |
 | `benchmarks/gpu_compare.sh` | embedded runtime on one GPU: dora against sync, a ~25M-parameter model |
-| `benchmarks/gpu_verl_smoke.sh` | verl's `main_ppo` on 3+ GPUs (1 trains, >= 2 rollout replicas): dora and its separate_async twin, a few steps |
+| `benchmarks/gpu_verl_smoke.sh` | verl's `main_ppo` on 3+ GPUs (1 trains, >= 2 rollout replicas): dora and its separate_async twin, a few steps, with vLLM and with SGLang (on a Llama-architecture `SGLANG_MODEL_PATH`) |
 """
 
 

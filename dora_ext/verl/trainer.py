@@ -39,6 +39,7 @@ them to rollout aborts their requests on every switch back.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from dataclasses import replace
@@ -164,6 +165,7 @@ def configure(config: Any) -> Any:
                               "coordinator, verl's router plug-in: remove the key")
         rollout.router_config_path = CONFIG_PATH
         _check_vllm_extension(config)
+        _check_sglang_model(config)
         agent = rollout.agent
         if agent.get("agent_loop_manager_class"):
             _check_manager(str(agent.agent_loop_manager_class))
@@ -252,6 +254,36 @@ def _check_vllm_extension(config: Any) -> None:
     elif fqn != VLLM_EXTENSION:
         _check_subclass(VLLM_EXTENSION_KEY, str(fqn), VLLM_EXTENSION,
                         "every weight load is checked through its method dora_checksum: extend it, or remove the key")
+
+
+def _check_sglang_model(config: Any) -> None:
+    """On SGLang every load is checked through ``/get_weights_by_name``, which SGLang implements
+    only for some model classes (``weights.SGLANG_WEIGHTS_BY_NAME``). When the model's Hugging Face
+    config can be read here (``actor_rollout_ref.model.hf_config_path`` or ``.path``, a local folder)
+    and names none of them, refuse now rather than at the first sync's check, after the cluster is
+    up. A config that cannot be read here (a hub id, a remote path) leaves that check to the sync."""
+    from dora_ext.config import ConfigError
+
+    from .weights import SGLANG_WEIGHTS_BY_NAME
+
+    if str(config.actor_rollout_ref.rollout.get("name")) != "sglang":
+        return
+    model = config.actor_rollout_ref.model
+    folder = os.path.expanduser(str(model.get("hf_config_path") or model.get("path") or ""))
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            architectures = list(json.load(f).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return
+    if not architectures or set(architectures) & SGLANG_WEIGHTS_BY_NAME:
+        return
+    raise ConfigError(
+        "actor_rollout_ref.rollout.name",
+        f"is 'sglang', and the model ({folder}) is {'/'.join(architectures)}, whose SGLang model class has no "
+        "get_weights_by_name: trainer_mode=dora checks every weight load through SGLang's /get_weights_by_name and "
+        "would refuse the first sync. Use actor_rollout_ref.rollout.name=vllm, or a Llama-architecture model "
+        f"(SGLang answers for {', '.join(sorted(SGLANG_WEIGHTS_BY_NAME))})",
+    )
 
 
 def _check_subclass(key: str, fqn: str, base: str, why: str) -> None:

@@ -62,6 +62,15 @@ TIMEOUT_KEY = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKE
 VLLM_EXTENSION = "dora_ext.verl.vllm_worker.DoraWorkerExtension"  # DoraTrainer sets it on vLLM
 VLLM_EXTENSION_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls"
 METHOD = "dora_checksum"  # DoraChecksumMixin's, called in vLLM's workers by name
+# The Hugging Face architectures whose SGLang model class defines or inherits get_weights_by_name,
+# the route every load check on SGLang reads (read in SGLang 0.5.23's srt/models: Llama and the
+# classes built on it, Granite, OPT, Exaone4; Qwen2/Qwen3 and most others have none). A model whose
+# config names none of them is refused at launch (``DoraTrainer``'s ``_check_sglang_model``).
+SGLANG_WEIGHTS_BY_NAME = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM",
+    "IQuestCoderForCausalLM", "TeleFLMForCausalLM", "Llama4ForCausalLM", "GraniteForCausalLM",
+    "GraniteSWAForCausalLM", "OPTForCausalLM", "Exaone4ForCausalLM",
+})
 
 
 def sample_names(names, rollout: str | None = None) -> list[str]:
@@ -287,8 +296,9 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
                 with urllib.request.urlopen(req, timeout=60) as r:
                     return torch.tensor(json.loads(r.read()), dtype=torch.float32)
             except urllib.error.HTTPError as exc:
-                # SGLang implements get_weights_by_name per model class (0.5.23: Llama, Granite, OPT,
-                # Exaone4; not Qwen2/Qwen3): without it no load of this model can be checked.
+                # SGLang implements get_weights_by_name per model class (SGLANG_WEIGHTS_BY_NAME): without
+                # it no load of this model can be checked (refused at launch when the model's config
+                # could be read there).
                 raise WeightsMismatch(
                     f"dora: SGLang cannot read back {name} of the loaded weights (/get_weights_by_name: HTTP "
                     f"{exc.code} {exc.read()[:200]!r}); its model class for actor_rollout_ref.model.path may not "

@@ -411,3 +411,61 @@ def test_readme_quick_start_turns_a_separate_async_launch_into_dora():
     d = configure(cfg)
     assert cfg.trainer.v1.trainer_mode == "dora" and d.max_staleness == 2
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "dora_store"
+
+
+@pytest.mark.parametrize("architecture, refused", [("Qwen2ForCausalLM", True), ("LlamaForCausalLM", False)])
+def test_sglang_on_a_model_it_cannot_read_weights_back_from_is_refused_at_launch(tmp_path, architecture, refused):
+    """Every load on SGLang is checked through ``/get_weights_by_name``, which SGLang implements per
+    model class (not for Qwen2): a model whose config names such an architecture used to be refused
+    only at the first sync's check, with the cluster up. Read from the model folder at launch."""
+    import json
+
+    from dora_ext.verl.trainer import configure
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": [architecture], "model_type": "x"}))
+    cfg = _bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.model.path={model}")
+    if not refused:
+        configure(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        configure(cfg)
+    assert err.value.field == "actor_rollout_ref.rollout.name"
+    for what in ("'sglang'", architecture, "get_weights_by_name", "actor_rollout_ref.rollout.name=vllm",
+                 "Llama-architecture"):
+        assert what in str(err.value), what
+    with pytest.raises(ConfigError, match=architecture):  # a separate config folder is read first
+        configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B",
+                        f"actor_rollout_ref.model.hf_config_path={model}"))
+    # The same model on vLLM is accepted (its checks read the workers' own tensors) ...
+    configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={model}"))
+    # ... and on SGLang a config that cannot be read at launch (a hub id, no config.json) leaves the
+    # check to the first sync.
+    (model / "config.json").unlink()
+    configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.model.path={model}"))
+    configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B"))
+
+
+def test_sglang_architecture_table_matches_the_installed_sglang():
+    """A canary for an SGLang upgrade (read as source, not imported: SGLang's models import CUDA
+    kernels): the classes the table's families build on define ``get_weights_by_name`` and Qwen2's
+    and Qwen3's do not. If SGLang adds it for Qwen, the launch refusal must go."""
+    import importlib.util
+
+    from dora_ext.verl.weights import SGLANG_WEIGHTS_BY_NAME
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed")
+    models = os.path.join(list(spec.submodule_search_locations)[0], "srt", "models")
+
+    def source(name):
+        with open(os.path.join(models, name), encoding="utf-8") as f:
+            return f.read()
+
+    for name, cls in [("llama.py", "LlamaForCausalLM"), ("granite.py", "GraniteForCausalLM"),
+                      ("opt.py", "OPTForCausalLM"), ("exaone4.py", "Exaone4ForCausalLM")]:
+        assert "def get_weights_by_name" in source(name) and cls in SGLANG_WEIGHTS_BY_NAME, name
+    for name, cls in [("qwen2.py", "Qwen2ForCausalLM"), ("qwen3.py", "Qwen3ForCausalLM")]:
+        assert "get_weights_by_name" not in source(name) and cls not in SGLANG_WEIGHTS_BY_NAME, name

@@ -38,3 +38,66 @@ def test_trained_staleness_max_tells_an_overlapping_run_from_an_on_policy_one():
     # A group staler than K shows as more than K (the K=1 test's `== K` fails on it too).
     beyond = _trained({1: [0, 0], 2: [0, 0], 3: [0, 1]})
     assert analyze(_metrics(3), beyond, mode="dora", max_staleness=1)["trained_staleness_max"] == 2
+
+
+# ------------------------------------------------------------ load_checks: negative evidence
+# The counters the CPU end-to-end tests and the GPU smoke require (>= 2 partial-subset loads, an
+# old-version load, aborted_unasked == 0) read the coordinator's ``load_checked`` reports and the
+# replicas' ``generate`` / ``abort_request`` reports. Each is shown here on evidence where it must
+# stay 0 next to evidence where it must not, in the reports' own format.
+from dora_ext.verl.cpu.evidence import load_checks  # noqa: E402
+
+
+def _published(*versions: int) -> list[dict]:
+    return [{"kind": "publish", "version": v, "checksum": f"c{v}"} for v in versions]
+
+
+def _checked(instance: int, version: int, *, newest: int, loading: list[int], initial: bool = False) -> dict:
+    return {"kind": "load_checked", "instance": instance, "version": version, "checksum": f"c{version}",
+            "published": f"c{version}", "newest": newest, "replicas": 3, "loading": loading, "initial": initial}
+
+
+_FIRST_SYNC = [_checked(i, 0, newest=0, loading=[0, 1, 2], initial=True) for i in range(3)]
+
+
+def test_a_load_of_every_replica_at_once_is_not_a_subset_load():
+    """Version 1 loaded on all three replicas at once (all in ``loading``: verl's own modes, or dora
+    with every replica drained together) leaves no replica serving another version: 0 subset loads.
+    One by one, the first two loads leave a replica on version 0 serving: 2. The third one-by-one
+    load is not one either (the others already hold version 1), so counting loads that were not
+    the initial sync, or loads with fewer replicas loading than the pool (labels, not what the
+    replicas held), gives 3 and fails here."""
+    at_once = _published(0, 1) + _FIRST_SYNC + [_checked(i, 1, newest=1, loading=[0, 1, 2]) for i in range(3)]
+    one_by_one = _published(0, 1) + _FIRST_SYNC + [_checked(i, 1, newest=1, loading=[i]) for i in range(3)]
+    assert load_checks(at_once)["subset_loads"] == 0
+    assert load_checks(one_by_one)["subset_loads"] == 2
+
+
+def test_a_load_of_the_newest_version_is_not_an_old_version_load():
+    """Replica 0 loads version 1 while 1 is the newest published; version 2 is published later.
+    That load is not old (counting against the newest version of the whole run would call it old).
+    Replica 2 loading version 1 once 2 is published is the one old-version load."""
+    newest_only = _published(0, 1) + _FIRST_SYNC + [_checked(0, 1, newest=1, loading=[0])] + _published(2) + [
+        _checked(1, 2, newest=2, loading=[1])]
+    assert load_checks(newest_only)["old_version_loads"] == 0
+    with_old = newest_only + [_checked(2, 1, newest=2, loading=[2])]
+    assert load_checks(with_old)["old_version_loads"] == 1
+
+
+def _generated(request_id: str, stop: str) -> dict:
+    return {"kind": "generate", "replica": 0, "request_id": request_id, "version": 0, "tokens": 3, "stop": stop,
+            "start": 0.0, "time": 1.0}
+
+
+def test_an_abort_all_that_took_co_resident_requests_counts_them_as_aborted_unasked():
+    """An R5 move off replica 0 aborts r1 alone (the coordinator's and the replica's
+    ``abort_request`` reports name it). Per request, r2 and r3 (co-resident) finish normally: 0
+    aborted unasked. Through an abort-all, they come back aborted too, named by no abort: 2 (a
+    constant 0 fails here; counting every aborted request fails on the first run)."""
+    asked = [{"kind": "abort_request", "instance": 0, "request_id": "r1", "aborted": True},
+             {"kind": "abort_request", "replica": 0, "request_id": "r1", "tokens": 2}]
+    per_request = asked + [_generated("r1", "aborted"), _generated("r2", "stop"), _generated("r3", "length")]
+    abort_all = asked + [_generated("r1", "aborted"), _generated("r2", "aborted"), _generated("r3", "aborted")]
+    assert load_checks(per_request)["aborted_unasked"] == 0
+    assert load_checks(abort_all)["aborted_unasked"] == 2
+    assert load_checks(per_request)["requests_aborted_alone"] == load_checks(abort_all)["requests_aborted_alone"] == 1

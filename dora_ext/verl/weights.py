@@ -155,7 +155,7 @@ class WeightStore:
         self.versions[version] = (boxed, digest)
         self.checksums[version] = digest
         self.names[version] = list(names or [])
-        report("publish", version=version, checksum=digest)
+        report("publish", version=version, checksum=digest, backend=BACKEND)
         for old in sorted(self.versions)[: max(0, len(self.versions) - self.keep)]:
             self.versions.pop(old, None)
         self._event(version).set()

@@ -101,3 +101,26 @@ def test_an_abort_all_that_took_co_resident_requests_counts_them_as_aborted_unas
     assert load_checks(per_request)["aborted_unasked"] == 0
     assert load_checks(abort_all)["aborted_unasked"] == 2
     assert load_checks(per_request)["requests_aborted_alone"] == load_checks(abort_all)["requests_aborted_alone"] == 1
+
+
+def test_observed_setup_reads_replicas_and_backend_from_what_the_run_reported(tmp_path, monkeypatch):
+    """``benchmarks/verl_cpu_compare.py``'s ``replicas`` and ``weight_backend`` per mode come from the
+    reports, not from the flags it passed: the replicas that loaded or served, and the backend named
+    by the code that published (``dora_store``'s weight store writes it itself, checked here)."""
+    import asyncio
+
+    from dora_ext.verl.cpu.evidence import observed_setup
+    from dora_ext.verl.cpu.report import read_reports
+    from dora_ext.verl.weights import WeightStore
+
+    monkeypatch.setenv("DORA_CPU_REPORT_DIR", str(tmp_path))
+    asyncio.run(WeightStore(3).publish(0, [{}], "c0"))
+    store = read_reports(str(tmp_path))
+    served = [{"kind": "load", "replica": i, "version": 0, "checksum": "c0"} for i in (0, 2)] + [
+        _generated("r1", "stop") | {"replica": 1}]
+    assert observed_setup(store + served) == {"replicas": 3, "replica_ranks": [0, 1, 2], "weight_backend": "dora_store"}
+    # verl's sync trainer: one colocated replica, versions handed over in-process (mode naive).
+    colocated = [{"kind": "publish", "version": 0, "checksum": "c0", "replica": 0, "backend": "naive"},
+                 {"kind": "load", "replica": 0, "version": 0, "checksum": "c0"}]
+    assert observed_setup(colocated) == {"replicas": 1, "replica_ranks": [0], "weight_backend": "naive"}
+    assert observed_setup([]) == {"replicas": 0, "replica_ranks": [], "weight_backend": None}

@@ -215,6 +215,17 @@ def load_checks(reports: list[dict]) -> dict[str, Any]:
     }
 
 
+def observed_setup(reports: list[dict]) -> dict[str, Any]:
+    """What a run ran on, read from its reports rather than from its settings: ``replica_ranks`` /
+    ``replicas``, the replicas that loaded weights or served a request; ``weight_backend``, the
+    backend whose code published the versions (``dora_store``'s weight stores, or the colocated
+    handover of verl's ``naive``; several joined by ``+``, ``unknown`` for a report that does not
+    say, None when nothing was published)."""
+    ranks = sorted({int(r["replica"]) for r in reports if r.get("kind") in ("load", "generate") and "replica" in r})
+    backends = sorted({str(r.get("backend", "unknown")) for r in reports if r.get("kind") == "publish"})
+    return {"replicas": len(ranks), "replica_ranks": ranks, "weight_backend": "+".join(backends) or None}
+
+
 def load_run(work: str, mode: str) -> tuple[list[dict], list[dict]]:
     """Metrics and reports of a ``recipes/verl/tiny_cpu.sh`` run in `work` (its default paths)."""
     return read_metrics(os.path.join(work, f"metrics_{mode}.jsonl")), read_reports(os.path.join(work, f"reports_{mode}"))

@@ -390,9 +390,10 @@ class CpuServerAdapter(_adapter_base()):
             return
         from ..weights import checksum
 
-        # Colocated (verl's sync trainer, naive sync): what the actor hands over is the published
-        # version; the server reports the checksum of what it then holds.
-        report("publish", version=global_steps, checksum=checksum(named), replica=self.replica_rank)
+        # Colocated (verl's sync trainer): what the actor hands over is the published version; the
+        # server reports the checksum of what it then holds. verl's actor calls a colocated
+        # rollout's update_weights only in checkpoint-engine mode naive (engine_workers.update_weights).
+        report("publish", version=global_steps, checksum=checksum(named), replica=self.replica_rank, backend="naive")
         if self._remote is None:
             import ray
 

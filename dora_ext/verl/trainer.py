@@ -50,7 +50,7 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
 from .coordinator import plugin_manager
-from .settings import dora_config
+from .settings import dora_config, replica_count
 
 logger = logging.getLogger("dora_ext.verl")
 
@@ -129,15 +129,18 @@ def configure(config: Any) -> Any:
         v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
         _check_split(config)
     dcfg = dora_config(config)
-    if len(dcfg.instances) < 2:
+    # The replicas verl will start (fewer rollout GPUs than one replica's tensor-parallel size give
+    # 0, where dora_config would fall back to its default instance count).
+    replicas = replica_count(config)
+    if replicas < 2:
         from dora_ext.config import ConfigError
 
         raise ConfigError(
             "actor_rollout_ref.rollout.n_gpus_per_node",
-            f"gives {len(dcfg.instances)} rollout replica (rollout.nnodes x n_gpus_per_node / tensor parallel "
-            "size); trainer_mode=dora with one replica is sync plus staleness (every load drains the whole "
-            "pool, nothing is multi-version): give the rollout pool >= 2 replicas (>= 4 to gain), or use "
-            "trainer_mode=sync / separate_async",
+            f"gives {replicas} rollout replica(s) (rollout.nnodes x n_gpus_per_node / (tensor_model_parallel_size "
+            "x data_parallel_size x pipeline_model_parallel_size)); trainer_mode=dora with one replica is sync "
+            "plus staleness (every load drains the whole pool, nothing is multi-version): give the rollout pool "
+            ">= 2 replicas (>= 4 to gain), or use trainer_mode=sync / separate_async",
         )
     _check_resume(config, dcfg.migrate)
     with open_dict(config):

@@ -261,6 +261,12 @@ def test_dora_with_one_replica_is_refused_at_launch():
     assert err.value.field == "actor_rollout_ref.rollout.n_gpus_per_node"
     assert "sync plus staleness" in str(err.value)
     configure(_bare(*_POOL))  # two replicas: accepted
+    # Fewer rollout GPUs than one replica's tensor-parallel size start no replica at all; dora_config
+    # alone falls back to its default of 4 instances, which passed this check.
+    zero = tuple(o.replace("tensor_model_parallel_size=1", "tensor_model_parallel_size=4") for o in _POOL)
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*zero))
+    assert err.value.field == "actor_rollout_ref.rollout.n_gpus_per_node" and "gives 0 rollout" in str(err.value)
 
 
 def test_batch_split_mismatch_names_the_keys():

@@ -682,6 +682,7 @@ def test_a_load_failing_before_the_final_evaluation_leaves_it_to_the_other_engin
     ev = asyncio.run_coroutine_threadsafe(session._evaluate(5), session.loop).result(timeout=60)
     m = ev.metrics
     assert (m["dora/eval_version"], m["dora/eval_engines"], m["dora/eval_instance"]) == (6, 1, iids[x.url])
+    assert m["dora/engines_retired"] == 1  # after the last step only the eval's metrics can report it
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["6"], ["6"]]
     failed, loaded = probes.index(("engine_failed", iids[y.url])), probes.index(("loaded", (iids[x.url], 6)))
     assert (failed < loaded) == (first == "failure"), probes

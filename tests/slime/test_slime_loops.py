@@ -256,6 +256,7 @@ def test_request_failing_every_retry_is_reported_and_training_goes_on(patched_sl
     assert len(failed) == 1 and not failed & set(groups)
     assert set(groups) | failed == started
     assert len(ev.failed()) == 1
+    assert {p for r in ev.rollouts.values() for p in r["failed_prompts"]} == failed  # the group slime was told of
     assert max(r["metrics"]["dora/failed_groups"] for r in ev.rollouts.values()) == 1
     assert sorted(ev.trained) == list(range(6))
 

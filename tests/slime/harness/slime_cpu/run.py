@@ -235,7 +235,6 @@ def main() -> int:
     ap.add_argument("--load-s", type=float, default=0.0, help="how long a weight load holds the writer lock")
     ap.add_argument("--cheap-tokens", action="store_true", help="the stand-in's token generator, not the model")
     ap.add_argument("--no-dora", action="store_true", help="slime alone: its own rollout and disk weight sync")
-    ap.add_argument("--health-check-timeout", type=float, default=None, help="--rollout-health-check-timeout")
     ap.add_argument("--probe-timeout", type=float, default=None, help="dora_slime.probe_timeout_s")
     ap.add_argument("--fail-prompt", action="store_true")
     ap.add_argument("--crash-at-rollout", type=int, default=None)
@@ -312,11 +311,8 @@ def main() -> int:
         ]
         if o.load_from:
             argv += ["--load", o.load_from]
-        if o.fault_tolerance:
+        if o.fault_tolerance:  # slime's recovery call before each weight push; no health monitor (external engines)
             argv += ["--use-fault-tolerance"]
-            if o.health_check_timeout is not None:
-                argv += ["--rollout-health-check-timeout", str(o.health_check_timeout),
-                         "--rollout-health-check-interval", "0.5", "--rollout-health-check-first-wait", "0"]
         import ray
 
         from slime.utils.arguments import parse_args

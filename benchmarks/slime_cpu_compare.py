@@ -15,6 +15,11 @@ the dora twin), and each job reports the flags it passed and the loss its traine
 (`same_algorithm`). On 2 shared CPU cores the train actor and the stand-ins compete for the
 cores; the ratios, not the absolute numbers, are the result.
 
+`tokens_per_s` is the trained steps' response tokens over the loop's wall time, start-up (Ray
+actors, engine discovery, the first weight push) and the final evaluation included: with few
+steps it weighs. `steady_tokens_per_s` leaves it out: the response tokens of the steps after the
+first over the time from the first trained step's end to the last one's.
+
 What each mode reports is read from what its job did, not from the settings: `engines` (those
 that served training requests), `concurrency_per_engine` (per engine, the most requests the
 stand-in server ran at once), `weight_transport` (the endpoints the engines' loads came
@@ -257,12 +262,18 @@ def analyze(ev: dict, result: dict, m: Mode, *, n: int, engines: int) -> dict:
     p99 = [e["metrics"]["dora/health_check_p99_s"] for e in [*rollouts.values(), *ev["evals"]]
            if "dora/health_check_p99_s" in e.get("metrics", {})]
     peaks = peak_concurrency(ev)
+    ends = sorted((rid, t["t_end"]) for rid, t in trained.items())
+    steady = None  # from the end of the first trained step to the end of the last: start-up left out
+    if len(ends) > 1 and ends[-1][1] > ends[0][1]:
+        later = sum(s["response_length"] for rid, _ in ends[1:] for s in rollouts.get(rid, {}).get("samples", []))
+        steady = later / (ends[-1][1] - ends[0][1])
     syncs = result.get("weight_sync_s") or []
     wall = result.get("wall_s") or float("nan")
     return {
         "status": result.get("status"), "error": result.get("error", "")[-300:] or None,
         "tokens_per_s": response_tokens / wall if wall == wall and wall > 0 else None,
         "trained_tokens_per_s": tokens / wall if wall == wall and wall > 0 else None,
+        "steady_tokens_per_s": steady,
         "wall_s": wall, "steps": len(trained), "engines": engines_served(ev),
         "concurrency_per_engine": [peaks[p] for p in sorted(peaks)],
         "engines_retired_while_healthy": engines_retired(ev, result.get("engine_events") or []),
@@ -357,10 +368,11 @@ def main() -> int:
     report["same_algorithm"] = len({(r["algorithm_flags"], r["loss"]) for r in out.values()}) == 1
     if not plain:
         report["weights_dir"] = weights_dir_summary(out, o.modes.split(","), kinds)
-    if "dora" in out and "slime_async" in out and out["dora"]["tokens_per_s"] and out["slime_async"]["tokens_per_s"]:
-        report["ratios"] = {"dora_over_slime_async_tokens_per_s": out["dora"]["tokens_per_s"] / out["slime_async"]["tokens_per_s"]}
-        if out.get("slime_sync", {}).get("tokens_per_s"):
-            report["ratios"]["dora_over_slime_sync_tokens_per_s"] = out["dora"]["tokens_per_s"] / out["slime_sync"]["tokens_per_s"]
+    ratios = {f"dora_over_{base}_{field}": out["dora"][field] / out[base][field]
+              for base in ("slime_async", "slime_sync") for field in ("tokens_per_s", "steady_tokens_per_s")
+              if "dora" in out and out["dora"][field] and out.get(base, {}).get(field)}
+    if ratios:
+        report["ratios"] = ratios
     print(json.dumps(report, indent=None if o.json else 2))
     return 0
 

@@ -241,7 +241,7 @@ class RolloutSession:
         self._attempt: dict[tuple[int, int], int] = {}
         self._finished: dict[int, set] = {}
         self._batches: dict[int, tuple] = {}
-        self._failed: list[tuple[Any, str]] = []
+        self._failed: list[tuple[Any, str, Any]] = []  # (group id, reason, prompt)
         self._delivered = 0
         self._next_gid = 0
         self._prefetched: list[list] = []
@@ -424,7 +424,7 @@ class RolloutSession:
             raise AdapterError(f"evaluation of rollout {rollout_id}: engines kept dying")
         metrics = dict(out.metrics or {})
         metrics.update({"dora/eval_version": int(tag), "dora/eval_instance": iid, "dora/eval_engines": len(iids),
-                        "dora/eval_wait_s": time.monotonic() - waited})
+                        "dora/eval_wait_s": time.monotonic() - waited, **self._engine_metrics()})
         return RolloutFnEvalOutput(data=out.data, metrics=metrics)
 
     async def _eval_instances(self) -> tuple[list[int], int]:
@@ -521,12 +521,18 @@ class RolloutSession:
         for k in sorted(set(stale)):  # the batch's distribution: groups per staleness, as verl's
             out[f"dora/batch_staleness_hist/{k}"] = stale.count(k)
         out["dora/delivered_groups"] = self._delivered
-        out["dora/engine_refresh_passes"] = self.refresh_passes
-        out["dora/engines_retired"] = self.retired
+        out.update(self._engine_metrics())
+        out["dora/batch_wait_s"] = waited
+        return out
+
+    def _engine_metrics(self) -> dict:
+        """Since the worker started: refresh passes, engines retired, the p99 of the engine probes.
+        In every training batch's metrics and every evaluation's (a retirement during the last
+        evaluation shows only there)."""
+        out = {"dora/engine_refresh_passes": self.refresh_passes, "dora/engines_retired": self.retired}
         probes = sorted(getattr(self.engines, "probe_s", []))
         if probes:
             out["dora/health_check_p99_s"] = probes[min(len(probes) - 1, int(0.99 * len(probes)))]
-        out["dora/batch_wait_s"] = waited
         return out
 
     def _probe(self, name: str, value: Any) -> None:
@@ -565,9 +571,9 @@ class RolloutSession:
             self._probe("batch", self.first_step + a.step)
         elif isinstance(a, ReportGroupFailed):
             logger.error("dora: group %s failed and will not be trained: %s", a.group_id, a.reason)
-            self._failed.append((a.group_id, a.reason))
             # Siblings still running finish into nothing: `_run_trajectory` checks the group is here.
             group = self._pristine.pop(a.group_id, None)
+            self._failed.append((a.group_id, a.reason, group[0].prompt if group else None))
             self._groups.pop(a.group_id, None)
             self._finished.pop(a.group_id, None)
             fail = getattr(self.data_source, "dora_fail", None)

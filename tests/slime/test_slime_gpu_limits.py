@@ -263,7 +263,14 @@ def test_slimes_health_monitor_does_not_kill_an_engine_dora_loads(tmp_path, monk
     `/health_generate` with `--rollout-health-check-timeout`; a load holds SGLang's writer lock
     longer than that. The monitor (slime's own code) must skip exactly the engine being loaded:
     engine 0's load holds the lock until a check of engine 0 came back during it (a bound of 30 s,
-    over the 2 s check timeout) and engine 0 survives; engine 1, stuck, is killed."""
+    over the 2 s check timeout) and engine 0 survives; engine 1, stuck, is killed.
+
+    What runs: slime's own monitor class (its thread, its interval, its `_check_engine_health`
+    under dora's guard) against two CPU SGLang stand-ins over HTTP, and dora's `SglangEngines.load`.
+    Stood in: slime's `SGLangEngine` Ray actors (the two calls the monitor makes, `get_url` and
+    `health_generate`, here plain HTTP calls) and `ray.get` / `ray.kill`. Not covered: slime building
+    the monitor. Its RolloutManager builds one per server group it launched (on GPUs); the loop
+    harness's engines are external, for which slime builds none, so no slime loop test can run it."""
     health_monitor = pytest.importorskip("slime.utils.health_monitor", reason="needs a slime checkout (DORA_SLIME_PATH)")
     cls = health_monitor.RolloutHealthMonitor
     monkeypatch.setattr(cls, "_check_engine_health", cls._check_engine_health)  # restored after the test
@@ -682,6 +689,7 @@ def test_a_load_failing_before_the_final_evaluation_leaves_it_to_the_other_engin
     ev = asyncio.run_coroutine_threadsafe(session._evaluate(5), session.loop).result(timeout=60)
     m = ev.metrics
     assert (m["dora/eval_version"], m["dora/eval_engines"], m["dora/eval_instance"]) == (6, 1, iids[x.url])
+    assert m["dora/engines_retired"] == 1  # after the last step only the eval's metrics can report it
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["6"], ["6"]]
     failed, loaded = probes.index(("engine_failed", iids[y.url])), probes.index(("loaded", (iids[x.url], 6)))
     assert (failed < loaded) == (first == "failure"), probes

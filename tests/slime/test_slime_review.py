@@ -93,6 +93,7 @@ def test_eval_engine_dying_during_the_eval_evaluates_again_on_another_engine(tmp
     assert len(calls) == 2 and calls[0] != calls[1], calls
     dead = [v for n, v in probes if n == "engine_failed"]
     assert len(dead) == 1 and ev.metrics["dora/eval_instance"] != dead[0]
+    assert ev.metrics["dora/engines_retired"] == 1  # the eval's own metrics count it (after a last step, only they do)
     check_train_eval_train(outs, ev, fleet)
 
 

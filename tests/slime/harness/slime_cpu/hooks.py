@@ -25,9 +25,10 @@ def log_rollout(rollout_id, args, samples, metrics, rollout_time) -> bool:
     from dora_ext.slime import rollout as dora_rollout
 
     session = dora_rollout._session
-    failed = [] if session is None else [str(g) for g, _ in session._failed]
+    failed = [] if session is None else session._failed
     flat = [s for g in samples for s in (g if isinstance(g, list) else [g])]
-    entry = {"rollout_id": rollout_id, "samples": [_sample(s) for s in flat], "failed_groups": failed,
+    entry = {"rollout_id": rollout_id, "samples": [_sample(s) for s in flat],
+             "failed_groups": [str(g) for g, *_ in failed], "failed_prompts": [p for *_, p in failed],
              "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float, str, bool))}}
     with open(Path(args.harness_dir) / "rollouts.jsonl", "a") as fh:
         fh.write(json.dumps(entry) + "\n")

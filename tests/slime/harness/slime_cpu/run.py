@@ -208,6 +208,25 @@ def write_data(work: Path, n_prompts: int, fail_prompt: bool, n_eval: int = 2) -
     return prompts, evals
 
 
+#: The flags of `dora-ext slime-args` that choose the algorithm (loss, staleness correction), with
+#: how many values each takes; the rest choose the rollout, the data source and the weight path.
+ALGORITHM_FLAGS = {"--loss-type": 1, "--custom-loss-function-path": 1, "--use-tis": 0, "--tis-clip": 1,
+                   "--tis-clip-low": 1, "--custom-tis-function-path": 1}
+
+
+def algorithm_flags(flags: list[str]) -> list[str]:
+    """The loss and correction flags among `flags`, in their order, each with its values."""
+    out, i = [], 0
+    while i < len(flags):
+        n = ALGORITHM_FLAGS.get(flags[i])
+        if n is None:
+            i += 1
+            continue
+        out += flags[i:i + 1 + n]
+        i += 1 + n
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", required=True)
@@ -234,8 +253,9 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=0.0, help="the stand-in's decode step of a whole batch")
     ap.add_argument("--load-s", type=float, default=0.0, help="how long a weight load holds the writer lock")
     ap.add_argument("--cheap-tokens", action="store_true", help="the stand-in's token generator, not the model")
-    ap.add_argument("--no-dora", action="store_true", help="slime alone: its own rollout and disk weight sync")
-    ap.add_argument("--health-check-timeout", type=float, default=None, help="--rollout-health-check-timeout")
+    ap.add_argument("--no-dora", action="store_true",
+                    help="slime alone: its own rollout and disk weight sync, with the loss and correction flags "
+                         "`dora-ext slime-args` prints for this --loss and --k (the twins train one algorithm)")
     ap.add_argument("--probe-timeout", type=float, default=None, help="dora_slime.probe_timeout_s")
     ap.add_argument("--fail-prompt", action="store_true")
     ap.add_argument("--crash-at-rollout", type=int, default=None)
@@ -280,11 +300,12 @@ def main() -> int:
     cfg_path.write_text(yaml.safe_dump(cfg))
     weights = o.weights_dir or str(work / "weights")
     dora_flags = slime_flags(cfg, str(cfg_path), weights)
+    algorithm = algorithm_flags(dora_flags)
     if o.no_dora:  # slime's own rollout; its disk weight sync reloads every engine at once
         plain = work / "slime.yaml"
         plain.write_text(yaml.safe_dump({"harness_dir": str(work), "harness_checkpoint_mb": o.checkpoint_mb}))
         dora_flags = ["--update-weight-transport", "disk", "--update-weight-disk-dir", weights,
-                      "--custom-config-path", str(plain)]
+                      "--custom-config-path", str(plain), *algorithm]
     server_flags = ["--step-s", str(o.step_s), "--load-s", str(o.load_s)] + (["--cheap-tokens"] if o.cheap_tokens else [])
 
     engines = Engines(work, hf, o.engines, {0: o.kill_engine_after} if o.kill_engine_after else {}, o.restart_engines,
@@ -312,18 +333,15 @@ def main() -> int:
         ]
         if o.load_from:
             argv += ["--load", o.load_from]
-        if o.fault_tolerance:
+        if o.fault_tolerance:  # slime's recovery call before each weight push; no health monitor (external engines)
             argv += ["--use-fault-tolerance"]
-            if o.health_check_timeout is not None:
-                argv += ["--rollout-health-check-timeout", str(o.health_check_timeout),
-                         "--rollout-health-check-interval", "0.5", "--rollout-health-check-first-wait", "0"]
         import ray
 
         from slime.utils.arguments import parse_args
 
         sys.argv = [f"{o.loop}.py", *argv]
         args = parse_args()
-        result = {"unknown_megatron_flags": list(megatron_args.UNKNOWN)}
+        result = {"unknown_megatron_flags": list(megatron_args.UNKNOWN), "algorithm_flags": algorithm}
         if o.slime_args_only:
             (work / "result.json").write_text(json.dumps(result))
             return 0

@@ -36,7 +36,7 @@ with the limits of the real server that matter to them:
   POST /update_weight_version {new_version}: only the tag (logged as a load with `relabel`)
 
 Every /generate is logged (JSON lines) with the weight version at its start and end, so a test
-can check C1 from what the engine itself reported; every load with its start and end. Fault
+can check C1 from what the engine itself reported; every load with its start, end and endpoint. Fault
 injection: `--die-after N` ends the process when the N-th request starts (requests in flight die
 with it); prompts containing the symbol `zz` are aborted every time (SGLang's finish_reason
 "abort"); `--stuck-after N` sticks the engine when its N-th request starts. `--gated`: requests
@@ -275,7 +275,8 @@ class Engine:
                 self.version = str(body["weight_version"])
         finally:
             self.update_lock.release_write()
-        self.record(kind="load", t0=t0, t=time.time(), read_s=read_s, path=str(path), version=self.version)
+        self.record(kind="load", endpoint="update_weights_from_disk", t0=t0, t=time.time(), read_s=read_s,
+                    path=str(path), version=self.version)
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     def info(self) -> dict:
@@ -338,8 +339,8 @@ def make_handler(engine: Engine):
                 return self._reply(engine.load(body))
             if p == "/update_weight_version":  # a new tag, no load
                 engine.version = str(body["new_version"])
-                engine.record(kind="load", t0=time.time(), t=time.time(), path=None, version=engine.version,
-                              relabel=True)
+                engine.record(kind="load", endpoint="update_weight_version", t0=time.time(), t=time.time(), path=None,
+                              version=engine.version, relabel=True)
                 return self._reply({"success": True, "new_version": engine.version})
             if p == "/standin/open":
                 engine.gate.set()

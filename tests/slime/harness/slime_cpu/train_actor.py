@@ -30,6 +30,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import ray
@@ -125,7 +126,7 @@ class CpuTrainRayActor(RayActor):
                 "rollout_id": rollout_id, "sample_indices": list(data["sample_indices"]),
                 "tokens": [t.tolist() for t in tokens], "loss": float(loss.detach()),
                 "metrics": dict(zip(log["keys"], [float(v) for v in log["values"][1:]])),
-                "custom_loss": self.args.loss_type,
+                "custom_loss": self.args.loss_type, "t_end": time.time(),
             }) + "\n")
 
     def save_model(self, rollout_id, force_sync=False):
@@ -138,8 +139,6 @@ class CpuTrainRayActor(RayActor):
         """slime recovers dead engines synchronously here (`recover_updatable_engines` relaunches the engines it
         launched). For external engines that call is a no-op and the harness relaunches them (run.py); wait, as slime's
         recovery does, until every engine is back in the router and healthy."""
-        import time
-
         import requests
 
         router = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"

@@ -1,0 +1,212 @@
+"""The checks of `benchmarks/slime_cpu_compare.py` can fail: each is fed a record that holds and
+the same record with one violation in it.
+
+The records have the shape of the harness's logs (`tests/slime/harness/slime_cpu`): the stand-in
+server's generate and load entries, the rollout and eval log hooks' entries, the train actor's.
+No slime job runs here; `test_slime_loops.py` runs them.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("slime_cpu_compare_under_test", ROOT / "benchmarks" / "slime_cpu_compare.py")
+bench = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bench  # its dataclass looks its module up
+spec.loader.exec_module(bench)
+
+N = 2  # samples per group
+PROMPTS = [["a b c =", "b c d ="], ["c d e =", "d e f ="]]  # the first and the second step's groups
+
+
+def _evidence(versions: dict[int, str]) -> dict:
+    """Two steps (the keys of `versions`) of two groups of N samples; the groups of step s generated
+    at versions[s] (a tag), each sample by one request on port 1 (the first step) or 2 (the
+    second), trained by the trainer as handed."""
+    ev: dict = {"requests": [], "eval_requests": [], "loads": [], "rollouts": {}, "evals": [], "trained": {}}
+    index = 0
+    for step, prompts in zip(versions, PROMPTS):
+        samples = []
+        for g, prompt in enumerate(prompts):
+            for i in range(N):
+                prompt_ids, out_ids = [3 + g, 4 + len(ev["rollouts"])], [10 + index, 11]
+                samples.append({"prompt": prompt, "weight_versions": [versions[step]], "tokens": prompt_ids + out_ids,
+                                "response_length": 2, "index": index})
+                ev["requests"].append({"port": 1 + len(ev["rollouts"]), "prompt": prompt, "input_ids": prompt_ids, "output_ids": out_ids,
+                                       "version_start": versions[step], "version_end": versions[step],
+                                       "t0": float(index), "t1": index + 0.5})
+                index += 1
+        ev["rollouts"][step] = {"rollout_id": step, "samples": samples, "failed_prompts": [],
+                                "metrics": {"dora/engines_retired": 0}}
+        ev["trained"][step] = {"rollout_id": step, "tokens": [s["tokens"] for s in samples],
+                               "sample_indices": [s["index"] for s in samples], "custom_loss": "policy_loss",
+                               "metrics": {"tis": 1.0}}
+    return ev
+
+
+ON_TIME = {0: "0", 1: "0"}  # dora's tags (the launch checkpoint is 0): step 1 trains version 0, 1 behind
+
+
+def test_the_evidence_of_a_correct_run_passes_every_check():
+    ev = _evidence(ON_TIME)
+    assert bench.c1_violations(ev) == []
+    assert bench.c2_violations(ev, N) == []
+    assert bench.c3_violations(ev, k=1, first_version=0) == []
+
+
+# ------------------------------------------------------------------ C1
+def test_c1_fails_for_a_sample_whose_request_spanned_two_versions():
+    ev = _evidence(ON_TIME)
+    ev["requests"][0]["version_end"] = "1"  # the engine loaded version 1 under the request
+    assert len(bench.c1_violations(ev)) == 1
+
+
+def test_c1_fails_for_a_group_that_mixes_versions():
+    ev = _evidence({0: "0", 1: "1"})
+    sample, request = ev["rollouts"][1]["samples"][0], ev["requests"][N * 2]
+    sample["weight_versions"] = ["0"]
+    request["version_start"] = request["version_end"] = "0"  # produced and reported at 0, its sibling at 1
+    assert [v for v in bench.c1_violations(ev) if "mixes versions" in v]
+
+
+def test_c1_fails_for_a_trained_sample_no_engine_produced():
+    ev = _evidence(ON_TIME)
+    ev["requests"].pop()
+    assert len(bench.c1_violations(ev)) == 1
+
+
+# ------------------------------------------------------------------ C2
+def test_c2_fails_for_a_group_that_started_generating_and_was_dropped():
+    ev = _evidence(ON_TIME)
+    ev["requests"].append({**ev["requests"][0], "prompt": "e f g ="})  # admitted, never trained nor reported
+    assert bench.c2_violations(ev, N) == ["group 'e f g =' started generating, was neither trained nor reported failed"]
+    ev["rollouts"][1]["failed_prompts"] = ["e f g ="]  # reported failed: accounted for
+    assert bench.c2_violations(ev, N) == []
+
+
+def test_c2_fails_for_a_group_trained_and_reported_failed():
+    ev = _evidence(ON_TIME)
+    ev["rollouts"][1]["failed_prompts"] = [PROMPTS[0][0]]
+    assert len(bench.c2_violations(ev, N)) == 1
+
+
+def test_c2_fails_for_a_truncated_group():
+    ev = _evidence(ON_TIME)
+    ev["rollouts"][0]["samples"].pop()
+    ev["trained"][0]["tokens"].pop()
+    ev["trained"][0]["sample_indices"].pop()
+    assert bench.c2_violations(ev, N) == [f"step 0: group {PROMPTS[0][1]!r} trained 1 samples of {N}"]
+
+
+def test_c2_fails_when_the_trainer_did_not_train_what_slime_handed_over():
+    ev = _evidence(ON_TIME)
+    ev["trained"][1]["tokens"].pop()  # one sample lost between the hand-over and the trainer
+    assert bench.c2_violations(ev, N) == ["step 1: the trainer did not train what slime handed over"]
+
+
+def test_c2_fails_for_a_sample_or_a_group_trained_twice():
+    ev = _evidence(ON_TIME)
+    ev["trained"][1]["sample_indices"][0] = 0
+    assert bench.c2_violations(ev, N) == ["sample 0 trained 2 times"]
+    ev = _evidence(ON_TIME)
+    twice = copy.deepcopy(ev["rollouts"][0]["samples"][:N])  # step 0's first group again in step 1
+    ev["rollouts"][1]["samples"][:N] = twice
+    ev["trained"][1]["tokens"][:N] = [s["tokens"] for s in twice]
+    assert f"group {PROMPTS[0][0]!r} trained in steps [0, 1]" in bench.c2_violations(ev, N)
+
+
+# ------------------------------------------------------------------ C3
+def test_c3_fails_for_a_uniformly_too_stale_run():
+    """Steps 5 and 6 both trained samples 2 versions behind, with K = 1: the spread of
+    step - version over the run is 0 (what the benchmark checked before), the staleness is not."""
+    ev = _evidence({5: "3", 6: "4"})
+    offsets = {rid - int(v) for rid, e in ev["rollouts"].items() for s in e["samples"] for v in s["weight_versions"]}
+    assert max(offsets) - min(offsets) <= 1  # the old check passed
+    assert bench.c3_violations(ev, k=1, first_version=0) == [
+        f"step {step}: a sample of {p!r} at version {v}: 2 steps behind (K=1)"
+        for step, v, prompts in ((5, 3, PROMPTS[0]), (6, 4, PROMPTS[1])) for p in prompts for _ in range(N)]
+    assert bench.c3_violations(_evidence({5: "4", 6: "6"}), k=1, first_version=0) == []
+
+
+def test_c3_counts_versions_as_each_loop_tags_them():
+    """train.py on slime: step s trains the weights of s steps, tagged s + 1 (slime tags its first
+    push, the loaded checkpoint, 1). Read as dora's tags (the checkpoint is 0) they would be from
+    the future."""
+    ev = _evidence({0: "1", 1: "2"})
+    assert bench.c3_violations(ev, k=0, first_version=1) == []
+    assert len(bench.c3_violations(ev, k=1, first_version=0)) == 2 * N * 2
+    assert len(bench.c3_violations(_evidence({0: "1", 1: "1"}), k=0, first_version=1)) == 2 * N  # one behind
+
+
+def test_c3_fails_for_a_sample_at_no_trainers_version():
+    ev = _evidence({0: "default", 1: "0"})  # SGLang's launch tag: weights the trainer never pushed
+    assert len(bench.c3_violations(ev, k=1, first_version=0)) == 2 * N
+    ev["rollouts"][1]["samples"][0]["weight_versions"] = []
+    assert len(bench.c3_violations(ev, k=1, first_version=0)) == 2 * N + 1
+
+
+# ------------------------------------------------------------------ what the run observed
+def test_engines_retired_counts_the_final_evaluation():
+    ev = _evidence(ON_TIME)
+    assert bench.engines_retired(ev, []) == 0
+    ev["evals"].append({"rollout_id": 1, "metrics": {"dora/engines_retired": 1}})  # retired during the last eval
+    assert bench.engines_retired(ev, []) == 1
+    assert bench.engines_retired(ev, [{"event": "died"}]) is None  # an engine died: not told apart
+    for e in [*ev["rollouts"].values(), *ev["evals"]]:
+        e["metrics"].pop("dora/engines_retired")
+    assert bench.engines_retired(ev, []) is None  # slime alone: no count of its own
+
+
+def test_engines_and_concurrency_are_what_the_servers_saw():
+    ev = _evidence(ON_TIME)
+    assert bench.engines_served(ev) == 2
+    assert bench.peak_concurrency(ev) == {1: 1, 2: 1}  # one request at a time
+    ev["eval_requests"] = [{"port": 3, "t0": 0.0, "t1": 9.0}]  # an engine that served only the evaluation
+    ev["requests"][1].update(t0=0.2, t1=0.7)  # overlaps the first
+    ev["requests"][2].update(t0=0.7, t1=0.9)  # starts as the second ends: not at once
+    assert bench.engines_served(ev) == 2
+    assert bench.peak_concurrency(ev) == {1: 2, 2: 1, 3: 1}
+
+
+def test_weight_transport_is_the_endpoints_the_loads_came_through():
+    ev = _evidence(ON_TIME)
+    assert bench.weight_transport(ev) == "none"
+    ev["loads"].append({"endpoint": "update_weight_version", "version": "0"})  # a tag, no weights moved
+    assert bench.weight_transport(ev) == "none"
+    ev["loads"].append({"endpoint": "update_weights_from_disk", "version": "1", "path": "w/weight_v000001"})
+    assert bench.weight_transport(ev) == "disk"
+    ev["loads"].append({"endpoint": "update_weights_from_distributed", "version": "2"})
+    assert bench.weight_transport(ev) == "disk+nccl"
+
+
+def test_trained_loss_reports_tis_only_where_the_trainer_ran_it():
+    ev = _evidence(ON_TIME)
+    assert bench.trained_loss(ev) == "policy_loss+tis"
+    ev["trained"][1]["metrics"] = {}
+    assert bench.trained_loss(ev) == "policy_loss/policy_loss+tis"
+
+
+@pytest.mark.parametrize("loss, k, expected", [
+    ("slime", 1, ["--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0"]),
+    ("sao", 1, ["--loss-type", "custom_loss", "--custom-loss-function-path", "dora_ext.slime.loss.sao_loss"]),
+])
+def test_slime_alone_gets_the_algorithm_flags_of_the_dora_twin(loss, k, expected):
+    """The harness's `--no-dora` passes slime the loss and correction flags `dora-ext slime-args`
+    prints for the dora twin, and none of the rest."""
+    sys.path.insert(0, str(ROOT / "tests" / "slime" / "harness"))
+    from slime_cpu.run import algorithm_flags
+
+    from dora_ext.slime.cli import slime_flags
+    from dora_ext.slime.settings import WEIGHT_RELOAD_HOOK_PATH
+
+    cfg = {"dora": {"mode": "dora", "max_staleness": k}, "dora_slime": {"loss": loss, "staleness_correction": "tis"},
+           "custom_rollout_weight_reload_path": WEIGHT_RELOAD_HOOK_PATH}
+    flags = slime_flags(cfg, "dora.yaml", "w")
+    assert algorithm_flags(flags) == expected
+    assert set(expected) <= set(flags)

@@ -201,10 +201,12 @@ def test_generated_sequences_default(mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", DRIVEN)
-def test_generated_sequences_10k(mode):
-    c = sweep(mode, 10_000, seed=2)
-    assert c["runs"] == 10_000
-    print(mode, c)
+def test_generated_sequences_2k(mode):
+    """A longer sweep on another seed. 2,000 sequences per mode (it was 10,000: ~400 s of CI for a
+    core whose recent defects were all found in the adapters, where that time now goes)."""
+    c = sweep(mode, 2_000, seed=2)
+    assert c["runs"] == 2_000
+    assert c["late_rewards"] and c["stale"] and c["crashes"] and c["exhausted"] and c["stale_after_replacement"]
 
 
 @pytest.mark.parametrize("mode", DRIVEN)

@@ -169,9 +169,19 @@ def test_engines_and_concurrency_are_what_the_servers_saw():
     assert bench.peak_concurrency(ev) == {1: 1, 2: 1}  # one request at a time
     ev["eval_requests"] = [{"port": 3, "t0": 0.0, "t1": 9.0}]  # an engine that served only the evaluation
     ev["requests"][1].update(t0=0.2, t1=0.7)  # overlaps the first
-    ev["requests"][2].update(t0=0.7, t1=0.9)  # starts as the second ends: not at once
     assert bench.engines_served(ev) == 2
     assert bench.peak_concurrency(ev) == {1: 2, 2: 1, 3: 1}
+
+
+def test_concurrency_does_not_count_a_request_that_starts_as_another_ends():
+    """Back-to-back requests (one's start time is the other's end) never ran at once; a third one
+    overlapping both makes two."""
+    ev = _evidence(ON_TIME)
+    ev["eval_requests"] = []
+    ev["requests"] = [dict(ev["requests"][0], t0=float(i), t1=i + 1.0) for i in range(3)]
+    assert bench.peak_concurrency(ev) == {1: 1}
+    ev["requests"].append(dict(ev["requests"][0], t0=0.5, t1=2.5))
+    assert bench.peak_concurrency(ev) == {1: 2}
 
 
 def test_weight_transport_is_the_endpoints_the_loads_came_through():

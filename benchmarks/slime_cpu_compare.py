@@ -29,7 +29,8 @@ and C1-C3 checked on every trained sample (`violations` lists the first of each)
   C1: each trained sample came from one engine request at the one version it reports; no group
       mixes versions;
   C2: the trainer trained exactly what slime handed over, each sample once, every group whole
-      in one step; every prompt that started generating was trained or reported failed;
+      in one step, no response its engine aborted (truncated); every prompt that started
+      generating was trained or reported failed;
   C3: 0 <= step - steps(version) <= K for every trained sample (K = 1 for train_async.py, 0 for
       train.py; slime tags its first push, the loaded checkpoint, 1 and dora tags it 0).
 
@@ -156,9 +157,13 @@ def c1_violations(ev: dict) -> list[str]:
 
 def c2_violations(ev: dict, n: int) -> list[str]:
     """C2: the trainer trained exactly the samples slime handed over, each once; every group
-    trained whole (n samples) in one step; every prompt that started generating was trained or
-    reported failed, never both."""
+    trained whole (n samples) in one step, no sample from a request its engine aborted (a
+    truncated response); every prompt that started generating was trained or reported failed,
+    never both."""
     out = []
+    finished: dict = defaultdict(set)  # a response's tokens: how its requests finished
+    for r in ev["requests"]:
+        finished[tuple(r["input_ids"] + r["output_ids"])].add(r.get("finish") == "abort")
     trained_in: dict = defaultdict(list)
     indices: Counter = Counter()
     for rid, t in ev["trained"].items():
@@ -166,6 +171,8 @@ def c2_violations(ev: dict, n: int) -> list[str]:
         if sorted(map(tuple, t["tokens"])) != sorted(tuple(s["tokens"]) for s in samples):
             out.append(f"step {rid}: the trainer did not train what slime handed over")
         indices.update(t["sample_indices"])
+        out += [f"step {rid}: a sample of {s['prompt']!r} trained from a request its engine aborted (a truncated "
+                "trajectory)" for s in samples if finished.get(tuple(s["tokens"])) == {True}]
         for prompt, size in Counter(s["prompt"] for s in samples).items():
             trained_in[prompt].append(rid)
             if size != n:

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "slime" / "harness"))
+from slime_cpu.model import SYMBOLS  # noqa: E402 - the stand-in's vocabulary: token id i is SYMBOLS[i]
+
 spec = importlib.util.spec_from_file_location("slime_cpu_compare_under_test", ROOT / "benchmarks" / "slime_cpu_compare.py")
 bench = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench  # its dataclass looks its module up
@@ -35,12 +38,12 @@ def _evidence(versions: dict[int, str]) -> dict:
         samples = []
         for g, prompt in enumerate(prompts):
             for i in range(N):
-                prompt_ids, out_ids = [3 + g, 4 + len(ev["rollouts"])], [10 + index, 11]
+                prompt_ids, out_ids = [SYMBOLS.index(x) for x in prompt.split()], [10 + index, 11]
                 samples.append({"prompt": prompt, "weight_versions": [versions[step]], "tokens": prompt_ids + out_ids,
                                 "response_length": 2, "index": index})
                 ev["requests"].append({"port": 1 + len(ev["rollouts"]), "prompt": prompt, "input_ids": prompt_ids, "output_ids": out_ids,
                                        "version_start": versions[step], "version_end": versions[step],
-                                       "t0": float(index), "t1": index + 0.5})
+                                       "t0": float(index), "t1": index + 0.5, "finish": "length"})
                 index += 1
         ev["rollouts"][step] = {"rollout_id": step, "samples": samples, "failed_prompts": [],
                                 "metrics": {"dora/engines_retired": 0}}
@@ -119,6 +122,18 @@ def test_c2_fails_for_a_sample_or_a_group_trained_twice():
     ev["rollouts"][1]["samples"][:N] = twice
     ev["trained"][1]["tokens"][:N] = [s["tokens"] for s in twice]
     assert f"group {PROMPTS[0][0]!r} trained in steps [0, 1]" in bench.c2_violations(ev, N)
+
+
+def test_c2_fails_for_a_trained_sample_its_engine_aborted():
+    """A truncated trajectory: the engine aborted the request (SGLang's finish_reason "abort",
+    its partial output returned) and that partial response was trained as if it had finished.
+    The tokens and the version match the engine's record: only the finish tells it."""
+    ev = _evidence(ON_TIME)
+    ev["requests"][0]["finish"] = "abort"
+    assert bench.c2_violations(ev, N) == [f"step 0: a sample of {PROMPTS[0][0]!r} trained from a request its engine "
+                                          "aborted (a truncated trajectory)"]
+    ev["requests"].append({**ev["requests"][0], "finish": "length"})  # the same tokens also came out whole
+    assert bench.c2_violations(ev, N) == []
 
 
 # ------------------------------------------------------------------ C3
@@ -209,7 +224,6 @@ def test_trained_loss_reports_tis_only_where_the_trainer_ran_it():
 def test_slime_alone_gets_the_algorithm_flags_of_the_dora_twin(loss, k, expected):
     """The harness's `--no-dora` passes slime the loss and correction flags `dora-ext slime-args`
     prints for the dora twin, and none of the rest."""
-    sys.path.insert(0, str(ROOT / "tests" / "slime" / "harness"))
     from slime_cpu.run import algorithm_flags
 
     from dora_ext.slime.cli import slime_flags

@@ -131,8 +131,23 @@ def read_evidence(work: Path) -> dict:
         "loads": [e for e in engine_logs if e["kind"] == "load"],
         "rollouts": {e["rollout_id"]: e for e in _lines(work / "rollouts.jsonl")},
         "evals": _lines(work / "evals.jsonl"),
-        "trained": {e["rollout_id"]: e for e in _lines(work / "train.jsonl")},
+        "trained": _trained_by_step(_lines(work / "train.jsonl")),
     }
+
+
+def _trained_by_step(entries: list[dict]) -> dict:
+    """The train log per rollout id, every entry kept: the train actor logs one entry per train
+    call, so a step trained twice has two, whose samples count twice (C2)."""
+    out: dict = {}
+    for e in entries:
+        if e["rollout_id"] not in out:
+            out[e["rollout_id"]] = dict(e, tokens=list(e["tokens"]), sample_indices=list(e["sample_indices"]))
+            continue
+        t = out[e["rollout_id"]]
+        t["tokens"] += e["tokens"]
+        t["sample_indices"] += e["sample_indices"]
+        t["t_end"] = max(t["t_end"], e["t_end"])
+    return out
 
 
 # ------------------------------------------------------------------ checks: each returns its violations

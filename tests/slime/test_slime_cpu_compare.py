@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def _evidence(versions: dict[int, str]) -> dict:
                                 "metrics": {"dora/engines_retired": 0}}
         ev["trained"][step] = {"rollout_id": step, "tokens": [s["tokens"] for s in samples],
                                "sample_indices": [s["index"] for s in samples], "custom_loss": "policy_loss",
-                               "metrics": {"tis": 1.0}}
+                               "metrics": {"tis": 1.0}, "t_end": 10.0 + step}
     return ev
 
 
@@ -134,6 +135,36 @@ def test_c2_fails_for_a_trained_sample_its_engine_aborted():
                                           "aborted (a truncated trajectory)"]
     ev["requests"].append({**ev["requests"][0], "finish": "length"})  # the same tokens also came out whole
     assert bench.c2_violations(ev, N) == []
+
+
+def _write_job(ev: dict, work: Path, eval_text: str = "a a =") -> None:
+    """`ev` as the files a harness job leaves (what `read_evidence` reads), with one evaluation
+    request on engine 1."""
+    work.mkdir()
+    by_port: dict = {}
+    ids = [SYMBOLS.index(x) for x in eval_text.split()]
+    evals = [{"kind": "generate", "port": 1, "input_ids": ids, "output_ids": [12], "version_start": "0",
+              "version_end": "0", "t0": 0.0, "t1": 9.0, "finish": "length"}]
+    for r in [*({k: v for k, v in r.items() if k != "prompt"} | {"kind": "generate"} for r in ev["requests"]), *evals]:
+        by_port.setdefault(r["port"], []).append(r)
+    for port, records in by_port.items():
+        (work / f"engine{port}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (work / "eval.jsonl").write_text(json.dumps({"text": eval_text, "label": "a"}) + "\n")
+    (work / "rollouts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev["rollouts"].values()))
+    (work / "train.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev["trained"].values()))
+
+
+def test_read_evidence_keeps_every_entry_of_the_train_log(tmp_path):
+    """The train actor logs one entry per train call: a step trained twice leaves two entries with
+    one rollout id, and the second must not hide the first (C2: each sample trained once)."""
+    _write_job(_evidence(ON_TIME), tmp_path / "job")
+    ev = bench.read_evidence(tmp_path / "job")
+    assert len(ev["requests"]) == 4 * N and [r["prompt"] for r in ev["eval_requests"]] == ["a a ="]
+    assert (bench.c1_violations(ev), bench.c2_violations(ev, N), bench.c3_violations(ev, 1, 0)) == ([], [], [])
+    with open(tmp_path / "job" / "train.jsonl", "a") as fh:  # the trainer trained step 1 a second time
+        fh.write(json.dumps(_evidence(ON_TIME)["trained"][1]) + "\n")
+    twice = bench.c2_violations(bench.read_evidence(tmp_path / "job"), N)
+    assert [f"sample {i} trained 2 times" for i in range(2 * N, 4 * N)] == [v for v in twice if v.startswith("sample")]
 
 
 # ------------------------------------------------------------------ C3

@@ -11,9 +11,10 @@ log). The slime modes use slime's default rollout through its router and its dis
 (pause, reload every engine, continue): the harness has no NCCL, so all three modes use the disk
 transport. All three train one algorithm (`--loss`): by default slime's policy loss with slime's
 truncated IS (`--use-tis --tis-clip 2.0 --tis-clip-low 0`, what `dora-ext slime-args` prints for
-the dora twin), and each job reports the flags it passed and the loss its trainer ran
-(`same_algorithm`). On 2 shared CPU cores the train actor and the stand-ins compete for the
-cores; the ratios, not the absolute numbers, are the result.
+the dora twin), and each job reports the loss and correction settings slime parsed from its
+argv and the loss its trainer ran (`same_algorithm` compares them). On 2 shared CPU cores the
+train actor and the stand-ins compete for the cores; the ratios, not the absolute numbers, are
+the result.
 
 `tokens_per_s` is the trained steps' response tokens over the loop's wall time, start-up (Ray
 actors, engine discovery, the first weight push) and the final evaluation included: with few
@@ -270,6 +271,13 @@ def trained_loss(ev: dict) -> str | None:
     return "/".join(sorted(kinds)) or None
 
 
+def same_algorithm(modes: dict) -> bool:
+    """One algorithm in every mode: the loss and correction settings slime parsed in each job
+    (`algorithm`) and the loss each trainer ran; a mode that reported neither is no evidence."""
+    runs = {(r.get("algorithm"), r.get("loss")) for r in modes.values()}
+    return len(runs) == 1 and None not in next(iter(runs))
+
+
 def analyze(ev: dict, result: dict, m: Mode, *, n: int, engines: int) -> dict:
     rollouts, trained = ev["rollouts"], ev["trained"]
     tokens = sum(len(t) for e in trained.values() for t in e["tokens"])  # prompt + response, as trained
@@ -306,6 +314,7 @@ def analyze(ev: dict, result: dict, m: Mode, *, n: int, engines: int) -> dict:
         "weight_transport": weight_transport(ev),
         "trainer_weight_sync_s_per_step": sum(syncs[1:]) / len(syncs[1:]) if len(syncs) > 1 else None,
         "loss": trained_loss(ev), "algorithm_flags": " ".join(result.get("algorithm_flags", [])) or None,
+        "algorithm": result.get("algorithm"),
         "engine_loads": len(loads),
         "engine_load_s_mean": sum(e["t"] - e["t0"] for e in loads) / len(loads) if loads else None,
         "engine_read_s_mean": sum(e["read_s"] for e in loads) / len(loads) if loads else None,
@@ -386,8 +395,7 @@ def main() -> int:
     report = {"modes": out, "settings": {k: getattr(o, k) for k in ("engines", "capacity", "batch", "n", "num_rollout",
                                                                    "response_len", "step_s", "load_s", "checkpoint_mb",
                                                                    "loss")}}
-    # One algorithm in every mode: the flags each job passed to slime and the loss its trainer ran.
-    report["same_algorithm"] = len({(r["algorithm_flags"], r["loss"]) for r in out.values()}) == 1
+    report["same_algorithm"] = same_algorithm(out)
     if not plain:
         report["weights_dir"] = weights_dir_summary(out, o.modes.split(","), kinds)
     ratios = {f"dora_over_{base}_{field}": out["dora"][field] / out[base][field]

@@ -265,3 +265,39 @@ def test_slime_alone_gets_the_algorithm_flags_of_the_dora_twin(loss, k, expected
     flags = slime_flags(cfg, "dora.yaml", "w")
     assert algorithm_flags(flags) == expected
     assert set(expected) <= set(flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss, expected", [
+    ("slime", "custom_loss_function_path=None custom_tis_function_path=None loss_type=policy_loss tis_clip=2.0 "
+              "tis_clip_low=0.0 use_tis=True"),
+    ("sao", "custom_loss_function_path=dora_ext.slime.loss.sao_loss custom_tis_function_path=None "
+            "loss_type=custom_loss tis_clip=2.0 tis_clip_low=0 use_tis=False"),  # slime's defaults: no TIS flags
+])
+def test_each_mode_reports_the_algorithm_slime_parsed(patched_slime, tmp_path, loss, expected):
+    """What `same_algorithm` compares is read from slime's parsed arguments in each job (the
+    harness's `--slime-args-only`: slime's own `parse_args` on the job's argv, then exit), not
+    from the flags the harness meant to pass: the dora twin (train_async.py) and slime alone
+    (train.py, `--no-dora`) parse to the same loss and correction settings."""
+    import subprocess
+
+    from slime_helpers import harness_env
+
+    parsed = {}
+    for name, extra in (("dora", ["--loop", "train_async"]), ("slime", ["--loop", "train", "--no-dora"])):
+        work = tmp_path / name
+        subprocess.run([sys.executable, "-m", "slime_cpu.run", "--workdir", str(work), "--loss", loss, "--k", "1",
+                        "--engines", "1", "--cheap-tokens", "--slime-args-only", *extra],
+                       env=harness_env(patched_slime), check=True, capture_output=True, timeout=300)
+        parsed[name] = json.loads((work / "result.json").read_text())["algorithm"]
+    assert parsed == {"dora": expected, "slime": expected}
+
+
+def test_same_algorithm_compares_what_each_job_parsed_and_trained():
+    modes = {m: {"algorithm": "loss_type=policy_loss tis_clip=2.0 use_tis=True", "loss": "policy_loss+tis"}
+             for m in bench.MODES}
+    assert bench.same_algorithm(modes)
+    modes["slime_sync"]["algorithm"] = "loss_type=policy_loss tis_clip=3.0 use_tis=True"  # another cap, same loss
+    assert not bench.same_algorithm(modes)
+    modes["slime_sync"]["algorithm"] = None  # a job that reported nothing: not shown equal
+    assert not bench.same_algorithm(modes)

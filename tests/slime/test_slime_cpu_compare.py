@@ -85,6 +85,15 @@ def test_c1_fails_for_a_trained_sample_no_engine_produced():
     assert len(bench.c1_violations(ev)) == 1
 
 
+def test_c1_fails_for_a_sample_that_reports_two_versions():
+    """A sample whose versions say it spans two loads fails, even where the one request on record
+    with its tokens ran at its first version."""
+    ev = _evidence(ON_TIME)
+    ev["rollouts"][0]["samples"][0]["weight_versions"] = ["0", "1"]
+    assert f"step 0: a sample of {PROMPTS[0][0]!r} reports ['0', '1'], engines produced it at [('0', '0')]" \
+        in bench.c1_violations(ev)
+
+
 # ------------------------------------------------------------------ C2
 def test_c2_fails_for_a_group_that_started_generating_and_was_dropped():
     ev = _evidence(ON_TIME)

@@ -11,9 +11,10 @@ log). The slime modes use slime's default rollout through its router and its dis
 (pause, reload every engine, continue): the harness has no NCCL, so all three modes use the disk
 transport. All three train one algorithm (`--loss`): by default slime's policy loss with slime's
 truncated IS (`--use-tis --tis-clip 2.0 --tis-clip-low 0`, what `dora-ext slime-args` prints for
-the dora twin), and each job reports the flags it passed and the loss its trainer ran
-(`same_algorithm`). On 2 shared CPU cores the train actor and the stand-ins compete for the
-cores; the ratios, not the absolute numbers, are the result.
+the dora twin), and each job reports the loss and correction settings slime parsed from its
+argv and the loss its trainer ran (`same_algorithm` compares them). On 2 shared CPU cores the
+train actor and the stand-ins compete for the cores; the ratios, not the absolute numbers, are
+the result.
 
 `tokens_per_s` is the trained steps' response tokens over the loop's wall time, start-up (Ray
 actors, engine discovery, the first weight push) and the final evaluation included: with few
@@ -29,7 +30,8 @@ and C1-C3 checked on every trained sample (`violations` lists the first of each)
   C1: each trained sample came from one engine request at the one version it reports; no group
       mixes versions;
   C2: the trainer trained exactly what slime handed over, each sample once, every group whole
-      in one step; every prompt that started generating was trained or reported failed;
+      in one step, no response its engine aborted (truncated); every prompt that started
+      generating was trained or reported failed;
   C3: 0 <= step - steps(version) <= K for every trained sample (K = 1 for train_async.py, 0 for
       train.py; slime tags its first push, the loaded checkpoint, 1 and dora tags it 0).
 
@@ -130,8 +132,23 @@ def read_evidence(work: Path) -> dict:
         "loads": [e for e in engine_logs if e["kind"] == "load"],
         "rollouts": {e["rollout_id"]: e for e in _lines(work / "rollouts.jsonl")},
         "evals": _lines(work / "evals.jsonl"),
-        "trained": {e["rollout_id"]: e for e in _lines(work / "train.jsonl")},
+        "trained": _trained_by_step(_lines(work / "train.jsonl")),
     }
+
+
+def _trained_by_step(entries: list[dict]) -> dict:
+    """The train log per rollout id, every entry kept: the train actor logs one entry per train
+    call, so a step trained twice has two, whose samples count twice (C2)."""
+    out: dict = {}
+    for e in entries:
+        if e["rollout_id"] not in out:
+            out[e["rollout_id"]] = dict(e, tokens=list(e["tokens"]), sample_indices=list(e["sample_indices"]))
+            continue
+        t = out[e["rollout_id"]]
+        t["tokens"] += e["tokens"]
+        t["sample_indices"] += e["sample_indices"]
+        t["t_end"] = max(t["t_end"], e["t_end"])
+    return out
 
 
 # ------------------------------------------------------------------ checks: each returns its violations
@@ -156,9 +173,13 @@ def c1_violations(ev: dict) -> list[str]:
 
 def c2_violations(ev: dict, n: int) -> list[str]:
     """C2: the trainer trained exactly the samples slime handed over, each once; every group
-    trained whole (n samples) in one step; every prompt that started generating was trained or
-    reported failed, never both."""
+    trained whole (n samples) in one step, no sample from a request its engine aborted (a
+    truncated response); every prompt that started generating was trained or reported failed,
+    never both."""
     out = []
+    finished: dict = defaultdict(set)  # a response's tokens: how its requests finished
+    for r in ev["requests"]:
+        finished[tuple(r["input_ids"] + r["output_ids"])].add(r.get("finish") == "abort")
     trained_in: dict = defaultdict(list)
     indices: Counter = Counter()
     for rid, t in ev["trained"].items():
@@ -166,6 +187,8 @@ def c2_violations(ev: dict, n: int) -> list[str]:
         if sorted(map(tuple, t["tokens"])) != sorted(tuple(s["tokens"]) for s in samples):
             out.append(f"step {rid}: the trainer did not train what slime handed over")
         indices.update(t["sample_indices"])
+        out += [f"step {rid}: a sample of {s['prompt']!r} trained from a request its engine aborted (a truncated "
+                "trajectory)" for s in samples if finished.get(tuple(s["tokens"])) == {True}]
         for prompt, size in Counter(s["prompt"] for s in samples).items():
             trained_in[prompt].append(rid)
             if size != n:
@@ -248,6 +271,13 @@ def trained_loss(ev: dict) -> str | None:
     return "/".join(sorted(kinds)) or None
 
 
+def same_algorithm(modes: dict) -> bool:
+    """One algorithm in every mode: the loss and correction settings slime parsed in each job
+    (`algorithm`) and the loss each trainer ran; a mode that reported neither is no evidence."""
+    runs = {(r.get("algorithm"), r.get("loss")) for r in modes.values()}
+    return len(runs) == 1 and None not in next(iter(runs))
+
+
 def analyze(ev: dict, result: dict, m: Mode, *, n: int, engines: int) -> dict:
     rollouts, trained = ev["rollouts"], ev["trained"]
     tokens = sum(len(t) for e in trained.values() for t in e["tokens"])  # prompt + response, as trained
@@ -284,6 +314,7 @@ def analyze(ev: dict, result: dict, m: Mode, *, n: int, engines: int) -> dict:
         "weight_transport": weight_transport(ev),
         "trainer_weight_sync_s_per_step": sum(syncs[1:]) / len(syncs[1:]) if len(syncs) > 1 else None,
         "loss": trained_loss(ev), "algorithm_flags": " ".join(result.get("algorithm_flags", [])) or None,
+        "algorithm": result.get("algorithm"),
         "engine_loads": len(loads),
         "engine_load_s_mean": sum(e["t"] - e["t0"] for e in loads) / len(loads) if loads else None,
         "engine_read_s_mean": sum(e["read_s"] for e in loads) / len(loads) if loads else None,
@@ -364,8 +395,7 @@ def main() -> int:
     report = {"modes": out, "settings": {k: getattr(o, k) for k in ("engines", "capacity", "batch", "n", "num_rollout",
                                                                    "response_len", "step_s", "load_s", "checkpoint_mb",
                                                                    "loss")}}
-    # One algorithm in every mode: the flags each job passed to slime and the loss its trainer ran.
-    report["same_algorithm"] = len({(r["algorithm_flags"], r["loss"]) for r in out.values()}) == 1
+    report["same_algorithm"] = same_algorithm(out)
     if not plain:
         report["weights_dir"] = weights_dir_summary(out, o.modes.split(","), kinds)
     ratios = {f"dora_over_{base}_{field}": out["dora"][field] / out[base][field]

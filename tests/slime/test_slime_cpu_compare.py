@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "slime" / "harness"))
+from slime_cpu.model import SYMBOLS  # noqa: E402 - the stand-in's vocabulary: token id i is SYMBOLS[i]
+
 spec = importlib.util.spec_from_file_location("slime_cpu_compare_under_test", ROOT / "benchmarks" / "slime_cpu_compare.py")
 bench = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench  # its dataclass looks its module up
@@ -35,18 +39,18 @@ def _evidence(versions: dict[int, str]) -> dict:
         samples = []
         for g, prompt in enumerate(prompts):
             for i in range(N):
-                prompt_ids, out_ids = [3 + g, 4 + len(ev["rollouts"])], [10 + index, 11]
+                prompt_ids, out_ids = [SYMBOLS.index(x) for x in prompt.split()], [10 + index, 11]
                 samples.append({"prompt": prompt, "weight_versions": [versions[step]], "tokens": prompt_ids + out_ids,
                                 "response_length": 2, "index": index})
                 ev["requests"].append({"port": 1 + len(ev["rollouts"]), "prompt": prompt, "input_ids": prompt_ids, "output_ids": out_ids,
                                        "version_start": versions[step], "version_end": versions[step],
-                                       "t0": float(index), "t1": index + 0.5})
+                                       "t0": float(index), "t1": index + 0.5, "finish": "length"})
                 index += 1
         ev["rollouts"][step] = {"rollout_id": step, "samples": samples, "failed_prompts": [],
                                 "metrics": {"dora/engines_retired": 0}}
         ev["trained"][step] = {"rollout_id": step, "tokens": [s["tokens"] for s in samples],
                                "sample_indices": [s["index"] for s in samples], "custom_loss": "policy_loss",
-                               "metrics": {"tis": 1.0}}
+                               "metrics": {"tis": 1.0}, "t_end": 10.0 + step}
     return ev
 
 
@@ -79,6 +83,15 @@ def test_c1_fails_for_a_trained_sample_no_engine_produced():
     ev = _evidence(ON_TIME)
     ev["requests"].pop()
     assert len(bench.c1_violations(ev)) == 1
+
+
+def test_c1_fails_for_a_sample_that_reports_two_versions():
+    """A sample whose versions say it spans two loads fails, even where the one request on record
+    with its tokens ran at its first version."""
+    ev = _evidence(ON_TIME)
+    ev["rollouts"][0]["samples"][0]["weight_versions"] = ["0", "1"]
+    assert f"step 0: a sample of {PROMPTS[0][0]!r} reports ['0', '1'], engines produced it at [('0', '0')]" \
+        in bench.c1_violations(ev)
 
 
 # ------------------------------------------------------------------ C2
@@ -119,6 +132,48 @@ def test_c2_fails_for_a_sample_or_a_group_trained_twice():
     ev["rollouts"][1]["samples"][:N] = twice
     ev["trained"][1]["tokens"][:N] = [s["tokens"] for s in twice]
     assert f"group {PROMPTS[0][0]!r} trained in steps [0, 1]" in bench.c2_violations(ev, N)
+
+
+def test_c2_fails_for_a_trained_sample_its_engine_aborted():
+    """A truncated trajectory: the engine aborted the request (SGLang's finish_reason "abort",
+    its partial output returned) and that partial response was trained as if it had finished.
+    The tokens and the version match the engine's record: only the finish tells it."""
+    ev = _evidence(ON_TIME)
+    ev["requests"][0]["finish"] = "abort"
+    assert bench.c2_violations(ev, N) == [f"step 0: a sample of {PROMPTS[0][0]!r} trained from a request its engine "
+                                          "aborted (a truncated trajectory)"]
+    ev["requests"].append({**ev["requests"][0], "finish": "length"})  # the same tokens also came out whole
+    assert bench.c2_violations(ev, N) == []
+
+
+def _write_job(ev: dict, work: Path, eval_text: str = "a a =") -> None:
+    """`ev` as the files a harness job leaves (what `read_evidence` reads), with one evaluation
+    request on engine 1."""
+    work.mkdir()
+    by_port: dict = {}
+    ids = [SYMBOLS.index(x) for x in eval_text.split()]
+    evals = [{"kind": "generate", "port": 1, "input_ids": ids, "output_ids": [12], "version_start": "0",
+              "version_end": "0", "t0": 0.0, "t1": 9.0, "finish": "length"}]
+    for r in [*({k: v for k, v in r.items() if k != "prompt"} | {"kind": "generate"} for r in ev["requests"]), *evals]:
+        by_port.setdefault(r["port"], []).append(r)
+    for port, records in by_port.items():
+        (work / f"engine{port}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (work / "eval.jsonl").write_text(json.dumps({"text": eval_text, "label": "a"}) + "\n")
+    (work / "rollouts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev["rollouts"].values()))
+    (work / "train.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev["trained"].values()))
+
+
+def test_read_evidence_keeps_every_entry_of_the_train_log(tmp_path):
+    """The train actor logs one entry per train call: a step trained twice leaves two entries with
+    one rollout id, and the second must not hide the first (C2: each sample trained once)."""
+    _write_job(_evidence(ON_TIME), tmp_path / "job")
+    ev = bench.read_evidence(tmp_path / "job")
+    assert len(ev["requests"]) == 4 * N and [r["prompt"] for r in ev["eval_requests"]] == ["a a ="]
+    assert (bench.c1_violations(ev), bench.c2_violations(ev, N), bench.c3_violations(ev, 1, 0)) == ([], [], [])
+    with open(tmp_path / "job" / "train.jsonl", "a") as fh:  # the trainer trained step 1 a second time
+        fh.write(json.dumps(_evidence(ON_TIME)["trained"][1]) + "\n")
+    twice = bench.c2_violations(bench.read_evidence(tmp_path / "job"), N)
+    assert [f"sample {i} trained 2 times" for i in range(2 * N, 4 * N)] == [v for v in twice if v.startswith("sample")]
 
 
 # ------------------------------------------------------------------ C3
@@ -169,9 +224,19 @@ def test_engines_and_concurrency_are_what_the_servers_saw():
     assert bench.peak_concurrency(ev) == {1: 1, 2: 1}  # one request at a time
     ev["eval_requests"] = [{"port": 3, "t0": 0.0, "t1": 9.0}]  # an engine that served only the evaluation
     ev["requests"][1].update(t0=0.2, t1=0.7)  # overlaps the first
-    ev["requests"][2].update(t0=0.7, t1=0.9)  # starts as the second ends: not at once
     assert bench.engines_served(ev) == 2
     assert bench.peak_concurrency(ev) == {1: 2, 2: 1, 3: 1}
+
+
+def test_concurrency_does_not_count_a_request_that_starts_as_another_ends():
+    """Back-to-back requests (one's start time is the other's end) never ran at once; a third one
+    overlapping both makes two."""
+    ev = _evidence(ON_TIME)
+    ev["eval_requests"] = []
+    ev["requests"] = [dict(ev["requests"][0], t0=float(i), t1=i + 1.0) for i in range(3)]
+    assert bench.peak_concurrency(ev) == {1: 1}
+    ev["requests"].append(dict(ev["requests"][0], t0=0.5, t1=2.5))
+    assert bench.peak_concurrency(ev) == {1: 2}
 
 
 def test_weight_transport_is_the_endpoints_the_loads_came_through():
@@ -199,7 +264,6 @@ def test_trained_loss_reports_tis_only_where_the_trainer_ran_it():
 def test_slime_alone_gets_the_algorithm_flags_of_the_dora_twin(loss, k, expected):
     """The harness's `--no-dora` passes slime the loss and correction flags `dora-ext slime-args`
     prints for the dora twin, and none of the rest."""
-    sys.path.insert(0, str(ROOT / "tests" / "slime" / "harness"))
     from slime_cpu.run import algorithm_flags
 
     from dora_ext.slime.cli import slime_flags
@@ -210,3 +274,39 @@ def test_slime_alone_gets_the_algorithm_flags_of_the_dora_twin(loss, k, expected
     flags = slime_flags(cfg, "dora.yaml", "w")
     assert algorithm_flags(flags) == expected
     assert set(expected) <= set(flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss, expected", [
+    ("slime", "custom_loss_function_path=None custom_tis_function_path=None loss_type=policy_loss tis_clip=2.0 "
+              "tis_clip_low=0.0 use_tis=True"),
+    ("sao", "custom_loss_function_path=dora_ext.slime.loss.sao_loss custom_tis_function_path=None "
+            "loss_type=custom_loss tis_clip=2.0 tis_clip_low=0 use_tis=False"),  # slime's defaults: no TIS flags
+])
+def test_each_mode_reports_the_algorithm_slime_parsed(patched_slime, tmp_path, loss, expected):
+    """What `same_algorithm` compares is read from slime's parsed arguments in each job (the
+    harness's `--slime-args-only`: slime's own `parse_args` on the job's argv, then exit), not
+    from the flags the harness meant to pass: the dora twin (train_async.py) and slime alone
+    (train.py, `--no-dora`) parse to the same loss and correction settings."""
+    import subprocess
+
+    from slime_helpers import harness_env
+
+    parsed = {}
+    for name, extra in (("dora", ["--loop", "train_async"]), ("slime", ["--loop", "train", "--no-dora"])):
+        work = tmp_path / name
+        subprocess.run([sys.executable, "-m", "slime_cpu.run", "--workdir", str(work), "--loss", loss, "--k", "1",
+                        "--engines", "1", "--cheap-tokens", "--slime-args-only", *extra],
+                       env=harness_env(patched_slime), check=True, capture_output=True, timeout=300)
+        parsed[name] = json.loads((work / "result.json").read_text())["algorithm"]
+    assert parsed == {"dora": expected, "slime": expected}
+
+
+def test_same_algorithm_compares_what_each_job_parsed_and_trained():
+    modes = {m: {"algorithm": "loss_type=policy_loss tis_clip=2.0 use_tis=True", "loss": "policy_loss+tis"}
+             for m in bench.MODES}
+    assert bench.same_algorithm(modes)
+    modes["slime_sync"]["algorithm"] = "loss_type=policy_loss tis_clip=3.0 use_tis=True"  # another cap, same loss
+    assert not bench.same_algorithm(modes)
+    modes["slime_sync"]["algorithm"] = None  # a job that reported nothing: not shown equal
+    assert not bench.same_algorithm(modes)

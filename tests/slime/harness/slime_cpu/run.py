@@ -227,6 +227,13 @@ def algorithm_flags(flags: list[str]) -> list[str]:
     return out
 
 
+def algorithm_settings(args) -> str:
+    """What slime parsed for those flags (its defaults where a job passed none), `name=value`
+    sorted: the evidence that two jobs train one algorithm, whatever argv they were given."""
+    names = sorted(flag[2:].replace("-", "_") for flag in ALGORITHM_FLAGS)
+    return " ".join(f"{name}={getattr(args, name, None)}" for name in names)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", required=True)
@@ -341,7 +348,8 @@ def main() -> int:
 
         sys.argv = [f"{o.loop}.py", *argv]
         args = parse_args()
-        result = {"unknown_megatron_flags": list(megatron_args.UNKNOWN), "algorithm_flags": algorithm}
+        result = {"unknown_megatron_flags": list(megatron_args.UNKNOWN), "algorithm_flags": algorithm,
+                  "algorithm": algorithm_settings(args)}
         if o.slime_args_only:
             (work / "result.json").write_text(json.dumps(result))
             return 0

@@ -261,10 +261,12 @@ def _check_vllm_extension(config: Any) -> None:
 
 def _check_sglang_model(config: Any) -> None:
     """On SGLang every load is checked through ``/get_weights_by_name``, which SGLang implements
-    only for some model classes (``weights.SGLANG_WEIGHTS_BY_NAME``). When the model's Hugging Face
-    config can be read here (``actor_rollout_ref.model.hf_config_path`` or ``.path``, a local folder)
-    and names none of them, refuse now rather than at the first sync's check, after the cluster is
-    up. A config that cannot be read here (a hub id, a remote path) leaves that check to the sync."""
+    only for some model classes (``weights.SGLANG_WEIGHTS_BY_NAME``). SGLang picks its class from
+    the ``config.json`` of ``actor_rollout_ref.model.path`` (verl starts it on that folder, with no
+    config override; ``hf_config_path`` configures verl's actor only). When that file can be read
+    here (a local folder) and names none of them, refuse now rather than at the first sync's check,
+    after the cluster is up. A config that cannot be read here (a hub id, a remote path) leaves that
+    check to the sync."""
     from dora_ext.config import ConfigError
 
     from .weights import SGLANG_WEIGHTS_BY_NAME
@@ -272,7 +274,7 @@ def _check_sglang_model(config: Any) -> None:
     if str(config.actor_rollout_ref.rollout.get("name")) != "sglang":
         return
     model = config.actor_rollout_ref.model
-    folder = os.path.expanduser(str(model.get("hf_config_path") or model.get("path") or ""))
+    folder = os.path.expanduser(str(model.get("path") or ""))
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             architectures = list(json.load(f).get("architectures") or [])

@@ -441,9 +441,6 @@ def test_sglang_on_a_model_it_cannot_read_weights_back_from_is_refused_at_launch
     for what in ("'sglang'", architecture, "get_weights_by_name", "actor_rollout_ref.rollout.name=vllm",
                  "Llama-architecture"):
         assert what in str(err.value), what
-    with pytest.raises(ConfigError, match=architecture):  # a separate config folder is read first
-        configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B",
-                        f"actor_rollout_ref.model.hf_config_path={model}"))
     # The same model on vLLM is accepted (its checks read the workers' own tensors) ...
     configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={model}"))
     # ... and on SGLang a config that cannot be read at launch (a hub id, no config.json) leaves the
@@ -475,3 +472,29 @@ def test_sglang_architecture_table_matches_the_installed_sglang():
         assert "def get_weights_by_name" in source(name) and cls in SGLANG_WEIGHTS_BY_NAME, name
     for name, cls in [("qwen2.py", "Qwen2ForCausalLM"), ("qwen3.py", "Qwen3ForCausalLM")]:
         assert "get_weights_by_name" not in source(name) and cls not in SGLANG_WEIGHTS_BY_NAME, name
+
+
+def test_sglang_launch_check_reads_the_config_sglang_loads(tmp_path):
+    """verl starts SGLang on ``actor_rollout_ref.model.path`` (its ``model_path``, no config
+    override), so SGLang's model class comes from that folder's ``config.json``; ``hf_config_path``
+    configures verl's actor only. A Llama model with a Qwen ``hf_config_path`` is one SGLang can
+    check (reading ``hf_config_path`` refused it); a Qwen model with a Llama ``hf_config_path`` is
+    one it cannot (reading ``hf_config_path`` let it through to the first sync)."""
+    import json
+
+    from dora_ext.verl.trainer import configure
+
+    folders = {}
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        folders[arch] = tmp_path / arch
+        folders[arch].mkdir()
+        (folders[arch] / "config.json").write_text(json.dumps({"architectures": [arch]}))
+
+    def launch(path, hf_config_path):
+        configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.model.path={path}",
+                        f"actor_rollout_ref.model.hf_config_path={hf_config_path}"))
+
+    launch(folders["LlamaForCausalLM"], folders["Qwen2ForCausalLM"])
+    with pytest.raises(ConfigError, match="Qwen2ForCausalLM") as err:
+        launch(folders["Qwen2ForCausalLM"], folders["LlamaForCausalLM"])
+    assert err.value.field == "actor_rollout_ref.rollout.name"

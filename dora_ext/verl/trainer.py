@@ -138,7 +138,8 @@ def configure(config: Any) -> Any:
         raise ConfigError(
             "actor_rollout_ref.rollout.n_gpus_per_node",
             f"gives {replicas} rollout replica(s) (rollout.nnodes x n_gpus_per_node / (tensor_model_parallel_size "
-            "x data_parallel_size x pipeline_model_parallel_size)); trainer_mode=dora with one replica is sync "
+            "x data_parallel_size x pipeline_model_parallel_size), tensor parallel counting prefill and decode servers "
+            "under rollout.disaggregation); trainer_mode=dora with one replica is sync "
             "plus staleness (every load drains the whole pool, nothing is multi-version): give the rollout pool "
             ">= 2 replicas (>= 4 to gain), or use trainer_mode=sync / separate_async",
         )

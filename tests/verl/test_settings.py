@@ -498,3 +498,52 @@ def test_sglang_launch_check_reads_the_config_sglang_loads(tmp_path):
     with pytest.raises(ConfigError, match="Qwen2ForCausalLM") as err:
         launch(folders["Qwen2ForCausalLM"], folders["LlamaForCausalLM"])
     assert err.value.field == "actor_rollout_ref.rollout.name"
+
+
+_R = "actor_rollout_ref.rollout."
+
+
+@pytest.mark.parametrize("overrides", [
+    (),  # 2 GPUs, TP 1: 2 replicas
+    (_R + "tensor_model_parallel_size=4",),  # fewer GPUs than one replica: none
+    (_R + "nnodes=2", _R + "n_gpus_per_node=8", _R + "tensor_model_parallel_size=8"),  # one node each: 2
+    (_R + "nnodes=2", _R + "n_gpus_per_node=8", _R + "tensor_model_parallel_size=16"),  # TP across nodes: 1
+    (_R + "n_gpus_per_node=8", _R + "tensor_model_parallel_size=2", _R + "data_parallel_size=2"),  # 2
+    (_R + "name=sglang", _R + "disaggregation.enabled=true"),  # prefill + decode on 2 GPUs: 1
+    (_R + "name=sglang", _R + "n_gpus_per_node=4", _R + "disaggregation.enabled=true"),  # 2
+    (_R + "name=sglang", _R + "n_gpus_per_node=8", _R + "disaggregation.enabled=true",
+     _R + "disaggregation.decode_replicas=3"),  # 1 + 3 GPUs per replica: 2
+])
+def test_replica_count_is_the_number_of_replicas_verl_starts(overrides):
+    """``replica_count`` (dora's instances, and the launch refusal of a pool with fewer than 2) against
+    verl 0.9.1's own ``LLMServerManager._initialize_llm_servers`` on the same config. Stand-in: the
+    replica class (a GPU inference server cannot start here), which records its rank. With
+    prefill/decode disaggregation a replica spans a prefill and decode servers' GPUs; counting
+    tensor x data x pipeline parallel GPUs only passed a 2-GPU pool, one replica, as 2."""
+    import asyncio
+
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    from dora_ext.verl.settings import replica_count
+    from dora_ext.verl.trainer import configure
+
+    class _Replica:  # stand-in for vLLMReplica / SGLangReplica: starts nothing
+        def __init__(self, replica_rank, **_):
+            self.replica_rank = replica_rank
+
+        async def init_standalone(self):
+            self._server_handle, self._server_address = None, f"replica-{self.replica_rank}"
+
+    class _Manager(LLMServerManager):
+        rollout_replica_class = _Replica
+
+    cfg = _bare(*_POOL, *overrides)
+    manager = _Manager(config=cfg)
+    asyncio.run(manager._initialize_llm_servers())
+    started = len(manager.rollout_replicas)
+    assert replica_count(cfg) == started
+    if started >= 2:
+        assert len(configure(cfg).instances) == started
+    else:
+        with pytest.raises(ConfigError, match=f"gives {started} rollout replica"):
+            configure(cfg)

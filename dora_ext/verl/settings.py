@@ -55,11 +55,20 @@ def _select(config: Any, dotted: str, default: Any = None) -> Any:
 
 
 def replica_count(config: Any) -> int:
-    """Standalone rollout replicas verl will start (``LLMServerManager`` arithmetic)."""
+    """Standalone rollout replicas verl will start (``LLMServerManager`` arithmetic): the pool's
+    GPUs over one replica's. A replica takes tensor x data x pipeline parallel GPUs; with
+    prefill/decode disaggregation its tensor-parallel part is its prefill servers' and decode
+    servers' GPUs together (decode tensor parallel defaults to the prefill one)."""
     r = "actor_rollout_ref.rollout"
     gpus = int(_select(config, f"{r}.nnodes", 0)) * int(_select(config, f"{r}.n_gpus_per_node", 0))
+    tp = int(_select(config, f"{r}.tensor_model_parallel_size", 1))
+    if _select(config, f"{r}.disaggregation.enabled", False):
+        pd = f"{r}.disaggregation"
+        decode_tp = _select(config, f"{pd}.decode_tensor_model_parallel_size")
+        tp = (tp * int(_select(config, f"{pd}.prefill_replicas", 1))
+              + int(tp if decode_tp is None else decode_tp) * int(_select(config, f"{pd}.decode_replicas", 1)))
     per = (
-        int(_select(config, f"{r}.tensor_model_parallel_size", 1))
+        tp
         * int(_select(config, f"{r}.data_parallel_size", 1))
         * int(_select(config, f"{r}.pipeline_model_parallel_size", 1))
     )

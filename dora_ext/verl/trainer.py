@@ -138,7 +138,8 @@ def configure(config: Any) -> Any:
         raise ConfigError(
             "actor_rollout_ref.rollout.n_gpus_per_node",
             f"gives {replicas} rollout replica(s) (rollout.nnodes x n_gpus_per_node / (tensor_model_parallel_size "
-            "x data_parallel_size x pipeline_model_parallel_size)); trainer_mode=dora with one replica is sync "
+            "x data_parallel_size x pipeline_model_parallel_size), tensor parallel counting prefill and decode servers "
+            "under rollout.disaggregation); trainer_mode=dora with one replica is sync "
             "plus staleness (every load drains the whole pool, nothing is multi-version): give the rollout pool "
             ">= 2 replicas (>= 4 to gain), or use trainer_mode=sync / separate_async",
         )
@@ -261,10 +262,12 @@ def _check_vllm_extension(config: Any) -> None:
 
 def _check_sglang_model(config: Any) -> None:
     """On SGLang every load is checked through ``/get_weights_by_name``, which SGLang implements
-    only for some model classes (``weights.SGLANG_WEIGHTS_BY_NAME``). When the model's Hugging Face
-    config can be read here (``actor_rollout_ref.model.hf_config_path`` or ``.path``, a local folder)
-    and names none of them, refuse now rather than at the first sync's check, after the cluster is
-    up. A config that cannot be read here (a hub id, a remote path) leaves that check to the sync."""
+    only for some model classes (``weights.SGLANG_WEIGHTS_BY_NAME``). SGLang picks its class from
+    the ``config.json`` of ``actor_rollout_ref.model.path`` (verl starts it on that folder, with no
+    config override; ``hf_config_path`` configures verl's actor only). When that file can be read
+    here (a local folder) and names none of them, refuse now rather than at the first sync's check,
+    after the cluster is up. A config that cannot be read here (a hub id, a remote path) leaves that
+    check to the sync."""
     from dora_ext.config import ConfigError
 
     from .weights import SGLANG_WEIGHTS_BY_NAME
@@ -272,7 +275,7 @@ def _check_sglang_model(config: Any) -> None:
     if str(config.actor_rollout_ref.rollout.get("name")) != "sglang":
         return
     model = config.actor_rollout_ref.model
-    folder = os.path.expanduser(str(model.get("hf_config_path") or model.get("path") or ""))
+    folder = os.path.expanduser(str(model.get("path") or ""))
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             architectures = list(json.load(f).get("architectures") or [])

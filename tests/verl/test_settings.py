@@ -441,9 +441,6 @@ def test_sglang_on_a_model_it_cannot_read_weights_back_from_is_refused_at_launch
     for what in ("'sglang'", architecture, "get_weights_by_name", "actor_rollout_ref.rollout.name=vllm",
                  "Llama-architecture"):
         assert what in str(err.value), what
-    with pytest.raises(ConfigError, match=architecture):  # a separate config folder is read first
-        configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B",
-                        f"actor_rollout_ref.model.hf_config_path={model}"))
     # The same model on vLLM is accepted (its checks read the workers' own tensors) ...
     configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={model}"))
     # ... and on SGLang a config that cannot be read at launch (a hub id, no config.json) leaves the
@@ -475,3 +472,78 @@ def test_sglang_architecture_table_matches_the_installed_sglang():
         assert "def get_weights_by_name" in source(name) and cls in SGLANG_WEIGHTS_BY_NAME, name
     for name, cls in [("qwen2.py", "Qwen2ForCausalLM"), ("qwen3.py", "Qwen3ForCausalLM")]:
         assert "get_weights_by_name" not in source(name) and cls not in SGLANG_WEIGHTS_BY_NAME, name
+
+
+def test_sglang_launch_check_reads_the_config_sglang_loads(tmp_path):
+    """verl starts SGLang on ``actor_rollout_ref.model.path`` (its ``model_path``, no config
+    override), so SGLang's model class comes from that folder's ``config.json``; ``hf_config_path``
+    configures verl's actor only. A Llama model with a Qwen ``hf_config_path`` is one SGLang can
+    check (reading ``hf_config_path`` refused it); a Qwen model with a Llama ``hf_config_path`` is
+    one it cannot (reading ``hf_config_path`` let it through to the first sync)."""
+    import json
+
+    from dora_ext.verl.trainer import configure
+
+    folders = {}
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        folders[arch] = tmp_path / arch
+        folders[arch].mkdir()
+        (folders[arch] / "config.json").write_text(json.dumps({"architectures": [arch]}))
+
+    def launch(path, hf_config_path):
+        configure(_bare(*_POOL, "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.model.path={path}",
+                        f"actor_rollout_ref.model.hf_config_path={hf_config_path}"))
+
+    launch(folders["LlamaForCausalLM"], folders["Qwen2ForCausalLM"])
+    with pytest.raises(ConfigError, match="Qwen2ForCausalLM") as err:
+        launch(folders["Qwen2ForCausalLM"], folders["LlamaForCausalLM"])
+    assert err.value.field == "actor_rollout_ref.rollout.name"
+
+
+_R = "actor_rollout_ref.rollout."
+
+
+@pytest.mark.parametrize("overrides", [
+    (),  # 2 GPUs, TP 1: 2 replicas
+    (_R + "tensor_model_parallel_size=4",),  # fewer GPUs than one replica: none
+    (_R + "nnodes=2", _R + "n_gpus_per_node=8", _R + "tensor_model_parallel_size=8"),  # one node each: 2
+    (_R + "nnodes=2", _R + "n_gpus_per_node=8", _R + "tensor_model_parallel_size=16"),  # TP across nodes: 1
+    (_R + "n_gpus_per_node=8", _R + "tensor_model_parallel_size=2", _R + "data_parallel_size=2"),  # 2
+    (_R + "name=sglang", _R + "disaggregation.enabled=true"),  # prefill + decode on 2 GPUs: 1
+    (_R + "name=sglang", _R + "n_gpus_per_node=4", _R + "disaggregation.enabled=true"),  # 2
+    (_R + "name=sglang", _R + "n_gpus_per_node=8", _R + "disaggregation.enabled=true",
+     _R + "disaggregation.decode_replicas=3"),  # 1 + 3 GPUs per replica: 2
+])
+def test_replica_count_is_the_number_of_replicas_verl_starts(overrides):
+    """``replica_count`` (dora's instances, and the launch refusal of a pool with fewer than 2) against
+    verl 0.9.1's own ``LLMServerManager._initialize_llm_servers`` on the same config. Stand-in: the
+    replica class (a GPU inference server cannot start here), which records its rank. With
+    prefill/decode disaggregation a replica spans a prefill and decode servers' GPUs; counting
+    tensor x data x pipeline parallel GPUs only passed a 2-GPU pool, one replica, as 2."""
+    import asyncio
+
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    from dora_ext.verl.settings import replica_count
+    from dora_ext.verl.trainer import configure
+
+    class _Replica:  # stand-in for vLLMReplica / SGLangReplica: starts nothing
+        def __init__(self, replica_rank, **_):
+            self.replica_rank = replica_rank
+
+        async def init_standalone(self):
+            self._server_handle, self._server_address = None, f"replica-{self.replica_rank}"
+
+    class _Manager(LLMServerManager):
+        rollout_replica_class = _Replica
+
+    cfg = _bare(*_POOL, *overrides)
+    manager = _Manager(config=cfg)
+    asyncio.run(manager._initialize_llm_servers())
+    started = len(manager.rollout_replicas)
+    assert replica_count(cfg) == started
+    if started >= 2:
+        assert len(configure(cfg).instances) == started
+    else:
+        with pytest.raises(ConfigError, match=f"gives {started} rollout replica"):
+            configure(cfg)

@@ -50,6 +50,7 @@ def test_dora_rollout_side_over_several_steps(ray_tq, tiny_hf_dir):
     cfg = _verl_config(tiny_hf_dir, f"data.train_batch_size={B}", f"actor_rollout_ref.rollout.n={n}",
                        f"+dora.max_staleness={K}", "+dora.instances=2", "+dora.capacity=3",
                        "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+                       "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # 2 replicas, as served below
                        "actor_rollout_ref.rollout.checkpoint_engine.backend=dora_store",
                        f"actor_rollout_ref.actor.ppo_mini_batch_size={B}", "trainer.v1.separate_async.parameter_sync_step=1")
     configure(cfg)

@@ -105,10 +105,17 @@ def dora_config(config: Any, *, instances: int | None = None) -> DoraConfig:
                 f"is {data[key]!r} but {verl_key} is {value!r}; leave {KEY}.{key} out or make them equal",
             )
         data[key] = value
-    if "instances" not in data:
-        n = instances if instances is not None else replica_count(config)
+    n = instances if instances is not None else replica_count(config)
+    given = data.get("instances")
+    if given is None:
         if n >= 1:
             data["instances"] = n
+    elif n >= 1 and isinstance(given, (int, list)) and (given if isinstance(given, int) else len(given)) != n:
+        raise ConfigError(
+            f"{KEY}.instances",
+            f"is {given!r} but verl starts {n} rollout replica(s) (actor_rollout_ref.rollout.nnodes x "
+            f"n_gpus_per_node over one replica's GPUs); leave {KEY}.instances out or make them equal",
+        )
     if "capacity" not in data and isinstance(data.get("instances"), int):
         cap = _select(config, "actor_rollout_ref.rollout.max_num_seqs")
         if cap is not None:

@@ -41,6 +41,19 @@ def test_dora_keys_compose_and_validate():
     assert [(s.id, s.capacity) for s in d.instances] == [(0, 256), (1, 256)]
 
 
+def test_instances_given_must_be_the_replicas_verl_starts():
+    """`dora.instances` equal to verl's replica count is kept; at run time the trainer passes the
+    servers verl really started, and a given count that differs is refused (it used to win, giving
+    the scheduler instances no server stood behind)."""
+    from dora_ext.verl.settings import dora_config
+
+    cfg = _compose("+dora.instances=2")
+    assert len(dora_config(cfg).instances) == 2
+    with pytest.raises(ConfigError) as err:
+        dora_config(cfg, instances=3)
+    assert err.value.field == "dora.instances" and "verl starts 3" in str(err.value)
+
+
 def test_flag_alone_uses_defaults():
     from dora_ext.verl.settings import dora_config
 
@@ -55,6 +68,7 @@ def test_flag_alone_uses_defaults():
         ("+dora.max_staleness=0", "dora.max_staleness"),  # dora needs K >= 1
         ("+dora.max_staleness=two", "dora.max_staleness"),
         ("+dora.batch_size=3", "dora.batch_size"),  # contradicts data.train_batch_size
+        ("+dora.instances=3", "dora.instances"),  # contradicts the 2 replicas verl starts
         ("+dora.mode=partial", "dora.mode"),  # verl's own trainers are that baseline
         ("+dora.migrate_threshold=2.0", "dora.migrate_threshold"),
     ],

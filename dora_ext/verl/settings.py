@@ -84,6 +84,16 @@ def _verl_int(value: Any, verl_key: str, dora_key: str) -> int:
     return value
 
 
+def _count(instances: Any) -> int | None:
+    """How many instances a ``dora.instances`` value names (a count or a list of specs); None for
+    anything else, which ``DoraConfig.from_dict`` refuses with its own message."""
+    if isinstance(instances, bool):
+        return None
+    if isinstance(instances, int):
+        return instances
+    return len(instances) if isinstance(instances, list) else None
+
+
 def dora_config(config: Any, *, instances: int | None = None) -> DoraConfig:
     """Build and validate the ``DoraConfig`` of a verl run.
 
@@ -110,7 +120,7 @@ def dora_config(config: Any, *, instances: int | None = None) -> DoraConfig:
     if given is None:
         if n >= 1:
             data["instances"] = n
-    elif n >= 1 and isinstance(given, (int, list)) and (given if isinstance(given, int) else len(given)) != n:
+    elif n >= 1 and _count(given) not in (None, n):
         raise ConfigError(
             f"{KEY}.instances",
             f"is {given!r} but verl starts {n} rollout replica(s) (actor_rollout_ref.rollout.nnodes x "

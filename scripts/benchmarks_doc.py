@@ -200,6 +200,7 @@ def convergence(d: dict) -> str:
                 "staleness mean": a["staleness_mean"], "tokens/s": a["tokens_per_s"],
                 "vs sync (median)": a["tokens_per_s_ratio_to_sync_median"],
                 "vs fill (mean)": sum(fill) / len(fill) if fill else None,
+                "train reward - sync's, equal time": a.get("train_reward_at_equal_time_minus_sync_mean"),
                 "C1-C3": "yes" if a["c1_ok"] and a["c2_ok"] and a["c3_ok"] else "NO"}
 
     noise = d["eval_noise_sd"]
@@ -212,7 +213,8 @@ def convergence(d: dict) -> str:
     if d.get("not_run"):
         parts.append("Not run: " + ", ".join(d["not_run"]) + ".")
     if d.get("plot"):
-        parts.append(f"![reward against wall time, every seed]({d['plot']})")
+        # the plot lies beside its JSON; the link is relative to docs/ (where this page is)
+        parts.append(f"![reward against wall time, every seed](../benchmarks/results/{pathlib.PurePath(d['plot']).name})")
     return "\n\n".join(p for p in parts if p)
 
 

@@ -184,6 +184,20 @@ def time_to_reward(result: RunResult, target: float, window: int) -> float | Non
     return None
 
 
+def reward_at_time(result: RunResult, t: float, window: int) -> float | None:
+    """The run's smoothed training-batch reward at wall time `t`: that of its last step ending at or
+    before `t` (None before its first full window, as in `time_to_reward`)."""
+    ys = smoothed([s["reward_mean"] for s in result.steps], window)
+    full = min(window, len(ys))
+    at = None
+    for i, (s, y) in enumerate(zip(result.steps, ys)):
+        if s["time_s"] > t:
+            break
+        if i + 1 >= full:
+            at = y
+    return at
+
+
 def plot_reward_vs_time(results: dict[str, list[RunResult]], path: str, *, title: str = "",
                         window: int = 20) -> None:
     """The users' question, "does it reach the same reward sooner?": training-batch reward

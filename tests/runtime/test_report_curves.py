@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dora_ext.runtime.report import smoothed, time_to_reward
+from dora_ext.runtime.report import reward_at_time, smoothed, time_to_reward
 
 
 def _run(rewards):
@@ -22,6 +22,14 @@ def test_time_to_reward_counts_full_windows_only():
     assert time_to_reward(run, 0.5, 3) == 60.0  # (0.4 + 0.6 + 0.8) / 3 = 0.6 at step 6
     assert time_to_reward(run, 0.7, 3) is None
     assert time_to_reward(run, 0.5, 1) == 10.0
+
+
+def test_reward_at_time_reads_the_last_step_ending_by_then():
+    run = _run([0.9, 0.2, 0.2, 0.4, 0.6, 0.8])
+    assert reward_at_time(run, 45.0, 3) == pytest.approx((0.2 + 0.2 + 0.4) / 3)  # step 4 ends at 40 s
+    assert reward_at_time(run, 40.0, 3) == pytest.approx((0.2 + 0.2 + 0.4) / 3)
+    assert reward_at_time(run, 25.0, 3) is None  # no full window yet
+    assert reward_at_time(run, 500.0, 2) == pytest.approx(0.7)
 
 
 def _bench(name):
@@ -63,6 +71,15 @@ def test_convergence_statistics_on_synthetic_runs():
     assert a["tokens_per_s_ratio_to_sync"] == pytest.approx([1.2, 0.9])
     assert a["final_reward_mean"] == pytest.approx(0.80) and a["staleness_mean"] == 1.5
     assert a["staleness_hist"] == {"0": 2, "2": 6} and a["c1_ok"] and a["c3_ok"]
+    # equal wall time: per seed, where its shortest run ended (sync's end at 40 s; dora's too here)
+    times = conv.equal_times({"sync": sync, "dora": dora})
+    assert times == [40.0, 40.0]
+    b = conv.summarise(dora, sync, target, 2, times[:1] + [25.0])
+    # seed 0: dora (0.8 + 0.8) / 2 against sync (0.7 + 0.8) / 2; seed 1 at 25 s: dora (0.1 + 0.2) / 2,
+    # sync (0.5 + 0.6) / 2
+    assert b["train_reward_at_equal_time"] == pytest.approx([0.8, 0.15])
+    assert b["train_reward_at_equal_time_minus_sync"] == pytest.approx([0.05, -0.4])
+    assert b["train_reward_at_equal_time_minus_sync_mean"] == pytest.approx(-0.175)
 
 
 def test_compare_table_shows_mean_staleness_and_no_std_of_one_seed():

@@ -6,6 +6,7 @@ one lane per instance (real runs have few).
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Any, Sequence
 
@@ -184,18 +185,48 @@ def time_to_reward(result: RunResult, target: float, window: int) -> float | Non
     return None
 
 
-def reward_at_time(result: RunResult, t: float, window: int) -> float | None:
-    """The run's smoothed training-batch reward at wall time `t`: that of its last step ending at or
-    before `t` (None before its first full window, as in `time_to_reward`)."""
-    ys = smoothed([s["reward_mean"] for s in result.steps], window)
-    full = min(window, len(ys))
-    at = None
-    for i, (s, y) in enumerate(zip(result.steps, ys)):
-        if s["time_s"] > t:
-            break
-        if i + 1 >= full:
-            at = y
-    return at
+def policy_rewards(result: RunResult) -> list[tuple[float, float]]:
+    """(time, reward) per trainer step, sorted by time: the batch's mean reward, placed at the wall
+    time at which the version that generated it was published (version 0 at 0, version v + 1 when
+    step v ended; a batch of mean staleness s trained at step k came from version k - s,
+    interpolated). A stale batch thus counts for the policy that produced it, not for the step that
+    trained it, and every mode's curve reads "reward of the policy of time t"."""
+    published = {0: 0.0}
+    for s in result.steps:
+        published[s["step"] + 1] = s["time_s"]
+    points = []
+    for s in result.steps:
+        v = s["step"] - s.get("staleness_mean", 0.0)
+        lo = math.floor(v)
+        if lo not in published or (v > lo and lo + 1 not in published):
+            continue
+        t = published[lo] + (v - lo) * (published[lo + 1] - published[lo]) if v > lo else published[lo]
+        points.append((t, s["reward_mean"]))
+    return sorted(points)
+
+
+def mean_over(points: Sequence[tuple[float, float]], t0: float, t1: float) -> float | None:
+    """The time-average over [t0, t1] of the piecewise-linear curve through `points` ((time, value),
+    sorted; values at one time are averaged): the same span weighs the same for a mode that steps
+    twice as often. None unless the points cover [t0, t1] (t0 < t1)."""
+    merged: dict[float, list[float]] = {}
+    for t, y in points:
+        merged.setdefault(t, []).append(y)
+    xs = sorted(merged)
+    if not xs or t1 <= t0 or xs[0] > t0 or xs[-1] < t1:
+        return None
+    ys = [sum(merged[x]) / len(merged[x]) for x in xs]
+
+    def at(t: float) -> float:
+        i = bisect.bisect_left(xs, t)
+        if xs[i] == t:
+            return ys[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    knots = [t0] + [x for x in xs if t0 < x < t1] + [t1]
+    vals = [at(x) for x in knots]
+    area = sum((knots[i + 1] - knots[i]) * (vals[i] + vals[i + 1]) / 2 for i in range(len(knots) - 1))
+    return area / (t1 - t0)
 
 
 def plot_reward_vs_time(results: dict[str, list[RunResult]], path: str, *, title: str = "",

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dora_ext.runtime.report import reward_at_time, smoothed, time_to_reward
+from dora_ext.runtime.report import mean_over, policy_rewards, smoothed, time_to_reward
 
 
 def _run(rewards):
-    return SimpleNamespace(steps=[{"reward_mean": r, "time_s": 10.0 * (i + 1)} for i, r in enumerate(rewards)])
+    return SimpleNamespace(steps=[{"step": i, "reward_mean": r, "time_s": 10.0 * (i + 1)} for i, r in enumerate(rewards)])
 
 
 def test_smoothed_is_a_trailing_mean():
@@ -24,12 +24,20 @@ def test_time_to_reward_counts_full_windows_only():
     assert time_to_reward(run, 0.5, 1) == 10.0
 
 
-def test_reward_at_time_reads_the_last_step_ending_by_then():
-    run = _run([0.9, 0.2, 0.2, 0.4, 0.6, 0.8])
-    assert reward_at_time(run, 45.0, 3) == pytest.approx((0.2 + 0.2 + 0.4) / 3)  # step 4 ends at 40 s
-    assert reward_at_time(run, 40.0, 3) == pytest.approx((0.2 + 0.2 + 0.4) / 3)
-    assert reward_at_time(run, 25.0, 3) is None  # no full window yet
-    assert reward_at_time(run, 500.0, 2) == pytest.approx(0.7)
+def test_policy_rewards_place_a_batch_at_its_policys_publication_time():
+    # version 0 at 0 s, version 1 at 10 s (step 0 ended), version 2 at 20 s, version 3 at 30 s
+    steps = [{"step": 0, "time_s": 10.0, "reward_mean": 0.1, "staleness_mean": 0.0},
+             {"step": 1, "time_s": 20.0, "reward_mean": 0.2, "staleness_mean": 1.0},   # version 0
+             {"step": 2, "time_s": 30.0, "reward_mean": 0.3, "staleness_mean": 0.5}]   # version 1.5
+    assert policy_rewards(SimpleNamespace(steps=steps)) == [(0.0, 0.1), (0.0, 0.2), (15.0, 0.3)]
+
+
+def test_mean_over_is_the_time_average_of_the_linear_curve():
+    pts = [(0.0, 0.0), (10.0, 1.0), (20.0, 1.0)]
+    assert mean_over(pts, 0.0, 10.0) == pytest.approx(0.5)
+    assert mean_over(pts, 5.0, 15.0) == pytest.approx((0.5 * 0.75 + 0.5 * 1.0))
+    assert mean_over(pts, 5.0, 25.0) is None and mean_over(pts, -1.0, 5.0) is None  # not covered
+    assert mean_over([(0.0, 0.0), (0.0, 1.0), (10.0, 0.5)], 0.0, 10.0) == pytest.approx(0.5)  # same time: averaged
 
 
 def _bench(name):
@@ -71,15 +79,44 @@ def test_convergence_statistics_on_synthetic_runs():
     assert a["tokens_per_s_ratio_to_sync"] == pytest.approx([1.2, 0.9])
     assert a["final_reward_mean"] == pytest.approx(0.80) and a["staleness_mean"] == 1.5
     assert a["staleness_hist"] == {"0": 2, "2": 6} and a["c1_ok"] and a["c3_ok"]
-    # equal wall time: per seed, where its shortest run ended (sync's end at 40 s; dora's too here)
+    # equal time: the latest policy time both reach is sync's 30 s (version 3); sync's last 2 batches
+    # cover policy times 10-30 s; a mode stepping as sync with the same rewards is level with it
     times = conv.equal_times({"sync": sync, "dora": dora})
-    assert times == [40.0, 40.0]
-    b = conv.summarise(dora, sync, target, 2, times[:1] + [25.0])
-    # seed 0: dora (0.8 + 0.8) / 2 against sync (0.7 + 0.8) / 2; seed 1 at 25 s: dora (0.1 + 0.2) / 2,
-    # sync (0.5 + 0.6) / 2
-    assert b["train_reward_at_equal_time"] == pytest.approx([0.8, 0.15])
-    assert b["train_reward_at_equal_time_minus_sync"] == pytest.approx([0.05, -0.4])
-    assert b["train_reward_at_equal_time_minus_sync_mean"] == pytest.approx(-0.175)
+    assert times == [30.0, 30.0]
+    b = conv.summarise(dora, sync, target, 2, times)
+    assert b["equal_time_span_s"] == [20.0, 20.0]
+    # over 10-30 s, seed 0: dora's curve 0.7, 0.8, 0.8 gives (0.75 + 0.8) / 2, sync's 0.6, 0.7, 0.8
+    # gives 0.7; seed 1: dora's 0.2, 0.3, 0.4 gives 0.3
+    assert b["train_reward_at_equal_time"] == pytest.approx([0.775, 0.3])
+    assert b["train_reward_at_equal_time_minus_sync"] == pytest.approx([0.075, -0.4])
+    assert b["train_reward_at_equal_time_minus_sync_mean"] == pytest.approx(-0.1625)
+    assert b["train_reward_at_equal_time_seeds"] == 2
+
+
+def test_equal_time_reward_favours_neither_step_length_nor_staleness():
+    """Both modes' batch rewards are one linear function of their policy's time; dora steps twice
+    as often and trains batches 2 versions old. The equal-time difference is 0 (a step-count window
+    read at step end times gave the faster mode a head start); a mode 0.05 better is 0.05 ahead."""
+    conv = _bench("convergence")
+
+    def curve(step_s, stale, n, lift=0.0):
+        steps = []
+        for k in range(n):
+            s = min(k, stale)
+            policy_t = step_s * (k - s)  # version k - s was published when step k - s - 1 ended
+            steps.append({"step": k, "time_s": step_s * (k + 1), "staleness_mean": float(s),
+                          "reward_mean": 0.5 + 0.01 * policy_t + lift})
+        return SimpleNamespace(seed=0, max_staleness=stale, steps=steps, metrics=_metrics(0.8, 1.0, float(stale)))
+
+    sync, dora, better = curve(10.0, 0, 8), curve(5.0, 2, 12), curve(5.0, 2, 12, lift=0.05)
+    times = conv.equal_times({"sync": [sync], "dora": [dora]})
+    assert times == [45.0]  # dora's last batch came from version 9, published at 45 s
+    a = conv.summarise([dora], [sync], 0.7, 2, times)
+    assert a["equal_time_span_s"] == [20.0]  # sync's batches at 20, 30, 40 s
+    assert a["train_reward_at_equal_time"] == pytest.approx([0.5 + 0.01 * 35.0])
+    assert a["train_reward_at_equal_time_minus_sync"][0] == pytest.approx(0.0, abs=1e-12)
+    assert conv.summarise([better], [sync], 0.7, 2, times)["train_reward_at_equal_time_minus_sync"][0] == \
+        pytest.approx(0.05)
 
 
 def test_compare_table_shows_mean_staleness_and_no_std_of_one_seed():

@@ -24,8 +24,9 @@ Reported per mode (`--json` prints it, `--out` also writes it):
   `equal_time_s`, the latest policy time every mode of that seed reaches. Each batch counts at the
   time its generating version was published (a stale batch for the older policy that produced
   it), and the curve is averaged over the same span of time for every mode, `equal_time_span_s`
-  (what sync's last `--window` batches cover), so neither staleness nor step length favours a
-  mode. `train_reward_at_equal_time_minus_sync` pairs it with sync's, `..._mean` averages the
+  (the `--window` step intervals of sync's last batches), so neither staleness nor step length
+  favours a mode to first order (what remains is the curve's curvature between batches: < 1e-3
+  at this benchmark's density, tests/runtime/test_report_curves.py). `train_reward_at_equal_time_minus_sync` pairs it with sync's, `..._mean` averages the
   `..._seeds` seeds that have both;
 - `staleness_mean`: the mean over seeds of each run's mean trained staleness, counted from the
   versions of the groups the trainer trained (the runtime's ledger, not the config);
@@ -100,8 +101,9 @@ def equal_times(results: dict[str, list[Any]]) -> list[float]:
 
 
 def equal_span(sync_run: Any, t: float, window: int) -> float | None:
-    """The policy time that sync's last `window` batches up to `t` cover: every mode's reward at
-    `t` averages its curve over that same span (None if sync has fewer batches by then)."""
+    """The policy time that sync's last `window` step intervals up to `t` cover (between its batch
+    `window` before the last and its last): every mode's reward at `t` averages its curve over
+    that same span (None if sync has `window` batches or fewer by then)."""
     from dora_ext.runtime.report import policy_rewards
 
     times = [x for x, _ in policy_rewards(sync_run) if x <= t]

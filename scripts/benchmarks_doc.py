@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 from typing import Any, Callable
 
@@ -199,8 +200,9 @@ def convergence(d: dict) -> str:
                 "reached": f"{a.get('time_to_target_reached', '-')}/{len(a['final_reward'])}",
                 "staleness mean": a["staleness_mean"], "tokens/s": a["tokens_per_s"],
                 "vs sync (median)": a["tokens_per_s_ratio_to_sync_median"],
-                "vs fill (mean)": sum(fill) / len(fill) if fill else None,
+                "vs fill (median)": statistics.median(fill) if fill else None,
                 "train reward - sync's, equal time": a.get("train_reward_at_equal_time_minus_sync_mean"),
+                "seeds (equal time)": a.get("train_reward_at_equal_time_seeds"),
                 "C1-C3": "yes" if a["c1_ok"] and a["c2_ok"] and a["c3_ok"] else "NO"}
 
     noise = d["eval_noise_sd"]

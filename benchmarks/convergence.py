@@ -18,15 +18,17 @@ Reported per mode (`--json` prints it, `--out` also writes it):
   reward (None = never; a run ends after its steps, so a mode that learns less per step may never
   get there however far ahead it was until then); `time_to_target_median_s` ranks never above
   any time (so it is None when half the seeds or more never reach it; low median for an even
-  count), `time_to_target_reached` counts the seeds that reach it. Sync reaches its own mean final level in about half its seeds by
-  construction: the target is where sync ends, not a level chosen for this comparison;
+  count), `time_to_target_reached` counts the seeds that reach it. Sync reaches its own mean
+  final level in about half its seeds by construction: the target is where sync ends, not a
+  level chosen for this comparison;
 - `train_reward_at_equal_time`: per seed, the training-batch reward of the run's policies around
   `equal_time_s`, the latest policy time every mode of that seed reaches. Each batch counts at the
   time its generating version was published (a stale batch for the older policy that produced
   it), and the curve is averaged over the same span of time for every mode, `equal_time_span_s`
   (the `--window` step intervals of sync's last batches), so neither staleness nor step length
   favours a mode to first order (what remains is the curve's curvature between batches: < 1e-3
-  at this benchmark's density, tests/runtime/test_report_curves.py). `train_reward_at_equal_time_minus_sync` pairs it with sync's, `..._mean` averages the
+  at this benchmark's density, tests/runtime/test_report_curves.py).
+  `train_reward_at_equal_time_minus_sync` pairs it with sync's, `..._mean` averages the
   `..._seeds` seeds that have both;
 - `staleness_mean`: the mean over seeds of each run's mean trained staleness, counted from the
   versions of the groups the trainer trained (the runtime's ledger, not the config);

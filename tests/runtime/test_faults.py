@@ -270,6 +270,10 @@ class KillsTheReplacementToo(KillingRuntime):
                 and inst is not None and inst.running):
             os.kill(self.instance_pids[2], signal.SIGKILL)
             self.killed_again = True
+            # Noticed at once, as the first kill is: a kill near the end of the run could otherwise
+            # go unnoticed until the last step was trained (seen in CI).
+            self.instance_handles[2].join(timeout=60)
+            self._watch(self.trainer_handles)
 
 
 @pytest.mark.slow

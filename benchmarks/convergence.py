@@ -2,7 +2,8 @@
 with statistics.
 
     python benchmarks/convergence.py [--seeds 5] [--steps N] [--json] [--plot PATH] [--out DIR]
-                                     [--admission POLICY] [--eval-repeats 4] [--set section.key=value ...]
+                                     [--admission POLICY] [--eval-repeats 4] [--dora-steps-factor F]
+                                     [--set section.key=value ...]
 
 For each seed every mode starts from the same warm-started version 0 on the same prompt stream;
 only `dora.mode` and `dora.max_staleness` differ (and `dora.admission` with `--admission`). The
@@ -37,6 +38,17 @@ Reported per mode (`--json` prints it, `--out` also writes it):
 - `c1_ok`, `c2_ok`, `c3_ok`: the runtime's own checks, over every run.
 `eval_noise_sd`: the standard deviation of `--eval-repeats` evaluations of one final policy (seed
 0's sync run) with different sampling seeds: the part of a final reward that is measurement.
+Equal steps and equal time (`--dora-steps-factor F`, F > 1): the dora modes run F x `--steps`
+steps (`dora_steps`; sync runs `--steps`) and keep their versions; each is then read twice:
+`final_reward` (and its mean and interval) is the held-out reward of its version at `--steps` steps,
+the equal-step comparison, and `reward_at_sync_end` that of the newest version it had published
+when the seed's sync run published its final one, the equal-time comparison (`_mean`, `_ci95`,
+`_minus_sync` paired per seed and its `_mean`, `version_at_sync_end`, `covers_sync_end`: False if
+the run ended sooner, F too small, so its last version stands in). `final_reward_last` is the
+held-out reward at its last step, `steps_run` its steps. Both are evaluated as the runtime evaluates
+a final policy (the same prompts and sampling seeds). A version at `--steps` of a longer run trained
+like one that ends there, except the last few batches, which the end of a run drains with less
+staleness. `time_to_target_s`, throughput and staleness then come from the longer runs.
 `dora_fill`: when the dora config has an `admission` key, dora at its default K with
 `admission: fill` runs too, and `dora` gets `tokens_per_s_ratio_to_fill` (paired per seed), its
 mean and median.
@@ -112,13 +124,49 @@ def equal_span(sync_run: Any, t: float, window: int) -> float | None:
     return times[-1] - times[-1 - window] if len(times) > window else None
 
 
+def version_at(run: Any, t: float) -> int:
+    """The newest version of `run` published at or before wall time `t` (`published_times`)."""
+    from dora_ext.runtime.report import published_times
+
+    return max(v for v, when in published_times(run).items() if when <= t)
+
+
+def held_out(recipe: Any, prepared: Any, weights: dict, seed_offset: int = 0) -> float:
+    """The held-out reward of `weights`, evaluated as the runtime evaluates a run's final policy
+    (`seed_offset` 0: the same sampling seeds)."""
+    from dora_ext.engines import default_device
+    from dora_ext.runtime.runtime import evaluate_policy, torch_threads
+
+    dev = default_device(recipe.engine.device)
+    with torch_threads(recipe.runtime.threads(recipe.runtime.cores)):
+        return evaluate_policy(prepared.task, prepared.model_config, weights, prepared.eval_prompts, recipe, dev,
+                               seed_offset=seed_offset)
+
+
+def read_longer_run(run: Any, recipe: Any, prepared: Any, steps: int, sync_end_s: float) -> None:
+    """A run longer than `steps` steps (`--dora-steps-factor`), its versions kept: its held-out
+    reward at `steps` steps (`final_reward_at_steps`, the equal-step comparison) and of the policy
+    it had at `sync_end_s`, when sync published its final version (`reward_at_sync_end`, the
+    equal-time one), into its metrics; then its versions are dropped."""
+    if len(run.steps) < steps:
+        raise ValueError(f"run: expected >= {steps} steps (--steps), got {len(run.steps)}")
+    v = version_at(run, sync_end_s)
+    run.metrics["final_reward_at_steps"] = held_out(recipe, prepared, run.versions[steps])
+    run.metrics["reward_at_sync_end"] = (run.metrics["final_reward_at_steps"] if v == steps
+                                         else held_out(recipe, prepared, run.versions[v]))
+    run.metrics["version_at_sync_end"] = v
+    # False: the run ended before sync's end time, so its last policy stands in (a factor too small)
+    run.metrics["covers_sync_end"] = run.steps[-1]["time_s"] >= sync_end_s
+    run.versions = None
+
+
 def summarise(runs: list[Any], sync_runs: list[Any], target: float, window: int,
               at_times: Sequence[float] | None = None) -> dict[str, Any]:
     """One mode's entry of the JSON from its runs (one per seed, in seed order, paired with
     `sync_runs` by position). `at_times`: per seed, the wall time of `train_reward_at_equal_time`."""
     from dora_ext.runtime.report import mean_over, policy_rewards, time_to_reward
 
-    final = [r.metrics["final_reward"] for r in runs]
+    final = [r.metrics.get("final_reward_at_steps", r.metrics["final_reward"]) for r in runs]
     tps = [r.metrics["throughput_tokens_per_s"] for r in runs]
     ratio = [a / b for a, b in zip(tps, (s.metrics["throughput_tokens_per_s"] for s in sync_runs))]
     reach = [time_to_reward(r, target, window) for r in runs]
@@ -132,6 +180,21 @@ def summarise(runs: list[Any], sync_runs: list[Any], target: float, window: int,
     mine = at(runs)
     diff = [None if a is None or b is None else a - b for a, b in zip(mine, at(sync_runs))]
     known = [d for d in diff if d is not None]
+    longer = {}
+    if any("reward_at_sync_end" in r.metrics for r in runs):
+        at_end = [r.metrics["reward_at_sync_end"] for r in runs]
+        longer = {
+            "steps_run": [len(r.steps) for r in runs],
+            "final_reward_last": [r.metrics["final_reward"] for r in runs],
+            "reward_at_sync_end": at_end,
+            "reward_at_sync_end_mean": statistics.mean(at_end),
+            "reward_at_sync_end_ci95": ci95(at_end),
+            "reward_at_sync_end_minus_sync": [a - s.metrics.get("reward_at_sync_end", s.metrics["final_reward"])
+                                              for a, s in zip(at_end, sync_runs)],
+            "version_at_sync_end": [r.metrics["version_at_sync_end"] for r in runs],
+            "covers_sync_end": [r.metrics["covers_sync_end"] for r in runs],
+        }
+        longer["reward_at_sync_end_minus_sync_mean"] = statistics.mean(longer["reward_at_sync_end_minus_sync"])
     return {
         "max_staleness": runs[0].max_staleness,
         "seeds": [r.seed for r in runs],
@@ -162,6 +225,7 @@ def summarise(runs: list[Any], sync_runs: list[Any], target: float, window: int,
         "c1_ok": all(r.metrics["c1_ok"] for r in runs),
         "c2_ok": all(r.metrics["c2_ok"] for r in runs),
         "c3_ok": all(r.metrics["c3_ok"] for r in runs),
+        **longer,
     }
 
 
@@ -175,13 +239,7 @@ def _sum_hists(hists: Any) -> dict[str, int]:
 
 def eval_noise(recipe: Any, prepared: Any, weights: dict, repeats: int) -> list[float]:
     """`repeats` held-out evaluations of `weights`, each with other sampling seeds."""
-    from dora_ext.engines import default_device
-    from dora_ext.runtime.runtime import evaluate_policy, torch_threads
-
-    dev = default_device(recipe.engine.device)
-    with torch_threads(recipe.runtime.threads(recipe.runtime.cores)):
-        return [evaluate_policy(prepared.task, prepared.model_config, weights, prepared.eval_prompts, recipe, dev,
-                                seed_offset=1_000_003 * (i + 1)) for i in range(repeats)]
+    return [held_out(recipe, prepared, weights, seed_offset=1_000_003 * (i + 1)) for i in range(repeats)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a recipe value for every mode (repeatable)")
     p.add_argument("--admission", default=None,
                    help="dora.admission of the dora modes (needs a dora config with that key)")
+    p.add_argument("--dora-steps-factor", type=float, default=1.0, metavar="F",
+                   help="the dora modes run F x --steps steps (sync: --steps), read at --steps steps and at "
+                        "sync's end time (default 1: every mode runs --steps)")
     p.add_argument("--window", type=int, default=20, help="moving-average window of the training reward (steps)")
     p.add_argument("--eval-repeats", type=int, default=4, help="evaluations of one policy for eval_noise_sd")
     p.add_argument("--json", action="store_true", help="print the JSON object (else a short table)")
@@ -201,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="reward-vs-wall-time PNG (every seed)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if not args.dora_steps_factor >= 1.0:
+        p.error(f"--dora-steps-factor: expected a number >= 1, got {args.dora_steps_factor}")
 
     from dora_ext.config import DEFAULT_STALENESS, DoraConfig
     from dora_ext.runtime import load_recipe, prepare, run
@@ -213,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         base = base.with_steps(args.steps)
     default_k = DEFAULT_STALENESS["dora"]
+    dora_steps = math.ceil(base.steps * args.dora_steps_factor)
+    longer = dora_steps > base.steps
 
     def dora(k: int, admission: str | None) -> Any:
         extra = [f"dora.max_staleness={k}"] + ([f"dora.admission={admission}"] if admission else [])
-        r = load_recipe(args.recipe, [*args.set, *extra])
-        return (r.with_steps(args.steps) if args.steps else r).with_mode("dora")
+        return load_recipe(args.recipe, [*args.set, *extra]).with_steps(dora_steps).with_mode("dora")
 
     variants = {"sync": base.with_mode("sync"), "dora": dora(default_k, args.admission),
                 "dora_k1": dora(1, args.admission), "dora_k2": dora(2, args.admission)}
@@ -266,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             "eval_noise_sd": statistics.stdev(noise) if len(noise) > 1 else None,
             "eval_repeats": noise,
             "eval": {"prompts": base.eval.prompts, "samples": base.eval.samples},
-            "recipe": base.name, "steps": base.steps, "seeds": seeds[:len(orders)], "window": args.window,
+            "recipe": base.name, "steps": base.steps, "dora_steps": dora_steps,
+            "dora_steps_factor": args.dora_steps_factor, "seeds": seeds[:len(orders)], "window": args.window,
             "overrides": args.set, "admission": args.admission,
             "decode_shape": base.engine.decode_shape, "step_s": base.engine.step_s,
             "order_per_seed": orders, "notes": notes,
@@ -279,15 +344,21 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare(base.with_seed(seed))
         for label in order:
             r = variants[label].with_seed(seed)
-            keep = i == 0 and label == "sync" and args.eval_repeats > 1
+            noise_here = i == 0 and label == "sync" and args.eval_repeats > 1
+            keep = noise_here or (longer and label != "sync")
             try:
                 res = run(r, prepared, keep_versions=keep, on_step=bar.start(f"{label:>9} seed {seed}", r.steps))
             finally:
                 bar.close()
-            if keep:
+            if noise_here:
                 noise = eval_noise(r, prepared, res.versions[max(res.versions)], args.eval_repeats)
                 res.versions = None
             results[label].append(res)
+        if longer:  # read once the seed's sync run (first or last, ABBA) has set the end time
+            sync_end = results["sync"][-1].steps[-1]["time_s"]
+            for label in labels:
+                if label != "sync":
+                    read_longer_run(results[label][-1], variants[label], prepared, base.steps, sync_end)
         orders.append(order)
         if args.out:  # after every seed, so that a run cut short keeps its complete seeds
             os.makedirs(args.out, exist_ok=True)
@@ -298,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             from dora_ext.runtime.report import plot_reward_vs_time
 
             plot_reward_vs_time(results, args.plot, window=args.window,
-                                title=f"{base.name}: {len(orders)} seeds, {base.steps} steps, every seed")
+                                title=f"{base.name}: {len(orders)} seeds, {base.steps} steps"
+                                + (f" (dora modes {dora_steps})" if longer else "") + ", every seed")
     out = summary()
     target = out["target_train_reward"]
     modes = out["modes"]
@@ -310,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             lo, hi = a["final_reward_ci95"] or (float("nan"), float("nan"))
             print(f"{m:>9}: final {a['final_reward_mean']:.3f} [{lo:.3f}, {hi:.3f}], time to {target:.3f} "
                   f"median {a['time_to_target_median_s']}, staleness {a['staleness_mean']:.2f}, "
-                  f"x{a['tokens_per_s_ratio_to_sync_median']:.2f} sync, C1-C3 {a['c1_ok']}/{a['c2_ok']}/{a['c3_ok']}")
+                  f"x{a['tokens_per_s_ratio_to_sync_median']:.2f} sync, C1-C3 {a['c1_ok']}/{a['c2_ok']}/{a['c3_ok']}"
+                  + (f", at sync's end time {a['reward_at_sync_end_mean']:.3f}" if "reward_at_sync_end" in a else ""))
         print(f"eval noise sd {out['eval_noise_sd']}; " + "; ".join(notes))
     return 0
 

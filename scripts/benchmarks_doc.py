@@ -191,25 +191,35 @@ def decode_cost(d: dict) -> str:
 
 
 def convergence(d: dict) -> str:
+    longer = d.get("dora_steps", d["steps"]) > d["steps"]  # `--dora-steps-factor`: read at equal steps and time
+
     def row(m: str, a: dict) -> dict:
         lo, hi = a["final_reward_ci95"] or (None, None)
         fill = a.get("tokens_per_s_ratio_to_fill")
-        return {"mode": m, "K": a["max_staleness"], "final reward": cell(a["final_reward_mean"]),
-                "95% CI": f"[{cell(lo)}, {cell(hi)}]", "per seed": cell(a["final_reward"]),
-                "time to target (median s)": a["time_to_target_median_s"],
-                "reached": f"{a.get('time_to_target_reached', '-')}/{len(a['final_reward'])}",
-                "staleness mean": a["staleness_mean"], "tokens/s": a["tokens_per_s"],
-                "vs sync (median)": a["tokens_per_s_ratio_to_sync_median"],
-                "vs fill (median)": statistics.median(fill) if fill else None,
-                "train reward - sync's, equal time": a.get("train_reward_at_equal_time_minus_sync_mean"),
-                "seeds (equal time)": a.get("train_reward_at_equal_time_seeds"),
-                "C1-C3": "yes" if a["c1_ok"] and a["c2_ok"] and a["c3_ok"] else "NO"}
+        out = {"mode": m, "K": a["max_staleness"], "final reward": cell(a["final_reward_mean"]),
+               "95% CI": f"[{cell(lo)}, {cell(hi)}]", "per seed": cell(a["final_reward"])}
+        if longer:  # sync's own end: its final reward
+            out["held-out at sync's end time"] = cell(a.get("reward_at_sync_end_mean", a["final_reward_mean"]))
+            out["minus sync's (paired mean)"] = cell(a.get("reward_at_sync_end_minus_sync_mean", 0.0))
+            out["per seed (equal time)"] = cell(a.get("reward_at_sync_end", a["final_reward"]))
+        return out | {
+            "time to target (median s)": a["time_to_target_median_s"],
+            "reached": f"{a.get('time_to_target_reached', '-')}/{len(a['final_reward'])}",
+            "staleness mean": a["staleness_mean"], "tokens/s": a["tokens_per_s"],
+            "vs sync (median)": a["tokens_per_s_ratio_to_sync_median"],
+            "vs fill (median)": statistics.median(fill) if fill else None,
+            "train reward - sync's, equal time": a.get("train_reward_at_equal_time_minus_sync_mean"),
+            "seeds (equal time)": a.get("train_reward_at_equal_time_seeds"),
+            "C1-C3": "yes" if a["c1_ok"] and a["c2_ok"] and a["c3_ok"] else "NO"}
 
     noise = d["eval_noise_sd"]
     parts = [f"Recipe `{d['recipe']}`, {d['steps']} steps, seeds {cell(d['seeds'])} (ABBA order per seed), default "
              f"K = {d['default_k']}; held-out {d['eval']['prompts']} prompts x {d['eval']['samples']} samples, "
              f"evaluation noise sd {cell(noise)}. Target: sync's mean final training reward "
-             f"{cell(d['target_train_reward'])} ({d['window']}-step mean).",
+             f"{cell(d['target_train_reward'])} ({d['window']}-step mean)."
+             + (f" The dora modes ran {d['dora_steps']} steps: \"final reward\" is their held-out reward at "
+                f"{d['steps']} steps (equal steps), \"held-out at sync's end time\" that of the policy they had "
+                "when sync published its final one (equal wall time)." if longer else ""),
              table([row(m, a) for m, a in d["modes"].items()]),
              "\n".join(f"- {n}" for n in [*d.get("notes", []), *([d["run_note"]] if d.get("run_note") else [])])]
     if d.get("not_run"):

@@ -185,6 +185,14 @@ def time_to_reward(result: RunResult, target: float, window: int) -> float | Non
     return None
 
 
+def published_times(result: RunResult) -> dict[int, float]:
+    """Version -> the wall time it was published: version 0 at 0, version v + 1 when step v ended."""
+    published = {0: 0.0}
+    for s in result.steps:
+        published[s["step"] + 1] = s["time_s"]
+    return published
+
+
 def policy_rewards(result: RunResult) -> list[tuple[float, float]]:
     """(time, reward) per trainer step (whose generating version's publication is in the run),
     sorted by time: the batch's mean reward, placed at the wall time at which the version that
@@ -192,9 +200,7 @@ def policy_rewards(result: RunResult) -> list[tuple[float, float]]:
     staleness s trained at step k came from version k - s, interpolated). A stale batch thus
     counts for the policy that produced it, not for the step that trained it, and every mode's
     curve reads "reward of the policy of time t"."""
-    published = {0: 0.0}
-    for s in result.steps:
-        published[s["step"] + 1] = s["time_s"]
+    published = published_times(result)
     points = []
     for s in result.steps:
         v = s["step"] - s.get("staleness_mean", 0.0)

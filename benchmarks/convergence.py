@@ -48,7 +48,10 @@ the run ended sooner, F too small, so its last version stands in). `final_reward
 held-out reward at its last step, `steps_run` its steps. Both are evaluated as the runtime evaluates
 a final policy (the same prompts and sampling seeds). A version at `--steps` of a longer run trained
 like one that ends there, except the last few batches, which the end of a run drains with less
-staleness. `time_to_target_s`, throughput and staleness then come from the longer runs.
+staleness. `time_to_target_s`, `final_train_reward`, `wall_s`, throughput (the runtime's middle 60%
+of the run: a longer window than sync's) and staleness then come from the longer runs;
+`time_to_target_reached_by_sync_end` counts only the seeds that reached the target by the time
+their sync run ended.
 `dora_fill`: when the dora config has an `admission` key, dora at its default K with
 `admission: fill` runs too, and `dora` gets `tokens_per_s_ratio_to_fill` (paired per seed), its
 mean and median.
@@ -150,10 +153,16 @@ def read_longer_run(run: Any, recipe: Any, prepared: Any, steps: int, sync_end_s
     equal-time one), into its metrics; then its versions are dropped."""
     if len(run.steps) < steps:
         raise ValueError(f"run: expected >= {steps} steps (--steps), got {len(run.steps)}")
+    known = {len(run.steps): run.metrics["final_reward"]}  # the runtime evaluated its last version
+
+    def reward_of(version: int) -> float:
+        if version not in known:
+            known[version] = held_out(recipe, prepared, run.versions[version])
+        return known[version]
+
     v = version_at(run, sync_end_s)
-    run.metrics["final_reward_at_steps"] = held_out(recipe, prepared, run.versions[steps])
-    run.metrics["reward_at_sync_end"] = (run.metrics["final_reward_at_steps"] if v == steps
-                                         else held_out(recipe, prepared, run.versions[v]))
+    run.metrics["final_reward_at_steps"] = reward_of(steps)
+    run.metrics["reward_at_sync_end"] = reward_of(v)
     run.metrics["version_at_sync_end"] = v
     # False: the run ended before sync's end time, so its last policy stands in (a factor too small)
     run.metrics["covers_sync_end"] = run.steps[-1]["time_s"] >= sync_end_s
@@ -170,6 +179,8 @@ def summarise(runs: list[Any], sync_runs: list[Any], target: float, window: int,
     tps = [r.metrics["throughput_tokens_per_s"] for r in runs]
     ratio = [a / b for a, b in zip(tps, (s.metrics["throughput_tokens_per_s"] for s in sync_runs))]
     reach = [time_to_reward(r, target, window) for r in runs]
+    # reached by the time the seed's sync run ended (a longer run can reach it only later)
+    reach_in = [None if t is None or t > s.metrics["wall_s"] else t for t, s in zip(reach, sync_runs)]
     at_times = list(at_times) if at_times is not None else []
     spans = [equal_span(s, t, window) for s, t in zip(sync_runs, at_times)]
 
@@ -207,6 +218,7 @@ def summarise(runs: list[Any], sync_runs: list[Any], target: float, window: int,
         "time_to_target_s": reach,
         "time_to_target_median_s": median_or_none(reach),
         "time_to_target_reached": sum(x is not None for x in reach),
+        "time_to_target_reached_by_sync_end": sum(x is not None for x in reach_in),
         "wall_s": [r.metrics["wall_s"] for r in runs],
         "equal_time_s": at_times,
         "equal_time_span_s": spans,
@@ -262,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="reward-vs-wall-time PNG (every seed)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if not args.dora_steps_factor >= 1.0:
+    if not (math.isfinite(args.dora_steps_factor) and args.dora_steps_factor >= 1.0):
         p.error(f"--dora-steps-factor: expected a number >= 1, got {args.dora_steps_factor}")
 
     from dora_ext.config import DEFAULT_STALENESS, DoraConfig
@@ -358,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             sync_end = results["sync"][-1].steps[-1]["time_s"]
             for label in labels:
                 if label != "sync":
-                    read_longer_run(results[label][-1], variants[label], prepared, base.steps, sync_end)
+                    read_longer_run(results[label][-1], variants[label].with_seed(seed), prepared, base.steps,
+                                    sync_end)
         orders.append(order)
         if args.out:  # after every seed, so that a run cut short keeps its complete seeds
             os.makedirs(args.out, exist_ok=True)

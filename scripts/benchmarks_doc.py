@@ -192,6 +192,7 @@ def decode_cost(d: dict) -> str:
 
 def convergence(d: dict) -> str:
     longer = d.get("dora_steps", d["steps"]) > d["steps"]  # `--dora-steps-factor`: read at equal steps and time
+    reached = "time_to_target_reached_by_sync_end" if longer else "time_to_target_reached"
 
     def row(m: str, a: dict) -> dict:
         lo, hi = a["final_reward_ci95"] or (None, None)
@@ -204,7 +205,7 @@ def convergence(d: dict) -> str:
             out["per seed (equal time)"] = cell(a.get("reward_at_sync_end", a["final_reward"]))
         return out | {
             "time to target (median s)": a["time_to_target_median_s"],
-            "reached": f"{a.get('time_to_target_reached', '-')}/{len(a['final_reward'])}",
+            "reached": f"{a.get(reached, '-')}/{len(a['final_reward'])}",
             "staleness mean": a["staleness_mean"], "tokens/s": a["tokens_per_s"],
             "vs sync (median)": a["tokens_per_s_ratio_to_sync_median"],
             "vs fill (median)": statistics.median(fill) if fill else None,
@@ -219,7 +220,8 @@ def convergence(d: dict) -> str:
              f"{cell(d['target_train_reward'])} ({d['window']}-step mean)."
              + (f" The dora modes ran {d['dora_steps']} steps: \"final reward\" is their held-out reward at "
                 f"{d['steps']} steps (equal steps), \"held-out at sync's end time\" that of the policy they had "
-                "when sync published its final one (equal wall time)." if longer else ""),
+                "when sync published its final one (equal wall time); \"reached\": seeds at the target by the end of "
+                "their sync run." if longer else ""),
              table([row(m, a) for m, a in d["modes"].items()]),
              "\n".join(f"- {n}" for n in [*d.get("notes", []), *([d["run_note"]] if d.get("run_note") else [])])]
     if d.get("not_run"):

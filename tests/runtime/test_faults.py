@@ -261,17 +261,20 @@ def test_moves_off_an_instance_that_died_unnoticed_are_retried():
 
 class KillsTheReplacementToo(KillingRuntime):
     """KillingRuntime, and once the replacement (instance 2) has reported a trajectory and has more
-    running, instance 2 gets SIGKILL as well."""
+    running, instance 2 gets SIGKILL as well: after the whole report is read (an instance reports
+    what finished in one decode step as one message), and noticed at once, as the first kill is (a
+    kill near the end of the run could otherwise go unnoticed until the last step was trained, seen
+    in CI)."""
 
-    def _on_finished(self, iid, f, t):
-        super()._on_finished(iid, f, t)
+    def _on_message(self, msg):
+        super()._on_message(msg)
+        if msg[0] != "finished":
+            return
         inst = self.sched.instances.get(2)
         if (not getattr(self, "killed_again", False) and 2 in self.served_by.values()
                 and inst is not None and inst.running):
             os.kill(self.instance_pids[2], signal.SIGKILL)
             self.killed_again = True
-            # Noticed at once, as the first kill is: a kill near the end of the run could otherwise
-            # go unnoticed until the last step was trained (seen in CI).
             self.instance_handles[2].join(timeout=60)
             self._watch(self.trainer_handles)
 

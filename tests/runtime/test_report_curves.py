@@ -192,7 +192,8 @@ def test_equal_time_reward_on_a_concave_curve_with_varying_staleness_and_step_le
 def test_a_longer_run_is_read_at_equal_steps_and_at_syncs_end_time(monkeypatch):
     """`--dora-steps-factor`: a dora run of 8 steps against sync's 4 is read at version 4 (equal
     steps) and at the newest version it published by sync's end time (equal time); the held-out
-    evaluation is stood in for by a function of the weights (each version's weights name it)."""
+    evaluation is stood in for by a function of the weights (each version's weights name it), and
+    the run's last version is not evaluated again (the runtime's `final_reward` is its reward)."""
     conv = _bench("convergence")
     evaluated = []
 
@@ -202,28 +203,46 @@ def test_a_longer_run_is_read_at_equal_steps_and_at_syncs_end_time(monkeypatch):
 
     monkeypatch.setattr(conv, "held_out", held_out)
 
-    def run(step_s, n, final):
+    def run(step_s, n, reward=None):
         steps = [{"step": k, "time_s": step_s * (k + 1), "reward_mean": 0.5} for k in range(n)]
+        final = 0.5 + 0.01 * n if reward is None else reward
         return SimpleNamespace(seed=0, max_staleness=2, steps=steps, metrics=_metrics(final, 1.0, 1.0),
                                versions={v: {"v": v} for v in range(n + 1)})
 
     sync = run(10.0, 4, 0.8)  # sync publishes its version 4 at 40 s
-    dora = run(4.5, 8, 0.6)   # versions at 4.5 s apart: version 8 at 36 s, its last
+    dora = run(4.5, 8)        # versions at 4.5 s apart: version 8 at 36 s, its last
     conv.read_longer_run(dora, None, None, 4, 40.0)
     assert dora.metrics["final_reward_at_steps"] == pytest.approx(0.54)  # version 4
+    assert dora.metrics["reward_at_sync_end"] == pytest.approx(0.58)  # version 8: the runtime's final reward
     assert dora.metrics["version_at_sync_end"] == 8 and not dora.metrics["covers_sync_end"]
     assert dora.versions is None
-    far = run(4.5, 10, 0.6)  # version 8 at 36 s, version 9 at 40.5 s: the policy of 40 s is version 8
+    far = run(4.5, 10)  # version 8 at 36 s, version 9 at 40.5 s: the policy of 40 s is version 8
     conv.read_longer_run(far, None, None, 4, 40.0)
     assert far.metrics["reward_at_sync_end"] == pytest.approx(0.58) and far.metrics["covers_sync_end"]
     assert conv.version_at(far, 40.5) == 9 and conv.version_at(far, 0.0) == 0
-    assert evaluated == [4, 8, 4, 8]
+    assert evaluated == [4, 4, 8]  # dora's version 8 is its last: not evaluated again
+    at_four = run(4.5, 4)  # --steps is its last version and the policy of 40 s: no evaluation at all
+    conv.read_longer_run(at_four, None, None, 4, 40.0)
+    assert at_four.metrics["final_reward_at_steps"] == at_four.metrics["reward_at_sync_end"] == pytest.approx(0.54)
+    assert evaluated == [4, 4, 8]
     with pytest.raises(ValueError, match=r"run: expected >= 4 steps \(--steps\), got 3"):
-        conv.read_longer_run(run(1.0, 3, 0.6), None, None, 4, 40.0)
+        conv.read_longer_run(run(1.0, 3), None, None, 4, 40.0)
 
     a = conv.summarise([far, dora], [sync, sync], 0.7, 2)
     assert a["final_reward"] == pytest.approx([0.54, 0.54])  # equal steps, not the runs' last versions
-    assert a["final_reward_last"] == [0.6, 0.6] and a["steps_run"] == [10, 8]
+    assert a["final_reward_last"] == pytest.approx([0.6, 0.58]) and a["steps_run"] == [10, 8]
     assert a["reward_at_sync_end_minus_sync"] == pytest.approx([0.58 - 0.8, 0.58 - 0.8])
     assert a["covers_sync_end"] == [True, False] and a["reward_at_sync_end_ci95"] == pytest.approx([0.58, 0.58])
     assert "reward_at_sync_end" not in conv.summarise([sync], [sync], 0.7, 2)  # every mode ran --steps
+
+
+def test_time_to_target_by_sync_end_leaves_out_a_longer_runs_late_reach():
+    conv = _bench("convergence")
+    sync = SimpleNamespace(seed=0, max_staleness=0, steps=_run([0.5, 0.6, 0.7, 0.8]).steps,
+                           metrics=_metrics(0.8, 1.0, 0.0, wall_s=40.0))
+    late = SimpleNamespace(seed=0, max_staleness=2, steps=_run([0.5, 0.5, 0.5, 0.5, 0.9, 0.9]).steps,
+                           metrics=_metrics(0.8, 1.0, 1.0))
+    a = conv.summarise([late, late], [sync, sync], 0.75, 2)
+    # (0.5 + 0.9) / 2 = 0.7 at step 5 (50 s), 0.9 at step 6 (60 s): after sync's 40 s end
+    assert a["time_to_target_s"] == [60.0, 60.0] and a["time_to_target_reached"] == 2
+    assert a["time_to_target_reached_by_sync_end"] == 0

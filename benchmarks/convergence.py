@@ -200,8 +200,8 @@ def summarise(runs: list[Any], sync_runs: list[Any], target: float, window: int,
             "reward_at_sync_end": at_end,
             "reward_at_sync_end_mean": statistics.mean(at_end),
             "reward_at_sync_end_ci95": ci95(at_end),
-            "reward_at_sync_end_minus_sync": [a - s.metrics.get("reward_at_sync_end", s.metrics["final_reward"])
-                                              for a, s in zip(at_end, sync_runs)],
+            # sync's policy at its own end is its final one
+            "reward_at_sync_end_minus_sync": [a - s.metrics["final_reward"] for a, s in zip(at_end, sync_runs)],
             "version_at_sync_end": [r.metrics["version_at_sync_end"] for r in runs],
             "covers_sync_end": [r.metrics["covers_sync_end"] for r in runs],
         }

@@ -25,7 +25,7 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -463,7 +463,7 @@ class Runtime:
                 if q is not None:
                     q.put(("stop",))
             if ok:
-                self._collect_stats(reporting)
+                self._collect_stats(reporting, handles)
             for h in handles:
                 h.join(timeout=10 if ok else 2)
                 if h.is_alive() and hasattr(h, "terminate"):
@@ -741,14 +741,27 @@ class Runtime:
                 self.nice[msg[1]] = msg[4]
             ready += 1
 
-    def _collect_stats(self, count: int) -> None:
-        """After "stop", each worker sends its logs; late reports of the run are ignored."""
+    def _collect_stats(self, count: int, handles: Sequence = ()) -> None:
+        """After "stop", each worker sends its logs; late reports of the run are ignored. Gives up after
+        60 s, or at once when every worker has exited and nothing is left to read (a worker that died
+        after "stop" sends nothing)."""
         deadline = time.perf_counter() + 60.0
         while len(self.instance_stats) < count and time.perf_counter() < deadline:
             try:
                 msg = self.outbox.get(timeout=1.0)
             except queue.Empty:
-                continue
+                alive = [h for h in handles if h.is_alive()]
+                if alive:
+                    # Every pipe may be closed already (the read then returns at once): wait for an exit.
+                    alive[0].join(timeout=1.0)
+                    continue
+                if not handles:
+                    continue
+                # An exited process has flushed what it put; one empty read after that ends it.
+                try:
+                    msg = self.outbox.get(timeout=0.1)
+                except queue.Empty:
+                    return
             if msg[0] == "stats":
                 self.instance_stats[msg[1]] = msg[2]
             elif msg[0] == "error":

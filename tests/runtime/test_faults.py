@@ -1250,3 +1250,48 @@ def test_which_rank_failed_does_not_depend_on_what_is_read_first(first, handles,
         assert "a bug of rank 1" in msg and "Connection closed by peer" in msg
 
 
+
+
+class DiesBeforeItsStop(Runtime):
+    """The real runtime; instance 0's process gets SIGKILL (and is joined) at the moment the coordinator puts its
+    "stop": after the run counted it among the workers that will report their logs, before it could read the stop.
+    Each read of the report pipe while the logs are collected is counted."""
+
+    def _collect_stats(self, *args):
+        self.stats_reads = 0
+        get = self.outbox.get
+
+        def counted(*args, **kwargs):
+            self.stats_reads += 1
+            return get(*args, **kwargs)
+
+        self.outbox.get = counted
+        super()._collect_stats(*args)
+
+    def _wait_ready(self, count, handles):
+        super()._wait_ready(count, handles)
+        inbox = self.inboxes[0]
+        put = inbox.put
+
+        def put_or_kill_first(msg):
+            if msg == ("stop",):
+                os.kill(self.instance_pids[0], signal.SIGKILL)
+                self.instance_handles[0].join(timeout=60)
+            put(msg)
+
+        inbox.put = put_or_kill_first
+
+
+def test_a_worker_that_dies_after_the_last_step_ends_the_log_collection_at_once():
+    """The logs of the live workers are collected, the dead one's are not waited for: without the check of which
+    workers are still alive the coordinator read its (by then empty) report pipe until a 60 s deadline."""
+    recipe = recipe_from_dict(tiny(steps=3)).with_mode("dora")
+    prepared = prepare(recipe)
+    rt = DiesBeforeItsStop(recipe, prepared)
+    result = rt.run()
+    assert result.metrics["c1_ok"] and result.metrics["dropped"] == 0
+    assert 1 in rt.instance_stats and 0 not in rt.instance_stats
+    # A read per live worker's logs, then one per second until the live ones have exited (under a second each
+    # unless the machine is loaded); waiting for the dead one took a read a second for 60 s, or many more once
+    # every pipe was closed.
+    assert rt.stats_reads < 30, rt.stats_reads

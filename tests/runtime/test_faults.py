@@ -22,6 +22,18 @@ from .conftest import tiny
 from .test_runtime_modes import _check_ledger
 
 
+def _sigkill(rt, *iids, notice=True):
+    """SIGKILL the processes of instances `iids`, wait until they are gone, and (`notice`) have the coordinator look
+    at its workers at once, as its periodic look would (left to that look, a kill near the end of a run could go
+    unnoticed until the last step was trained, seen under CI load)."""
+    for iid in iids:
+        os.kill(rt.instance_pids[iid], signal.SIGKILL)
+    for iid in iids:
+        rt.instance_handles[iid].join(timeout=60)
+    if notice:
+        rt._watch(rt.trainer_handles)
+
+
 class KillingRuntime(Runtime):
     """The real runtime; after step 1, at the first finished trajectory after which the scheduler has trajectories
     running on instance `victim`, that instance's process gets SIGKILL (so the kill really interrupts generation, in
@@ -41,12 +53,8 @@ class KillingRuntime(Runtime):
         inst = self.sched.instances.get(self.victim)
         if inst is not None and inst.running:
             self.running_at_kill = len(inst.running)
-            os.kill(self.instance_pids[self.victim], signal.SIGKILL)
             self.killed = True
-            # The death is found at once: left to the coordinator's periodic look, a kill near the
-            # end of the run could go unnoticed until the last step was trained (seen under CI load).
-            self.instance_handles[self.victim].join(timeout=60)
-            self._watch(self.trainer_handles)
+            _sigkill(self, self.victim)
 
     def _send_step(self, step, rest):
         if self.starting:
@@ -144,12 +152,8 @@ class KillsWhenHeld(OthersWait, KillingRuntime):
             self._kill()
 
     def _kill(self):
-        for v in self.victims:
-            os.kill(self.instance_pids[v], signal.SIGKILL)
         self.killed = True
-        for v in self.victims:
-            self.instance_handles[v].join(timeout=60)
-        self._watch(self.trainer_handles)  # the deaths are found at once, before anything can move
+        _sigkill(self, *self.victims)  # the deaths are found at once, before anything can move
         self.release()
 
 
@@ -221,9 +225,8 @@ class KillsUnnoticed(KillsWhenHeld):
         victim = self.victims[0]
         if len(self.sched.running_on(victim)) < 2:  # R5 spreads only an instance running two or more
             pytest.fail(f"instance {victim} held {self.sched.running_on(victim)}: too few for R5 to move")
-        os.kill(self.instance_pids[victim], signal.SIGKILL)
         self.killed = True
-        self.instance_handles[victim].join(timeout=60)
+        _sigkill(self, victim, notice=False)
         self.release()
 
     def _watch(self, trainer):
@@ -273,10 +276,8 @@ class KillsTheReplacementToo(KillingRuntime):
         inst = self.sched.instances.get(2)
         if (not getattr(self, "killed_again", False) and 2 in self.served_by.values()
                 and inst is not None and inst.running):
-            os.kill(self.instance_pids[2], signal.SIGKILL)
             self.killed_again = True
-            self.instance_handles[2].join(timeout=60)
-            self._watch(self.trainer_handles)
+            _sigkill(self, 2)
 
 
 @pytest.mark.slow
@@ -909,9 +910,7 @@ class KillsTheSourceOnceForwarded(StalledFirst, Runtime):
         super()._on_export(src, dst, state)
         if self.forwarded is None:
             self.forwarded = state.request_id
-            os.kill(self.instance_pids[src], signal.SIGKILL)
-            self.instance_handles[src].join(timeout=60)
-            self._watch(self.trainer_handles)
+            _sigkill(self, src)
 
 
 @pytest.mark.slow
@@ -1275,8 +1274,7 @@ class DiesBeforeItsStop(Runtime):
 
         def put_or_kill_first(msg):
             if msg == ("stop",):
-                os.kill(self.instance_pids[0], signal.SIGKILL)
-                self.instance_handles[0].join(timeout=60)
+                _sigkill(self, 0, notice=False)
             put(msg)
 
         inbox.put = put_or_kill_first

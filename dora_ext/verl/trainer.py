@@ -128,7 +128,6 @@ def configure(config: Any) -> Any:
         sep = v1.get("separate_async") or {}
         v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
         _check_split(config)
-    dcfg = dora_config(config)
     # The replicas verl will start (fewer rollout GPUs than one replica's tensor-parallel size give
     # 0, where dora_config would fall back to its default instance count).
     replicas = replica_count(config)
@@ -143,6 +142,8 @@ def configure(config: Any) -> Any:
             "plus staleness (every load drains the whole pool, nothing is multi-version): give the rollout pool "
             ">= 2 replicas (>= 4 to gain), or use trainer_mode=sync / separate_async",
         )
+    # After the one-replica refusal: a dora.instances that differs from one replica is the lesser mistake.
+    dcfg = dora_config(config)
     _check_resume(config, dcfg.migrate)
     with open_dict(config):
         _check_weight_store(config, dcfg.max_staleness)

@@ -561,3 +561,15 @@ def test_replica_count_is_the_number_of_replicas_verl_starts(overrides):
     else:
         with pytest.raises(ConfigError, match=f"gives {started} rollout replica"):
             configure(cfg)
+
+
+def test_a_one_replica_pool_is_refused_before_a_dora_instances_that_differs_from_it():
+    """The pool's size is the mistake to fix first: a ``dora.instances`` set for the pool the user meant to start
+    (4) on a launch that starts one replica is answered with the one-replica refusal, naming the pool key, not with
+    "dora.instances is 4 but verl starts 1", whose fix (instances=1) would only meet that refusal next."""
+    from dora_ext.verl.trainer import configure
+
+    cfg = _bare(*_POOL, _R + "tensor_model_parallel_size=2", "+dora.instances=4")
+    with pytest.raises(ConfigError, match="gives 1 rollout replica") as err:
+        configure(cfg)
+    assert err.value.field == "actor_rollout_ref.rollout.n_gpus_per_node"

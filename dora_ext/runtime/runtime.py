@@ -741,7 +741,7 @@ class Runtime:
                 self.nice[msg[1]] = msg[4]
             ready += 1
 
-    def _collect_stats(self, count: int, handles: Sequence = ()) -> None:
+    def _collect_stats(self, count: int, handles: Sequence) -> None:
         """After "stop", each worker sends its logs; late reports of the run are ignored. Gives up after
         60 s, or at once when every worker has exited and nothing is left to read (a worker that died
         after "stop" sends nothing)."""
@@ -754,8 +754,6 @@ class Runtime:
                 if alive:
                     # Every pipe may be closed already (the read then returns at once): wait for an exit.
                     alive[0].join(timeout=1.0)
-                    continue
-                if not handles:
                     continue
                 # An exited process has flushed what it put; one empty read after that ends it.
                 try:

@@ -1249,8 +1249,6 @@ def test_which_rank_failed_does_not_depend_on_what_is_read_first(first, handles,
         assert "a bug of rank 1" in msg and "Connection closed by peer" in msg
 
 
-
-
 class DiesBeforeItsStop(Runtime):
     """The real runtime; instance 0's process gets SIGKILL (and is joined) at the moment the coordinator puts its
     "stop": after the run counted it among the workers that will report their logs, before it could read the stop.

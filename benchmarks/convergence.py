@@ -3,6 +3,7 @@ with statistics.
 
     python benchmarks/convergence.py [--seeds 5] [--steps N] [--json] [--plot PATH] [--out DIR]
                                      [--admission POLICY] [--eval-repeats 4] [--dora-steps-factor F]
+                                     [--modes sync,dora,...]
                                      [--set section.key=value ...]
 
 For each seed every mode starts from the same warm-started version 0 on the same prompt stream;
@@ -267,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dora-steps-factor", type=float, default=1.0, metavar="F",
                    help="the dora modes run F x --steps steps (sync: --steps), read at --steps steps and at "
                         "sync's end time (default 1: every mode runs --steps)")
+    p.add_argument("--modes", default=None, metavar="M,M,...",
+                   help="run only these of sync, dora, dora_k1, dora_k2, dora_fill (sync, the reference, always "
+                        "runs; default: all)")
     p.add_argument("--window", type=int, default=20, help="moving-average window of the training reward (steps)")
     p.add_argument("--eval-repeats", type=int, default=4, help="evaluations of one policy for eval_noise_sd")
     p.add_argument("--json", action="store_true", help="print the JSON object (else a short table)")
@@ -302,6 +306,17 @@ def main(argv: list[str] | None = None) -> int:
         variants["dora_fill"] = dora(default_k, "fill")
     else:
         notes.append("dora_fill not run: this dora config has no `admission` key")
+    if args.modes:
+        wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = [m for m in wanted if m not in ("sync", "dora", "dora_k1", "dora_k2", "dora_fill")]
+        if unknown:
+            p.error(f"--modes: unknown {', '.join(unknown)}; accepted: sync, dora, dora_k1, dora_k2, dora_fill")
+        if "dora_fill" in wanted and "dora_fill" not in variants:
+            p.error("--modes: dora_fill needs a dora config with an `admission` key")
+        left_out = [m for m in variants if m != "sync" and m not in wanted]
+        variants = {m: r for m, r in variants.items() if m not in left_out}
+        if left_out:
+            notes.append(f"not run (--modes): {', '.join(left_out)}")
     # a variant whose config equals an earlier one's is run once and reported under both names
     same: dict[str, str] = {}
     for name, r in variants.items():
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = {m: summarise(results[m], results["sync"], target, args.window, at_times) for m in labels}
         for name, other in same.items():
             modes[name] = modes[other]
-        if "dora_fill" in modes:
+        if "dora_fill" in modes and "dora" in modes:
             modes["dora"]["tokens_per_s_ratio_to_fill"] = r = [
                 a / b for a, b in zip(modes["dora"]["tokens_per_s_per_seed"],
                                       modes["dora_fill"]["tokens_per_s_per_seed"])]

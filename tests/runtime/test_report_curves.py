@@ -246,3 +246,26 @@ def test_time_to_target_by_sync_end_leaves_out_a_longer_runs_late_reach():
     # (0.5 + 0.9) / 2 = 0.7 at step 5 (50 s), 0.9 at step 6 (60 s): after sync's 40 s end
     assert a["time_to_target_s"] == [60.0, 60.0] and a["time_to_target_reached"] == 2
     assert a["time_to_target_reached_by_sync_end"] == 0
+
+
+def test_convergence_modes_flag_runs_only_the_modes_named(tmp_path, capsys):
+    """`--modes`: sync (the reference) and the named modes run, on the real runtime (a tiny recipe, 2 steps, 1
+    seed); an unknown name is refused naming what is accepted."""
+    import json
+
+    import yaml
+
+    from .conftest import tiny
+
+    conv = _bench("convergence")
+    with pytest.raises(SystemExit):
+        conv.main(["--modes", "sync,dora_k3"])
+    assert "--modes: unknown dora_k3; accepted: sync, dora, dora_k1, dora_k2, dora_fill" in capsys.readouterr().err
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump(tiny(steps=2)))
+    assert conv.main(["--recipe", str(recipe), "--seeds", "1", "--modes", "dora_k1", "--eval-repeats", "1",
+                      "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["modes"]) == ["sync", "dora_k1"]
+    assert out["modes"]["dora_k1"]["max_staleness"] == 1 and len(out["modes"]["dora_k1"]["final_reward"]) == 1
+    assert "not run (--modes): dora, dora_k2, dora_fill" in out["notes"]

@@ -255,6 +255,10 @@ def eval_noise(recipe: Any, prepared: Any, weights: dict, repeats: int) -> list[
     return [held_out(recipe, prepared, weights, seed_offset=1_000_003 * (i + 1)) for i in range(repeats)]
 
 
+#: every mode this benchmark can run (`--modes`), in the order it reports them
+MODES = ("sync", "dora", "dora_k1", "dora_k2", "dora_fill")
+
+
 def main(argv: list[str] | None = None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the dora modes run F x --steps steps (sync: --steps), read at --steps steps and at "
                         "sync's end time (default 1: every mode runs --steps)")
     p.add_argument("--modes", default=None, metavar="M,M,...",
-                   help="run only these of sync, dora, dora_k1, dora_k2, dora_fill (sync, the reference, always "
-                        "runs; default: all)")
+                   help=f"run only these of {', '.join(MODES)} (sync, the reference, always runs; default: all)")
     p.add_argument("--window", type=int, default=20, help="moving-average window of the training reward (steps)")
     p.add_argument("--eval-repeats", type=int, default=4, help="evaluations of one policy for eval_noise_sd")
     p.add_argument("--json", action="store_true", help="print the JSON object (else a short table)")
@@ -308,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("dora_fill not run: this dora config has no `admission` key")
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
-        unknown = [m for m in wanted if m not in ("sync", "dora", "dora_k1", "dora_k2", "dora_fill")]
+        unknown = [m for m in wanted if m not in MODES]
         if unknown:
-            p.error(f"--modes: unknown {', '.join(unknown)}; accepted: sync, dora, dora_k1, dora_k2, dora_fill")
+            p.error(f"--modes: unknown {', '.join(unknown)}; accepted: {', '.join(MODES)}")
         if "dora_fill" in wanted and "dora_fill" not in variants:
             p.error("--modes: dora_fill needs a dora config with an `admission` key")
         left_out = [m for m in variants if m != "sync" and m not in wanted]

@@ -53,9 +53,10 @@ staleness. `time_to_target_s`, `final_train_reward`, `wall_s`, throughput (the r
 of the run: a longer window than sync's) and staleness then come from the longer runs;
 `time_to_target_reached_by_sync_end` counts only the seeds that reached the target by the time
 their sync run ended.
-`dora_fill`: when the dora config has an `admission` key, dora at its default K with
-`admission: fill` runs too, and `dora` gets `tokens_per_s_ratio_to_fill` (paired per seed), its
-mean and median.
+`dora_fill`, `dora_ahead`: when the dora config has an `admission` key, dora at its default K with
+`admission: fill` (R2 alone) and `admission: ahead` run too, and `dora` gets
+`tokens_per_s_ratio_to_fill` and `tokens_per_s_ratio_to_ahead` (paired per seed), their means and
+medians.
 `decode_shape`: `cpu`, or `gpu-shaped` with `--set engine.step_s=S` (a decode iteration lasts at
 least S seconds, idle, as memory-bound GPU decode; recipe.py's `EngineSpec`).
 Throughput on a machine shared with other jobs is noisy: only ratios of runs side by side mean
@@ -256,7 +257,9 @@ def eval_noise(recipe: Any, prepared: Any, weights: dict, repeats: int) -> list[
 
 
 #: every mode this benchmark can run (`--modes`), in the order it reports them
-MODES = ("sync", "dora", "dora_k1", "dora_k2", "dora_fill")
+MODES = ("sync", "dora", "dora_k1", "dora_k2", "dora_fill", "dora_ahead")
+#: the modes that are dora at its default K with another `admission` policy
+ADMISSION_MODES = {"dora_fill": "fill", "dora_ahead": "ahead"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,16 +309,17 @@ def main(argv: list[str] | None = None) -> int:
                 "dora_k1": dora(1, args.admission), "dora_k2": dora(2, args.admission)}
     notes = []
     if has_admission:
-        variants["dora_fill"] = dora(default_k, "fill")
+        variants.update({m: dora(default_k, pol) for m, pol in ADMISSION_MODES.items()})
     else:
-        notes.append("dora_fill not run: this dora config has no `admission` key")
+        notes.append(f"{', '.join(ADMISSION_MODES)} not run: this dora config has no `admission` key")
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in wanted if m not in MODES]
         if unknown:
             p.error(f"--modes: unknown {', '.join(unknown)}; accepted: {', '.join(MODES)}")
-        if "dora_fill" in wanted and "dora_fill" not in variants:
-            p.error("--modes: dora_fill needs a dora config with an `admission` key")
+        needs = [m for m in wanted if m in ADMISSION_MODES and m not in variants]
+        if needs:
+            p.error(f"--modes: {', '.join(needs)} needs a dora config with an `admission` key")
         left_out = [m for m in variants if m != "sync" and m not in wanted]
         variants = {m: r for m, r in variants.items() if m not in left_out}
         if left_out:
@@ -347,12 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         modes = {m: summarise(results[m], results["sync"], target, args.window, at_times) for m in labels}
         for name, other in same.items():
             modes[name] = modes[other]
-        if "dora_fill" in modes and "dora" in modes:
-            modes["dora"]["tokens_per_s_ratio_to_fill"] = r = [
-                a / b for a, b in zip(modes["dora"]["tokens_per_s_per_seed"],
-                                      modes["dora_fill"]["tokens_per_s_per_seed"])]
-            modes["dora"]["tokens_per_s_ratio_to_fill_mean"] = statistics.mean(r)
-            modes["dora"]["tokens_per_s_ratio_to_fill_median"] = statistics.median(r)
+        for other, pol in ADMISSION_MODES.items():
+            if other in modes and "dora" in modes and other not in same:
+                modes["dora"][f"tokens_per_s_ratio_to_{pol}"] = r = [
+                    a / b for a, b in zip(modes["dora"]["tokens_per_s_per_seed"],
+                                          modes[other]["tokens_per_s_per_seed"])]
+                modes["dora"][f"tokens_per_s_ratio_to_{pol}_mean"] = statistics.mean(r)
+                modes["dora"][f"tokens_per_s_ratio_to_{pol}_median"] = statistics.median(r)
         return {
             "default_k": default_k,
             "modes": {m: modes[m] for m in variants},

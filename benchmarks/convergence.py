@@ -53,10 +53,10 @@ staleness. `time_to_target_s`, `final_train_reward`, `wall_s`, throughput (the r
 of the run: a longer window than sync's) and staleness then come from the longer runs;
 `time_to_target_reached_by_sync_end` counts only the seeds that reached the target by the time
 their sync run ended.
-`dora_fill`, `dora_ahead`: when the dora config has an `admission` key, dora at its default K with
-`admission: fill` (R2 alone) and `admission: ahead` run too, and `dora` gets
-`tokens_per_s_ratio_to_fill` and `tokens_per_s_ratio_to_ahead` (paired per seed), their means and
-medians.
+`dora_fill`, `dora_ahead`, `dora_adaptive`: when the dora config has an `admission` key, dora at
+its default K with `admission: fill` (R2 alone), `ahead` and `adaptive` (`dora` runs the recipe's
+own, `ahead` in the CPU main recipe; the one equal to it is not run twice), and `dora` gets
+`tokens_per_s_ratio_to_fill` (`_ahead`, `_adaptive`: paired per seed), their means and medians.
 `decode_shape`: `cpu`, or `gpu-shaped` with `--set engine.step_s=S` (a decode iteration lasts at
 least S seconds, idle, as memory-bound GPU decode; recipe.py's `EngineSpec`).
 Throughput on a machine shared with other jobs is noisy: only ratios of runs side by side mean
@@ -257,9 +257,9 @@ def eval_noise(recipe: Any, prepared: Any, weights: dict, repeats: int) -> list[
 
 
 #: every mode this benchmark can run (`--modes`), in the order it reports them
-MODES = ("sync", "dora", "dora_k1", "dora_k2", "dora_fill", "dora_ahead")
+MODES = ("sync", "dora", "dora_k1", "dora_k2", "dora_fill", "dora_ahead", "dora_adaptive")
 #: the modes that are dora at its default K with another `admission` policy
-ADMISSION_MODES = {"dora_fill": "fill", "dora_ahead": "ahead"}
+ADMISSION_MODES = {"dora_fill": "fill", "dora_ahead": "ahead", "dora_adaptive": "adaptive"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,7 +260,7 @@ def test_convergence_modes_flag_runs_only_the_modes_named(tmp_path, capsys):
     conv = _bench("convergence")
     with pytest.raises(SystemExit):
         conv.main(["--modes", "sync,dora_k3"])
-    assert "--modes: unknown dora_k3; accepted: sync, dora, dora_k1, dora_k2, dora_fill, dora_ahead" in capsys.readouterr().err
+    assert "--modes: unknown dora_k3; accepted: sync, dora, dora_k1, dora_k2, dora_fill, dora_ahead, dora_adaptive" in capsys.readouterr().err
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(tiny(steps=2)))
     assert conv.main(["--recipe", str(recipe), "--seeds", "1", "--modes", "dora_k1,dora,dora_ahead",
@@ -268,7 +268,7 @@ def test_convergence_modes_flag_runs_only_the_modes_named(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert list(out["modes"]) == ["sync", "dora", "dora_k1", "dora_ahead"]
     assert out["modes"]["dora_k1"]["max_staleness"] == 1 and len(out["modes"]["dora_k1"]["final_reward"]) == 1
-    assert "not run (--modes): dora_k2, dora_fill" in out["notes"]
+    assert "not run (--modes): dora_k2, dora_fill, dora_adaptive" in out["notes"]
     # dora (its default admission) is paired with dora_ahead seed by seed; not with fill, which did not run
     dora = out["modes"]["dora"]
     assert len(dora["tokens_per_s_ratio_to_ahead"]) == 1 and "tokens_per_s_ratio_to_fill" not in dora

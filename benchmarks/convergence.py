@@ -1,5 +1,5 @@
-"""Does dora train as well as sync? sync and dora (its default K, and K=1, K=2) over several seeds,
-with statistics.
+"""Does dora train as well as sync? sync and dora (its default K, and K=1, K=2; and its default K
+with each admission policy) over several seeds, with statistics.
 
     python benchmarks/convergence.py [--seeds 5] [--steps N] [--json] [--plot PATH] [--out DIR]
                                      [--admission POLICY] [--eval-repeats 4] [--dora-steps-factor F]
@@ -7,7 +7,7 @@ with statistics.
                                      [--set section.key=value ...]
 
 For each seed every mode starts from the same warm-started version 0 on the same prompt stream;
-only `dora.mode` and `dora.max_staleness` differ (and `dora.admission` with `--admission`). The
+only `dora.mode`, `dora.max_staleness` and `dora.admission` differ. The
 order is ABBA-interleaved: even seeds run the modes in order, odd seeds in reverse, so that a load
 drifting on a shared machine weighs on every mode alike. A mode whose config equals another's
 (dora at its default K = dora_k2 when that K is 2) is run once and reported under both names.
@@ -53,10 +53,11 @@ staleness. `time_to_target_s`, `final_train_reward`, `wall_s`, throughput (the r
 of the run: a longer window than sync's) and staleness then come from the longer runs;
 `time_to_target_reached_by_sync_end` counts only the seeds that reached the target by the time
 their sync run ended.
-`dora_fill`, `dora_ahead`, `dora_adaptive`: when the dora config has an `admission` key, dora at
-its default K with `admission: fill` (R2 alone), `ahead` and `adaptive` (`dora` runs the recipe's
-own, `ahead` in the CPU main recipe; the one equal to it is not run twice), and `dora` gets
-`tokens_per_s_ratio_to_fill` (`_ahead`, `_adaptive`: paired per seed), their means and medians.
+`dora_fill`, `dora_ahead`, `dora_adaptive`: dora at its default K with `admission: fill` (R2
+alone), `ahead` and `adaptive`. `dora` and the K modes admit with `--admission`, else with the
+recipe's own policy, else the mode's default (`adaptive`); each mode's `admission` names the policy
+it ran. The variant that equals `dora` is not run twice and gets no ratio; to each other one `dora`
+gets `tokens_per_s_ratio_to_fill` (`_ahead`, `_adaptive`: paired per seed), its mean and median.
 `decode_shape`: `cpu`, or `gpu-shaped` with `--set engine.step_s=S` (a decode iteration lasts at
 least S seconds, idle, as memory-bound GPU decode; recipe.py's `EngineSpec`).
 Throughput on a machine shared with other jobs is noisy: only ratios of runs side by side mean
@@ -66,7 +67,6 @@ anything. Nothing is asserted; the plot (`--plot`) is reward against wall time, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe value for every mode (repeatable)")
     p.add_argument("--admission", default=None,
-                   help="dora.admission of the dora modes (needs a dora config with that key)")
+                   help="dora.admission of dora and the K modes (default: the recipe's, else adaptive)")
     p.add_argument("--dora-steps-factor", type=float, default=1.0, metavar="F",
                    help="the dora modes run F x --steps steps (sync: --steps), read at --steps steps and at "
                         "sync's end time (default 1: every mode runs --steps)")
@@ -287,13 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(args.dora_steps_factor) and args.dora_steps_factor >= 1.0):
         p.error(f"--dora-steps-factor: expected a number >= 1, got {args.dora_steps_factor}")
 
-    from dora_ext.config import DEFAULT_STALENESS, DoraConfig
+    from dora_ext.config import DEFAULT_STALENESS
     from dora_ext.runtime import load_recipe, prepare, run
     from dora_ext.runtime.compare import Progress, jsonable
 
-    has_admission = "admission" in {f.name for f in dataclasses.fields(DoraConfig)}
-    if args.admission and not has_admission:
-        p.error("--admission: this dora config has no `admission` key (DoraConfig); run without it")
     base = load_recipe(args.recipe, args.set)
     if args.steps:
         base = base.with_steps(args.steps)
@@ -303,23 +300,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def dora(k: int, admission: str | None) -> Any:
         extra = [f"dora.max_staleness={k}"] + ([f"dora.admission={admission}"] if admission else [])
-        return load_recipe(args.recipe, [*args.set, *extra]).with_steps(dora_steps).with_mode("dora")
+        r = load_recipe(args.recipe, [*args.set, *extra]).with_steps(dora_steps).with_mode("dora")
+        # the policy it runs, made explicit: a recipe without the key runs the same config as `adaptive`
+        return r if admission else dora(k, r.dora.admission_policy)
 
     variants = {"sync": base.with_mode("sync"), "dora": dora(default_k, args.admission),
                 "dora_k1": dora(1, args.admission), "dora_k2": dora(2, args.admission)}
+    variants.update({m: dora(default_k, pol) for m, pol in ADMISSION_MODES.items()})
     notes = []
-    if has_admission:
-        variants.update({m: dora(default_k, pol) for m, pol in ADMISSION_MODES.items()})
-    else:
-        notes.append(f"{', '.join(ADMISSION_MODES)} not run: this dora config has no `admission` key")
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in wanted if m not in MODES]
         if unknown:
             p.error(f"--modes: unknown {', '.join(unknown)}; accepted: {', '.join(MODES)}")
-        needs = [m for m in wanted if m in ADMISSION_MODES and m not in variants]
-        if needs:
-            p.error(f"--modes: {', '.join(needs)} needs a dora config with an `admission` key")
         left_out = [m for m in variants if m != "sync" and m not in wanted]
         variants = {m: r for m, r in variants.items() if m not in left_out}
         if left_out:
@@ -348,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     def summary() -> dict[str, Any]:
         target = statistics.mean(final_train_reward(r, args.window) for r in results["sync"])
         at_times = equal_times(results)
-        modes = {m: summarise(results[m], results["sync"], target, args.window, at_times) for m in labels}
+        modes = {m: {"admission": None if m == "sync" else variants[m].dora.admission_policy,
+                     **summarise(results[m], results["sync"], target, args.window, at_times)} for m in labels}
         for name, other in same.items():
             modes[name] = modes[other]
         for other, pol in ADMISSION_MODES.items():

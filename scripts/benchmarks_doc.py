@@ -57,7 +57,10 @@ def cell(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
-        return f"{v:,.0f}" if abs(v) >= 1000 else f"{round(v, 4) + 0.0:.3g}"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        # 3 significant digits, at most 4 decimals (rounding >= 0.01 to 4 places first rounded twice)
+        return f"{v:.3g}" if abs(v) >= 0.01 else f"{round(v, 4) + 0.0:.3g}"
     if isinstance(v, str):
         return "(path)" if v.startswith("/") else v.replace("|", "/")
     if isinstance(v, list) and all(not isinstance(x, (dict, list)) for x in v):

@@ -26,3 +26,9 @@ def test_unknown_and_changed_shapes_render_generically(tmp_path):
     assert "- ratio: 1.23" in text and "/somewhere" not in text and "skipped_sweep" not in text  # nothing in it
     assert "| mode | tok_s | ok |\n|---|---|---|\n| dora | 12,346 | - |\n| sync | - | yes |" in text
     assert "## sim_modes\n\nFrom `benchmarks/results/sim_modes.json`.\n\n- seed: 3" in text
+
+
+def test_numbers_round_once_to_three_significant_digits():
+    # 0.83847 rounded first to 4 places (0.8385) and then to 3 digits read 0.839
+    assert [doc.cell(v) for v in (0.83847, 0.00641, 0.01234, -0.0, 1e-6, 1234.5, 1.0)] == \
+        ["0.838", "0.0064", "0.0123", "0", "0", "1,234", "1"]

@@ -263,14 +263,20 @@ def test_convergence_modes_flag_runs_only_the_modes_named(tmp_path, capsys):
     assert "--modes: unknown dora_k3; accepted: sync, dora, dora_k1, dora_k2, dora_fill, dora_ahead, dora_adaptive" in capsys.readouterr().err
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(tiny(steps=2)))
-    assert conv.main(["--recipe", str(recipe), "--seeds", "1", "--modes", "dora_k1,dora,dora_ahead",
+    assert conv.main(["--recipe", str(recipe), "--seeds", "1", "--modes", "dora_k1,dora,dora_ahead,dora_adaptive",
                       "--eval-repeats", "1", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert list(out["modes"]) == ["sync", "dora", "dora_k1", "dora_ahead"]
-    assert out["modes"]["dora_k1"]["max_staleness"] == 1 and len(out["modes"]["dora_k1"]["final_reward"]) == 1
-    assert "not run (--modes): dora_k2, dora_fill, dora_adaptive" in out["notes"]
-    # dora (its default admission) is paired with dora_ahead seed by seed; not with fill, which did not run
-    dora = out["modes"]["dora"]
-    assert len(dora["tokens_per_s_ratio_to_ahead"]) == 1 and "tokens_per_s_ratio_to_fill" not in dora
+    modes = out["modes"]
+    assert list(modes) == ["sync", "dora", "dora_k1", "dora_ahead", "dora_adaptive"]
+    assert modes["dora_k1"]["max_staleness"] == 1 and len(modes["dora_k1"]["final_reward"]) == 1
+    assert "not run (--modes): dora_k2, dora_fill" in out["notes"]
+    # the recipe has no `admission` key: dora runs the mode's default, adaptive, which is then the
+    # same config as dora_adaptive (run once, no ratio of a run to itself); each mode names its policy
+    assert [modes[m]["admission"] for m in modes] == [None, "adaptive", "adaptive", "ahead", "adaptive"]
+    assert "dora_adaptive is the same config as dora: the same runs" in out["notes"]
+    assert modes["dora_adaptive"]["tokens_per_s_per_seed"] == modes["dora"]["tokens_per_s_per_seed"]
+    dora = modes["dora"]
+    assert "tokens_per_s_ratio_to_adaptive" not in dora and "tokens_per_s_ratio_to_fill" not in dora
+    assert len(dora["tokens_per_s_ratio_to_ahead"]) == 1
     assert dora["tokens_per_s_ratio_to_ahead"][0] == pytest.approx(
-        dora["tokens_per_s_per_seed"][0] / out["modes"]["dora_ahead"]["tokens_per_s_per_seed"][0])
+        dora["tokens_per_s_per_seed"][0] / modes["dora_ahead"]["tokens_per_s_per_seed"][0])

@@ -10,7 +10,8 @@ For each seed every mode starts from the same warm-started version 0 on the same
 only `dora.mode`, `dora.max_staleness` and `dora.admission` differ. The
 order is ABBA-interleaved: even seeds run the modes in order, odd seeds in reverse, so that a load
 drifting on a shared machine weighs on every mode alike. A mode whose config equals another's
-(dora at its default K = dora_k2 when that K is 2) is run once and reported under both names.
+(dora at its default K = dora_k2 when that K is 2; dora = dora_adaptive when it admits with
+`adaptive`) is run once and reported under both names.
 
 Reported per mode (`--json` prints it, `--out` also writes it):
 - `final_reward`: held-out reward of the final policy per seed (the same prompts for every run);
@@ -258,7 +259,7 @@ def eval_noise(recipe: Any, prepared: Any, weights: dict, repeats: int) -> list[
 
 #: every mode this benchmark can run (`--modes`), in the order it reports them
 MODES = ("sync", "dora", "dora_k1", "dora_k2", "dora_fill", "dora_ahead", "dora_adaptive")
-#: the modes that are dora at its default K with another `admission` policy
+#: the modes that are dora at its default K with a given `admission` policy (one of them is dora's own)
 ADMISSION_MODES = {"dora_fill": "fill", "dora_ahead": "ahead", "dora_adaptive": "adaptive"}
 
 
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = [f"dora.max_staleness={k}"] + ([f"dora.admission={admission}"] if admission else [])
         r = load_recipe(args.recipe, [*args.set, *extra]).with_steps(dora_steps).with_mode("dora")
         # the policy it runs, made explicit: a recipe without the key runs the same config as `adaptive`
+        # (one level deep: `admission_policy` always names a policy)
         return r if admission else dora(k, r.dora.admission_policy)
 
     variants = {"sync": base.with_mode("sync"), "dora": dora(default_k, args.admission),

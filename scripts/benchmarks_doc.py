@@ -57,9 +57,10 @@ def cell(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
-        if abs(v) >= 1000:
+        if abs(v) >= 999.5:  # (999.6 would read 1e+03 in 3 digits)
             return f"{v:,.0f}"
-        # 3 significant digits, at most 4 decimals (rounding >= 0.01 to 4 places first rounded twice)
+        # 3 significant digits, at most 4 decimals. Values >= 0.01 are formatted directly: rounding
+        # them to 4 places first rounded twice (0.83847 -> 0.8385 -> 0.839).
         return f"{v:.3g}" if abs(v) >= 0.01 else f"{round(v, 4) + 0.0:.3g}"
     if isinstance(v, str):
         return "(path)" if v.startswith("/") else v.replace("|", "/")

@@ -28,7 +28,8 @@ def test_unknown_and_changed_shapes_render_generically(tmp_path):
     assert "## sim_modes\n\nFrom `benchmarks/results/sim_modes.json`.\n\n- seed: 3" in text
 
 
-def test_numbers_round_once_to_three_significant_digits():
-    # 0.83847 rounded first to 4 places (0.8385) and then to 3 digits read 0.839
-    assert [doc.cell(v) for v in (0.83847, 0.00641, 0.01234, -0.0, 1e-6, 1234.5, 1.0)] == \
-        ["0.838", "0.0064", "0.0123", "0", "0", "1,234", "1"]
+def test_numbers_round_once_to_three_significant_digits_and_four_decimals():
+    # 0.83847 rounded first to 4 places (0.8385) and then to 3 digits read 0.839; 999.6 read 1e+03
+    values = (0.83847, -0.83847, 0.99996, 0.01234, -0.0247, 0.00641, -0.00848, -0.0, 1e-6, 999.6, -999.6, 1234.5, 1.0)
+    assert [doc.cell(v) for v in values] == \
+        ["0.838", "-0.838", "1", "0.0123", "-0.0247", "0.0064", "-0.0085", "0", "0", "1,000", "-1,000", "1,234", "1"]

@@ -280,3 +280,28 @@ def test_convergence_modes_flag_runs_only_the_modes_named(tmp_path, capsys):
     assert len(dora["tokens_per_s_ratio_to_ahead"]) == 1
     assert dora["tokens_per_s_ratio_to_ahead"][0] == pytest.approx(
         dora["tokens_per_s_per_seed"][0] / modes["dora_ahead"]["tokens_per_s_per_seed"][0])
+
+
+def test_convergence_dora_runs_the_recipes_own_admission(tmp_path, capsys):
+    """A recipe that sets `admission: ahead`: dora runs it (dora_ahead is the same runs) and is
+    paired with adaptive, which it is not; `--admission` overrides the recipe's for dora."""
+    import json
+
+    import yaml
+
+    from .conftest import tiny
+
+    conv = _bench("convergence")
+    recipe = tmp_path / "ahead.yaml"
+    recipe.write_text(yaml.safe_dump(tiny(steps=2, dora={"admission": "ahead"})))
+    common = ["--recipe", str(recipe), "--seeds", "1", "--eval-repeats", "1", "--json", "--no-progress"]
+    assert conv.main([*common, "--modes", "dora,dora_ahead,dora_adaptive"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    modes = out["modes"]
+    assert [modes[m]["admission"] for m in modes] == [None, "ahead", "ahead", "adaptive"]
+    assert "dora_ahead is the same config as dora: the same runs" in out["notes"]
+    assert "tokens_per_s_ratio_to_ahead" not in modes["dora"] and len(modes["dora"]["tokens_per_s_ratio_to_adaptive"]) == 1
+    assert conv.main([*common, "--modes", "dora,dora_adaptive", "--admission", "adaptive"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["modes"]["dora"]["admission"] == "adaptive" and out["admission"] == "adaptive"
+    assert "dora_adaptive is the same config as dora: the same runs" in out["notes"]

@@ -201,7 +201,8 @@ def convergence(d: dict) -> str:
     def row(m: str, a: dict) -> dict:
         lo, hi = a["final_reward_ci95"] or (None, None)
         fill = a.get("tokens_per_s_ratio_to_fill")
-        out = {"mode": m, "K": a["max_staleness"], "final reward": cell(a["final_reward_mean"]),
+        out = {"mode": m, "K": a["max_staleness"], "admission": a.get("admission"),  # (not recorded before it)
+               "final reward": cell(a["final_reward_mean"]),
                "95% CI": f"[{cell(lo)}, {cell(hi)}]", "per seed": cell(a["final_reward"])}
         if longer:  # sync's own end: its final reward
             out["held-out at sync's end time"] = cell(a.get("reward_at_sync_end_mean", a["final_reward_mean"]))

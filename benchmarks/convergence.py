@@ -299,15 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     dora_steps = math.ceil(base.steps * args.dora_steps_factor)
     longer = dora_steps > base.steps
 
-    def dora(k: int, admission: str | None) -> Any:
-        extra = [f"dora.max_staleness={k}"] + ([f"dora.admission={admission}"] if admission else [])
-        r = load_recipe(args.recipe, [*args.set, *extra]).with_steps(dora_steps).with_mode("dora")
-        # the policy it runs, made explicit: a recipe without the key runs the same config as `adaptive`
-        # (one level deep: `admission_policy` always names a policy)
-        return r if admission else dora(k, r.dora.admission_policy)
+    # the policy dora and the K modes run, made explicit: a recipe without the key runs the same
+    # config as `adaptive` (dora_adaptive), and the two are run once
+    own = args.admission or base.with_mode("dora").dora.admission_policy
 
-    variants = {"sync": base.with_mode("sync"), "dora": dora(default_k, args.admission),
-                "dora_k1": dora(1, args.admission), "dora_k2": dora(2, args.admission)}
+    def dora(k: int, admission: str) -> Any:
+        return load_recipe(args.recipe, [*args.set, f"dora.max_staleness={k}", f"dora.admission={admission}"]
+                           ).with_steps(dora_steps).with_mode("dora")
+
+    variants = {"sync": base.with_mode("sync"), "dora": dora(default_k, own),
+                "dora_k1": dora(1, own), "dora_k2": dora(2, own)}
     variants.update({m: dora(default_k, pol) for m, pol in ADMISSION_MODES.items()})
     notes = []
     if args.modes:

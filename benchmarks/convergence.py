@@ -264,6 +264,8 @@ ADMISSION_MODES = {"dora_fill": "fill", "dora_ahead": "ahead", "dora_adaptive": 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dora_ext.config import ADMISSIONS, DEFAULT_STALENESS
+
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=os.path.join(here, "..", "recipes", "cpu", "long-tail.yaml"))
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default: the recipe's)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a recipe value for every mode (repeatable)")
-    p.add_argument("--admission", default=None,
+    p.add_argument("--admission", default=None, choices=ADMISSIONS,
                    help="dora.admission of dora and the K modes (default: the recipe's, else adaptive)")
     p.add_argument("--dora-steps-factor", type=float, default=1.0, metavar="F",
                    help="the dora modes run F x --steps steps (sync: --steps), read at --steps steps and at "
@@ -288,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(args.dora_steps_factor) and args.dora_steps_factor >= 1.0):
         p.error(f"--dora-steps-factor: expected a number >= 1, got {args.dora_steps_factor}")
 
-    from dora_ext.config import DEFAULT_STALENESS
     from dora_ext.runtime import load_recipe, prepare, run
     from dora_ext.runtime.compare import Progress, jsonable
 

@@ -261,6 +261,10 @@ def test_convergence_modes_flag_runs_only_the_modes_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         conv.main(["--modes", "sync,dora_k3"])
     assert "--modes: unknown dora_k3; accepted: sync, dora, dora_k1, dora_k2, dora_fill, dora_ahead, dora_adaptive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an empty policy is refused, not read as "the recipe's"
+        conv.main(["--admission", ""])
+    err = capsys.readouterr().err
+    assert "--admission: invalid choice" in err and all(p in err for p in ("fill", "ahead", "adaptive"))
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump(tiny(steps=2)))
     assert conv.main(["--recipe", str(recipe), "--seeds", "1", "--modes", "dora_k1,dora,dora_ahead,dora_adaptive",

@@ -4,7 +4,8 @@ Trajectories are pinned to one instance (R1), so requests go to an engine direct
 `generate_and_rm` with `args_i`, a copy of `args` whose router address is that engine's. Its
 semaphore (`--sglang-server-concurrency` x engines, the size of slime's HTTP pool, so it binds no
 sooner than the pool would), dp-rank context, spans, hooks and reward models apply. Weights load
-with SGLang's `/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`).
+with SGLang's `/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`),
+once `/flush_cache` says the engine's scheduler is idle (`_until_idle`).
 
 Everything that is not generation goes through `ControlHttp` (own pool, bounded calls) so it never
 queues behind slime's HTTP client; generate requests are bounded by `request_timeout_s`.
@@ -105,6 +106,16 @@ def _http_status(exc: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
+def _http_message(exc: BaseException) -> str:
+    """What the engine said with an error status (SGLang: `{"success": false, "message": ...}`)."""
+    response = getattr(exc, "response", None)
+    try:
+        body = response.json()
+    except Exception:  # noqa: BLE001 - not JSON: its text
+        return str(getattr(response, "text", exc))[:500]
+    return str(body.get("message", body) if isinstance(body, dict) else body)[:500]
+
+
 def slime_http() -> Any:
     """slime's async HTTP helpers (`get(url)`, `post(url, payload)`), as a namespace."""
     from slime.utils import http_utils
@@ -115,30 +126,46 @@ def slime_http() -> Any:
 class ControlHttp:
     """The adapter's own HTTP client for everything but generation: a pool of its own, so that
     control calls never wait for one of the `--sglang-server-concurrency` x engines connections
-    slime's generation holds. Callers bound each call (`asyncio.wait_for`)."""
+    slime's generation holds. Callers bound each call (`asyncio.wait_for`).
 
-    def __init__(self, max_connections: int = 64) -> None:
-        self.max_connections = max_connections
+    The pool has no cap: a weight load holds its connection for the whole load (minutes from a
+    shared filesystem), and a capped pool full of loads would make every probe of the other
+    engines wait for a connection until its bound retires a healthy engine. Idle connections are
+    dropped after 2 s, before uvicorn closes them (SGLang: 5 s), so none is reused as it closes.
+    A reply that is not JSON (SGLang's `/flush_cache` answers text) comes back as `{"text": ...}`."""
+
+    def __init__(self) -> None:
         self._client: Any = None
 
     def _http(self) -> Any:
         if self._client is None:  # created on the worker's loop, where it is used
             import httpx
 
-            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.max_connections),
+            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, keepalive_expiry=2.0),
                                              timeout=httpx.Timeout(None), trust_env=False)
         return self._client
+
+    @staticmethod
+    def _body(r: Any) -> Any:
+        if not r.content:
+            return {}
+        if "json" in r.headers.get("content-type", ""):
+            return r.json()
+        return {"text": r.text}
 
     async def get(self, url: str) -> Any:
         r = await self._http().get(url)
         r.raise_for_status()
-        return r.json() if r.content else {}
+        return self._body(r)
 
     async def post(self, url: str, payload: dict) -> Any:
         r = await self._http().post(url, json=payload)
         r.raise_for_status()
-        return r.json() if r.content else {}
+        return self._body(r)
 
+
+#: How often a load asks an engine whether its scheduler is idle (`_until_idle`; slime: 1 s).
+FLUSH_RETRY_S = 0.25
 
 #: Engines dora-ext loads weights onto, and engines slime's health monitor is checking (URL ->
 #: checks in flight), shared with the monitor's thread under `_MONITOR_LOCK`: a load waits for a
@@ -424,7 +451,12 @@ class SglangEngines:
         # Apply (no await from here on).
         gone = []
         for iid in sorted(reasons):
-            if self.urls.get(iid) is not None:
+            url = self.urls.get(iid)
+            if url is not None:
+                if iid in self._loading or self._loaded_tags.get(iid, self.launch_tag) != self.launch_tag:
+                    # If it comes back (a probe that failed once, not a restart), it holds what was
+                    # loaded onto it, not the launch weights: never relabel it, load it from disk.
+                    self._unknown_weights.add(url)
                 self._drop(iid)
                 gone.append(iid)
         self.reasons = {iid: reasons[iid] for iid in gone}
@@ -486,12 +518,29 @@ class SglangEngines:
         try:
             while url in CHECKING_URLS:  # slime's monitor checks it now: let that check finish first
                 await asyncio.sleep(0.05)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.settings.load_timeout_s
+            what = "become idle (/flush_cache) to load"
             try:
-                reply = await asyncio.wait_for(self.control.post(f"{url}/update_weights_from_disk", {
-                    "model_path": path, "weight_version": version_tag}), self.settings.load_timeout_s)
+                await self._until_idle(url, deadline)
+                what = "load"
+                try:
+                    reply = await asyncio.wait_for(self.control.post(f"{url}/update_weights_from_disk", {
+                        "model_path": path, "weight_version": version_tag}), max(0.0, deadline - loop.time()))
+                except Exception as exc:
+                    if _http_status(exc) != 400:
+                        raise
+                    # SGLang answers 400 both when the load failed (the old weights stay) and when it
+                    # swapped the weights but found requests in the batch, so could not flush the cache
+                    # (one that came after `_until_idle`): then its scheduler holds the new version.
+                    if await self.reported_version(url) != version_tag:
+                        raise AdapterError(f"engine {url} failed to load {path}: {_http_message(exc)}") from None
+                    what = "become idle (/flush_cache) after loading"
+                    await self._until_idle(url, deadline)
+                    reply = {}
             except asyncio.TimeoutError:  # what the engine holds is unknown now: retired (refresh)
                 self._unknown_weights.add(url)
-                self._timed_out[instance_id] = (f"{url} did not load version {version_tag} within "
+                self._timed_out[instance_id] = (f"{url} did not {what} version {version_tag} within "
                                                 f"dora_slime.load_timeout_s = {self.settings.load_timeout_s:g} s")
                 raise EngineGone(self._timed_out[instance_id]) from None
         finally:
@@ -503,6 +552,27 @@ class SglangEngines:
         self._unknown_weights.discard(url)
         if self.urls.get(instance_id) == url:
             self._loaded_tags[instance_id] = version_tag
+
+    async def _until_idle(self, url: str, deadline: float) -> None:
+        """Wait until the engine's scheduler runs and queues nothing (by `deadline`, the loop's
+        clock), as slime waits before each of its own loads (`SGLangEngine.flush_cache`): SGLang's
+        `/flush_cache` answers 200 only then, and 400 while requests are in the batch. Ours have
+        ended when the scheduler sends a load (R4), but one the adapter cancelled (a request past
+        `request_timeout_s`, an engine retired and back) runs on until SGLang sees its client
+        gone (up to 4 s) and one decode step more, while it has already let go of the
+        weight-update lock: a load that came in between would swap the weights and then fail to
+        flush the cache (HTTP 400). Flushing here is free: the load flushes the cache anyway."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await asyncio.wait_for(self.control.get(f"{url}/flush_cache"), max(0.0, deadline - loop.time()))
+                return
+            except Exception as exc:
+                if _http_status(exc) != 400:
+                    raise
+            if loop.time() + FLUSH_RETRY_S >= deadline:
+                raise asyncio.TimeoutError
+            await asyncio.sleep(FLUSH_RETRY_S)
 
 
 class PassThroughEngines:

@@ -15,7 +15,10 @@ documented data shapes and interfaces (read from slime's source, commit 624b824)
   in `/server_info`'s `internal_states`, and each tokenizer worker's, which `/model_info` answers
   from; see `FakeEngine.tokenizer_workers`; `FakeEngine.empty_states`: slime's SGLang 0.5.15
   patch, whose `/server_info` returns `internal_states: []` when the scheduler does not answer in
-  2 s). `FakeEngine.stuck`: an engine that accepts requests and never answers them. It records
+  2 s); `GET /flush_cache` as SGLang answers it, 200 only when nothing runs, else 400; a request
+  its client cancelled stays in the batch a moment (`ABORT_LINGER_S`, SGLang: up to 4 s and a
+  decode step) without the weight-update lock, and a load meanwhile swaps the weights and answers
+  400 (the cache not flushed). `FakeEngine.stuck`: an engine that accepts requests and never answers them. It records
   violations instead of hiding them: a load on an engine with requests running (R4), more
   requests than the engine's capacity. `restart_engine` replaces an engine by a fresh one at the
   same address, as slime's fault tolerance does.
@@ -158,6 +161,8 @@ class FakeEngine:
         self.load_hold: dict[str, tuple[Any, float]] = {}
         self.load_done: Any = None  # an asyncio.Event while a held load runs
         self.started = 0
+        self.lingering = 0  # cancelled requests still in the batch (`ABORT_LINGER_S`)
+        self.flushes: list[bool] = []  # each /flush_cache: did it flush (the scheduler was idle)?
         self.inherited = 0  # requests retried here from a predecessor at the same URL
         self.launch_version = "initial"
         # SGLang's `--tokenizer-worker-num`: each worker process keeps its own copy of the weight
@@ -228,6 +233,18 @@ class FakeSglangFleet:
     async def get(self, url: str) -> dict:
         if url.endswith("/workers"):
             return {"workers": [{"id": e.worker_id, "url": e.url, "worker_type": "regular"} for e in self.engines]}
+        if url.endswith("/flush_cache"):  # SGLang: 200 (text) only when nothing runs or queues, else 400
+            engine = next(e for e in self.engines if url.startswith(e.url))
+            if not engine.alive:
+                raise ConnectionError(f"{engine.url} is down")
+            if engine.stuck:
+                await asyncio.Event().wait()  # the scheduler never answers; the caller's bound cuts it
+            busy = engine.running + engine.lingering
+            engine.flushes.append(not busy)
+            if busy:
+                raise http_error("GET", url, 400, text=f"Cache not flushed because there are pending requests. "
+                                                       f"#queue-req: 0, #running-req: {busy}")
+            return {"text": "Cache flushed."}
         if url.endswith(("/health", "/health_generate", "/model_info", "/server_info")):
             engine = next(e for e in self.engines if url.startswith(e.url))
             if not engine.alive:
@@ -261,6 +278,11 @@ class FakeSglangFleet:
             engine.worker_versions[engine.tokenizer_worker()] = payload["weight_version"]
             engine.loads.append(payload["weight_version"])
             self.observe()
+            if engine.lingering:  # SGLang 0.5.23: the weights are swapped, the cache flush after it fails
+                raise http_error("POST", url, 400, json={
+                    "success": False, "num_paused_requests": 0,
+                    "message": "Weights were updated, but the cache was not flushed because requests are still "
+                               "running or queued. Retract or finish them, then call /flush_cache."})
             return {"success": True, "message": "ok"}
         if url.endswith("/update_weight_version"):  # SGLang: a new tag, no load
             engine.version = payload["new_version"]
@@ -279,6 +301,35 @@ class FakeSglangFleet:
             engine.load_done = None
 
 
+def http_error(method: str, url: str, status: int, **body: Any) -> Exception:
+    """The error slime's and the adapter's HTTP clients raise for an error status (httpx's
+    `HTTPStatusError` from `raise_for_status`), with the reply's body (`json=` or `text=`)."""
+    import httpx
+
+    request = httpx.Request(method, url)
+    return httpx.HTTPStatusError(f"HTTP {status} for {url}", request=request,
+                                 response=httpx.Response(status, request=request, **body))
+
+
+def _linger(engine: FakeEngine) -> None:
+    """A request its client cancelled stays in the engine's batch after letting go of the
+    weight-update lock (SGLang: until it sees the client gone, up to 4 s, then one decode step):
+    for `ABORT_LINGER_S`, or until `ABORT_HOLD` is set where a test sets one (to force an order)."""
+    engine.lingering += 1
+
+    async def leave() -> None:
+        try:
+            if ABORT_HOLD is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ABORT_HOLD.wait(), HOLD_TIMEOUT_S)
+            else:
+                await asyncio.sleep(ABORT_LINGER_S)
+        finally:
+            engine.lingering -= 1
+
+    asyncio.ensure_future(leave())
+
+
 def response_length(sample: Any) -> int:
     """Long-tailed, deterministic per (prompt, index): most short, a few ~10x longer."""
     rng = random.Random(f"{sample.prompt}/{sample.index}")
@@ -292,6 +343,10 @@ TICK_S = 0.0005
 FAIL_ALWAYS: set[tuple[str, int]] = set()
 HOLD: dict[tuple[str, int], Any] = {}
 HOLD_TIMEOUT_S = 30.0  # far over what a held request waits for under CI load
+# How long a cancelled request stays in its engine's batch (`_linger`); ABORT_HOLD (an
+# asyncio.Event a test sets) holds it there until set instead.
+ABORT_LINGER_S = 0.02
+ABORT_HOLD: Any = None
 # (prompt, weight version) of each request a stuck engine took.
 STUCK: list[tuple[str, str]] = []
 # Called with the engine each time a request starts on it (fault injection).
@@ -372,6 +427,10 @@ async def _request(engine: FakeEngine, args: Any, sample: Any, sampling_params: 
         if fleet_capacity is not None and engine.running > fleet_capacity:
             raise AssertionError(f"{engine.url}: {engine.running} requests > capacity {fleet_capacity}")
         return sample
+    except asyncio.CancelledError:
+        if running:
+            _linger(engine)
+        raise
     finally:
         engine.running -= running
 

@@ -2,7 +2,9 @@
 slime's connection pool of `--sglang-server-concurrency` x engines connections, held by
 generation; SGLang's `/health` that does not generate (as slime launches it); a stuck engine;
 SGLang's weight-update writer lock under slime's `RolloutHealthMonitor`; SGLang 0.5.15's
-`/server_info` with slime's patch.
+`/server_info` with slime's patch; a cancelled request that stays in SGLang's batch after it lets
+go of the writer lock, where a load fails to flush the cache; many loads holding control
+connections at once.
 
 The HTTP tests run the CPU SGLang stand-in of `harness/slime_cpu/server.py` (a batching decode
 loop, the writer lock, `/health` without generation) in this process, over real sockets.
@@ -693,4 +695,167 @@ def test_a_load_failing_before_the_final_evaluation_leaves_it_to_the_other_engin
     assert [s.weight_versions for s in ev.data["probe"]["samples"]] == [["6"], ["6"]]
     failed, loaded = probes.index(("engine_failed", iids[y.url])), probes.index(("loaded", (iids[x.url], 6)))
     assert (failed < loaded) == (first == "failure"), probes
+    assert fleet.violations == []
+
+
+# ---------------------------------------------------------------- a load beside a request whose client hung up
+def _records(tmp_path: Path, kind: str, engine: int = 0) -> list[dict]:
+    import json
+
+    path = tmp_path / f"engine{engine}.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind] if path.exists() else []
+
+
+async def _until(cond, what: str, limit_s: float = 20.0) -> None:
+    t = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t < limit_s, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("order", ["load_first", "request_leaves_first", "request_arrives_after_the_wait"])
+def test_a_load_after_a_cancelled_request_waits_until_the_engine_is_idle(tmp_path, monkeypatch, order):
+    """A request the adapter cancelled (past `request_timeout_s`, or on an engine retired and
+    back): SGLang lets go of the weight-update lock as soon as it sees the client gone (here
+    within 0.05 s; SGLang: 4 s), but its scheduler drops the request only at the next decode step.
+    A load that took the lock in between swapped the weights, then could not flush the cache and
+    answered 400, which stopped the job. The stand-in server keeps such a request in its batch
+    until released, to force each order: the load asked first waits (its `/flush_cache` refused)
+    until the request leaves; asked after, it loads at once; and when the request is still there
+    at the load itself (it came after the wait: here the first wait is skipped), the 400's load
+    is counted once the engine reports the new version and the cache is flushed."""
+    import httpx
+
+    (engine,), (url,), router, _ = _fleet(tmp_path, 1, step_s=0.01, disconnect_check_s=0.05, hold_aborted=True)
+    args = _args(tmp_path, router, 4)
+    engines = SglangEngines(args, slime_settings(args))
+    ckpt = tmp_path / "v1"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    if order == "request_arrives_after_the_wait":
+        real, waits = SglangEngines._until_idle, []
+
+        async def first_wait_skipped(self, url, deadline):
+            waits.append(url)
+            if len(waits) > 1:
+                await real(self, url, deadline)
+
+        monkeypatch.setattr(SglangEngines, "_until_idle", first_wait_skipped)
+
+    async def run():
+        await engines.discover()
+        async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
+            req = asyncio.ensure_future(client.post(f"{url}/generate", json={
+                "input_ids": [3, 4], "sampling_params": {"max_new_tokens": 10**7}}))
+            await _until(lambda: engine.busy() == 1, "the request runs")
+            req.cancel()
+        await _until(lambda: _records(tmp_path, "disconnect"), "the engine sees the client gone")
+        assert engine.busy() == 1 and engine.update_lock.readers == 0  # in the batch, the lock let go
+        if order == "request_leaves_first":
+            engine.release()
+            await _until(lambda: engine.busy() == 0, "the request leaves")
+        load = asyncio.ensure_future(engines.load(0, "1", str(ckpt)))
+        if order == "load_first":
+            await _until(lambda: len(_records(tmp_path, "flush_cache")) >= 2, "two refused flushes")
+            assert not load.done() and not _records(tmp_path, "load") and engine.version == sglang_standin.LAUNCH_VERSION
+        elif order == "request_arrives_after_the_wait":
+            await _until(lambda: _records(tmp_path, "load"), "the load")
+            await _until(lambda: len(_records(tmp_path, "flush_cache")) >= 1, "a refused flush after it")
+            assert not load.done() and engine.version == "1"
+        if order != "request_leaves_first":
+            engine.release()
+        await asyncio.wait_for(load, 20)
+
+    asyncio.run(run())
+    loads, flushes = _records(tmp_path, "load"), _records(tmp_path, "flush_cache")
+    assert [r["version"] for r in loads] == ["1"] and engines._loaded_tags == {0: "1"}
+    assert [r["flushed"] for r in loads] == [order != "request_arrives_after_the_wait"]
+    assert flushes[-1]["flushed"] and not all(f["flushed"] for f in flushes[:-1]) == (order != "request_leaves_first")
+    assert not _records(tmp_path, "violation")
+
+
+def test_a_load_sglang_refuses_stops_the_job_with_its_message(tmp_path):
+    """SGLang answers a load that fails with 400 and `{"success": false, "message": ...}` (the old
+    weights stay): the error names the engine, the checkpoint and SGLang's reason."""
+    from dora_ext.slime.engines import AdapterError
+
+    _, (url,), router, _ = _fleet(tmp_path, 1)
+    args = _args(tmp_path, router, 4)
+    engines = SglangEngines(args, slime_settings(args))
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "1", str(tmp_path / "missing"))
+
+    with pytest.raises(AdapterError, match=rf"engine {url} failed to load .*missing: no checkpoint at .*missing"):
+        asyncio.run(run())
+    assert engines._loaded_tags == {}
+
+
+def test_loads_in_flight_on_many_engines_leave_a_connection_for_the_probes(tmp_path):
+    """A weight load holds its control connection for the whole load (minutes from a shared
+    filesystem). With 70 engines loading at once (the control pool had 64 connections), the probe
+    of an engine that is not loading must not wait for a connection until its bound retires it.
+    71 stand-in servers in this process; their loads hold until released."""
+    n = 71
+    fleet, urls, router, _ = _fleet(tmp_path, n, load_s=60.0)
+    args = _args(tmp_path, router, 4)
+    engines = SglangEngines(args, slime_settings(args))
+    engines.health_timeout_s = 10.0
+    ckpt = tmp_path / "v1"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+
+    async def run():
+        await engines.discover()
+        loads = [asyncio.ensure_future(engines.load(i, "1", str(ckpt))) for i, u in engines.urls.items() if u != urls[-1]]
+        await _until(lambda: all(e.update_lock.writer for e in fleet[:n - 1]), "every load holds its engine")
+        try:
+            assert await engines.healthy(urls[-1])
+        finally:
+            for e in fleet:
+                e.load_hold.set()
+            await asyncio.wait_for(asyncio.gather(*loads), 30)
+
+    asyncio.run(run())
+    assert set(engines._loaded_tags.values()) == {"1"} and len(engines._loaded_tags) == n - 1
+
+
+def test_slimes_loop_goes_on_when_a_request_past_request_timeout_s_lingers_at_a_load(tmp_path, standins, monkeypatch):
+    """slime's loop (train_async order, 4 rollouts) on one engine: p0's second sample answers
+    only after `request_timeout_s`, so the adapter cancels it and runs it again; the cancelled
+    request stays in the engine's batch (held until the engine refused two `/flush_cache`s, which
+    forces the next load to come while it is there). That load used to get SGLang's 400 (weights
+    swapped, cache not flushed) and stop the job; now it waits for the engine to be idle, and
+    every group trains once, from one version."""
+    args = make_args(tmp_path, mode="dora", k=1, batch=3, n=2, num_rollout=4, capacity=4)
+    args.dora_slime.update(request_timeout_s=0.3)
+    fleet = standins.FakeSglangFleet(1, capacity=4, base_port=31950)
+    session = install_fleet_session(args, None, fleet, first_step=0)
+    engine, get = fleet.engines[0], fleet.get
+    lingering = asyncio.Event()
+    monkeypatch.setattr(standins, "ABORT_HOLD", lingering)
+    held = []
+
+    async def answers_late_once():
+        if not held:
+            held.append(True)
+            await asyncio.Event().wait()  # cut by request_timeout_s
+
+    standins.HOLD[("p0", 1)] = SimpleNamespace(wait=answers_late_once)
+
+    async def flush_then_let_it_go(url):
+        try:
+            return await get(url)
+        finally:
+            if url.endswith("/flush_cache") and engine.flushes.count(False) >= 2:
+                lingering.set()
+
+    fleet.get = flush_then_let_it_go
+    try:
+        out = SimulatedSlimeDriver(args, session.data_source).run_async(0, 4)
+    finally:
+        standins.HOLD.clear()
+    assert held and engine.flushes.count(False) >= 2 and engine.flushes[-1]
+    check_trained(out, 4 * 3)
     assert fleet.violations == []

@@ -68,6 +68,45 @@ def test_a_refresh_interrupted_part_way_keeps_what_it_would_have_dropped(tmp_pat
     asyncio.run(run())
 
 
+# ------------------------------------------------------------------ an engine retired and back
+@pytest.mark.parametrize("loaded", ["version_2", "launch_version_only"])
+def test_an_engine_back_after_one_failed_probe_is_loaded_from_disk_unless_it_held_the_launch_weights(
+        tmp_path, standins, loaded):
+    """Engine 0 loaded version 2 from disk; one `/health_generate` fails (a transient error), so the
+    refresh retires it, and, healthy at once, it rejoins under a new id still holding version 2's
+    weights. Asked for the launch version, it used to be relabelled only (`/update_weight_version`):
+    it then reported the launch version while it generated with version 2's weights, a C1
+    violation no check could see. Now it loads the launch checkpoint from disk. An engine that
+    never held anything but the launch weights is still only relabelled."""
+    fleet, engines = fleet_engines(standins, tmp_path, 32600)
+    engines.launch_tag = "0"
+    real_get, failures = fleet.get, [1]
+    e0 = fleet.engines[0]
+
+    async def get(url):
+        if url == e0.url + "/health_generate" and failures[0]:
+            failures[0] -= 1
+            raise ConnectionError("injected: one probe fails")
+        return await real_get(url)
+
+    async def run():
+        await engines.discover()
+        await engines.load(0, "0", str(tmp_path / "w"))  # the launch weights: a relabel
+        if loaded == "version_2":
+            await engines.load(0, "2", str(tmp_path / "w"))
+        fleet.get = get
+        gone, new = await engines.refresh()
+        assert gone == [0] and [engines.urls[i] for i, _ in new] == [e0.url]
+        await engines.load(new[0][0], "0", str(tmp_path / "w"))
+
+    asyncio.run(run())
+    assert e0.version == "0"
+    if loaded == "version_2":
+        assert (e0.relabels, e0.loads) == (["0"], ["2", "0"])
+    else:
+        assert (e0.relabels, e0.loads) == (["0", "0"], [])
+
+
 # ------------------------------------------------------------------ one pass, concurrent
 def test_one_refresh_asks_every_engine_concurrently(tmp_path, standins):
     """Engine 0's /health answers only once engine 1's /health has been asked in the same pass (bounded: asked one after

@@ -14,6 +14,13 @@ with the limits of the real server that matter to them:
   writer preference): every generation holds it as a reader for its whole life, and
   `/update_weights_from_disk` takes it as the writer, so a load waits for the requests in flight,
   new requests wait for the load, and the load itself takes `--load-s`;
+* a client that hangs up: SGLang sees it within `--disconnect-check-s` (its
+  SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s), lets go of the reader lock at once, and its scheduler
+  drops the request at the next decode step (`--hold-aborted`: only after `POST
+  /standin/release_aborted`, to force an order); a load that takes the lock in between swaps the
+  weights, then cannot flush the cache and answers 400 (SGLang 0.5.23's message);
+* `/flush_cache` as SGLang answers it: 200 (text) only when no request runs, else 400;
+  a load that fails answers 400 with `{"success": false, "message": ...}`;
 * `/health` as slime launches SGLang (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`): 200
   without touching the decode loop; `/health_generate` sends a one-token request through it
   (so it waits behind a load, and never answers on a stuck engine);
@@ -21,6 +28,7 @@ with the limits of the real server that matter to them:
   `weight_version` is the launch one) and the scheduler's state in `internal_states`, read back
   from the decode loop; when that takes more than SGLANG_SERVER_INFO_TIMEOUT (2 s:
   `--server-info-delay-s` makes it slow), `internal_states` is empty;
+* `POST /standin/release_aborted`: requests whose client hung up leave the batch (`--hold-aborted`);
 * `POST /standin/stick`: the engine gets stuck (accepts connections, never answers a generation
   nor `/health_generate`; `/health` still says 200, as a real stuck SGLang's does).
 
@@ -30,7 +38,8 @@ with the limits of the real server that matter to them:
                                   output_token_logprobs, prompt_tokens, ...}}
   GET  /health /health_generate /server_info /get_server_info /model_info /get_model_info
        /get_weight_version
-  GET|POST /flush_cache, POST /pause_generation /continue_generation /abort_request
+  GET|POST /flush_cache (200 only when idle, else 400), POST /pause_generation /continue_generation
+       /abort_request (recorded, no effect)
   POST /update_weights_from_disk {model_path, weight_version}: loads `model.safetensors` (and
                                   reads `padding.bin`, a model-sized checkpoint's bytes, if any)
   POST /update_weight_version {new_version}: only the tag (logged as a load with `relabel`)
@@ -52,11 +61,14 @@ import argparse
 import json
 import os
 import random
+import select
+import socket
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 LAUNCH_VERSION = "default"  # SGLang's --weight-version default
 SERVER_INFO_TIMEOUT_S = 2.0  # slime's 0.5.15 patch: SGLANG_SERVER_INFO_TIMEOUT
@@ -105,6 +117,7 @@ class Request:
         self.out: list[int] = []
         self.lps: list[float] = []
         self.finish: dict | None = None if max_new > 0 else {"type": "length", "length": 0}
+        self.aborted = False  # its client hung up: the scheduler drops it at its next step
         self.done = threading.Event()
         if self.finish is not None:
             self.done.set()
@@ -113,7 +126,7 @@ class Request:
 class Engine:
     def __init__(self, model_path: str, log: str, die_after: int | None, port: int, gated: bool = False, *,
                  step_s: float = 0.0, load_s: float = 0.0, cheap: bool = False, stuck_after: int | None = None,
-                 server_info_delay_s: float = 0.0) -> None:
+                 server_info_delay_s: float = 0.0, disconnect_check_s: float = 4.0, hold_aborted: bool = False) -> None:
         self.gate, self.load_hold = threading.Event(), threading.Event()  # load_hold: set, a load ends early
         if not gated:
             self.gate.set()
@@ -140,6 +153,10 @@ class Engine:
         self.die_after, self.stuck_after = die_after, stuck_after
         self.stuck = False
         self.step_s, self.load_s, self.server_info_delay_s = step_s, load_s, server_info_delay_s
+        self.disconnect_check_s = disconnect_check_s
+        self.release_aborted = threading.Event()  # set: requests whose client hung up leave the batch
+        if not hold_aborted:
+            self.release_aborted.set()
         self.log = open(log, "a", buffering=1)
         self.port = port
         threading.Thread(target=self._decode_loop, daemon=True).start()
@@ -150,10 +167,13 @@ class Engine:
             self.log.write(json.dumps(entry) + "\n")
 
     # ------------------------------------------------------------------ the scheduler's batch
+    def _runnable(self) -> bool:
+        return not self.stuck and any(not r.aborted or self.release_aborted.is_set() for r in self.running)
+
     def _decode_loop(self) -> None:
         while True:
             with self.wake:
-                while not self.running or self.stuck:
+                while not self._runnable():
                     self.wake.wait()
                 batch = list(self.running)
             if self.step_s:
@@ -164,6 +184,11 @@ class Engine:
 
     def _step(self, batch: list[Request]) -> None:
         for r in batch:
+            if r.aborted:
+                if self.release_aborted.is_set():
+                    r.finish = {"type": "abort", "message": "the client disconnected"}
+                    r.done.set()
+                continue
             if self.cheap:
                 tok = r.rng.randrange(3, len(self.vocab))
                 lp = -1.0
@@ -187,14 +212,44 @@ class Engine:
             if r.finish is not None:
                 r.done.set()
 
-    def _run(self, r: Request) -> None:
+    def _run(self, r: Request, gone: Any = None) -> bool:
+        """Run `r` in the batch until it finishes (True) or `gone()` says its client hung up
+        (False: it stays in the batch until the next step drops it)."""
         with self.wake:
             self.running.append(r)
             self.wake.notify_all()
-        r.done.wait()
+        while not r.done.wait(self.disconnect_check_s if gone is not None else None):
+            if gone():
+                with self.wake:
+                    r.aborted = True
+                    self.wake.notify_all()
+                return False
+        return True
+
+    def busy(self) -> int:
+        """Requests in the batch (SGLang's scheduler: running or waiting), those whose client
+        hung up included until a step drops them."""
+        with self.state:
+            return sum(1 for r in self.running if not r.done.is_set())
+
+    def flush(self) -> tuple[int, str]:
+        """SGLang's `/flush_cache`: only when the scheduler is idle (a stuck one never answers)."""
+        if self.stuck:
+            threading.Event().wait()
+        busy = self.busy()
+        self.record(kind="flush_cache", flushed=not busy, t=time.time())
+        if busy:
+            return 400, f"Cache not flushed because there are pending requests. #queue-req: 0, #running-req: {busy}"
+        return 200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+
+    def release(self) -> None:
+        with self.wake:
+            self.release_aborted.set()
+            self.wake.notify_all()
 
     # ------------------------------------------------------------------ endpoints
-    def generate(self, body: dict) -> dict:
+    def generate(self, body: dict, gone: Any = None) -> dict | None:
+        """One `/generate`; None if `gone()` said its client hung up (nothing to answer)."""
         self.gate.wait(GATE_LIMIT_S)
         self.update_lock.acquire_read()  # SGLang: generate_request holds model_update_lock.reader_lock
         try:
@@ -220,7 +275,9 @@ class Engine:
                 r.finish = {"type": "abort", "message": "injected: this request fails on every attempt"}
             else:
                 r = Request(ids, max_new, float(sp.get("temperature", 1.0) or 1.0), stops, seed)
-                self._run(r)
+                if not self._run(r, gone):
+                    self.record(kind="disconnect", t0=t0, t1=time.time(), version_start=v0, input_ids=ids)
+                    return None
             v1 = self.version
         finally:
             self.update_lock.release_read()
@@ -247,14 +304,16 @@ class Engine:
         finally:
             self.update_lock.release_read()
 
-    def load(self, body: dict) -> dict:
+    def load(self, body: dict) -> tuple[int, dict]:
+        """`/update_weights_from_disk`: (HTTP status, reply)."""
         self.gate.wait(GATE_LIMIT_S)
         path = Path(body["model_path"])
         t0 = time.time()
         self.update_lock.acquire_write()  # waits for the requests in flight; new ones wait for it
         try:
             with self.state:
-                running = sum(1 for r in self.running if not r.done.is_set())
+                running = sum(1 for r in self.running if not r.done.is_set() and not r.aborted)
+                hung_up = sum(1 for r in self.running if not r.done.is_set() and r.aborted)
             if running:
                 self.record(kind="violation", what=f"loaded {path} with {running} requests running")
             if self.load_s:
@@ -270,14 +329,21 @@ class Engine:
 
                 tiny.load_into(self.model, path)
             elif not (path / "config.json").exists():
-                return {"success": False, "message": f"no checkpoint at {path}"}
+                return 400, {"success": False, "message": f"no checkpoint at {path}", "num_paused_requests": 0}
             if body.get("weight_version") is not None:
                 self.version = str(body["weight_version"])
+            # SGLang flushes the cache after the swap, which it refuses while the batch holds a request
+            # (one whose client hung up stays there until the next decode step)
+            flushed = not (running or hung_up)
         finally:
             self.update_lock.release_write()
         self.record(kind="load", endpoint="update_weights_from_disk", t0=t0, t=time.time(), read_s=read_s,
-                    path=str(path), version=self.version)
-        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
+                    path=str(path), version=self.version, flushed=flushed)
+        if not flushed:
+            return 400, {"success": False, "num_paused_requests": 0, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache.")}
+        return 200, {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     def info(self) -> dict:
         return {
@@ -311,14 +377,31 @@ def make_handler(engine: Engine):
             self.end_headers()
             self.wfile.write(data)
 
+        def _reply_text(self, text: str, code: int = 200) -> None:
+            data = text.encode()  # no content type: SGLang's plain `Response`
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _gone(self) -> bool:
+            """Did the client hang up? (its socket reads as closed)"""
+            try:
+                ready, _, _ = select.select([self.connection], [], [], 0)
+                return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
         def _body(self) -> dict:
             n = int(self.headers.get("Content-Length") or 0)
             return json.loads(self.rfile.read(n) or b"{}") if n else {}
 
         def do_GET(self) -> None:
             p = self.path.split("?")[0]
-            if p in ("/health", "/flush_cache"):
+            if p == "/health":
                 return self._reply({})
+            if p == "/flush_cache":
+                return self._reply_text(*reversed(engine.flush()))
             if p == "/health_generate":
                 engine.health_generate()
                 return self._reply({})
@@ -334,9 +417,14 @@ def make_handler(engine: Engine):
             p = self.path.split("?")[0]
             body = self._body()
             if p == "/generate":
-                return self._reply(engine.generate(body))
+                out = engine.generate(body, self._gone)
+                if out is None:  # the client hung up: nothing to answer
+                    self.close_connection = True
+                    return None
+                return self._reply(out)
             if p == "/update_weights_from_disk":
-                return self._reply(engine.load(body))
+                code, reply = engine.load(body)
+                return self._reply(reply, code)
             if p == "/update_weight_version":  # a new tag, no load
                 engine.version = str(body["new_version"])
                 engine.record(kind="load", endpoint="update_weight_version", t0=time.time(), t=time.time(), path=None,
@@ -348,7 +436,12 @@ def make_handler(engine: Engine):
             if p == "/standin/stick":
                 engine.stuck = True
                 return self._reply({"success": True})
-            if p in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"):
+            if p == "/standin/release_aborted":
+                engine.release()
+                return self._reply({"success": True})
+            if p == "/flush_cache":
+                return self._reply_text(*reversed(engine.flush()))
+            if p in ("/pause_generation", "/continue_generation", "/abort_request"):
                 engine.record(kind=p.strip("/"), t=time.time())
                 return self._reply({"success": True})
             return self._reply({"error": f"no POST {p}"}, 404)
@@ -397,10 +490,15 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.0, help="one decode step of the running batch")
     ap.add_argument("--load-s", type=float, default=0.0, help="how long a weight load holds the writer lock")
     ap.add_argument("--server-info-delay-s", type=float, default=0.0)
+    ap.add_argument("--disconnect-check-s", type=float, default=4.0,
+                    help="how soon a client that hung up is seen (SGLANG_REQUEST_STATE_WAIT_TIMEOUT)")
+    ap.add_argument("--hold-aborted", action="store_true",
+                    help="requests whose client hung up stay in the batch until POST /standin/release_aborted")
     ap.add_argument("--cheap-tokens", action="store_true")
     a = ap.parse_args()
     engine = Engine(a.model_path, a.log, a.die_after, a.port, a.gated, step_s=a.step_s, load_s=a.load_s,
-                    cheap=a.cheap_tokens, stuck_after=a.stuck_after, server_info_delay_s=a.server_info_delay_s)
+                    cheap=a.cheap_tokens, stuck_after=a.stuck_after, server_info_delay_s=a.server_info_delay_s,
+                    disconnect_check_s=a.disconnect_check_s, hold_aborted=a.hold_aborted)
     serve(engine, a.port).serve_forever()
 
 

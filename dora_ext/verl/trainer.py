@@ -117,6 +117,28 @@ def _check_split(config: Any) -> None:
         )
 
 
+def _check_rollout(config: Any) -> None:
+    """The rollout engine's shape, refused at launch where dora's loads and moves cannot work:
+
+    * ``actor_rollout_ref.rollout.disaggregation.enabled`` (prefill/decode disaggregation, SGLang or
+      vLLM): verl's replica address and server handle are its prefill server's, and verl sends each
+      request on as ``<id>_P`` (prefill) and ``<id>_D`` (decode, on another server;
+      ``async_sglang_server.py`` / ``vllm_async_server.py``). An R5 move's abort names the request's
+      own id at the replica's address: SGLang ignores the unknown id, vLLM answers "not found", and
+      the move never lands; each load check reads only the prefill server's weights."""
+    from dora_ext.config import ConfigError
+
+    rollout = config.actor_rollout_ref.rollout
+    if (rollout.get("disaggregation") or {}).get("enabled"):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.disaggregation.enabled",
+            f"is true (rollout {rollout.get('name')!r}); with prefill/decode disaggregation verl sends each request to "
+            "the prefill and decode servers under other ids (<id>_P, <id>_D), so trainer_mode=dora's abort of one "
+            "request (R5 moves) never lands and its weight checks reach the prefill server only: set "
+            "actor_rollout_ref.rollout.disaggregation.enabled=false (or remove the key)",
+        )
+
+
 def configure(config: Any) -> Any:
     """Validate the ``dora`` key and point verl's plug-in keys at dora-ext (in place).
 
@@ -128,6 +150,7 @@ def configure(config: Any) -> Any:
         sep = v1.get("separate_async") or {}
         v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
         _check_split(config)
+    _check_rollout(config)
     # The replicas verl will start (fewer rollout GPUs than one replica's tensor-parallel size give
     # 0, where dora_config would fall back to its default instance count).
     replicas = replica_count(config)

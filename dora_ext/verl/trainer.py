@@ -118,8 +118,12 @@ def _check_split(config: Any) -> None:
 
 
 def _check_rollout(config: Any) -> None:
-    """The rollout engine's shape, refused at launch where dora's loads and moves cannot work:
+    """The rollout engine and its shape, refused at launch where dora's loads and moves cannot work:
 
+    * ``actor_rollout_ref.rollout.name``: ``weights.ENGINES`` only (``dora_cpu``, ``vllm``, ``sglang``),
+      the engines ``engine_checksum`` reads every load back from and ``abort_request`` aborts one
+      request on; another (``trtllm``) failed the first load check, with the cluster up. Unset, verl
+      refuses it itself (a mandatory key);
     * ``actor_rollout_ref.rollout.disaggregation.enabled`` (prefill/decode disaggregation, SGLang or
       vLLM): verl's replica address and server handle are its prefill server's, and verl sends each
       request on as ``<id>_P`` (prefill) and ``<id>_D`` (decode, on another server;
@@ -128,7 +132,17 @@ def _check_rollout(config: Any) -> None:
       the move never lands; each load check reads only the prefill server's weights."""
     from dora_ext.config import ConfigError
 
+    from .weights import ENGINES
+
     rollout = config.actor_rollout_ref.rollout
+    name = rollout.get("name")
+    if name is not None and str(name) not in ENGINES:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.name",
+            f"is {name!r}; trainer_mode=dora checks every weight load against the engine's own weights and moves "
+            f"trajectories by aborting single requests, which it does on {', '.join(ENGINES)} only: set "
+            "actor_rollout_ref.rollout.name to one of them",
+        )
     if (rollout.get("disaggregation") or {}).get("enabled"):
         raise ConfigError(
             "actor_rollout_ref.rollout.disaggregation.enabled",

@@ -56,6 +56,7 @@ BACKEND = "dora_store"
 MODULE = "dora_ext.verl.weights"
 STORE_PREFIX = "dora_weight_store_"
 SAMPLE_POINTS = 64  # values of each tensor in the checksum, strided across all of it
+ENGINES = ("dora_cpu", "vllm", "sglang")  # rollouts whose loads dora can check and whose requests it can abort
 REPLICATED = ("vllm", "sglang")  # engines that shard/fuse most tensors: only *norm.weight reads back as published
 FETCH_TIMEOUT_S = 1800.0  # default engine_kwargs.dora_store.fetch_timeout_s
 TIMEOUT_KEY = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.fetch_timeout_s"
@@ -319,7 +320,7 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
             raise WeightsMismatch(f"dora: vLLM engine checksum: {out['error']}")
         return out["checksum"]
     raise ValueError(f"dora: no engine checksum for actor_rollout_ref.rollout.name={rollout!r} "
-                     "(accepted: dora_cpu, vllm, sglang)")
+                     f"(accepted: {', '.join(ENGINES)})")
 
 
 async def abort_request(rollout: str, server: Any, address: str, request_id: str) -> dict:

@@ -585,6 +585,22 @@ def test_prefill_decode_disaggregation_is_refused_at_launch(engine):
     configure(_bare(*_POOL, _R + f"name={engine}", _R + "disaggregation.enabled=false"))
 
 
+@pytest.mark.parametrize("engine", ["trtllm", "hf"])
+def test_a_rollout_engine_dora_cannot_check_or_abort_on_is_refused_at_launch(engine):
+    """dora reads every load back from the engine and aborts single requests on ``dora_cpu``, vLLM and
+    SGLang only (``engine_checksum``, ``abort_request``); ``trtllm`` was accepted here and refused by
+    the first load check, with the cluster up."""
+    from dora_ext.verl.trainer import configure
+
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*_POOL, _R + f"name={engine}"))
+    assert err.value.field == "actor_rollout_ref.rollout.name"
+    for what in (repr(engine), "dora_cpu, vllm, sglang", "set actor_rollout_ref.rollout.name"):
+        assert what in str(err.value), what
+    for accepted in ("dora_cpu", "vllm", "sglang"):
+        configure(_bare(*_POOL, _R + f"name={accepted}"))
+
+
 def test_a_one_replica_pool_is_refused_before_a_dora_instances_that_differs_from_it():
     """The pool's size is the mistake to fix first: a ``dora.instances`` set for the pool the user meant to start
     (4) on a launch that starts one replica is answered with the one-replica refusal, naming the pool key, not with

@@ -57,6 +57,20 @@ class DoraLLMServerClient(FullyAsyncLLMServerClient):
         # just that request (``abort_request``); verl passes it through under full_determinism too.
         return request_id
 
+    async def generate(self, request_id: str, **kwargs: Any) -> Any:
+        """verl's resuming ``generate`` under the trajectory's own id, ``<id>-<uid>-<session>``
+        (every turn and resume of a trajectory keeps it). The coordinator keys a request by its id
+        and an R5 move aborts it by that id, but verl's agent loops do not make ids unique: under
+        ``actor_rollout_ref.rollout.full_determinism`` every request is ``det-<priority>`` and verl's
+        TransferQueue worker passes no priority, so all are ``det-0``; one abort on vLLM (which
+        aborts every request under an id) stopped them all. What verl's determinism reads (per-request
+        seeds, batch-invariant kernels) does not depend on the id and is untouched; the id keeps verl's
+        part and adds only what names the trajectory."""
+        route = current_route.get()
+        if route is not None and route.group is not None:
+            request_id = f"{request_id}-{route.group}-{route.index}"
+        return await super().generate(request_id, **kwargs)
+
     @property
     def coordinator(self) -> Any:
         return self._load_balancer

@@ -117,6 +117,42 @@ def _check_split(config: Any) -> None:
         )
 
 
+def _check_rollout(config: Any) -> None:
+    """The rollout engine and its shape, refused at launch where dora's loads and moves cannot work:
+
+    * ``actor_rollout_ref.rollout.name``: ``weights.ENGINES`` only (``dora_cpu``, ``vllm``, ``sglang``),
+      the engines ``engine_checksum`` reads every load back from and ``abort_request`` aborts one
+      request on; another (``trtllm``) failed the first load check, with the cluster up. Unset, verl
+      refuses it itself (a mandatory key);
+    * ``actor_rollout_ref.rollout.disaggregation.enabled`` (prefill/decode disaggregation, SGLang or
+      vLLM): verl's replica address and server handle are its prefill server's, and verl sends each
+      request on as ``<id>_P`` (prefill) and ``<id>_D`` (decode, on another server;
+      ``async_sglang_server.py`` / ``vllm_async_server.py``). An R5 move's abort names the request's
+      own id at the replica's address: SGLang ignores the unknown id, vLLM answers "not found", and
+      the move never lands; each load check reads only the prefill server's weights."""
+    from dora_ext.config import ConfigError
+
+    from .weights import ENGINES
+
+    rollout = config.actor_rollout_ref.rollout
+    name = rollout.get("name")
+    if name is not None and str(name) not in ENGINES:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.name",
+            f"is {name!r}; trainer_mode=dora checks every weight load against the engine's own weights and moves "
+            f"trajectories by aborting single requests, which it does on {', '.join(ENGINES)} only: set "
+            "actor_rollout_ref.rollout.name to one of them",
+        )
+    if (rollout.get("disaggregation") or {}).get("enabled"):
+        raise ConfigError(
+            "actor_rollout_ref.rollout.disaggregation.enabled",
+            f"is true (rollout {rollout.get('name')!r}); with prefill/decode disaggregation verl sends each request to "
+            "the prefill and decode servers under other ids (<id>_P, <id>_D), so trainer_mode=dora's abort of one "
+            "request (R5 moves) never lands and its weight checks reach the prefill server only: set "
+            "actor_rollout_ref.rollout.disaggregation.enabled=false (or remove the key)",
+        )
+
+
 def configure(config: Any) -> Any:
     """Validate the ``dora`` key and point verl's plug-in keys at dora-ext (in place).
 
@@ -128,6 +164,7 @@ def configure(config: Any) -> Any:
         sep = v1.get("separate_async") or {}
         v1[TRAINER_NAME] = {"parameter_sync_step": int(sep.get("parameter_sync_step", 1))}
         _check_split(config)
+    _check_rollout(config)
     # The replicas verl will start (fewer rollout GPUs than one replica's tensor-parallel size give
     # 0, where dora_config would fall back to its default instance count).
     replicas = replica_count(config)

@@ -48,6 +48,7 @@ import json
 import operator
 import os
 import time
+import urllib.request
 from typing import Any, AsyncGenerator, Generator
 
 import torch
@@ -56,6 +57,7 @@ BACKEND = "dora_store"
 MODULE = "dora_ext.verl.weights"
 STORE_PREFIX = "dora_weight_store_"
 SAMPLE_POINTS = 64  # values of each tensor in the checksum, strided across all of it
+ENGINES = ("dora_cpu", "vllm", "sglang")  # rollouts whose loads dora can check and whose requests it can abort
 REPLICATED = ("vllm", "sglang")  # engines that shard/fuse most tensors: only *norm.weight reads back as published
 FETCH_TIMEOUT_S = 1800.0  # default engine_kwargs.dora_store.fetch_timeout_s
 TIMEOUT_KEY = f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}.fetch_timeout_s"
@@ -274,6 +276,17 @@ class DoraChecksumMixin:
         os.replace(path + ".tmp", path)
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _urlopen(req: urllib.request.Request, timeout: float):
+    """``urlopen`` straight to the server, never through ``http_proxy`` / ``HTTP_PROXY``: the SGLang
+    servers are the cluster's own (verl's SGLang HTTP client, aiohttp without ``trust_env``, ignores
+    them too). Through a proxy that cannot reach the cluster's addresses (exported without them in
+    ``no_proxy``) the first load check failed with a URLError and the run stopped at init."""
+    return _DIRECT.open(req, timeout=timeout)
+
+
 async def engine_checksum(rollout: str, server: Any, address: str, names: list[str], store: Any,
                           tag: str, dtype: str | None = None) -> str:
     """The checksum over `names` of the weights the engine behind `server` holds now.
@@ -286,14 +299,13 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
         return await server.weights_checksum.remote(names, dtype)
     if rollout == "sglang":
         import urllib.error
-        import urllib.request
 
         def get(name):
             body = json.dumps({"name": name, "truncate_size": 1 << 20}).encode()  # a whole norm weight
             req = urllib.request.Request(f"http://{address}/get_weights_by_name", data=body,
                                          headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=60) as r:
+                with _urlopen(req, timeout=60) as r:
                     return torch.tensor(json.loads(r.read()), dtype=torch.float32)
             except urllib.error.HTTPError as exc:
                 # SGLang implements get_weights_by_name per model class (SGLANG_WEIGHTS_BY_NAME): without
@@ -319,7 +331,7 @@ async def engine_checksum(rollout: str, server: Any, address: str, names: list[s
             raise WeightsMismatch(f"dora: vLLM engine checksum: {out['error']}")
         return out["checksum"]
     raise ValueError(f"dora: no engine checksum for actor_rollout_ref.rollout.name={rollout!r} "
-                     "(accepted: dora_cpu, vllm, sglang)")
+                     f"(accepted: {', '.join(ENGINES)})")
 
 
 async def abort_request(rollout: str, server: Any, address: str, request_id: str) -> dict:
@@ -330,13 +342,11 @@ async def abort_request(rollout: str, server: Any, address: str, request_id: str
     ``sglang`` (its server actor has none in verl 0.9.1): SGLang's ``/abort_request`` HTTP route,
     which answers 200 whether it held the id or not (``confirmed`` False)."""
     if rollout == "sglang":
-        import urllib.request
-
         def post():
             body = json.dumps({"rid": request_id}).encode()
             req = urllib.request.Request(f"http://{address}/abort_request", data=body,
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with _urlopen(req, timeout=30) as r:
                 return {"aborted": 200 <= r.status < 300, "confirmed": False}
 
         return await asyncio.to_thread(post)

@@ -338,3 +338,88 @@ def test_a_per_request_abort_stops_its_request_in_either_order(order, cause, tmp
     else:
         assert out is None and served0 == 0 and m["failed_groups"] == 1, m
     assert ("g1", 1) not in coord.sched.running_on(0) + coord.sched.running_on(1)  # its slot is free
+
+
+class _AbortsById:
+    """A rollout server that, like vLLM, accepts several requests under one id and aborts every one
+    of them on ``abort_request(id)`` (vLLM >= 0.16 maps an external id to all its internal ids,
+    ``AsyncLLM.abort``). Each request is held until it is aborted (it returns 2 tokens, ``aborted``)
+    or ``finish`` lets it run out its budget."""
+
+    def __init__(self):
+        self.seen: list[str] = []  # the id of each request that arrived
+        self.held: dict[str, list[asyncio.Future]] = {}
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **_):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.seen.append(request_id)
+        fut = asyncio.get_running_loop().create_future()
+        self.held.setdefault(request_id, []).append(fut)
+        reason = await fut
+        n = 2 if reason == "aborted" else int(sampling_params["max_tokens"])
+        return TokenOutput(token_ids=[5] * n, log_probs=[0.0] * n, stop_reason=reason, num_preempted=0,
+                           extra_fields={"global_steps": 0})
+
+    async def abort_request(self, request_id, reset_prefix_cache=True):
+        running = [f for f in self.held.pop(request_id, []) if not f.done()]
+        for f in running:
+            f.set_result("aborted")
+        return {"aborted": bool(running), "request_id": request_id}
+
+    def finish(self):
+        for futs in self.held.values():
+            for f in futs:
+                if not f.done():
+                    f.set_result("length")
+
+
+def test_requests_verl_names_alike_are_told_apart_and_an_abort_stops_only_its_own():
+    """Under ``actor_rollout_ref.rollout.full_determinism`` verl 0.9.1's agent loops name each request
+    ``det-<priority>`` and its TransferQueue worker passes no priority: every request is ``det-0``.
+    The coordinator keyed requests by (server, id) and aborts by id, so on vLLM the abort of g1/1's
+    request (its group failed; an R5 move aborts the same way) also stopped g0/1's beside it on
+    the same server, which then resumed. Our client now sends each trajectory's request under its own
+    id: the abort stops g1/1's alone and g0/1 runs through once."""
+    from dora_ext.verl.coordinator import GroupFailedError
+    from dora_ext.verl.manager import Route, current_route
+
+    from .coordinator_helpers import ONE, started
+
+    coord = started(dict(ONE, max_retries=0))
+    coord.offer([f"g{i}" for i in range(10)])
+    assert coord.route[("g1", 1)] == coord.route[("g0", 1)] == 1  # both on instance 1 (s1)
+
+    async def until(cond):
+        while not cond():
+            await asyncio.sleep(0)
+
+    async def turn(client, group, index):
+        token = current_route.set(Route(group, index))
+        try:  # the id verl's single-turn agent loop gives every request under full_determinism
+            return await client.generate(request_id="det-0", prompt_ids=[1, 2], sampling_params={"max_tokens": 4})
+        finally:
+            current_route.reset(token)
+
+    async def run():
+        s0, s1 = _AbortsById(), _AbortsById()
+        coord.handles, coord._loop = {"s0": Handle(s0), "s1": Handle(s1)}, asyncio.get_running_loop()
+        coord.set_loaders({}, rollout="vllm", abort_requests=True)
+        client = client_of(coord)
+        failed = asyncio.ensure_future(turn(client, "g1", 1))
+        beside = asyncio.ensure_future(turn(client, "g0", 1))
+        await until(lambda: len(s1.seen) == 2)
+        assert len(set(s1.seen)) == 2 and all(i.startswith("det-0") for i in s1.seen), s1.seen
+        assert coord.trajectory_failed("g1", 0, "reward error") == "failed"  # aborts g1/1's request
+        with pytest.raises(GroupFailedError):  # its resume: the group failed
+            await asyncio.wait_for(failed, 30)
+        assert coord.trajectory_failed("g1", 1, "GroupFailedError") == "failed"
+        await asyncio.sleep(0)
+        assert not beside.done()  # still running: not aborted with it
+        s1.finish()
+        return await asyncio.wait_for(beside, 30), s1.seen
+
+    out, seen = asyncio.run(run())
+    assert out.stop_reason == "length" and len(out.token_ids) == 4
+    assert len(seen) == 2  # g0/1's request ran once: no abort, no resume
+    assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)

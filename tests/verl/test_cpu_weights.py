@@ -519,14 +519,13 @@ def test_an_sglang_model_without_get_weights_by_name_fails_the_check_naming_what
     it (sglang 0.5.23's Qwen2/Qwen3): the check fails naming the rollout key, not with a bare HTTPError."""
     import io
     import urllib.error
-    import urllib.request
 
     from dora_ext.verl import weights as W
 
     def refuse(req, timeout=None):
         raise urllib.error.HTTPError(req.full_url, 400, "Bad Request", {}, io.BytesIO(b'{"error": "failed"}'))
 
-    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    monkeypatch.setattr(W, "_urlopen", refuse)
     with pytest.raises(W.WeightsMismatch, match=r"model.norm.weight .*HTTP 400.*rollout.name=vllm"):
         asyncio.run(W.engine_checksum("sglang", None, "127.0.0.1:1", ["model.norm.weight"], None, "t", "bfloat16"))
 
@@ -536,7 +535,6 @@ def test_an_sglang_engine_answering_its_bf16_tensor_as_json_matches_the_fp32_pub
     round trip is exact, so a bf16 SGLang engine holding the publication passes."""
     import io
     import json
-    import urllib.request
 
     from dora_ext.verl import weights as W
 
@@ -549,7 +547,58 @@ def test_an_sglang_engine_answering_its_bf16_tensor_as_json_matches_the_fp32_pub
         held = fp32[body["name"]].to(torch.bfloat16)
         return io.BytesIO(json.dumps(held[: body["truncate_size"]].to(torch.float32).tolist()).encode())
 
-    monkeypatch.setattr(urllib.request, "urlopen", answer)
+    monkeypatch.setattr(W, "_urlopen", answer)
     got = asyncio.run(W.engine_checksum("sglang", None, "h:1", ["model.norm.weight"], None, "t", "bfloat16"))
     assert got == W.checksum(fp32, ["model.norm.weight"], "bfloat16") != W.checksum(fp32, ["model.norm.weight"])
     assert asked == [{"name": "model.norm.weight", "truncate_size": 1 << 20}]
+
+
+def test_sglang_checks_and_aborts_go_straight_to_the_server_whatever_http_proxy_says(monkeypatch):
+    """A cluster exporting ``http_proxy`` / ``HTTP_PROXY`` without its own addresses in ``no_proxy``:
+    ``urllib.request.urlopen`` sent ``/get_weights_by_name`` and ``/abort_request`` through the proxy and
+    the first load check failed with a URLError (the run stopped at init). They now ignore proxies, as
+    verl's SGLang HTTP client does. Stand-ins: a loopback HTTP server answering both routes as SGLang
+    does, and a proxy address where nothing listens."""
+    import json
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from dora_ext.verl import weights as W
+
+    norm = torch.ones(8)
+    asked = []
+
+    class SGLang(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append((self.path, body))
+            out = json.dumps(norm.tolist() if self.path == "/get_weights_by_name" else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *_):
+            pass
+
+    with socket.socket() as s:  # a loopback port where nothing listens: the proxy
+        s.bind(("127.0.0.1", 0))
+        proxy = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(var, proxy)
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    server = HTTPServer(("127.0.0.1", 0), SGLang)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        names = ["model.norm.weight"]
+        got = asyncio.run(W.engine_checksum("sglang", None, address, names, None, "t", "bfloat16"))
+        assert got == W.checksum({"model.norm.weight": norm}, names, "bfloat16")
+        assert asyncio.run(W.abort_request("sglang", None, address, "r1")) == {"aborted": True, "confirmed": False}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [p for p, _ in asked] == ["/get_weights_by_name", "/abort_request"] and asked[1][1] == {"rid": "r1"}

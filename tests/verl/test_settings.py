@@ -556,11 +556,49 @@ def test_replica_count_is_the_number_of_replicas_verl_starts(overrides):
     asyncio.run(manager._initialize_llm_servers())
     started = len(manager.rollout_replicas)
     assert replica_count(cfg) == started
-    if started >= 2:
+    if _R + "disaggregation.enabled=true" in overrides:  # refused whatever the count
+        with pytest.raises(ConfigError, match="disaggregation"):
+            configure(cfg)
+    elif started >= 2:
         assert len(configure(cfg).instances) == started
     else:
         with pytest.raises(ConfigError, match=f"gives {started} rollout replica"):
             configure(cfg)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_prefill_decode_disaggregation_is_refused_at_launch(engine):
+    """With ``rollout.disaggregation.enabled`` verl's replica address and handle are the prefill
+    server's and it sends each request on as ``<id>_P`` / ``<id>_D`` (verl 0.9.1
+    ``async_sglang_server.py``, ``vllm_async_server.py``): an R5 abort of ``<id>`` there never lands
+    (SGLang ignores the unknown id) and each load check reads the prefill server only. It was accepted
+    (a 4-GPU pool, two replicas) and every move silently failed; refused first, also on a one-replica pool."""
+    from dora_ext.verl.trainer import configure
+
+    for gpus in (4, 2):
+        cfg = _bare(*_POOL, _R + f"name={engine}", _R + f"n_gpus_per_node={gpus}", _R + "disaggregation.enabled=true")
+        with pytest.raises(ConfigError) as err:
+            configure(cfg)
+        assert err.value.field == "actor_rollout_ref.rollout.disaggregation.enabled"
+        for what in (repr(engine), "<id>_P", "never lands", "disaggregation.enabled=false"):
+            assert what in str(err.value), what
+    configure(_bare(*_POOL, _R + f"name={engine}", _R + "disaggregation.enabled=false"))
+
+
+@pytest.mark.parametrize("engine", ["trtllm", "hf"])
+def test_a_rollout_engine_dora_cannot_check_or_abort_on_is_refused_at_launch(engine):
+    """dora reads every load back from the engine and aborts single requests on ``dora_cpu``, vLLM and
+    SGLang only (``engine_checksum``, ``abort_request``); ``trtllm`` was accepted here and refused by
+    the first load check, with the cluster up."""
+    from dora_ext.verl.trainer import configure
+
+    with pytest.raises(ConfigError) as err:
+        configure(_bare(*_POOL, _R + f"name={engine}"))
+    assert err.value.field == "actor_rollout_ref.rollout.name"
+    for what in (repr(engine), "dora_cpu, vllm, sglang", "set actor_rollout_ref.rollout.name"):
+        assert what in str(err.value), what
+    for accepted in ("dora_cpu", "vllm", "sglang"):
+        configure(_bare(*_POOL, _R + f"name={accepted}"))
 
 
 def test_a_one_replica_pool_is_refused_before_a_dora_instances_that_differs_from_it():

@@ -13,15 +13,22 @@ against the last weights *sent*, wrong after a subset or old-version load).
   object store once (``ray.put``) and hands that one object to the *weight store* of every rollout
   node (one Ray actor per node, ``WeightStore``, created at setup by ``ensure_stores``: a fixed
   membership, no group is ever built or rebuilt). Each store pulls the object onto its node at
-  publish time.
+  publish time: one host copy per node. Each tensor is published as its bytes, a flat uint8 numpy
+  array, with its dtype and shape (``pack_tensor``): Ray hands a numpy array to every reader as a
+  read-only view of the node's shared memory, whereas a torch tensor (without
+  ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``, off by default) is deserialised into a private copy per
+  reader: verl's first sync, where every worker of every replica loads at once, would need one host
+  copy of the whole model per GPU.
   The other actor ranks only drain the generator (FSDP's gathers are collective). The first
   publication of a version wins.
 * **Load from the node's store, without the trainer.** ``receive_weights(global_steps=v)`` on a
-  rollout worker takes ``v`` from its own node's store (waiting while ``v`` is not published yet)
-  and yields it to the engine's adapter, moved to the worker's device (on GPU the host-to-device
-  copy; on CPU a no-op). ``DoraTrainer`` lets its coordinator run the loads of drained replicas,
-  off the trainer thread. ``get_weights()`` (the ``CheckpointEngineWithCache`` method) yields the
-  newest version held by the node's store.
+  rollout worker takes ``v`` from its own node's store (waiting while ``v`` is not published yet),
+  reads the node's shared copy in place and yields it to the engine's adapter one tensor at a time,
+  each copied to the worker's device (``unpack_tensor``, then on GPU the host-to-device copy, on CPU
+  a private copy of that one tensor: nothing the engine holds aliases the shared, read-only memory).
+  ``DoraTrainer`` lets its coordinator run the loads of drained replicas, off the trainer thread.
+  ``get_weights()`` (the ``CheckpointEngineWithCache`` method) yields the newest version held by
+  the node's store.
 * **Evidence, not labels.** Each publication carries ``checksum`` over strided samples of
   every tensor (on vLLM and SGLang of every ``*norm.weight``: the tensors replicated under tensor
   parallelism and held under their Hugging Face names; ``sample_names``). After each load, and
@@ -49,6 +56,7 @@ import operator
 import os
 import time
 import urllib.request
+import warnings
 from typing import Any, AsyncGenerator, Generator
 
 import torch
@@ -121,6 +129,26 @@ def checksum(named: dict[str, Any], names: list[str] | None = None, dtype: str |
     return h.hexdigest()[:16]
 
 
+def pack_tensor(tensor: torch.Tensor) -> tuple:
+    """A contiguous host tensor as published: ``(its bytes as a flat uint8 numpy array, its dtype,
+    its shape)``, sharing the tensor's memory. Ray deserialises a numpy array zero-copy (a read-only
+    view of the node's object store, one copy for every reader of the node); a torch tensor into a
+    private copy per reader."""
+    return tensor.reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
+
+
+def unpack_tensor(packed: tuple) -> torch.Tensor:
+    """The tensor ``pack_tensor`` published, viewing the same memory (read-only when it is the object
+    store's: copy it before anything may write to it)."""
+    array, dtype, shape = packed
+    if not array.size:  # (torch views an empty array with stride 0, which it cannot view as another dtype)
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # torch warns that the store's read-only array is not writable
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        flat = torch.from_numpy(array)
+    return flat.view(dtype).reshape(shape)
+
+
 class WeightsMismatch(RuntimeError):
     """An engine holds other weights than the version it was loaded with."""
 
@@ -132,7 +160,7 @@ class WeightStore:
         self.keep = max(1, int(keep_versions))
         self.node_id = node_id
         self.timeout_s = float(timeout_s or FETCH_TIMEOUT_S)
-        self.versions: dict[int, tuple[list, str]] = {}  # version -> ([object ref or dict], checksum)
+        self.versions: dict[int, tuple[list, str]] = {}  # version -> ([object ref or packed dict], checksum)
         self.checksums: dict[int, str] = {}
         self.names: dict[int, list[str]] = {}
         self.events: dict[int, asyncio.Event] = {}
@@ -143,7 +171,8 @@ class WeightStore:
         return self.events[version]
 
     async def publish(self, version: int, boxed: list, digest: str, names: list[str] | None = None) -> bool:
-        """Keep `boxed` (``[ray.ObjectRef]``, or ``[dict]`` without Ray) as `version`."""
+        """Keep `boxed` as `version`: ``[ray.ObjectRef]`` of ``{name: pack_tensor(tensor)}``, or
+        ``[that dict]`` without Ray."""
         from .cpu.report import report
 
         version = int(version)
@@ -405,7 +434,8 @@ def _register():
                 if self.is_master:
                     dtype = served if served is not None and tensor.is_floating_point() else tensor.dtype
                     # On GPU: the one device-to-host copy.
-                    named[name] = tensor.detach().to("cpu", dtype=dtype, copy=True)
+                    named[name] = tensor.detach().to("cpu", dtype=dtype, copy=True,
+                                                     memory_format=torch.contiguous_format)
             if not self.is_master:
                 return {}
             if global_steps is None:
@@ -414,16 +444,18 @@ def _register():
                                  "told apart from the others")
             names = sample_names(named, self.rollout)
             digest = checksum(named, names, self.dtype)
-            boxed = [ray.put(named)]
+            boxed = [ray.put({name: pack_tensor(t) for name, t in named.items()})]  # shared by a node's readers
             fresh = await asyncio.gather(*[s.publish.remote(int(global_steps), boxed, digest, names)
                                            for s in all_stores(self.keep_versions)])
             return {"dora_store/publish_s": time.perf_counter() - start, "dora_store/published_new": float(any(fresh))}
 
         async def _yield(self, boxed: list) -> AsyncGenerator:
-            named = boxed[0] if isinstance(boxed[0], dict) else await boxed[0]
+            packed = boxed[0] if isinstance(boxed[0], dict) else await boxed[0]  # the node's shared copy
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-            for name, tensor in named.items():
-                yield name, tensor.to(device)  # on GPU: the host-to-device copy
+            for name, entry in packed.items():
+                # One tensor at a time: on GPU the host-to-device copy, on CPU a private copy (the shared
+                # memory is read-only).
+                yield name, unpack_tensor(entry).to(device, copy=True)
 
         async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator:
             if global_steps is None:

@@ -133,6 +133,22 @@ def test_store_load_waits_for_publication_in_both_orders_and_first_publication_w
     assert asyncio.run(run()) == (5, "a", "a", True)
 
 
+def _no_stores():
+    """Kill every weight store an earlier test left (or whose owner it killed) and wait until they are gone."""
+    import time
+
+    import ray
+
+    from dora_ext.verl.weights import STORE_PREFIX
+
+    for name in [n for n in ray.util.list_named_actors() if n.startswith(STORE_PREFIX)]:
+        ray.kill(ray.get_actor(name))
+    deadline = time.monotonic() + 60
+    while any(n.startswith(STORE_PREFIX) for n in ray.util.list_named_actors()):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_a_store_its_publisher_created_outlives_the_publish_call(ray_tq):
     """verl's own trainers publish before any store exists, so ``send_weights`` creates this node's
     store. Ray ends a named actor once its creator's handles are gone, whatever handles others took
@@ -142,14 +158,9 @@ def test_a_store_its_publisher_created_outlives_the_publish_call(ray_tq):
 
     import ray
 
-    from dora_ext.verl.weights import STORE_PREFIX, DoraStoreCheckpointEngine
+    from dora_ext.verl.weights import DoraStoreCheckpointEngine
 
-    for name in [n for n in ray.util.list_named_actors() if n.startswith(STORE_PREFIX)]:
-        ray.kill(ray.get_actor(name))  # an earlier test's store: this one must be created by the publish
-    deadline = time.monotonic() + 60
-    while any(n.startswith(STORE_PREFIX) for n in ray.util.list_named_actors()):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _no_stores()  # this one must be created by the publish
 
     @ray.remote(num_cpus=0)
     class Worker:  # an actor rank (publishes) or a rollout worker (fetches), alive for the run
@@ -172,6 +183,45 @@ def test_a_store_its_publisher_created_outlives_the_publish_call(ray_tq):
     time.sleep(2)  # Ray ends an actor nobody owns within milliseconds: let that happen before the fetch
     assert ray.get(rollout.fetch.remote()) == [("x", [1.0, 1.0])]
     ray.kill(actor), ray.kill(rollout)
+
+
+def test_a_publication_is_one_shared_read_only_copy_per_node_and_loads_bit_exactly(ray_tq):
+    """Each rollout worker that loads deserialises the published object. A dict of torch tensors
+    (Ray serialises them in-band) gave each worker a private host copy of the whole model for the
+    whole load: at verl's first sync, where every worker of every replica loads at once, 8 copies
+    on an 8-GPU node. Numpy arrays come back as read-only views of the node's object store, one
+    copy for all of its workers. Real Ray, the real publisher, store and receiver: every published
+    array is such a view, and a bf16 and an int64 tensor (with values past float64's 2**53) load back
+    bit-exactly, into memory of their own."""
+    import numpy as np
+    import ray
+
+    from dora_ext.verl.weights import DoraStoreCheckpointEngine, node_store
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {"w.bf16": torch.randn(64, 32, generator=gen).to(torch.bfloat16),
+               "w.int64": torch.arange(2**60, 2**60 + 512, dtype=torch.int64).reshape(2, 256)}
+    _no_stores()  # the publish creates this node's store
+    publisher = DoraStoreCheckpointEngine(is_master=True, dtype="bfloat16")
+    asyncio.run(publisher.send_weights(iter(weights.items()), global_steps=3))
+
+    got, boxed, _ = ray.get(node_store().fetch.remote(3))
+    packed = ray.get(boxed[0])  # what a worker's load deserialises (``_yield``'s ``await boxed[0]``)
+    assert got == 3 and set(packed) == set(weights)
+    # Each entry's bytes are the store's memory (a read-only numpy view), not a private copy.
+    assert all(isinstance(e[0], np.ndarray) and not e[0].flags.writeable for e in packed.values()), {
+        n: type(e).__name__ for n, e in packed.items()}
+    assert {n: e[1:] for n, e in packed.items()} == {n: (t.dtype, tuple(t.shape)) for n, t in weights.items()}
+
+    async def load():
+        engine = DoraStoreCheckpointEngine(fetch_timeout_s=30)
+        return {n: t async for n, t in engine.receive_weights(global_steps=3)}
+
+    loaded = asyncio.run(load())
+    assert set(loaded) == set(weights)
+    for name, t in loaded.items():
+        assert t.dtype == weights[name].dtype and torch.equal(t.view(torch.uint8), weights[name].view(torch.uint8))
+        assert t.data_ptr() != packed[name][0].ctypes.data  # a private copy: nothing aliases the shared memory
 
 
 def _store_with(versions, keep):
@@ -256,7 +306,9 @@ class _Answering:
         self.asked.append(version)
 
         async def out():
-            return self.answer, [{"x": torch.zeros(2)}], "c"
+            from dora_ext.verl.weights import pack_tensor
+
+            return self.answer, [{"x": pack_tensor(torch.zeros(2))}], "c"
 
         return out()
 
@@ -455,9 +507,11 @@ def test_a_publication_is_in_the_engine_dtype_and_the_load_reads_back_its_checks
     publisher = W.DoraStoreCheckpointEngine(is_master=True, dtype=dtype, rollout="vllm")
     asyncio.run(publisher.send_weights(iter(actor.items()), global_steps=1))
     (boxed, digest), served = store.versions[1], getattr(torch, dtype)
-    assert {n: t.dtype for n, t in boxed[0].items()} == {
+    published = {n: W.unpack_tensor(entry) for n, entry in boxed[0].items()}
+    assert {n: t.dtype for n, t in published.items()} == {
         "model.norm.weight": served, "model.layers.0.mlp.up_proj.weight": served, "model.position_ids": torch.int64}
-    assert all(torch.equal(t, actor[n].to(t.dtype)) and t.data_ptr() != actor[n].data_ptr() for n, t in boxed[0].items())
+    assert all(t.shape == actor[n].shape and torch.equal(t, actor[n].to(t.dtype)) and t.data_ptr() != actor[n].data_ptr()
+               for n, t in published.items())
 
     async def load():  # into an engine of that dtype, as vLLM copies into its parameters
         return {n: torch.empty(t.shape, dtype=served if t.is_floating_point() else t.dtype).copy_(t)

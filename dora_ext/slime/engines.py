@@ -5,7 +5,7 @@ Trajectories are pinned to one instance (R1), so requests go to an engine direct
 semaphore (`--sglang-server-concurrency` x engines, the size of slime's HTTP pool, so it binds no
 sooner than the pool would), dp-rank context, spans, hooks and reward models apply. Weights load
 with SGLang's `/update_weights_from_disk`, tagged with the version (`Sample.weight_versions`),
-once `/flush_cache` says the engine's scheduler is idle (`_until_idle`).
+once `/flush_cache` says the engine's scheduler is idle (`_load_from_disk`).
 
 Everything that is not generation goes through `ControlHttp` (own pool, bounded calls) so it never
 queues behind slime's HTTP client; generate requests are bounded by `request_timeout_s`.
@@ -31,6 +31,7 @@ version, so it probes itself and lets slime's monitor and restarts act beside it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import importlib
 import threading
@@ -149,9 +150,10 @@ class ControlHttp:
     def _body(r: Any) -> Any:
         if not r.content:
             return {}
-        if "json" in r.headers.get("content-type", ""):
+        try:
             return r.json()
-        return {"text": r.text}
+        except ValueError:
+            return {"text": r.text}
 
     async def get(self, url: str) -> Any:
         r = await self._http().get(url)
@@ -164,8 +166,14 @@ class ControlHttp:
         return self._body(r)
 
 
-#: How often a load asks an engine whether its scheduler is idle (`_until_idle`; slime: 1 s).
-FLUSH_RETRY_S = 0.25
+#: How often a load asks an engine whether its scheduler is idle (`_until_idle`; slime: 1 s), and
+#: for how long before it loads anyway (`_load_from_disk`): SGLang sees a client gone within 4 s.
+FLUSH_RETRY_S = 0.5
+IDLE_WAIT_S = 10.0
+
+
+class _NoVerdict(Exception):
+    """SGLang refused a load (this message) and then reported no weight version."""
 
 #: Engines dora-ext loads weights onto, and engines slime's health monitor is checking (URL ->
 #: checks in flight), shared with the monitor's thread under `_MONITOR_LOCK`: a load waits for a
@@ -269,9 +277,10 @@ class SglangEngines:
         self._loading: set[int] = set()
         self._loads_started: dict[int, int] = {}  # a load that starts during a health check voids it
         self._load_watch: dict[int, set[asyncio.Event]] = {}  # checks that stop waiting when a load starts
-        # Loads past `load_timeout_s` (iid -> reason: the next refresh retires it); URLs whose weights
-        # are unknown until a load succeeds (never relabelled as the launch weights).
-        self._timed_out: dict[int, str] = {}
+        # Loads past `load_timeout_s` or refused with no version after (iid -> reason: the next
+        # refresh retires it); URLs whose weights are unknown until a load succeeds (never
+        # relabelled as the launch weights).
+        self._retiring: dict[int, str] = {}
         self._unknown_weights: set[str] = set()
 
     async def _listed(self) -> dict[str, frozenset[str]]:
@@ -302,7 +311,7 @@ class SglangEngines:
         del self._args[iid]
         self._worker_ids.pop(iid, None)
         self._loaded_tags.pop(iid, None)
-        self._timed_out.pop(iid, None)
+        self._retiring.pop(iid, None)
 
     async def discover(self) -> list[int]:
         listed = await self._listed()
@@ -426,8 +435,8 @@ class SglangEngines:
             known_ids = self._worker_ids.get(iid)
             if url not in listed:
                 reasons[iid] = "the engine left slime's router"
-            elif iid in self._timed_out:
-                reasons[iid] = self._timed_out[iid]
+            elif iid in self._retiring:
+                reasons[iid] = self._retiring[iid]
             elif known_ids and listed[url] and not known_ids & listed[url]:
                 # A new registration at the same address: slime deleted the old one and the
                 # restarted engine registered again. Whatever it holds, it is not what we loaded.
@@ -444,8 +453,8 @@ class SglangEngines:
                 continue  # a load started while it was asked: no verdict from this check
             if reason is not None:
                 reasons[iid] = reason
-        # A load that timed out holds its engine still: it rejoins on a later pass, not probed now.
-        staying = {url for iid, url in self.urls.items() if iid not in reasons or iid in self._timed_out}
+        # A load that timed out (or gave no version) holds its engine still: it rejoins on a later pass, not probed now.
+        staying = {url for iid, url in self.urls.items() if iid not in reasons or iid in self._retiring}
         candidates = [url for url in listed if url not in staying]
         alive = await asyncio.gather(*(self.healthy(url) for url in candidates))
         # Apply (no await from here on).
@@ -518,50 +527,68 @@ class SglangEngines:
         try:
             while url in CHECKING_URLS:  # slime's monitor checks it now: let that check finish first
                 await asyncio.sleep(0.05)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.settings.load_timeout_s
-            what = "become idle (/flush_cache) to load"
+            retire = None
             try:
-                await self._until_idle(url, deadline)
-                what = "load"
-                try:
-                    reply = await asyncio.wait_for(self.control.post(f"{url}/update_weights_from_disk", {
-                        "model_path": path, "weight_version": version_tag}), max(0.0, deadline - loop.time()))
-                except Exception as exc:
-                    if _http_status(exc) != 400:
-                        raise
-                    # SGLang answers 400 both when the load failed (the old weights stay) and when it
-                    # swapped the weights but found requests in the batch, so could not flush the cache
-                    # (one that came after `_until_idle`): then its scheduler holds the new version.
-                    if await self.reported_version(url) != version_tag:
-                        raise AdapterError(f"engine {url} failed to load {path}: {_http_message(exc)}") from None
-                    what = "become idle (/flush_cache) after loading"
-                    await self._until_idle(url, deadline)
-                    reply = {}
-            except asyncio.TimeoutError:  # what the engine holds is unknown now: retired (refresh)
+                reply = await self._load_from_disk(url, version_tag, path)
+            except asyncio.TimeoutError:
+                retire = (f"{url} did not load version {version_tag} within "
+                          f"dora_slime.load_timeout_s = {self.settings.load_timeout_s:g} s")
+            except _NoVerdict as exc:
+                retire = (f"{url} answered the load of version {version_tag} with an error ({exc}) and then "
+                          "gave no weight version")
+            if retire is not None:  # what the engine holds is unknown now: retired (refresh), may rejoin
                 self._unknown_weights.add(url)
-                self._timed_out[instance_id] = (f"{url} did not {what} version {version_tag} within "
-                                                f"dora_slime.load_timeout_s = {self.settings.load_timeout_s:g} s")
-                raise EngineGone(self._timed_out[instance_id]) from None
+                self._retiring[instance_id] = retire
+                raise EngineGone(retire)
         finally:
             self._loading.discard(instance_id)
             with _MONITOR_LOCK:
                 LOADING_URLS.discard(url)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise AdapterError(f"engine {url} failed to load {path}: {reply.get('message')}")
-        self._unknown_weights.discard(url)
-        if self.urls.get(instance_id) == url:
+        if self.urls.get(instance_id) == url:  # (retired meanwhile: what its URL holds stays unknown)
+            self._unknown_weights.discard(url)
             self._loaded_tags[instance_id] = version_tag
 
+    async def _load_from_disk(self, url: str, version_tag: str, path: str | None) -> Any:
+        """`/update_weights_from_disk` until SGLang answers 200, within `load_timeout_s`.
+
+        SGLang swaps the weights, then flushes the cache, which each data-parallel rank refuses
+        while a request is in its batch (then the load answers 400, the weights swapped). Ours have
+        ended when the scheduler sends a load (R4), but one the adapter cancelled (past
+        `request_timeout_s`, on an engine retired and back) stays in the batch until SGLang sees its
+        client gone (up to 4 s) and one decode step more, having let go of the weight-update lock
+        the load takes. So each try first waits up to `IDLE_WAIT_S` for `/flush_cache` to answer
+        200 (the scheduler idle, as slime waits before its own loads), then loads anyway: the
+        load's writer lock holds back new requests, and traffic that never pauses would otherwise
+        keep the engine from ever looking idle. A 400 with the new version in place is tried
+        again (only a 200 says every rank flushed; `/flush_cache` answers for one); a 400 without
+        it is SGLang refusing the checkpoint (`AdapterError`, with its message); no version at
+        all, `_NoVerdict`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.load_timeout_s
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await self._until_idle(url, min(deadline, loop.time() + IDLE_WAIT_S))
+            try:
+                return await asyncio.wait_for(self.control.post(f"{url}/update_weights_from_disk", {
+                    "model_path": path, "weight_version": version_tag}), max(0.0, deadline - loop.time()))
+            except Exception as exc:
+                if _http_status(exc) != 400:
+                    raise
+                message = _http_message(exc)
+            reported = await self.reported_version(url)
+            if reported is None:
+                raise _NoVerdict(message)
+            if reported != version_tag:
+                raise AdapterError(f"engine {url} failed to load {path}: {message}")
+            if loop.time() >= deadline:
+                raise asyncio.TimeoutError
+
     async def _until_idle(self, url: str, deadline: float) -> None:
-        """Wait until the engine's scheduler runs and queues nothing (by `deadline`, the loop's
-        clock), as slime waits before each of its own loads (`SGLangEngine.flush_cache`): SGLang's
-        `/flush_cache` answers 200 only then, and 400 while requests are in the batch. Ours have
-        ended when the scheduler sends a load (R4), but one the adapter cancelled (a request past
-        `request_timeout_s`, an engine retired and back) runs on until SGLang sees its client
-        gone (up to 4 s) and one decode step more, while it has already let go of the
-        weight-update lock: a load that came in between would swap the weights and then fail to
-        flush the cache (HTTP 400). Flushing here is free: the load flushes the cache anyway."""
+        """Return once the engine's `/flush_cache` answers 200 (its scheduler runs and queues
+        nothing, and the cache is flushed: free, a load flushes it anyway); TimeoutError at
+        `deadline` (the loop's clock)."""
         loop = asyncio.get_running_loop()
         while True:
             try:

@@ -67,8 +67,9 @@ class SlimeSettings:
         cluster of more than one node refuses to start until this says so.
       request_timeout_s: bound on one generate request (then it is cancelled, its engine probed,
         and the trajectory retried); above the longest response's decode time.
-      load_timeout_s: bound on one `/update_weights_from_disk`; an engine past it is retired (it
-        may rejoin). Default 600 s: 8 GB (a 4B checkpoint) read at 50 MB/s from a network disk, ~x4.
+      load_timeout_s: bound on one weight load, the wait for the engine to be idle and every
+        `/update_weights_from_disk` it takes included; an engine past it is retired (it may
+        rejoin). Default 600 s: 8 GB (a 4B checkpoint) read at 50 MB/s from a network disk, ~x4.
     """
 
     weights_dir: str | None = None

@@ -241,6 +241,8 @@ class FakeSglangFleet:
                 await asyncio.Event().wait()  # the scheduler never answers; the caller's bound cuts it
             busy = engine.running + engine.lingering
             engine.flushes.append(not busy)
+            if engine.running:  # only a load asks, and the scheduler sends one to a drained engine
+                self.violations.append(f"{engine.url}: a load asked for /flush_cache with {engine.running} running (R4)")
             if busy:
                 raise http_error("GET", url, 400, text=f"Cache not flushed because there are pending requests. "
                                                        f"#queue-req: 0, #running-req: {busy}")
@@ -275,14 +277,15 @@ class FakeSglangFleet:
             if not os.path.isdir(payload["model_path"]):
                 self.violations.append(f"{engine.url}: checkpoint {payload['model_path']} does not exist")
             engine.version = payload["weight_version"]
-            engine.worker_versions[engine.tokenizer_worker()] = payload["weight_version"]
             engine.loads.append(payload["weight_version"])
             self.observe()
-            if engine.lingering:  # SGLang 0.5.23: the weights are swapped, the cache flush after it fails
+            if engine.lingering:  # SGLang 0.5.23: the scheduler swaps the weights, the cache flush after
+                # it fails, and the tokenizer keeps its old version (`/model_info`)
                 raise http_error("POST", url, 400, json={
                     "success": False, "num_paused_requests": 0,
                     "message": "Weights were updated, but the cache was not flushed because requests are still "
                                "running or queued. Retract or finish them, then call /flush_cache."})
+            engine.worker_versions[engine.tokenizer_worker()] = payload["weight_version"]
             return {"success": True, "message": "ok"}
         if url.endswith("/update_weight_version"):  # SGLang: a new tag, no load
             engine.version = payload["new_version"]

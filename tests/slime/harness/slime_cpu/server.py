@@ -144,7 +144,8 @@ class Engine:
 
         self.eos, self.vocab = EOS_ID, SYMBOLS
         self.model_path = model_path
-        self.version = LAUNCH_VERSION
+        self.version = LAUNCH_VERSION  # the scheduler's (/server_info's internal_states, responses)
+        self.tokenizer_version = LAUNCH_VERSION  # the tokenizer's (/model_info): not moved by a failed load
         self.update_lock = RWLock()
         self.state = threading.Lock()
         self.running: list[Request] = []
@@ -343,12 +344,13 @@ class Engine:
             return 400, {"success": False, "num_paused_requests": 0, "message": (
                 "Weights were updated, but the cache was not flushed because requests are still running or "
                 "queued. Retract or finish them, then call /flush_cache.")}
+        self.tokenizer_version = self.version
         return 200, {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
     def info(self) -> dict:
         return {
             "model_path": self.model_path, "tokenizer_path": self.model_path, "tp_size": 1, "pp_size": 1,
-            "dp_size": 1, "ep_size": 1, "num_gpus": 1, "weight_version": self.version,
+            "dp_size": 1, "ep_size": 1, "num_gpus": 1, "weight_version": self.tokenizer_version,
             "disaggregation_mode": "null", "is_generation": True, "enable_memory_saver": False,
             "version": "0.5.15-cpu-standin",
         }
@@ -410,7 +412,7 @@ def make_handler(engine: Engine):
             if p in ("/model_info", "/get_model_info"):
                 return self._reply(engine.info())
             if p == "/get_weight_version":
-                return self._reply({"weight_version": engine.version})
+                return self._reply({"weight_version": engine.tokenizer_version})
             return self._reply({"error": f"no GET {p}"}, 404)
 
         def do_POST(self) -> None:
@@ -426,7 +428,7 @@ def make_handler(engine: Engine):
                 code, reply = engine.load(body)
                 return self._reply(reply, code)
             if p == "/update_weight_version":  # a new tag, no load
-                engine.version = str(body["new_version"])
+                engine.version = engine.tokenizer_version = str(body["new_version"])
                 engine.record(kind="load", endpoint="update_weight_version", t0=time.time(), t=time.time(), path=None,
                               version=engine.version, relabel=True)
                 return self._reply({"success": True, "new_version": engine.version})

@@ -44,6 +44,15 @@ class Route:
 current_route: contextvars.ContextVar[Route | None] = contextvars.ContextVar("dora_route", default=None)
 
 
+def trajectory_request_id(request_id: str, route: Any) -> str:
+    """``<verl's id>-<group>-<session>-`` for a trajectory's requests (`route`: its ``Route``), verl's
+    id unchanged for a request of no group. Prefix-free: SGLang aborts every id that starts with the
+    one named."""
+    if route is None or route.group is None:
+        return request_id
+    return f"{request_id}-{route.group}-{route.index}-"
+
+
 class DoraLLMServerClient(FullyAsyncLLMServerClient):
     """verl's resuming client, routed by the coordinator (see the module docstring)."""
 
@@ -58,18 +67,16 @@ class DoraLLMServerClient(FullyAsyncLLMServerClient):
         return request_id
 
     async def generate(self, request_id: str, **kwargs: Any) -> Any:
-        """verl's resuming ``generate`` under the trajectory's own id, ``<id>-<uid>-<session>``
-        (every turn and resume of a trajectory keeps it). The coordinator keys a request by its id
+        """verl's resuming ``generate`` under the trajectory's own id, ``<id>-<uid>-<session>-``
+        (every turn and resume of a trajectory keeps it; the closing ``-`` because SGLang aborts
+        every request whose id starts with the one named, and ``...-1`` would start ``...-10``). The coordinator keys a request by its id
         and an R5 move aborts it by that id, but verl's agent loops do not make ids unique: under
         ``actor_rollout_ref.rollout.full_determinism`` every request is ``det-<priority>`` and verl's
         TransferQueue worker passes no priority, so all are ``det-0``; one abort on vLLM (which
         aborts every request under an id) stopped them all. What verl's determinism reads (per-request
         seeds, batch-invariant kernels) does not depend on the id and is untouched; the id keeps verl's
         part and adds only what names the trajectory."""
-        route = current_route.get()
-        if route is not None and route.group is not None:
-            request_id = f"{request_id}-{route.group}-{route.index}"
-        return await super().generate(request_id, **kwargs)
+        return await super().generate(trajectory_request_id(request_id, current_route.get()), **kwargs)
 
     @property
     def coordinator(self) -> Any:

@@ -423,3 +423,15 @@ def test_requests_verl_names_alike_are_told_apart_and_an_abort_stops_only_its_ow
     assert out.stop_reason == "length" and len(out.token_ids) == 4
     assert len(seen) == 2  # g0/1's request ran once: no abort, no resume
     assert coord.request_of == {} and set(coord.inflight.values()) == {0}, (coord.request_of, coord.inflight)
+
+
+def test_trajectory_request_ids_are_prefix_free():
+    """SGLang aborts every request whose id starts with the one named (``rid.startswith``): under
+    full_determinism every verl id is ``det-0``, so session 1's id must not start session 10's,
+    nor group ``g1``'s group ``g10``'s."""
+    from dora_ext.verl.manager import Route, trajectory_request_id
+
+    ids = [trajectory_request_id("det-0", Route(g, i)) for g in ("g1", "g10", "g100") for i in range(16)]
+    assert len(set(ids)) == len(ids)
+    assert [(a, b) for a in ids for b in ids if a != b and b.startswith(a)] == []
+    assert trajectory_request_id("det-0", None) == trajectory_request_id("det-0", Route(None, 0)) == "det-0"

@@ -172,8 +172,27 @@ FLUSH_RETRY_S = 0.5
 IDLE_WAIT_S = 10.0
 
 
+#: Tries of one load that SGLang answers 400 with the new version in place (`_load_from_disk`).
+LOAD_TRIES = 3
+
+
 class _NoVerdict(Exception):
     """SGLang refused a load (this message) and then reported no weight version."""
+
+
+class _LoadTimeout(Exception):
+    """A load did not end within `load_timeout_s` (the message: what SGLang last said, if anything)."""
+
+
+def _connection_refused(exc: BaseException) -> bool:
+    """Could the client not connect at all (the engine's process is gone)?"""
+    if isinstance(exc, ConnectionError):
+        return True
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - slime depends on httpx
+        return False
+    return isinstance(exc, httpx.ConnectError)
 
 #: Engines dora-ext loads weights onto, and engines slime's health monitor is checking (URL ->
 #: checks in flight), shared with the monitor's thread under `_MONITOR_LOCK`: a load waits for a
@@ -527,18 +546,21 @@ class SglangEngines:
         try:
             while url in CHECKING_URLS:  # slime's monitor checks it now: let that check finish first
                 await asyncio.sleep(0.05)
+            # Unknown until the load succeeds, whatever ends it (a failure part-way, a cancel): an
+            # instance retired meanwhile that rejoins is loaded from disk, never relabelled.
+            self._unknown_weights.add(url)
             retire = None
             try:
                 reply = await self._load_from_disk(url, version_tag, path)
-            except asyncio.TimeoutError:
+            except _LoadTimeout as exc:
                 retire = (f"{url} did not load version {version_tag} within "
-                          f"dora_slime.load_timeout_s = {self.settings.load_timeout_s:g} s")
+                          f"dora_slime.load_timeout_s = {self.settings.load_timeout_s:g} s{exc}")
             except _NoVerdict as exc:
                 retire = (f"{url} answered the load of version {version_tag} with an error ({exc}) and then "
                           "gave no weight version")
-            if retire is not None:  # what the engine holds is unknown now: retired (refresh), may rejoin
-                self._unknown_weights.add(url)
-                self._retiring[instance_id] = retire
+            if retire is not None:  # retired at the next refresh (it may rejoin)
+                if self.urls.get(instance_id) == url:
+                    self._retiring[instance_id] = retire
                 raise EngineGone(retire)
         finally:
             self._loading.discard(instance_id)
@@ -562,17 +584,21 @@ class SglangEngines:
         200 (the scheduler idle, as slime waits before its own loads), then loads anyway: the
         load's writer lock holds back new requests, and traffic that never pauses would otherwise
         keep the engine from ever looking idle. A 400 with the new version in place is tried
-        again (only a 200 says every rank flushed; `/flush_cache` answers for one); a 400 without
-        it is SGLang refusing the checkpoint (`AdapterError`, with its message); no version at
-        all, `_NoVerdict`."""
+        again, at most `LOAD_TRIES` times in all (only a 200 says every rank flushed;
+        `/flush_cache` answers for one); a 400 without it, or one that persists, is SGLang refusing
+        the checkpoint (`AdapterError`, with its message); no version at all, `_NoVerdict`;
+        `load_timeout_s` passed, `_LoadTimeout` (with SGLang's last message, if any)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.load_timeout_s
-        while True:
+        message = None
+        for tries in range(1, LOAD_TRIES + 1):
             with contextlib.suppress(asyncio.TimeoutError):
                 await self._until_idle(url, min(deadline, loop.time() + IDLE_WAIT_S))
             try:
                 return await asyncio.wait_for(self.control.post(f"{url}/update_weights_from_disk", {
                     "model_path": path, "weight_version": version_tag}), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise _LoadTimeout(f" (SGLang's last answer: {message})" if message else "") from None
             except Exception as exc:
                 if _http_status(exc) != 400:
                     raise
@@ -580,10 +606,11 @@ class SglangEngines:
             reported = await self.reported_version(url)
             if reported is None:
                 raise _NoVerdict(message)
-            if reported != version_tag:
-                raise AdapterError(f"engine {url} failed to load {path}: {message}")
-            if loop.time() >= deadline:
-                raise asyncio.TimeoutError
+            if reported != version_tag or tries == LOAD_TRIES:
+                raise AdapterError(f"engine {url} failed to load {path}: {message}"
+                                   + (f" ({tries} tries)" if tries > 1 else ""))
+            await asyncio.sleep(FLUSH_RETRY_S)
+        raise AssertionError("unreachable")
 
     async def _until_idle(self, url: str, deadline: float) -> None:
         """Return once the engine's `/flush_cache` answers 200 (its scheduler runs and queues
@@ -594,9 +621,11 @@ class SglangEngines:
             try:
                 await asyncio.wait_for(self.control.get(f"{url}/flush_cache"), max(0.0, deadline - loop.time()))
                 return
-            except Exception as exc:
-                if _http_status(exc) != 400:
-                    raise
+            except asyncio.TimeoutError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - busy (400), or a transient error: ask again
+                if _connection_refused(exc):
+                    raise  # the engine is gone: the caller's refresh retires it
             if loop.time() + FLUSH_RETRY_S >= deadline:
                 raise asyncio.TimeoutError
             await asyncio.sleep(FLUSH_RETRY_S)

@@ -864,10 +864,12 @@ def test_slimes_loop_goes_on_when_a_request_past_request_timeout_s_lingers_at_a_
     assert fleet.violations == []
 
 
-def test_a_load_goes_ahead_when_the_engine_never_looks_idle(tmp_path, standins, monkeypatch):
+@pytest.mark.parametrize("answer", ["busy", "server_error", "read_error"])
+def test_a_load_goes_ahead_when_the_engine_never_looks_idle(tmp_path, standins, monkeypatch, answer):
     """Traffic that never pauses (another client of the engine through slime's router): SGLang's
-    `/flush_cache` refuses every time. The load waits `IDLE_WAIT_S` (here 0.2 s), then goes ahead:
-    its writer lock holds new requests back, so it flushes; the engine is not retired."""
+    `/flush_cache` refuses every time (400), or fails otherwise (a 503, a connection dropped
+    part-way). The load waits `IDLE_WAIT_S` (here 0.2 s), then goes ahead: its writer lock holds new
+    requests back, so it flushes; the engine is neither retired nor the job stopped."""
     from dora_ext.slime import engines as adapter
 
     monkeypatch.setattr(adapter, "IDLE_WAIT_S", 0.2)
@@ -878,7 +880,9 @@ def test_a_load_goes_ahead_when_the_engine_never_looks_idle(tmp_path, standins, 
     async def always_busy(url):
         if url.endswith("/flush_cache"):
             refused.append(url)
-            raise standins.http_error("GET", url, 400, text="Cache not flushed because there are pending requests.")
+            if answer == "read_error":
+                raise RuntimeError("injected: the connection dropped part-way")
+            raise standins.http_error("GET", url, 400 if answer == "busy" else 503, text="not flushed")
         return await get(url)
 
     async def run():
@@ -917,3 +921,64 @@ def test_a_refused_load_with_no_version_after_it_retires_the_engine(tmp_path, st
 
     assert asyncio.run(run()) == [0]
     assert e0.version == "1" and e0.url in engines._unknown_weights and fleet.violations == []
+
+
+def test_a_load_sglang_keeps_refusing_with_the_new_version_in_place_stops_after_a_few_tries(
+        tmp_path, standins, monkeypatch):
+    """SGLang answers 400 and reports the version asked for (an engine that already held it and
+    refuses the checkpoint reads the same as one whose cache could not be flushed): the load is
+    tried `LOAD_TRIES` times, then the job stops with SGLang's message (it used to be tried until
+    `load_timeout_s`, then the engine retired with the message lost, and again once it rejoined)."""
+    from dora_ext.slime import engines as adapter
+    from dora_ext.slime.engines import AdapterError
+
+    monkeypatch.setattr(adapter, "FLUSH_RETRY_S", 0.01)
+    fleet, engines = fleet_engines(standins, tmp_path, 32900)
+    post, e0, tries = fleet.post, fleet.engines[0], []
+
+    async def refuses(url, payload):
+        if url.endswith("/update_weights_from_disk"):
+            tries.append(payload["weight_version"])
+            e0.version = payload["weight_version"]
+            raise standins.http_error("POST", url, 400, json={"success": False, "message": "injected: bad shard"})
+        return await post(url, payload)
+
+    async def run():
+        await engines.discover()
+        fleet.post = refuses
+        await engines.load(0, "1", str(tmp_path / "w"))
+
+    with pytest.raises(AdapterError, match=r"failed to load .*: injected: bad shard \(3 tries\)"):
+        asyncio.run(run())
+    assert tries == ["1"] * adapter.LOAD_TRIES and engines._loaded_tags == {}
+
+
+def test_a_load_that_fails_part_way_leaves_the_engines_weights_unknown(tmp_path, standins):
+    """The load's connection drops after SGLang swapped the weights (not a timeout, not a 400):
+    the error goes to the caller as before, and what the engine holds is unknown, so if the
+    engine is retired and rejoins it loads the launch version from disk, never a relabel."""
+    fleet, engines = fleet_engines(standins, tmp_path, 33000)
+    engines.launch_tag = "0"
+    post, e0 = fleet.post, fleet.engines[0]
+
+    async def drops(url, payload):
+        if url.endswith("/update_weights_from_disk"):
+            e0.version = payload["weight_version"]
+            raise RuntimeError("injected: the connection dropped after the swap")
+        return await post(url, payload)
+
+    async def run():
+        await engines.discover()
+        fleet.post = drops
+        with pytest.raises(RuntimeError, match="dropped after the swap"):
+            await engines.load(0, "2", str(tmp_path / "w"))
+        fleet.post = post
+        e0.alive = False  # then the probe fails: retired
+        gone, _ = await engines.refresh()
+        e0.alive = True
+        _, new = await engines.refresh()
+        await engines.load(new[0][0], "0", str(tmp_path / "w"))
+        return gone
+
+    assert asyncio.run(run()) == [0]
+    assert (e0.relabels, e0.loads) == ([], ["0"])

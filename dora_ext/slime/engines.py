@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import copy
 import importlib
+import itertools
 import threading
 import time
 from typing import Any, Awaitable, Callable, Protocol
@@ -170,8 +171,6 @@ class ControlHttp:
 #: for how long before it loads anyway (`_load_from_disk`): SGLang sees a client gone within 4 s.
 FLUSH_RETRY_S = 0.5
 IDLE_WAIT_S = 10.0
-
-
 #: Tries of one load that SGLang answers 400 with the new version in place (`_load_from_disk`).
 LOAD_TRIES = 3
 
@@ -193,6 +192,7 @@ def _connection_refused(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover - slime depends on httpx
         return False
     return isinstance(exc, httpx.ConnectError)
+
 
 #: Engines dora-ext loads weights onto, and engines slime's health monitor is checking (URL ->
 #: checks in flight), shared with the monitor's thread under `_MONITOR_LOCK`: a load waits for a
@@ -481,9 +481,10 @@ class SglangEngines:
         for iid in sorted(reasons):
             url = self.urls.get(iid)
             if url is not None:
-                if iid in self._loading or self._loaded_tags.get(iid, self.launch_tag) != self.launch_tag:
+                if self._loaded_tags.get(iid, self.launch_tag) != self.launch_tag:
                     # If it comes back (a probe that failed once, not a restart), it holds what was
-                    # loaded onto it, not the launch weights: never relabel it, load it from disk.
+                    # loaded onto it, not the launch weights: never relabel it, load it from disk (a
+                    # load in flight marked it already, `load`).
                     self._unknown_weights.add(url)
                 self._drop(iid)
                 gone.append(iid)
@@ -591,7 +592,7 @@ class SglangEngines:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.load_timeout_s
         message = None
-        for tries in range(1, LOAD_TRIES + 1):
+        for tries in itertools.count(1):
             with contextlib.suppress(asyncio.TimeoutError):
                 await self._until_idle(url, min(deadline, loop.time() + IDLE_WAIT_S))
             try:
@@ -610,7 +611,6 @@ class SglangEngines:
                 raise AdapterError(f"engine {url} failed to load {path}: {message}"
                                    + (f" ({tries} tries)" if tries > 1 else ""))
             await asyncio.sleep(FLUSH_RETRY_S)
-        raise AssertionError("unreachable")
 
     async def _until_idle(self, url: str, deadline: float) -> None:
         """Return once the engine's `/flush_cache` answers 200 (its scheduler runs and queues

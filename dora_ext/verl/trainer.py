@@ -146,7 +146,7 @@ def _check_rollout(config: Any) -> None:
     if (rollout.get("disaggregation") or {}).get("enabled"):
         raise ConfigError(
             "actor_rollout_ref.rollout.disaggregation.enabled",
-            f"is true (rollout {rollout.get('name')!r}); with prefill/decode disaggregation verl sends each request to "
+            f"is true (rollout {name!r}); with prefill/decode disaggregation verl sends each request to "
             "the prefill and decode servers under other ids (<id>_P, <id>_D), so trainer_mode=dora's abort of one "
             "request (R5 moves) never lands and its weight checks reach the prefill server only: set "
             "actor_rollout_ref.rollout.disaggregation.enabled=false (or remove the key)",

@@ -276,14 +276,6 @@ def test_sglangs_response_version_is_the_schedulers(tmp_path):
 
 
 # ------------------------------------------------------------------ review: where the version is read
-def _status_error(status: int) -> Exception:
-    """What slime's `http_utils.get` raises for an error status (`raise_for_status`): httpx's
-    `HTTPStatusError`, which carries the response (httpx is slime's, and sglang's, HTTP client)."""
-    httpx = pytest.importorskip("httpx", reason="httpx (slime's HTTP client) is not installed")
-    request = httpx.Request("GET", "http://127.0.0.1/server_info")
-    return httpx.HTTPStatusError(f"{status}", request=request, response=httpx.Response(status, request=request))
-
-
 @pytest.mark.parametrize("failure", ["times-out", "refused", "error-status"])
 def test_a_failing_server_info_gives_no_verdict_with_several_tokenizer_workers(tmp_path, standins, failure):
     """`/server_info` fails on a healthy engine with two tokenizer workers (its readback waits on a busy scheduler past
@@ -303,7 +295,7 @@ def test_a_failing_server_info_gives_no_verdict_with_several_tokenizer_workers(t
         if url.endswith("/server_info"):
             if failure == "times-out":
                 await never.wait()
-            raise ConnectionRefusedError(url) if failure == "refused" else _status_error(503)
+            raise ConnectionRefusedError(url) if failure == "refused" else standins.http_error("GET", url, 503)
         if url.endswith("/model_info"):
             asked[url] += 1
         return await real_get(url)
@@ -328,7 +320,7 @@ def test_an_sglang_without_server_info_is_judged_by_model_info(tmp_path, standin
 
     async def get(url):
         if url.endswith("/server_info"):
-            raise _status_error(404)
+            raise standins.http_error("GET", url, 404)
         return await real_get(url)
 
     async def run():

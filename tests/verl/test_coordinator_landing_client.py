@@ -56,6 +56,12 @@ async def _turn(client, max_tokens=10):
         current_route.reset(token)
 
 
+async def until(cond):
+    """Yield to the loop until `cond()` holds (the stand-ins answer within a few turns)."""
+    while not cond():
+        await asyncio.sleep(0)
+
+
 @pytest.mark.parametrize("order", ["abort_after_move", "reacquired_before_move", "turn_ended_before_abort"])
 def test_the_landing_comes_after_the_source_request_returned(order):
     """`abort_after_move`: the move, then the abort of the source: verl's client re-acquires and
@@ -294,10 +300,6 @@ def test_a_per_request_abort_stops_its_request_in_either_order(order, cause, tmp
             answers.append((await real_abort(request_id, **kwargs))["aborted"])
             return {"aborted": answers[-1]}
 
-        async def until(cond):
-            while not cond():
-                await asyncio.sleep(0)
-
         async def other():  # a request beside it on the straggler
             task = asyncio.ensure_future(s1.generate("other", [3, 4], {"max_tokens": 100}))
             await until(lambda: s1._running)
@@ -389,10 +391,6 @@ def test_requests_verl_names_alike_are_told_apart_and_an_abort_stops_only_its_ow
     coord = started(dict(ONE, max_retries=0))
     coord.offer([f"g{i}" for i in range(10)])
     assert coord.route[("g1", 1)] == coord.route[("g0", 1)] == 1  # both on instance 1 (s1)
-
-    async def until(cond):
-        while not cond():
-            await asyncio.sleep(0)
 
     async def turn(client, group, index):
         token = current_route.set(Route(group, index))

@@ -386,6 +386,10 @@ def make_handler(engine: Engine):
             self.end_headers()
             self.wfile.write(data)
 
+        def _flush(self) -> None:
+            code, text = engine.flush()
+            self._reply_text(text, code)
+
         def _gone(self) -> bool:
             """Did the client hang up? (its socket reads as closed)"""
             try:
@@ -403,7 +407,7 @@ def make_handler(engine: Engine):
             if p == "/health":
                 return self._reply({})
             if p == "/flush_cache":
-                return self._reply_text(*reversed(engine.flush()))
+                return self._flush()
             if p == "/health_generate":
                 engine.health_generate()
                 return self._reply({})
@@ -442,7 +446,7 @@ def make_handler(engine: Engine):
                 engine.release()
                 return self._reply({"success": True})
             if p == "/flush_cache":
-                return self._reply_text(*reversed(engine.flush()))
+                return self._flush()
             if p in ("/pause_generation", "/continue_generation", "/abort_request"):
                 engine.record(kind=p.strip("/"), t=time.time())
                 return self._reply({"success": True})
